@@ -1,0 +1,23 @@
+"""Fixtures shared by the test files: the script under test and one tiny finished run of it."""
+
+import pytest
+
+from helpers import SCRIPTS, assert_ok, cli, run_script
+
+
+@pytest.fixture(scope="session", params=SCRIPTS)
+def script(request):
+    """File name of the script under test (every entry of helpers.SCRIPTS)."""
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def cartpole_run(script, tmp_path_factory):
+    """A finished tiny CartPole-v1 run (2 evaluation episodes, one video): its folder.
+
+    Shared by the tests that need an existing run; they copy it before changing anything.
+    """
+    run_dir = tmp_path_factory.mktemp("cartpole_run") / "run"
+    result = run_script(script, cli(eval_episodes=2, capture_video=True, run_dir=run_dir), timeout=300)
+    assert_ok(result)
+    return run_dir
