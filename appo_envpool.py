@@ -22,6 +22,8 @@ import signal
 import sys
 import threading
 import time
+import traceback
+import warnings
 from collections import deque
 from dataclasses import dataclass
 from typing import Optional
@@ -192,7 +194,7 @@ class EpisodeStats:
 
     def __init__(self, num_envs: int):
         self.returns = np.zeros(num_envs, np.float64)
-        self.finished = []  # (return, length) of games that ended since the last `pop`
+        self.finished = []  # (env, return, length) of games that ended since the last `pop`
 
     def update(self, env_ids, rewards, terminated, truncated, info):
         """Add one step of envs `env_ids`; a game ends at info["terminated"] (Atari) or term|trunc."""
@@ -200,7 +202,7 @@ class EpisodeStats:
         game_over = info.get("terminated", terminated) | truncated
         for i in np.flatnonzero(game_over):
             env = env_ids[i]
-            self.finished.append((float(self.returns[env]), int(info["elapsed_step"][i])))
+            self.finished.append((int(env), float(self.returns[env]), int(info["elapsed_step"][i])))
             self.returns[env] = 0.0
 
     def pop(self):
@@ -503,7 +505,7 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
             del bootstrapped[min(buffers)]
             rollout = buffers.pop(min(buffers))
             env_steps = start_step + int(steps.sum())
-            for ret, length in stats.pop():
+            for _, ret, length in stats.pop():
                 shared.reports.put((env_steps, {"charts/episodic_return": ret, "charts/episodic_length": length}))
             start = time.perf_counter()
             if not put(rollout_queue, rollout, shared.stop):
@@ -733,9 +735,11 @@ def load_checkpoint(path: str, template: dict, args: Args) -> dict:
 def evaluate(params, network, args: Args, continuous: bool, num_episodes: int, video_dir=None, greedy=False):
     """Play `num_episodes` full games (no life loss ends, unclipped rewards); return the scores.
 
-    With `video_dir`, the first environment's frames are written to an mp4 there.
+    Each env plays at most its share of the episodes, so that short games are not favoured.
+    With `video_dir`, the first episode of the first env is written to an mp4 there.
     """
     num_envs = min(num_episodes, 8)
+    quota = np.full(num_envs, -(-num_episodes // num_envs))
     render = video_dir is not None and env_kind(args.env_id) != "mujoco"
     envs = make_env(
         args.env_id, num_envs, args.seed + 10_000, 1, train=False, **({"render_mode": "rgb_array"} if render else {})
@@ -754,13 +758,15 @@ def evaluate(params, network, args: Args, continuous: bool, num_episodes: int, v
     obs, _ = envs.reset()
     scores, frames = [], []
     while len(scores) < num_episodes:
-        if render and not scores:
+        if render and quota[0] == -(-num_episodes // num_envs):
             frames.append(envs.render()[0])
         action, key = act(params, obs, key)
         obs, reward, terminated, truncated, info = envs.step(env_action(np.asarray(action), envs.action_space))
         stats.update(np.arange(num_envs), reward, terminated, truncated, info)
-        for ret, _ in stats.pop():
-            scores.append(ret)
+        for env, ret, _ in stats.pop():
+            if quota[env] > 0:
+                scores.append(ret)
+                quota[env] -= 1
     envs.close()
     if render and frames:
         import imageio
@@ -778,6 +784,7 @@ def evaluate(params, network, args: Args, continuous: bool, num_episodes: int, v
 
 
 def main(args: Args) -> int:
+    warnings.filterwarnings("ignore", message=".*precision lowered.*")  # gymnasium's Box casts
     args = resolve_args(args)
     batch_size = args.num_envs * args.num_steps
     num_updates = args.total_timesteps // batch_size
@@ -863,8 +870,9 @@ def main(args: Args) -> int:
     for name, error, trace in shared.errors:
         if isinstance(error, FloatingPointError):
             print(
-                f"error: {error} (step {global_step}); stopping without overwriting the last good checkpoint "
-                f"{ckpt_file}. Try a lower --learning-rate or --max-grad-norm.",
+                f"error: {error} (step {global_step}); "
+                f"{'the last good checkpoint is kept: ' + ckpt_file if os.path.exists(ckpt_file) else 'no checkpoint written'}. "
+                "Try a lower --learning-rate or --max-grad-norm.",
                 file=sys.stderr,
             )
             logger.close()
