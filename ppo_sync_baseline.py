@@ -37,7 +37,11 @@ from tensorboardX import SummaryWriter
 
 @dataclass
 class Args:
-    """Synchronous PPO (collect, then update). Every size is in agent steps unless it says frames."""
+    """Synchronous PPO (collect, then update). Every size is in agent steps unless it says frames.
+
+    Flags whose default shows as None take the preset of the task's family (Atari, classic
+    control, MuJoCo; the PRESETS table in this file); config.json records the values used.
+    """
 
     env_id: str = "Pong-v5"
     """envpool task id: Atari `*-v5` (84x84 grey, 4-frame stack, frame skip 4), classic control

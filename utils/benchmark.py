@@ -1,0 +1,332 @@
+"""The paper's throughput comparison in one command (Sample Factory §4, Fig. 3 and Table 1).
+
+1. ceiling:    raw envpool stepping with random actions (no policy), per thread count;
+2. sampler:    appo_envpool.py's actor loop with the jitted policy and no learning, with
+               --num-splits 1 and 2 at the same --num-envs and one env thread (double buffering);
+3. end_to_end: training throughput of the three scripts with matching flags over a sweep of
+               --num-envs, with the fraction of wall time each stage is busy.
+
+Writes results.json, results.md and PNG plots into runs/benchmark__<timestamp>/ (or --out).
+SPS counts agent steps; FPS counts environment frames (agent steps x frame skip).
+
+Usage: python utils/benchmark.py [--quick] [--env-id Pong-v5]
+"""
+
+import dataclasses
+import importlib.util
+import json
+import os
+import platform
+import queue
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Optional
+
+import numpy as np
+import tyro
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = ("ppo_sync_baseline.py", "appo_envpool.py", "impala_envpool.py")
+
+
+@dataclass
+class Args:
+    """Throughput benchmark: ceiling, sampler (double buffering) and end-to-end training."""
+
+    env_id: str = "Pong-v5"
+    """envpool task to measure"""
+    quick: bool = False
+    """about 2 minutes instead of about 10: shorter measurements, a smaller sweep"""
+    num_envs: int = 8
+    """environments for the ceiling and sampler measurements"""
+    num_steps: int = 64
+    """rollout length for the sampler and for every end-to-end run (matching flags)"""
+    ceiling_threads: tuple[int, ...] = (1, 0)
+    """envpool thread counts for the ceiling (0: one per CPU core)"""
+    sweep_num_envs: Optional[tuple[int, ...]] = None
+    """--num-envs values of the end-to-end sweep (default: 4 8 16; with --quick: 8)"""
+    seconds: Optional[float] = None
+    """length of each ceiling/sampler measurement in seconds (default 15; with --quick 5)"""
+    e2e_seconds: Optional[float] = None
+    """wall time of each end-to-end run in seconds, compilation included (default 60; --quick 25)"""
+    scripts: tuple[str, ...] = SCRIPTS
+    """training scripts of the end-to-end part (empty: skip it)"""
+    out: Optional[str] = None
+    """output folder (default: runs/benchmark__<timestamp>)"""
+
+
+def fail(message: str):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def load_script(name: str):
+    """Import one of the top-level scripts by file name (they are standalone files)."""
+    spec = importlib.util.spec_from_file_location(name[:-3], os.path.join(ROOT, name))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def frame_skip(env_id: str) -> int:
+    """Frames per agent step: the Atari frame skip (4), else 1."""
+    import envpool
+
+    config = envpool.make_spec(env_id).config
+    return int(getattr(config, "frame_skip", 1)) if hasattr(config, "episodic_life") else 1
+
+
+def machine_info() -> dict:
+    import jax
+
+    versions = {}
+    for package in ["jax", "jaxlib", "flax", "optax", "envpool", "numpy", "gymnasium"]:
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
+    return {
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "jax_backend": jax.default_backend(),
+        "jax_devices": [str(d) for d in jax.devices()],
+        "packages": versions,
+    }
+
+
+def measure_ceiling(appo, env_id, num_envs, num_threads, seconds):
+    """Agent steps per second of envpool alone, synchronous stepping with random actions."""
+    envs = appo.make_env(env_id, num_envs, 1, num_threads, train=True)
+    space = envs.action_space
+    rng = np.random.default_rng(0)
+    envs.reset()
+    steps, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        if hasattr(space, "n"):
+            action = rng.integers(0, space.n, num_envs)
+        else:
+            action = rng.uniform(space.low, space.high, (num_envs, *space.shape)).astype(space.dtype)
+        envs.step(action)
+        steps += num_envs
+    sps = steps / (time.perf_counter() - start)
+    envs.close()
+    return sps
+
+
+def measure_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds):
+    """Agent steps per second of appo_envpool.actor_loop (jitted policy, one env thread), with
+    a consumer that drops rollouts: sampling alone, no learning."""
+    import jax
+
+    args = appo.resolve_args(
+        appo.Args(env_id=env_id, num_envs=num_envs, num_splits=num_splits, num_steps=num_steps, num_threads=1)
+    )
+    envs = appo.make_env(env_id, num_envs, 1, 1, train=True, batch_size=num_envs // num_splits)
+    continuous = not hasattr(envs.action_space, "n")
+    action_dim = int(np.prod(envs.action_space.shape)) if continuous else int(envs.action_space.n)
+    network = appo.ActorCritic(action_dim, continuous)
+    obs_space = envs.observation_space
+    params = network.init(jax.random.PRNGKey(0), np.zeros((1, *obs_space.shape), obs_space.dtype))
+    policy_step = appo.make_policy_step(network, continuous)
+    warm = np.zeros((num_envs // num_splits, *obs_space.shape), obs_space.dtype)
+    jax.block_until_ready(policy_step(params, warm, jax.random.PRNGKey(0)))  # compile outside the clock
+    shared = appo.Shared({"params": params, "policy_version": 0})
+    rollouts = queue.Queue(maxsize=2)
+    actor = appo.start_thread(
+        "actor", appo.actor_loop, shared, envs, policy_step, shared, rollouts, jax.random.PRNGKey(1), args, 10**9, 0
+    )
+    received, start = -1, None
+    deadline = time.perf_counter() + seconds + 60  # generous: the first rollout may be slow
+    while time.perf_counter() < deadline:
+        if start is not None and time.perf_counter() - start >= seconds:
+            break
+        try:
+            rollouts.get(timeout=0.5)
+        except queue.Empty:
+            continue
+        if start is None:
+            start, timing0 = time.perf_counter(), dict(shared.timing)
+        received += 1
+    elapsed = time.perf_counter() - start if start else float("nan")
+    timing = {k: (shared.timing[k] - timing0[k]) / elapsed for k in ["env", "inference"]} if start else {}
+    shared.stop.set()
+    actor.join(timeout=10)
+    envs.close()
+    if shared.errors:
+        raise RuntimeError(shared.errors[0][2])
+    return received * num_envs * num_steps / elapsed, timing
+
+
+def read_metrics(path):
+    records = []
+    with open(path) as f:
+        for line in f:
+            records.append(json.loads(line))
+    return records
+
+
+def measure_end_to_end(script, env_id, num_envs, num_steps, seconds, out_dir):
+    """Run `script` for `seconds`, stop it with SIGINT, and read its throughput from
+    metrics.jsonl between its first and last update (compilation excluded)."""
+    run_dir = os.path.join(out_dir, "e2e", f"{script[:-3]}__{num_envs}")
+    cmd = [
+        sys.executable, os.path.join(ROOT, script), "--env-id", env_id, "--num-envs", str(num_envs),
+        "--num-steps", str(num_steps), "--total-timesteps", str(10**9), "--eval-episodes", "0",
+        "--save-interval", "0", "--run-dir", run_dir,
+    ]
+    if script != "impala_envpool.py" and num_envs * num_steps % 4:
+        cmd += ["--num-minibatches", "1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    stderr = proc.stderr.read()
+    metrics_file = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(metrics_file):
+        raise RuntimeError(f"{script} wrote no metrics:\n{stderr[-2000:]}")
+    updates = [r for r in read_metrics(metrics_file) if r["tag"] == "losses/loss"]
+    if len(updates) < 2:
+        return None  # slower than one update after compilation in the time given
+    first, last = updates[0], updates[-1]
+    wall = last["wall_time"] - first["wall_time"]
+    sps = (last["step"] - first["step"]) / wall
+    timing = {}  # cumulative seconds per stage at the first and the last update
+    for r in read_metrics(metrics_file):
+        if r["tag"].startswith("timing/") and r["step"] in (first["step"], last["step"]):
+            timing.setdefault(r["tag"][len("timing/"): -len("_seconds")], []).append(r["value"])
+    busy = {stage: round((v[-1] - v[0]) / wall, 3) for stage, v in timing.items()}
+    return sps, busy, len(updates)
+
+
+def write_report(out_dir, results, quick):
+    """results.md tables and PNG plots."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    machine = results["machine"]
+    hardware = f"{machine['cpu_count']} CPU cores, JAX on {machine['jax_backend']} ({machine['processor']})"
+    rows = results["measurements"]
+    lines = [f"# Benchmark: {results['env_id']}{' (--quick)' if quick else ''}", "", f"Hardware: {hardware}.", ""]
+    lines += ["## Ceiling and sampler", "", "| kind | num_envs | num_splits | env threads | SPS | FPS | of ceiling | env busy | inference busy |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["kind"] in ("ceiling", "sampler"):
+            frac = f"{r['fraction_of_ceiling']:.0%}" if r.get("fraction_of_ceiling") is not None else ""
+            busy = r.get("busy", {})
+            lines.append(
+                f"| {r['kind']} | {r['num_envs']} | {r['num_splits'] or ''} | {r['num_threads']} | {r['sps']:.0f} | "
+                f"{r['fps']:.0f} | {frac} | {busy.get('env', ''):} | {busy.get('inference', '')} |"
+            )
+    samplers = {r["num_splits"]: r for r in rows if r["kind"] == "sampler"}
+    if 1 in samplers and 2 in samplers:
+        lines += ["", f"Double buffering: 2 splits / 1 split = **{samplers[2]['sps'] / samplers[1]['sps']:.2f}x**."]
+    e2e = [r for r in rows if r["kind"] == "end_to_end"]
+    if e2e:
+        lines += ["", "## End to end (training)", "",
+                  "| script | num_envs | num_steps | SPS | FPS | updates | busy fraction of wall time per stage |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in e2e:
+            busy = ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["busy"].items()))
+            lines.append(f"| {r['script']} | {r['num_envs']} | {r['num_steps']} | {r['sps']:.0f} | {r['fps']:.0f} | {r['updates']} | {busy} |")
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    bars = [(f"ceiling\n{r['num_threads']} thr", r["fps"]) for r in rows if r["kind"] == "ceiling"]
+    bars += [(f"sampler\n{r['num_splits']} split{'s' * (r['num_splits'] > 1)}", r["fps"]) for r in rows if r["kind"] == "sampler"]
+    ax.bar([b[0] for b in bars], [b[1] for b in bars], color="tab:blue")
+    ax.set_ylabel("FPS (frames / s)")
+    ax.set_title(f"{results['env_id']}: sampling throughput\n{hardware}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "sampler.png"), dpi=120)
+    plt.close(fig)
+    if e2e:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for script in sorted({r["script"] for r in e2e}):
+            points = sorted((r["num_envs"], r["fps"]) for r in e2e if r["script"] == script)
+            ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=script)
+        ax.set_xlabel("num_envs")
+        ax.set_ylabel("training FPS (frames / s)")
+        ax.set_xscale("log", base=2)
+        ax.legend()
+        ax.set_title(f"{results['env_id']}: throughput vs environments\n{hardware}", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "end_to_end.png"), dpi=120)
+        plt.close(fig)
+
+
+def main(args: Args) -> int:
+    import envpool
+
+    if args.env_id not in envpool.list_all_envs():
+        fail(f"--env-id {args.env_id!r} is not an envpool task")
+    for name in ["num_envs", "num_steps"]:
+        if getattr(args, name) <= 0:
+            fail(f"--{name.replace('_', '-')} must be positive")
+    if args.num_envs % 2:
+        fail("--num-envs must be even (the sampler compares 1 and 2 splits)")
+    unknown = [s for s in args.scripts if s not in SCRIPTS]
+    if unknown:
+        fail(f"--scripts: unknown {unknown}; choose from {list(SCRIPTS)}")
+    seconds = args.seconds or (5.0 if args.quick else 15.0)
+    e2e_seconds = args.e2e_seconds or (25.0 if args.quick else 60.0)
+    sweep = args.sweep_num_envs or ((8,) if args.quick else (4, 8, 16))
+    out_dir = args.out or os.path.join(ROOT, "runs", f"benchmark__{time.strftime('%Y%m%d-%H%M%S')}")
+    os.makedirs(out_dir, exist_ok=True)
+
+    appo = load_script("appo_envpool.py")
+    skip = frame_skip(args.env_id)
+    results = {"env_id": args.env_id, "frame_skip": skip, "config": dataclasses.asdict(args), "machine": machine_info(), "measurements": []}
+    tasks = [("ceiling", t) for t in args.ceiling_threads] + [("sampler", 1), ("sampler", 2)]
+    tasks += [("end_to_end", (script, n)) for n in sweep for script in args.scripts]
+    start = time.time()
+    for i, (kind, param) in enumerate(tasks):
+        print(f"[{i + 1}/{len(tasks)}] {kind} {param}  ({time.time() - start:.0f}s elapsed)", flush=True)
+        row = {"kind": kind, "script": None, "env_id": args.env_id, "num_envs": args.num_envs, "num_splits": None,
+               "num_threads": None, "num_steps": None}
+        if kind == "ceiling":
+            threads = param or min(os.cpu_count() or 1, args.num_envs)
+            row.update(num_threads=threads, sps=measure_ceiling(appo, args.env_id, args.num_envs, threads, seconds))
+        elif kind == "sampler":
+            sps, busy = measure_sampler(appo, args.env_id, args.num_envs, param, args.num_steps, seconds)
+            ceiling = [r["sps"] for r in results["measurements"] if r["kind"] == "ceiling" and r["num_threads"] == 1]
+            row.update(script="appo_envpool.py", num_splits=param, num_threads=1, num_steps=args.num_steps, sps=sps,
+                       busy={k: round(v, 3) for k, v in busy.items()},
+                       fraction_of_ceiling=sps / ceiling[0] if ceiling else None)
+        else:
+            script, num_envs = param
+            measured = measure_end_to_end(script, args.env_id, num_envs, args.num_steps, e2e_seconds, out_dir)
+            if measured is None:
+                print(f"    {script} finished fewer than 2 updates in {e2e_seconds:.0f}s; raise --e2e-seconds", flush=True)
+                continue
+            sps, busy, updates = measured
+            row.update(script=script, num_envs=num_envs, num_splits=None if script == SCRIPTS[0] else 2,
+                       num_threads=min(os.cpu_count() or 1, num_envs), num_steps=args.num_steps, sps=sps, busy=busy,
+                       updates=updates)
+        row["fps"] = row["sps"] * skip
+        results["measurements"].append(row)
+        print(f"    SPS {row['sps']:.0f}  FPS {row['fps']:.0f}", flush=True)
+        with open(os.path.join(out_dir, "results.json"), "w") as f:
+            json.dump(results, f, indent=2)
+    write_report(out_dir, results, args.quick)
+    with open(os.path.join(out_dir, "results.md")) as f:
+        print(f.read())
+    print(f"results: {out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(tyro.cli(Args)))
