@@ -1,0 +1,204 @@
+"""utils/plot.py and utils/evaluate.py run as a user runs them, on what short real runs wrote.
+
+Subprocesses run one at a time, from the repository root; nothing is written under runs/.
+"""
+
+import json
+import shutil
+
+import flax.serialization
+import numpy as np
+import pytest
+
+from helpers import (
+    CHECKPOINT,
+    SCRIPTS,
+    assert_ok,
+    assert_usage_error,
+    cli,
+    file_contents,
+    load_script,
+    read_checkpoint,
+    read_metrics,
+    run_script,
+    tag_values,
+)
+
+PLOT = "utils/plot.py"
+EVALUATE = "utils/evaluate.py"
+RETURN_TAG = "charts/episodic_return"
+
+# ---------------------------------------------------------------------------------------------
+# plot.py
+# ---------------------------------------------------------------------------------------------
+
+PLOT_SCRIPT = "ppo_sync_baseline.py"
+PLOT_SEEDS = (1, 2)
+LAST_EPISODES = 10
+
+
+@pytest.fixture(scope="module")
+def two_seed_runs(tmp_path_factory):
+    """A folder holding two ~20k-step CartPole-v1 runs of PLOT_SCRIPT (seeds 1 and 2)."""
+    parent = tmp_path_factory.mktemp("plot_runs")
+    for seed in PLOT_SEEDS:
+        argv = cli(PLOT_SCRIPT, total_timesteps=20_000, seed=seed, run_dir=parent / f"seed{seed}")
+        assert_ok(run_script(PLOT_SCRIPT, argv, timeout=500))
+    return parent
+
+
+def summary_rows(markdown):
+    """The data rows of the summary table: lists of stripped cells."""
+    rows = [line.strip().strip("|").split("|") for line in markdown.splitlines() if line.startswith("| ")]
+    rows = [[cell.strip() for cell in row] for row in rows]
+    return [row for row in rows[1:] if not set(row[0]) <= set("-:")]  # drop the header and rule
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("pass_parent", "band"), [(True, "std"), (False, "minmax")], ids=["parent-folder", "run-folders"])
+def test_plot_curves_and_summary(two_seed_runs, pass_parent, band, tmp_path):
+    runs = [two_seed_runs / f"seed{seed}" for seed in PLOT_SEEDS]
+    out = tmp_path / "plots"
+    folders = [two_seed_runs] if pass_parent else runs
+    result = run_script(PLOT, [*folders, "--out", out, "--band", band, "--last-episodes", LAST_EPISODES], timeout=300)
+    assert_ok(result)
+
+    png = out / "CartPole-v1.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png.stat().st_size > 20_000, "the figure is nearly empty"
+    assert [p.name for p in out.glob("*.png")] == [png.name]
+
+    summary = (out / "summary.md").read_text()
+    assert summary.strip() in result.stdout
+    rows = summary_rows(summary)
+    assert len(rows) == 1, summary
+    env_id, script, seeds, steps, final = rows[0][:5]
+    assert (env_id, script, seeds) == ("CartPole-v1", PLOT_SCRIPT[: -len(".py")], str(len(PLOT_SEEDS)))
+
+    # Independently: each seed's mean of its last episodes, then mean and population std over seeds.
+    finals = [np.mean(tag_values(read_metrics(run), RETURN_TAG)[-LAST_EPISODES:]) for run in runs]
+    mean, std = (float(x) for x in final.split("±"))
+    assert mean == pytest.approx(np.mean(finals), abs=0.006), (final, finals)
+    assert std == pytest.approx(np.std(finals), abs=0.006), (final, finals)
+    assert int(steps) == min(max(r["step"] for r in read_metrics(run)) for run in runs)
+
+
+def no_metrics(tmp_path):
+    folder = tmp_path / "empty_run"
+    folder.mkdir()
+    return folder
+
+
+def no_returns(tmp_path):
+    folder = tmp_path / "no_episode_yet"
+    folder.mkdir()
+    record = {"step": 64, "wall_time": 1.0e9, "tag": "charts/SPS", "value": 100.0}
+    (folder / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    return folder
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("make_folder", "fragment"), [(no_metrics, "metrics.jsonl"), (no_returns, RETURN_TAG)], ids=["no-metrics", "no-returns"]
+)
+def test_plot_rejects_folder_without_returns(make_folder, fragment, tmp_path):
+    out = tmp_path / "plots"
+    result = run_script(PLOT, [make_folder(tmp_path), "--out", out], timeout=100)
+    assert_usage_error(result, fragment)
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# evaluate.py
+# ---------------------------------------------------------------------------------------------
+
+
+def test_evaluate_knows_every_tested_script():
+    """utils/ and the tests agree on which scripts exist (utils/common.py's list, helpers.SCRIPTS)."""
+    assert sorted(load_script("utils/common.py").SCRIPTS) == sorted(SCRIPTS)
+
+
+@pytest.mark.timeout(600)
+def test_evaluate_scores_checkpoint(script, cartpole_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(cartpole_run, run)
+    before = file_contents(run)
+    saved_step = int(read_checkpoint(run)["state"]["global_step"])
+
+    # A run folder, greedy, a video, the default output file.
+    result = run_script(EVALUATE, [run, "--episodes", 3, "--greedy", "--video"], timeout=300)
+    assert_ok(result)
+    greedy = json.loads((run / "eval.json").read_text())
+    check_eval_result(greedy, 3, run / CHECKPOINT, saved_step, greedy=True)
+    videos = list((run / "videos").glob("evaluate__*/*.mp4"))
+    assert len(videos) == 1 and videos[0].stat().st_size > 0, list((run / "videos").rglob("*"))
+    assert greedy["videos"] == [str(videos[0])]
+    assert f"{greedy['mean']:.2f}" in result.stdout
+
+    # The checkpoint file itself, sampled actions, --out.
+    out = tmp_path / "sampled" / "result.json"
+    result = run_script(EVALUATE, [run / CHECKPOINT, "--episodes", 4, "--out", out], timeout=300)
+    assert_ok(result)
+    check_eval_result(json.loads(out.read_text()), 4, run / CHECKPOINT, saved_step, greedy=False)
+
+    after = file_contents(run)
+    assert {name: after[name] for name in before} == before, "evaluate.py changed the run's files"
+
+
+def check_eval_result(result, episodes, checkpoint, global_step, greedy):
+    assert {"episodes", "mean", "std", "scores", "checkpoint", "global_step", "greedy"} <= set(result)
+    assert result["episodes"] == episodes and len(result["scores"]) == episodes, result
+    assert all(1 <= score <= 500 for score in result["scores"]), result
+    assert result["mean"] == pytest.approx(np.mean(result["scores"]))
+    assert result["std"] == pytest.approx(np.std(result["scores"]))
+    assert result["checkpoint"] == str(checkpoint)
+    assert result["global_step"] == global_step
+    assert result["greedy"] is greedy
+
+
+def write_msgpack(tmp_path, payload):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / CHECKPOINT).write_bytes(flax.serialization.msgpack_serialize(payload))
+    return folder
+
+
+def random_bytes(tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / CHECKPOINT).write_bytes(np.random.default_rng(0).bytes(4096))
+    return folder
+
+
+# id -> (function tmp_path -> the path passed to evaluate.py, fragments the error line must name)
+BAD_CHECKPOINTS = {
+    "missing-path": (lambda tmp: tmp / "no_such_run", ["no_such_run", "does not exist"]),
+    "no-checkpoint": (lambda tmp: tmp, ["no checkpoint", CHECKPOINT]),
+    "random-bytes": (random_bytes, ["not a readable checkpoint", "corrupt"]),
+    "foreign-msgpack": (lambda tmp: write_msgpack(tmp, {"weights": np.zeros(3)}), ["not a checkpoint of this project"]),
+    "unknown-script": (
+        lambda tmp: write_msgpack(tmp, {"state": {}, "config": "{}", "script": "../train.py"}),
+        ["../train.py", "not one of the training scripts"],
+    ),
+    "config-without-env-id": (
+        lambda tmp: write_msgpack(tmp, {"state": {}, "config": "{}", "script": "ppo_sync_baseline.py"}),
+        ["not a checkpoint of this project"],
+    ),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", list(BAD_CHECKPOINTS))
+def test_evaluate_rejects_bad_checkpoint(case, tmp_path):
+    make_path, fragments = BAD_CHECKPOINTS[case]
+    result = run_script(EVALUATE, [make_path(tmp_path)], timeout=100)
+    assert_usage_error(result, *fragments)
+
+
+@pytest.mark.timeout(300)
+def test_evaluate_rejects_config_the_script_lacks(script, cartpole_run, tmp_path):
+    """A checkpoint whose config has a field the script's Args does not: another version wrote it."""
+    payload = read_checkpoint(cartpole_run)
+    payload["config"] = json.dumps(dict(json.loads(payload["config"]), no_such_flag=3))
+    result = run_script(EVALUATE, [write_msgpack(tmp_path, payload)], timeout=240)
+    assert_usage_error(result, "no_such_flag", script)

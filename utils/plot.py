@@ -1,0 +1,249 @@
+"""Learning curves and a table of final returns from any set of run folders.
+
+Runs are grouped by (script, env_id); the script is config.json's `exp_name` (which defaults to
+the script's name). Each seed's episodic returns are smoothed (trailing mean over a window of
+episodes), resampled on a grid common to the group's seeds, and drawn as the mean over seeds with
+a band (std or min-max), against environment steps and against wall-clock time since the run's
+first record. One PNG per environment (every script on it, two panels) and summary.md, a
+markdown table of final returns, also printed on stdout.
+
+Usage:
+    python utils/plot.py runs/                                  # every run folder under runs/
+    python utils/plot.py runs/a runs/b runs/c --band minmax --out plots/
+"""
+
+import json
+import math
+import os
+import re
+import sys
+import time
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Annotated, Literal, Optional
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402 (the backend is chosen before pyplot is imported)
+import numpy as np  # noqa: E402
+import tyro  # noqa: E402
+
+from common import METRICS, UsageError, run_cli, run_identity  # noqa: E402
+
+RETURN_TAG = "charts/episodic_return"
+
+
+@dataclass
+class PlotArgs:
+    """Plot learning curves (mean and spread over seeds) and tabulate final returns."""
+
+    runs: Annotated[tyro.conf.Positional[list[str]], tyro.conf.arg(metavar="RUN_DIR...")]
+    """run folders (holding metrics.jsonl), or parent folders whose subfolders are runs"""
+    out: Optional[str] = None
+    """output folder for the PNGs and summary.md (default: runs/plots__{timestamp})"""
+    window: int = 20
+    """smoothing: each point is the mean return of the last this many episodes of the seed"""
+    points: int = 200
+    """resolution of the common grid each seed's curve is resampled on"""
+    band: Literal["std", "minmax"] = "std"
+    """spread drawn around the mean over seeds: +- one standard deviation, or min to max"""
+    last_episodes: int = 20
+    """final return of a seed: the mean of its last this many episodic returns"""
+
+
+class NoEpisodes(UsageError):
+    """A run folder whose metrics hold no episodic return yet."""
+
+
+@dataclass
+class Run:
+    folder: str
+    script: str
+    env_id: str
+    seed: object
+    steps: np.ndarray  # [N] environment steps at which each episode ended
+    seconds: np.ndarray  # [N] wall-clock seconds since the run's first record
+    returns: np.ndarray  # [N] game scores, in the order logged
+    last_step: int  # the largest step of any record
+
+
+def find_runs(paths: list[str]) -> list[tuple[str, bool]]:
+    """(run folder, named explicitly): each path that holds metrics.jsonl, else its subfolders that do."""
+    folders = []
+    for path in paths:
+        if not os.path.isdir(path):
+            raise UsageError(f"{path} is not a folder; pass run folders or a folder of runs (e.g. runs/)")
+        if os.path.isfile(os.path.join(path, METRICS)):
+            folders.append((path, True))
+            continue
+        children = sorted(
+            os.path.join(path, name) for name in os.listdir(path) if os.path.isfile(os.path.join(path, name, METRICS))
+        )
+        if not children:
+            raise UsageError(f"no {METRICS} in {path} nor in its subfolders; pass run folders or a folder of runs")
+        folders += [(child, False) for child in children]
+    return folders
+
+
+def read_run(folder: str) -> Run:
+    """A run's episodic returns with their steps and times. A last line still being written is skipped."""
+    with open(os.path.join(folder, METRICS)) as f:
+        lines = f.read().split("\n")
+    steps, seconds, returns, first_time, last_step = [], [], [], None, 0
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            step, wall_time, tag, value = int(record["step"]), float(record["wall_time"]), record["tag"], float(record["value"])
+        except (ValueError, KeyError, TypeError) as e:
+            if number == len(lines):  # no newline yet: a record in the middle of being written
+                break
+            raise UsageError(f"{folder}/{METRICS} line {number} is not a metrics record ({type(e).__name__})")
+        first_time = wall_time if first_time is None else first_time
+        last_step = max(last_step, step)
+        if tag == RETURN_TAG and math.isfinite(value):
+            steps.append(step)
+            seconds.append(wall_time - first_time)
+            returns.append(value)
+    if not returns:
+        raise NoEpisodes(f"{folder}/{METRICS} has no {RETURN_TAG} yet: no episode has finished; train longer")
+    identity = run_identity(folder)
+    return Run(folder, identity["script"], identity["env_id"], identity["seed"], np.array(steps, np.float64),
+               np.array(seconds), np.array(returns), last_step)
+
+
+def read_runs(paths: list[str]) -> list[Run]:
+    """The runs under `paths`. A run found inside a parent folder that has no episode yet (one
+    just started, or one that crashed early) is skipped with a warning; one named is an error."""
+    runs = []
+    for folder, explicit in find_runs(paths):
+        try:
+            runs.append(read_run(folder))
+        except NoEpisodes as e:
+            if explicit:
+                raise
+            print(f"warning: skipped {folder}: {e}", file=sys.stderr)
+    if not runs:
+        raise UsageError(f"no run under {', '.join(paths)} has a {RETURN_TAG} yet: no episode has finished")
+    return runs
+
+
+def smooth(values: np.ndarray, window: int) -> np.ndarray:
+    """Trailing mean over the last `window` entries (fewer at the start)."""
+    cumsum = np.concatenate([[0.0], np.cumsum(values)])
+    ends = np.arange(1, len(values) + 1)
+    starts = np.maximum(ends - window, 0)
+    return (cumsum[ends] - cumsum[starts]) / (ends - starts)
+
+
+def resample(curves: list[tuple[np.ndarray, np.ndarray]], points: int):
+    """Curves (x [N], y [N]) -> (grid [P], ys [seeds, P]) by linear interpolation.
+
+    The grid spans the x range every curve covers, so that each mean is over all seeds; if the
+    ranges do not overlap, it spans all of them and each curve is NaN outside its own range.
+    Several episodes ending at the same x are averaged first.
+    """
+    lo = max(x[0] for x, _ in curves)
+    hi = min(x[-1] for x, _ in curves)
+    if hi < lo:
+        lo, hi = min(x[0] for x, _ in curves), max(x[-1] for x, _ in curves)
+    grid = np.linspace(lo, hi, points) if hi > lo else np.array([lo])
+    ys = []
+    for x, y in curves:
+        unique, inverse = np.unique(x, return_inverse=True)
+        y_mean = np.bincount(inverse, weights=y) / np.bincount(inverse)
+        ys.append(np.interp(grid, unique, y_mean, left=np.nan, right=np.nan))
+    return grid, np.array(ys)
+
+
+def draw(ax, grid, ys, band: str, label: str):
+    """Mean over seeds with a band: +- std or min-max."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns where curves do not overlap
+        mean = np.nanmean(ys, axis=0)
+        if band == "std":
+            low, high = mean - np.nanstd(ys, axis=0), mean + np.nanstd(ys, axis=0)
+        else:
+            low, high = np.nanmin(ys, axis=0), np.nanmax(ys, axis=0)
+    (line,) = ax.plot(grid, mean, label=label, marker="o" if len(grid) == 1 else None)
+    if len(ys) > 1:
+        ax.fill_between(grid, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
+
+
+def plot_env(env_id: str, groups: dict, args: PlotArgs, out_dir: str) -> str:
+    """One PNG, two panels (return vs steps, vs seconds), one line per script on this env."""
+    fig, (ax_steps, ax_time) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for script, runs in sorted(groups.items()):
+        label = f"{script} ({len(runs)} seed{'s' if len(runs) > 1 else ''})"
+        for ax, axis in ((ax_steps, "steps"), (ax_time, "seconds")):
+            orders = [np.argsort(getattr(run, axis), kind="stable") for run in runs]  # resumed runs may step back
+            curves = [(getattr(run, axis)[o], smooth(run.returns[o], args.window)) for run, o in zip(runs, orders)]
+            grid, ys = resample(curves, args.points)
+            draw(ax, grid, ys, args.band, label)
+    spread = "std" if args.band == "std" else "min-max"
+    ax_steps.set_xlabel("environment steps")
+    ax_time.set_xlabel("wall-clock time (s since the run's first record)")
+    for ax in (ax_steps, ax_time):
+        ax.set_ylabel(f"episodic return (mean of last {args.window} episodes)")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize="small")
+    fig.suptitle(f"{env_id}: mean over seeds, band = {spread}")
+    fig.tight_layout()
+    path = os.path.join(out_dir, re.sub(r"[^A-Za-z0-9._-]+", "_", env_id) + ".png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def summary_table(groups: dict, last_episodes: int) -> str:
+    """Markdown: per (env, script), the mean +- std over seeds of each seed's last-episodes mean."""
+    lines = [
+        f"Final return: each seed's mean episodic return over its last {last_episodes} episodes; "
+        "mean ± std (population) over seeds.",
+        "",
+        "| env_id | script | seeds | env steps | final return | per seed |",
+        "|---|---|---:|---:|---|---|",
+    ]
+    for (env_id, script), runs in sorted(groups.items()):
+        finals = np.array([np.mean(run.returns[-last_episodes:]) for run in runs])
+        steps = min(run.last_step for run in runs)
+        per_seed = ", ".join(f"{run.seed}: {final:.2f}" for run, final in zip(runs, finals))
+        lines.append(
+            f"| {env_id} | {script} | {len(runs)} | {steps} | {finals.mean():.2f} ± {finals.std():.2f} | {per_seed} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(args: PlotArgs) -> int:
+    for name in ["window", "points", "last_episodes"]:
+        if getattr(args, name) <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if not args.runs:
+        raise UsageError("no run folders given; pass run folders or a folder of runs, e.g. `python utils/plot.py runs/`")
+    runs = read_runs(args.runs)
+    out_dir = args.out or os.path.join("runs", f"plots__{int(time.time())}")
+    os.makedirs(out_dir, exist_ok=True)
+
+    groups = defaultdict(list)
+    for run in sorted(runs, key=lambda r: (str(r.seed), r.folder)):
+        groups[(run.env_id, run.script)].append(run)
+    by_env = defaultdict(dict)
+    for (env_id, script), group in groups.items():
+        by_env[env_id][script] = group
+    pngs = [plot_env(env_id, scripts, args, out_dir) for env_id, scripts in sorted(by_env.items())]
+
+    table = summary_table(groups, args.last_episodes)
+    with open(os.path.join(out_dir, "summary.md"), "w") as f:
+        f.write(table)
+    print(table)
+    for path in pngs:
+        print(f"wrote {path}")
+    print(f"wrote {os.path.join(out_dir, 'summary.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main, PlotArgs)
