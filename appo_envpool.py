@@ -719,13 +719,13 @@ def load_checkpoint(path: str, template: dict, args: Args) -> dict:
         with open(path, "rb") as f:
             payload = flax.serialization.msgpack_restore(f.read())
         config = json.loads(payload["config"])
-        script = payload["script"]
+        script, env_id = payload["script"], config["env_id"]
     except Exception as e:
         raise UsageError(f"--resume: {path} is not a readable checkpoint ({type(e).__name__}); it may be corrupt")
     if script != os.path.basename(__file__):
         raise UsageError(f"--resume: {path} was written by {script}, not {os.path.basename(__file__)}")
-    if config["env_id"] != args.env_id:
-        raise UsageError(f"--resume: the checkpoint is for --env-id {config['env_id']}, not {args.env_id}")
+    if env_id != args.env_id:
+        raise UsageError(f"--resume: the checkpoint is for --env-id {env_id}, not {args.env_id}")
     try:
         state = flax.serialization.from_state_dict(template, payload["state"])
         shapes_match = jax.tree.map(lambda a, b: np.shape(a) == np.shape(b), template, state)
@@ -776,7 +776,7 @@ def evaluate(params, network, args: Args, continuous: bool, num_episodes: int, v
         import imageio
 
         os.makedirs(video_dir, exist_ok=True)
-        imageio.mimsave(os.path.join(video_dir, "eval_episode_0.mp4"), frames, fps=30)
+        imageio.mimsave(os.path.join(video_dir, "eval_episode_0.mp4"), frames, fps=30, macro_block_size=1)
     elif video_dir is not None:
         print("warning: MuJoCo rendering needs an OpenGL backend (set MUJOCO_GL); no video written", file=sys.stderr)
     return scores[:num_episodes]

@@ -13,7 +13,6 @@ Usage: python utils/benchmark.py [--quick] [--env-id Pong-v5]
 """
 
 import dataclasses
-import importlib.util
 import json
 import os
 import platform
@@ -27,10 +26,10 @@ from importlib import metadata
 from typing import Optional
 
 import numpy as np
-import tyro
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = ("ppo_sync_baseline.py", "appo_envpool.py", "impala_envpool.py")
+from common import METRICS, REPO_ROOT, SCRIPTS, UsageError, load_script, run_cli
+
+ROOT = str(REPO_ROOT)
 
 
 @dataclass
@@ -57,19 +56,6 @@ class Args:
     """training scripts of the end-to-end part (empty: skip it)"""
     out: Optional[str] = None
     """output folder (default: runs/benchmark__<timestamp>)"""
-
-
-def fail(message: str):
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def load_script(name: str):
-    """Import one of the top-level scripts by file name (they are standalone files)."""
-    spec = importlib.util.spec_from_file_location(name[:-3], os.path.join(ROOT, name))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def frame_skip(env_id: str) -> int:
@@ -164,11 +150,8 @@ def measure_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds):
 
 
 def read_metrics(path):
-    records = []
     with open(path) as f:
-        for line in f:
-            records.append(json.loads(line))
-    return records
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def measure_end_to_end(script, env_id, num_envs, num_steps, seconds, out_dir):
@@ -192,7 +175,7 @@ def measure_end_to_end(script, env_id, num_envs, num_steps, seconds, out_dir):
         except subprocess.TimeoutExpired:
             proc.kill()
     stderr = proc.stderr.read()
-    metrics_file = os.path.join(run_dir, "metrics.jsonl")
+    metrics_file = os.path.join(run_dir, METRICS)
     if not os.path.exists(metrics_file):
         raise RuntimeError(f"{script} wrote no metrics:\n{stderr[-2000:]}")
     updates = [r for r in read_metrics(metrics_file) if r["tag"] == "losses/loss"]
@@ -272,15 +255,15 @@ def main(args: Args) -> int:
     import envpool
 
     if args.env_id not in envpool.list_all_envs():
-        fail(f"--env-id {args.env_id!r} is not an envpool task")
+        raise UsageError(f"--env-id {args.env_id!r} is not an envpool task")
     for name in ["num_envs", "num_steps"]:
         if getattr(args, name) <= 0:
-            fail(f"--{name.replace('_', '-')} must be positive")
+            raise UsageError(f"--{name.replace('_', '-')} must be positive")
     if args.num_envs % 2:
-        fail("--num-envs must be even (the sampler compares 1 and 2 splits)")
+        raise UsageError("--num-envs must be even (the sampler compares 1 and 2 splits)")
     unknown = [s for s in args.scripts if s not in SCRIPTS]
     if unknown:
-        fail(f"--scripts: unknown {unknown}; choose from {list(SCRIPTS)}")
+        raise UsageError(f"--scripts: unknown {unknown}; choose from {list(SCRIPTS)}")
     seconds = args.seconds or (5.0 if args.quick else 15.0)
     e2e_seconds = args.e2e_seconds or (25.0 if args.quick else 60.0)
     sweep = args.sweep_num_envs or ((8,) if args.quick else (4, 8, 16))
@@ -329,4 +312,4 @@ def main(args: Args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(tyro.cli(Args)))
+    run_cli(main, Args)

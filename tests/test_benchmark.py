@@ -1,0 +1,47 @@
+"""utils/benchmark.py --quick on CartPole-v1 writes results with every field the issue names."""
+
+import json
+import math
+import subprocess
+import sys
+
+from helpers import REPO_ROOT, SCRIPTS
+
+FIELDS = ["kind", "script", "env_id", "num_envs", "num_splits", "num_threads", "sps", "fps"]
+
+
+def test_benchmark_quick_writes_valid_results(tmp_path):
+    out = tmp_path / "bench"
+    cmd = [sys.executable, str(REPO_ROOT / "utils" / "benchmark.py"), "--quick", "--env-id", "CartPole-v1",
+           "--seconds", "2", "--e2e-seconds", "15", "--out", str(out)]
+    result = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    machine = results["machine"]
+    assert machine["cpu_count"] >= 1 and machine["jax_backend"] == "cpu" and machine["jax_devices"]
+    assert machine["packages"]["jax"] and machine["packages"]["envpool"]
+    rows = results["measurements"]
+    for row in rows:
+        missing = [f for f in FIELDS if f not in row]
+        assert not missing, (row, missing)
+        assert row["env_id"] == "CartPole-v1"
+        assert math.isfinite(row["sps"]) and row["sps"] > 0
+        assert row["fps"] == row["sps"]  # CartPole has no frame skip: frames = agent steps
+    kinds = [r["kind"] for r in rows]
+    assert kinds.count("ceiling") == 2 and kinds.count("sampler") == 2
+    ceilings = [r for r in rows if r["kind"] == "ceiling"]
+    assert all(r["script"] is None for r in ceilings)
+    samplers = sorted((r for r in rows if r["kind"] == "sampler"), key=lambda r: r["num_splits"])
+    assert [r["num_splits"] for r in samplers] == [1, 2] and all(r["num_threads"] == 1 for r in samplers)
+    one_thread = next(r for r in ceilings if r["num_threads"] == 1)
+    for r in samplers:
+        assert abs(r["fraction_of_ceiling"] - r["sps"] / one_thread["sps"]) < 1e-9
+    e2e = {r["script"] for r in rows if r["kind"] == "end_to_end"}
+    assert e2e == set(SCRIPTS), e2e
+    for r in rows:
+        if r["kind"] == "end_to_end":
+            assert r["updates"] >= 2 and 0 <= r["busy"]["update"] <= 1.05
+    table = (out / "results.md").read_text()
+    assert "Double buffering" in table and "| end_to_end" not in table  # tables, not raw rows
+    for png in ["sampler.png", "end_to_end.png"]:
+        assert (out / png).stat().st_size > 5000
