@@ -480,6 +480,11 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
         start = time.perf_counter()
         obs, reward, terminated, truncated, info = envs.recv()
         timing["env"] += time.perf_counter() - start
+        start = time.perf_counter()
+        params, version = shared.latest  # fast weight sync (§3.4): newest parameters every call
+        action, logprob, _, key = policy_step(params, obs, key)  # dispatched asynchronously, so
+        timing["inference"] += time.perf_counter() - start  # the bookkeeping below overlaps it
+
         env_ids = np.asarray(info["env_id"])
         stepped = steps[env_ids] > 0  # False for the first observation after reset
         ids, last = env_ids[stepped], steps[env_ids[stepped]] - 1
@@ -490,19 +495,17 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
         ends = stepped & (steps[env_ids] % T == 0)
         scatter("bootstrap_obs", steps[env_ids[ends]] - T, env_ids[ends], obs[ends])
         stats.update(env_ids, reward, terminated, truncated, info)
+        index = steps[env_ids]
+        scatter("obs", index, env_ids, obs)
+        scatter("valid", index, env_ids, 1.0 - prev_dones[env_ids])
+        scatter("policy_version", index, env_ids, np.full(len(env_ids), version))
 
         start = time.perf_counter()
-        params, version = shared.latest  # fast weight sync (§3.4): newest parameters every call
-        action, logprob, _, key = policy_step(params, obs, key)
         action, logprob = jax.device_get((action, logprob))
         timing["inference"] += time.perf_counter() - start
         envs.send(env_action(action, envs.action_space), env_ids)
-        index = steps[env_ids]
-        scatter("obs", index, env_ids, obs)
         scatter("actions", index, env_ids, action)
         scatter("logprobs", index, env_ids, logprob)
-        scatter("valid", index, env_ids, 1.0 - prev_dones[env_ids])
-        scatter("policy_version", index, env_ids, np.full(len(env_ids), version))
         steps[env_ids] += 1
 
         while pushed < num_rollouts and buffers and bootstrapped[min(buffers)] == B:
