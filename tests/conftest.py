@@ -18,6 +18,6 @@ def cartpole_run(script, tmp_path_factory):
     Shared by the tests that need an existing run; they copy it before changing anything.
     """
     run_dir = tmp_path_factory.mktemp("cartpole_run") / "run"
-    result = run_script(script, cli(eval_episodes=2, capture_video=True, run_dir=run_dir), timeout=300)
+    result = run_script(script, cli(script, eval_episodes=2, capture_video=True, run_dir=run_dir), timeout=300)
     assert_ok(result)
     return run_dir

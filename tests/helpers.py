@@ -1,7 +1,8 @@
 """Helpers shared by the tests: which scripts to test, running one, reading what a run wrote.
 
 Every script follows the same CLI conventions (see DESIGN.md), so the tests take the script's
-file name as a parameter. Add a new script to SCRIPTS and every script-level test covers it.
+file name as a parameter. Add a new script to SCRIPT_TABLE (with its own flags there) and every
+script-level test covers it.
 """
 
 import functools
@@ -15,22 +16,91 @@ import time
 from pathlib import Path
 
 import flax.serialization
+import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-# The one list of scripts that tests/test_scripts.py is parametrized over.
-SCRIPTS = ["ppo_sync_baseline.py"]
-
-# A tiny budget: 2 updates of 4 envs x 16 steps, 2 minibatches, 1 epoch, no evaluation.
+# A tiny budget, common to every script: 2 updates of 4 envs x 16 steps, no evaluation.
+# SCRIPT_TABLE adds each script's own tiny-budget flags (a flag only some scripts have).
 TINY_FLAGS = {
     "num_envs": 4,
     "num_steps": 16,
-    "num_minibatches": 2,
-    "update_epochs": 1,
     "total_timesteps": 128,
     "eval_episodes": 0,
 }
 TINY_BATCH = TINY_FLAGS["num_envs"] * TINY_FLAGS["num_steps"]
+
+# Everything that differs between the scripts, in one table (flag names as in `Args`):
+#   tiny:         flags added to TINY_FLAGS for a tiny budget (2 minibatches, 1 epoch, 2 splits)
+#   diverge:      flags with which the first update after a resume gets a non-finite loss or
+#                 non-finite parameters, so that no checkpoint is written after it
+#   bad_inputs:   {case: (flags, fragments the error line must name)}, for flags of this script only
+#   variants:     {name: flags} of extra smoke runs on CartPole-v1 (execution modes that must work)
+#   extra_tags:   tags logged after an update besides UPDATE_TAGS
+#   learning_timesteps: CartPole-v1 budget at default flags that reaches a mean return >= 475 over
+#                 the last 20 episodes (measured, with margin; see the comments)
+#   asynchronous: actor and learner threads (actor_loop, make_update, Shared: tests/test_pipeline.py)
+PPO_TINY = {"num_minibatches": 2, "update_epochs": 1}
+ASYNC_TINY = {"num_splits": 2, "queue_size": 2}
+ASYNC_TAGS = [
+    "async/policy_lag_mean",
+    "async/policy_lag_max",
+    "async/stale_fraction",
+    "async/queue_size",
+    "timing/queue_put_seconds",
+    "timing/update_seconds",
+]
+ASYNC_BAD_INPUTS = {
+    "splits-do-not-divide": (dict(num_splits=3), ["--num-splits", "--num-envs"]),
+    "zero-queue-size": (dict(queue_size=0), ["--queue-size"]),
+    "negative-policy-lag": (dict(max_policy_lag=-1), ["--max-policy-lag"]),
+}
+PPO_BAD_INPUTS = {"minibatches-do-not-divide": (dict(num_minibatches=3), ["--num-minibatches"])}
+SCRIPT_TABLE = {
+    "ppo_sync_baseline.py": dict(
+        tiny=PPO_TINY,
+        # Adam moves every parameter by ~lr after the first minibatch: ~1e30, then the second
+        # minibatch's loss is non-finite.
+        diverge=dict(learning_rate=1e30, max_grad_norm=1e30, update_epochs=2),
+        bad_inputs=PPO_BAD_INPUTS,
+        variants={},
+        extra_tags=[],
+        # ~30k-60k steps needed (measured: 50k fails on some seeds, 100k scored 500 on the last
+        # 20 episodes on seeds 1-5).
+        learning_timesteps=100_000,
+        asynchronous=False,
+    ),
+    "appo_envpool.py": dict(
+        tiny=dict(PPO_TINY, **ASYNC_TINY),
+        diverge=dict(learning_rate=1e30, max_grad_norm=1e30, update_epochs=2),
+        bad_inputs=dict(PPO_BAD_INPUTS, **ASYNC_BAD_INPUTS),
+        variants={"num-splits-1": dict(num_splits=1), "no-vtrace": dict(vtrace=False)},
+        extra_tags=ASYNC_TAGS,
+        # Measured at 150k (2 runs per seed): seed 1 averages >= 475 from ~100k steps on, seed 2
+        # from ~50k-100k; every run ended at 500.
+        learning_timesteps=150_000,
+        asynchronous=True,
+    ),
+    "impala_envpool.py": dict(
+        tiny=dict(ASYNC_TINY),
+        # One RMSProp step per update, |step| <= lr * 10 (eps outside the root): with lr 1e38 the
+        # first update's parameters overflow float32.
+        diverge=dict(learning_rate=1e38, max_grad_norm=1e30),
+        bad_inputs=dict(ASYNC_BAD_INPUTS),
+        variants={"num-splits-1": dict(num_splits=1)},
+        extra_tags=ASYNC_TAGS,
+        # The issue's budget. Measured with the classic preset (5-step unrolls, RMSProp 7e-4):
+        # seeds 1 and 2 passed at 1M twice each (500 from 200k-300k steps on); at 500k, 3 runs
+        # of 4 passed, but one (seed 1) collapsed from 454 at 100k to 92 at the end.
+        learning_timesteps=1_000_000,
+        asynchronous=True,
+    ),
+}
+
+# The scripts that tests/test_scripts.py is parametrized over; the asynchronous ones, that
+# tests/test_pipeline.py is parametrized over.
+SCRIPTS = list(SCRIPT_TABLE)
+ASYNC_SCRIPTS = [name for name, row in SCRIPT_TABLE.items() if row["asynchronous"]]
 
 # Tags every script logs after an update (DESIGN.md, "Shared tag names").
 UPDATE_TAGS = [
@@ -45,12 +115,17 @@ UPDATE_TAGS = [
 CHECKPOINT = "checkpoint.msgpack"
 
 
-def cli(env_id="CartPole-v1", **flags):
-    """Command-line flags: TINY_FLAGS overridden by `flags`.
+def tiny_flags(script):
+    """The tiny-budget flags of `script`: TINY_FLAGS plus its row's `tiny` flags."""
+    return {**TINY_FLAGS, **SCRIPT_TABLE[script]["tiny"]}
+
+
+def cli(script, env_id="CartPole-v1", **flags):
+    """Command-line flags of `script`: its tiny budget (tiny_flags) overridden by `flags`.
 
     None drops a flag; True / False give tyro's `--flag` / `--no-flag` switches.
     """
-    merged = dict(TINY_FLAGS, **flags)
+    merged = {**tiny_flags(script), **flags}
     argv = ["--env-id", env_id]
     for name, value in merged.items():
         flag = name.replace("_", "-")
@@ -172,8 +247,9 @@ def read_checkpoint(path):
     return flax.serialization.msgpack_restore(path.read_bytes())
 
 
-def check_run_files(run_dir, env_id, min_step):
-    """Check config.json, metrics.jsonl, TensorBoard events and the checkpoint; return the metrics.
+def check_run_files(script, run_dir, env_id, min_step):
+    """Check config.json, metrics.jsonl, TensorBoard events and the checkpoint of a run of
+    `script`; return the metrics.
 
     `min_step`: the budget in environment steps that the run must have reached.
     """
@@ -182,7 +258,8 @@ def check_run_files(run_dir, env_id, min_step):
     assert config["env_id"] == env_id
 
     records = read_metrics(run_dir)
-    for tag in UPDATE_TAGS:
+    tags = UPDATE_TAGS + SCRIPT_TABLE[script]["extra_tags"]
+    for tag in tags:
         values = tag_values(records, tag)
         assert values, f"no {tag} in metrics.jsonl"
         assert all(math.isfinite(v) for v in values), (tag, values)
@@ -191,7 +268,7 @@ def check_run_files(run_dir, env_id, min_step):
     events = sorted(run_dir.glob("events.out.tfevents.*"))
     assert events, f"no TensorBoard events file in {os.listdir(run_dir)}"
     event_bytes = b"".join(path.read_bytes() for path in events)
-    for tag in UPDATE_TAGS:
+    for tag in tags:
         assert tag.encode() in event_bytes, f"{tag} not in the TensorBoard events"
 
     payload = read_checkpoint(run_dir)
@@ -200,3 +277,19 @@ def check_run_files(run_dir, env_id, min_step):
     assert int(state["global_step"]) >= min_step
     assert json.loads(payload["config"])["env_id"] == env_id
     return records
+
+
+# Math tests (tests/test_math_*.py)
+
+
+def random_rollout(rng, T=13, B=5, gamma=0.97):
+    """Random rewards and values with episode ends inside the rollout (and on its first/last step)."""
+    rewards = rng.normal(size=(T, B)).astype(np.float32)
+    values = rng.normal(size=(T, B)).astype(np.float32)
+    bootstrap_value = rng.normal(size=B).astype(np.float32)
+    dones = (rng.random((T, B)) < 0.2).astype(np.float32)
+    dones[0, 0] = dones[T - 1, 1] = dones[T // 2, 2] = 1.0
+    dones[:, 3] = 0.0  # one column without any episode end
+    discounts = (gamma * (1.0 - dones)).astype(np.float32)
+    assert (discounts == 0).any() and (discounts > 0).any()
+    return rewards, values, bootstrap_value, discounts

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import load_script
+from helpers import load_script, random_rollout
 
 ppo = load_script("ppo_sync_baseline.py")
 
@@ -32,19 +32,6 @@ def gae_by_definition(rewards, values, bootstrap_value, discounts, gae_lambda):
                 weight *= gae_lambda * discounts[t + l, b]
             advantages[t, b] = total
     return advantages
-
-
-def random_rollout(rng, T=13, B=5, gamma=0.97):
-    """Random rewards and values with episode ends inside the rollout (and on its first/last step)."""
-    rewards = rng.normal(size=(T, B)).astype(np.float32)
-    values = rng.normal(size=(T, B)).astype(np.float32)
-    bootstrap_value = rng.normal(size=B).astype(np.float32)
-    dones = (rng.random((T, B)) < 0.2).astype(np.float32)
-    dones[0, 0] = dones[T - 1, 1] = dones[T // 2, 2] = 1.0
-    dones[:, 3] = 0.0  # one column without any episode end
-    discounts = (gamma * (1.0 - dones)).astype(np.float32)
-    assert (discounts == 0).any() and (discounts > 0).any()
-    return rewards, values, bootstrap_value, discounts
 
 
 @pytest.mark.parametrize("gae_lambda", [0.0, 0.8, 0.95, 1.0])

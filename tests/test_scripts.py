@@ -14,6 +14,7 @@ import pytest
 
 from helpers import (
     CHECKPOINT,
+    SCRIPT_TABLE,
     TINY_BATCH,
     TINY_FLAGS,
     assert_ok,
@@ -39,7 +40,7 @@ from helpers import (
 
 @pytest.mark.timeout(600)
 def test_smoke_cartpole_eval_and_video(script, cartpole_run):
-    records = check_run_files(cartpole_run, "CartPole-v1", TINY_FLAGS["total_timesteps"])
+    records = check_run_files(script, cartpole_run, "CartPole-v1", TINY_FLAGS["total_timesteps"])
     returns = tag_values(records, "charts/episodic_return")
     assert returns and all(1 <= r <= 500 for r in returns), returns
     evals = tag_values(records, "eval/episodic_return")
@@ -53,14 +54,32 @@ def test_smoke_cartpole_eval_and_video(script, cartpole_run):
 def test_smoke(script, env_id, tmp_path):
     """Atari (CNN, discrete) and MuJoCo (MLP, Gaussian), each with one evaluation episode."""
     run_dir = tmp_path / "run"
-    result = run_script(script, cli(env_id, eval_episodes=1, run_dir=run_dir), timeout=500)
+    result = run_script(script, cli(script, env_id, eval_episodes=1, run_dir=run_dir), timeout=500)
     assert_ok(result)
-    records = check_run_files(run_dir, env_id, TINY_FLAGS["total_timesteps"])
+    records = check_run_files(script, run_dir, env_id, TINY_FLAGS["total_timesteps"])
     evals = tag_values(records, "eval/episodic_return")
     assert len(evals) == 1 and math.isfinite(evals[0]), evals
     if env_id == "Pong-v5":
         # The game score over all lives, unclipped: an integer between -21 and 21.
         assert evals[0] == int(evals[0]) and -21 <= evals[0] <= 21, evals
+
+
+SMOKE_VARIANTS = [(name, variant) for name, row in SCRIPT_TABLE.items() for variant in row["variants"]]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("script_name", "variant"), SMOKE_VARIANTS)
+def test_smoke_variant(script_name, variant, tmp_path):
+    """Execution modes of one script (helpers.SCRIPT_TABLE's `variants`, e.g. --num-splits 1,
+    --no-vtrace) finish a tiny CartPole-v1 run and log every update tag."""
+    flags = SCRIPT_TABLE[script_name]["variants"][variant]
+    run_dir = tmp_path / "run"
+    result = run_script(script_name, cli(script_name, run_dir=run_dir, **flags), timeout=300)
+    assert_ok(result)
+    check_run_files(script_name, run_dir, "CartPole-v1", TINY_FLAGS["total_timesteps"])
+    config = json.loads((run_dir / "config.json").read_text())
+    for name, value in flags.items():
+        assert config[name] == value, (name, config[name])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -71,7 +90,7 @@ def test_smoke(script, env_id, tmp_path):
 @pytest.mark.timeout(600)
 def test_sigterm_writes_checkpoint_and_resume_continues(script, tmp_path):
     run_dir = tmp_path / "run"
-    long_run = cli(total_timesteps=100_000_000, save_interval=1, run_dir=run_dir)
+    long_run = cli(script, total_timesteps=100_000_000, save_interval=1, run_dir=run_dir)
     proc = start_script(script, long_run, tmp_path / "logs")
     try:
         wait_until(lambda: count_complete_lines(run_dir / "metrics.jsonl", '"losses/policy_loss"') >= 3, proc, 300)
@@ -98,7 +117,7 @@ def test_sigterm_writes_checkpoint_and_resume_continues(script, tmp_path):
     assert saved_version > 0
 
     resumed_total = saved_step + 4 * TINY_BATCH
-    result = run_script(script, cli(total_timesteps=resumed_total, resume=run_dir), timeout=300)
+    result = run_script(script, cli(script, total_timesteps=resumed_total, resume=run_dir), timeout=300)
     assert_ok(result)
     new_records = read_metrics(run_dir)[len(records):]
     assert new_records, "the resumed run logged nothing"
@@ -175,7 +194,6 @@ def corrupt_truncated(run, tmp_path):
 # tmp_path) -> the --resume target)
 BAD_INPUTS = {
     "unknown-env-id": (dict(env_id="CartPol-v1"), ["--env-id", "CartPole-v1"], None),
-    "minibatches-do-not-divide": (dict(num_minibatches=3), ["--num-minibatches"], None),
     "zero-envs": (dict(num_envs=0), ["--num-envs"], None),
     "negative-timesteps": (dict(total_timesteps=-5), ["--total-timesteps"], None),
     "resume-missing": (dict(), ["--resume"], lambda run, tmp: tmp / "no_such_run"),
@@ -195,12 +213,28 @@ def test_bad_input(script, case, tmp_path, request):
         run = request.getfixturevalue("cartpole_run")
         flags["resume"] = make_resume(run, tmp_path)
     before = file_contents(run) if run else {}
-    out_dir = tmp_path / "out"
-    result = run_script(script, cli(run_dir=out_dir, **flags), timeout=240)
-    assert_usage_error(result, *fragments)
-    assert not out_dir.exists(), "the run folder was created before the input was checked"
+    check_bad_input(script, flags, fragments, tmp_path)
     if run:
         assert file_contents(run) == before, "the run was modified"
+
+
+SCRIPT_BAD_INPUTS = [(name, case) for name, row in SCRIPT_TABLE.items() for case in row["bad_inputs"]]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("script_name", "case"), SCRIPT_BAD_INPUTS)
+def test_bad_input_of_script_flags(script_name, case, tmp_path):
+    """Flags that only some scripts have (helpers.SCRIPT_TABLE's `bad_inputs`)."""
+    flags, fragments = SCRIPT_TABLE[script_name]["bad_inputs"][case]
+    check_bad_input(script_name, flags, fragments, tmp_path)
+
+
+def check_bad_input(script, flags, fragments, tmp_path):
+    """A usage error naming `fragments`, before the run folder is created."""
+    out_dir = tmp_path / "out"
+    result = run_script(script, cli(script, run_dir=out_dir, **flags), timeout=240)
+    assert_usage_error(result, *fragments)
+    assert not out_dir.exists(), "the run folder was created before the input was checked"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,10 +252,9 @@ def test_non_finite_loss_exits_1_and_keeps_checkpoint(script, cartpole_run, tmp_
     good_bytes = checkpoint.read_bytes()
     saved_step = int(read_checkpoint(checkpoint)["state"]["global_step"])
     flags = dict(
-        learning_rate=1e30, max_grad_norm=1e30, update_epochs=2, save_interval=1,
-        total_timesteps=saved_step + 10 * TINY_BATCH, resume=run_dir,
+        SCRIPT_TABLE[script]["diverge"], save_interval=1, total_timesteps=saved_step + 10 * TINY_BATCH, resume=run_dir
     )
-    result = run_script(script, cli(**flags), timeout=240)
+    result = run_script(script, cli(script, **flags), timeout=240)
     assert result.returncode == 1, describe(result)
     assert "non-finite" in result.stderr, describe(result)
     assert "Traceback" not in result.stderr, describe(result)
@@ -234,11 +267,6 @@ def test_non_finite_loss_exits_1_and_keeps_checkpoint(script, cartpole_run, tmp_
 # Learning
 # ---------------------------------------------------------------------------------------------
 
-# Budget per script for CartPole-v1 at its default flags. ppo_sync_baseline.py needs ~30k-60k
-# steps (measured: 50k fails on some seeds, 100k scored 500 on the last 20 episodes on seeds 1-5).
-LEARNING_TIMESTEPS = {"ppo_sync_baseline.py": 100_000}
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("seed", [1, 2])
@@ -246,7 +274,7 @@ def test_learns_cartpole(script, seed, tmp_path):
     run_dir = tmp_path / "run"
     argv = [
         "--env-id", "CartPole-v1", "--seed", seed, "--eval-episodes", 0, "--run-dir", run_dir,
-        "--total-timesteps", LEARNING_TIMESTEPS.get(script, 500_000),
+        "--total-timesteps", SCRIPT_TABLE[script]["learning_timesteps"],
     ]
     result = run_script(script, argv, timeout=850)
     assert_ok(result)
