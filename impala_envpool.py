@@ -536,7 +536,7 @@ def make_update(network, optimizer, args: Args, continuous: bool):
         params = optax.apply_updates(state["params"], updates)
         diagnostics["loss"] = loss
         diagnostics["policy_lag_mean"] = masked_mean(lag, rollout["valid"])
-        diagnostics["policy_lag_max"] = jnp.max(lag)
+        diagnostics["policy_lag_max"] = jnp.max(jnp.where(rollout["valid"] > 0, lag, 0))
         diagnostics["stale_fraction"] = masked_mean(1.0 - fresh, rollout["valid"])
         leaves = jax.tree.leaves(params)
         diagnostics["finite"] = jnp.isfinite(diagnostics["loss"]) & jnp.all(
@@ -792,9 +792,11 @@ def main(args: Args) -> int:
                 print(f"step {global_step:>10d}/{args.total_timesteps}  SPS {sps:7.0f}  return(last 20) {mean_ret}", flush=True)
     finally:
         shared.stop.set()
+        deadline = time.time() + 5  # one deadline for all: a thread stuck in XLA is left to os._exit
         for thread in threads:
-            thread.join(timeout=10)
-        envs.close()
+            thread.join(timeout=max(0.0, deadline - time.time()))
+        if not threads[0].is_alive():
+            envs.close()
     while not shared.reports.empty():
         step, scalars = shared.reports.get()
         if "charts/episodic_return" in scalars:
@@ -836,7 +838,12 @@ def main(args: Args) -> int:
 if __name__ == "__main__":
     cli_args = tyro.cli(Args)
     try:
-        sys.exit(main(cli_args))
+        exit_code = main(cli_args)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        exit_code = 2
+    if any(t.name in ("actor", "learner") and t.is_alive() for t in threading.enumerate()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)  # a thread still inside an XLA call would abort interpreter shutdown
+    sys.exit(exit_code)

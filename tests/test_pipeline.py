@@ -510,12 +510,6 @@ def test_thread_fault_exits_nonzero_with_traceback(script, where, tmp_path):
     check_fault_exit(script, where, tmp_path, actor_fault_call=200)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="bug: main() joins each thread for up to 10 s, so the process exits > 10 s after the fault "
-    "while the learner is inside a long call (and aborts with SIGABRT if that call is XLA's)",
-)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("script", ASYNC_SCRIPTS)
 def test_actor_fault_while_learner_is_in_a_long_call(script, tmp_path):
