@@ -648,7 +648,6 @@ def main(args: Args) -> int:
     print(f"{os.path.basename(__file__)}: {args.env_id} ({kind}), {num_updates} updates of {batch_size} steps -> {run_dir}")
     start_time, start_step, last_print = time.time(), global_step, 0.0
     timing = {"env": 0.0, "inference": 0.0, "update": 0.0}
-    exit_code = 0
     try:
         for update_idx in range(start_update, num_updates):
             if stop.is_set():
@@ -702,7 +701,7 @@ def main(args: Args) -> int:
         logger.log(global_step, {"eval/episodic_return": np.mean(scores)})
         print(f"eval: {len(scores)} episodes, return {np.mean(scores):.2f} +- {np.std(scores):.2f}")
     logger.close()
-    return exit_code
+    return 0
 
 
 if __name__ == "__main__":
