@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -33,6 +34,9 @@ def test_benchmark_quick_writes_valid_results(tmp_path):
     assert all(r["script"] is None for r in ceilings)
     samplers = sorted((r for r in rows if r["kind"] == "sampler"), key=lambda r: r["num_splits"])
     assert [r["num_splits"] for r in samplers] == [1, 2] and all(r["num_threads"] == 1 for r in samplers)
+    for r in samplers:  # envpool's thread and the actor on separate cores, where there are two
+        if len(os.sched_getaffinity(0)) > 1:
+            assert r["cores"]["actor_cores"] and r["cores"]["env_core"] not in r["cores"]["actor_cores"], r["cores"]
     one_thread = next(r for r in ceilings if r["num_threads"] == 1)
     for r in samplers:
         assert abs(r["fraction_of_ceiling"] - r["sps"] / one_thread["sps"]) < 1e-9

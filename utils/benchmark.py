@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Optional
@@ -40,10 +41,14 @@ class Args:
     """envpool task to measure"""
     quick: bool = False
     """about 2 minutes instead of about 10: shorter measurements, a smaller sweep"""
-    num_envs: int = 8
-    """environments for the ceiling and sampler measurements"""
+    num_envs: int = 32
+    """environments for the ceiling and sampler measurements (2 splits of 16: a batch of 16 spreads
+    each inference call's fixed cost; at 8 the CPU sampler is inference-bound, see README)"""
     num_steps: int = 64
     """rollout length for the sampler and for every end-to-end run (matching flags)"""
+    pin: bool = True
+    """sampler: pin envpool's thread to one core and the actor with XLA inference to the others
+    (--no-pin: the OS schedules both, and XLA uses every core)"""
     ceiling_threads: tuple[int, ...] = (1, 0)
     """envpool thread counts for the ceiling (0: one per CPU core)"""
     sweep_num_envs: Optional[tuple[int, ...]] = None
@@ -105,15 +110,72 @@ def measure_ceiling(appo, env_id, num_envs, num_threads, seconds):
     return sps
 
 
-def measure_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds):
-    """Agent steps per second of appo_envpool.actor_loop (jitted policy, one env thread), with
-    a consumer that drops rollouts: sampling alone, no learning."""
+# The sampler gives inference a core of its own, as a GPU gives it a device of its own: envpool's
+# one thread is pinned to the first core (envpool's `thread_affinity_offset`), the actor thread and
+# XLA to the others, and XLA's intra-op thread pool (sized by the machine's core count, not by the
+# affinity mask) is switched off so that inference does not time-slice the env core. Unpinned, the
+# scheduler mixes env stepping, inference and the actor's bookkeeping on both cores (measured on
+# 2 cores: 2 splits 1.3x of 1 split and 60% of the ceiling, against about 1.9x and 85% pinned).
+SAMPLER_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false"
+
+
+def core_layout():
+    """(env core, actor cores) for the sampler, or None where threads can't be pinned (one core,
+    or no sched_setaffinity, as on macOS)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    return (cores[0], cores[1:]) if len(cores) > 1 else None
+
+
+def measure_sampler(env_id, num_envs, num_splits, num_steps, seconds, pin=True):
+    """Sampler throughput, measured in a fresh process (pinning and XLA flags must not leak into
+    this one or its later runs): (agent steps per second, busy fraction per stage, layout)."""
+    import multiprocessing
+
+    layout = core_layout() if pin else None
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    child = ctx.Process(target=sampler_process, args=(env_id, num_envs, num_splits, num_steps, seconds, layout, results),
+                        daemon=True)
+    child.start()
+    try:
+        outcome, value = results.get(timeout=seconds + 300)
+    except queue.Empty:
+        raise RuntimeError(f"the sampler process gave no result in {seconds + 300:.0f}s (exit code {child.exitcode})")
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+    if outcome == "error":
+        raise RuntimeError(f"the sampler process failed:\n{value}")
+    sps, busy = value
+    return sps, busy, {"env_core": layout[0], "actor_cores": layout[1]} if layout else None
+
+
+def sampler_process(env_id, num_envs, num_splits, num_steps, seconds, layout, results):
+    """Child process of measure_sampler: pin, then run the actor loop; report through `results`."""
+    try:
+        if layout:
+            os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {SAMPLER_XLA_FLAGS}".strip()
+            os.sched_setaffinity(0, layout[1])  # this thread and every thread it starts, not envpool's
+        appo = load_script("appo_envpool.py")
+        env_core = layout[0] if layout else None
+        results.put(("ok", run_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds, env_core)))
+    except BaseException:
+        results.put(("error", traceback.format_exc()))
+
+
+def run_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds, env_core=None):
+    """Agent steps per second of appo_envpool.actor_loop (jitted policy, one env thread, pinned
+    to `env_core` if given), with a consumer that drops rollouts: sampling alone, no learning."""
     import jax
 
     args = appo.resolve_args(
         appo.Args(env_id=env_id, num_envs=num_envs, num_splits=num_splits, num_steps=num_steps, num_threads=1)
     )
-    envs = appo.make_env(env_id, num_envs, 1, 1, train=True, batch_size=num_envs // num_splits)
+    pin = {} if env_core is None else {"thread_affinity_offset": env_core}
+    envs = appo.make_env(env_id, num_envs, 1, 1, train=True, batch_size=num_envs // num_splits, **pin)
     continuous = not hasattr(envs.action_space, "n")
     action_dim = int(np.prod(envs.action_space.shape)) if continuous else int(envs.action_space.n)
     network = appo.ActorCritic(action_dim, continuous)
@@ -127,26 +189,27 @@ def measure_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds):
     actor = appo.start_thread(
         "actor", appo.actor_loop, shared, envs, policy_step, shared, rollouts, jax.random.PRNGKey(1), args, 10**9, 0
     )
-    received, start = -1, None
+    # Count whole rollouts between the first arrival and the last: steps / time between arrivals
+    # has no partial rollout at either end (a rollout can take a second or more).
+    arrivals = []  # (time, cumulative stage timings) at each rollout's arrival
     deadline = time.perf_counter() + seconds + 60  # generous: the first rollout may be slow
-    while time.perf_counter() < deadline:
-        if start is not None and time.perf_counter() - start >= seconds:
-            break
+    while time.perf_counter() < deadline and not (arrivals and arrivals[-1][0] - arrivals[0][0] >= seconds):
         try:
             rollouts.get(timeout=0.5)
         except queue.Empty:
             continue
-        if start is None:
-            start, timing0 = time.perf_counter(), dict(shared.timing)
-        received += 1
-    elapsed = time.perf_counter() - start if start else float("nan")
-    timing = {k: (shared.timing[k] - timing0[k]) / elapsed for k in ["env", "inference"]} if start else {}
+        arrivals.append((time.perf_counter(), dict(shared.timing)))
     shared.stop.set()
     actor.join(timeout=10)
     envs.close()
     if shared.errors:
         raise RuntimeError(shared.errors[0][2])
-    return received * num_envs * num_steps / elapsed, timing
+    if len(arrivals) < 2:
+        raise RuntimeError(f"the sampler delivered fewer than 2 rollouts in {seconds + 60:.0f}s")
+    (start, timing0), (end, timing1) = arrivals[0], arrivals[-1]
+    elapsed = end - start
+    busy = {k: (timing1[k] - timing0[k]) / elapsed for k in ["env", "inference"]}
+    return (len(arrivals) - 1) * num_envs * num_steps / elapsed, busy
 
 
 def read_metrics(path):
@@ -216,6 +279,12 @@ def write_report(out_dir, results, quick):
     samplers = {r["num_splits"]: r for r in rows if r["kind"] == "sampler"}
     if 1 in samplers and 2 in samplers:
         lines += ["", f"Double buffering: 2 splits / 1 split = **{samplers[2]['sps'] / samplers[1]['sps']:.2f}x**."]
+        cores = samplers[2].get("cores")
+        if cores:
+            lines += ["", f"Sampler layout: envpool's thread pinned to core {cores['env_core']}; the actor thread and "
+                          f"XLA (single-threaded) on cores {cores['actor_cores']}."]
+        else:
+            lines += ["", "Sampler layout: not pinned (--no-pin, one core, or no sched_setaffinity on this OS)."]
     e2e = [r for r in rows if r["kind"] == "end_to_end"]
     if e2e:
         lines += ["", "## End to end (training)", "",
@@ -284,10 +353,10 @@ def main(args: Args) -> int:
             threads = param or min(os.cpu_count() or 1, args.num_envs)
             row.update(num_threads=threads, sps=measure_ceiling(appo, args.env_id, args.num_envs, threads, seconds))
         elif kind == "sampler":
-            sps, busy = measure_sampler(appo, args.env_id, args.num_envs, param, args.num_steps, seconds)
+            sps, busy, layout = measure_sampler(args.env_id, args.num_envs, param, args.num_steps, seconds, args.pin)
             ceiling = [r["sps"] for r in results["measurements"] if r["kind"] == "ceiling" and r["num_threads"] == 1]
             row.update(script="appo_envpool.py", num_splits=param, num_threads=1, num_steps=args.num_steps, sps=sps,
-                       busy={k: round(v, 3) for k, v in busy.items()},
+                       busy={k: round(v, 3) for k, v in busy.items()}, cores=layout,
                        fraction_of_ceiling=sps / ceiling[0] if ceiling else None)
         else:
             script, num_envs = param
