@@ -36,7 +36,9 @@ def test_benchmark_quick_writes_valid_results(tmp_path):
     assert [r["num_splits"] for r in samplers] == [1, 2] and all(r["num_threads"] == 1 for r in samplers)
     for r in samplers:  # envpool's thread and the actor on separate cores, where there are two
         if len(os.sched_getaffinity(0)) > 1:
-            assert r["cores"]["actor_cores"] and r["cores"]["env_core"] not in r["cores"]["actor_cores"], r["cores"]
+            cores = r["cores"]
+            assert cores["actor_cores"] and cores["env_core"] not in cores["actor_cores"], cores
+            assert cores["threads_on_env_core"] == 1, cores  # envpool's one thread, nothing else
     one_thread = next(r for r in ceilings if r["num_threads"] == 1)
     for r in samplers:
         assert abs(r["fraction_of_ceiling"] - r["sps"] / one_thread["sps"]) < 1e-9
@@ -49,3 +51,13 @@ def test_benchmark_quick_writes_valid_results(tmp_path):
     assert "Double buffering" in table and "| end_to_end" not in table  # tables, not raw rows
     for png in ["sampler.png", "end_to_end.png"]:
         assert (out / png).stat().st_size > 5000
+
+
+def test_sampler_without_pinning(monkeypatch):
+    """--no-pin: the sampler still measures, in its own process, and reports no core layout."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "utils"))
+    import benchmark
+
+    sps, busy, layout = benchmark.measure_sampler("CartPole-v1", 8, 2, 16, 1.0, pin=False)
+    assert layout is None
+    assert math.isfinite(sps) and sps > 0 and 0 <= busy["inference"] <= 1.05

@@ -41,9 +41,9 @@ class Args:
     """envpool task to measure"""
     quick: bool = False
     """about 2 minutes instead of about 10: shorter measurements, a smaller sweep"""
-    num_envs: int = 32
-    """environments for the ceiling and sampler measurements (2 splits of 16: a batch of 16 spreads
-    each inference call's fixed cost; at 8 the CPU sampler is inference-bound, see README)"""
+    num_envs: int = 64
+    """environments for the ceiling and sampler measurements (2 splits of 32, as Cleanba's Atari
+    runs: a large batch spreads each inference call's fixed cost; see README for 8 to 64)"""
     num_steps: int = 64
     """rollout length for the sampler and for every end-to-end run (matching flags)"""
     pin: bool = True
@@ -114,8 +114,8 @@ def measure_ceiling(appo, env_id, num_envs, num_threads, seconds):
 # one thread is pinned to the first core (envpool's `thread_affinity_offset`), the actor thread and
 # XLA to the others, and XLA's intra-op thread pool (sized by the machine's core count, not by the
 # affinity mask) is switched off so that inference does not time-slice the env core. Unpinned, the
-# scheduler mixes env stepping, inference and the actor's bookkeeping on both cores (measured on
-# 2 cores: 2 splits 1.3x of 1 split and 60% of the ceiling, against about 1.9x and 85% pinned).
+# scheduler mixes env stepping, inference and the actor's bookkeeping on both cores (Pong-v5 on
+# 2 cores, 32 envs: 2 splits 1.55x of 1 split and 77% of the ceiling, against 2.13x and 91% pinned).
 SAMPLER_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false"
 
 
@@ -149,8 +149,10 @@ def measure_sampler(env_id, num_envs, num_splits, num_steps, seconds, pin=True):
             child.kill()
     if outcome == "error":
         raise RuntimeError(f"the sampler process failed:\n{value}")
-    sps, busy = value
-    return sps, busy, {"env_core": layout[0], "actor_cores": layout[1]} if layout else None
+    sps, busy, threads_on_env_core = value
+    if not layout:
+        return sps, busy, None
+    return sps, busy, {"env_core": layout[0], "actor_cores": layout[1], "threads_on_env_core": threads_on_env_core}
 
 
 def sampler_process(env_id, num_envs, num_splits, num_steps, seconds, layout, results):
@@ -168,7 +170,8 @@ def sampler_process(env_id, num_envs, num_splits, num_steps, seconds, layout, re
 
 def run_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds, env_core=None):
     """Agent steps per second of appo_envpool.actor_loop (jitted policy, one env thread, pinned
-    to `env_core` if given), with a consumer that drops rollouts: sampling alone, no learning."""
+    to `env_core` if given), with a consumer that drops rollouts: sampling alone, no learning.
+    Returns (SPS, busy fraction of env wait and inference, threads found pinned to env_core)."""
     import jax
 
     args = appo.resolve_args(
@@ -176,6 +179,14 @@ def run_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds, env_core
     )
     pin = {} if env_core is None else {"thread_affinity_offset": env_core}
     envs = appo.make_env(env_id, num_envs, 1, 1, train=True, batch_size=num_envs // num_splits, **pin)
+    threads_on_env_core = None  # threads allowed on env_core only: 1 (envpool's) if the pin held
+    if env_core is not None and os.path.isdir("/proc/self/task"):
+        threads_on_env_core = 0
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                threads_on_env_core += os.sched_getaffinity(int(tid)) == {env_core}
+            except OSError:  # the thread ended meanwhile
+                pass
     continuous = not hasattr(envs.action_space, "n")
     action_dim = int(np.prod(envs.action_space.shape)) if continuous else int(envs.action_space.n)
     network = appo.ActorCritic(action_dim, continuous)
@@ -209,7 +220,7 @@ def run_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds, env_core
     (start, timing0), (end, timing1) = arrivals[0], arrivals[-1]
     elapsed = end - start
     busy = {k: (timing1[k] - timing0[k]) / elapsed for k in ["env", "inference"]}
-    return (len(arrivals) - 1) * num_envs * num_steps / elapsed, busy
+    return (len(arrivals) - 1) * num_envs * num_steps / elapsed, busy, threads_on_env_core
 
 
 def read_metrics(path):
