@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from helpers import REPO_ROOT, SCRIPTS
 
 FIELDS = ["kind", "script", "env_id", "num_envs", "num_splits", "num_threads", "sps", "fps"]
@@ -61,3 +63,12 @@ def test_sampler_without_pinning(monkeypatch):
     sps, busy, layout = benchmark.measure_sampler("CartPole-v1", 8, 2, 16, 1.0, pin=False)
     assert layout is None
     assert math.isfinite(sps) and sps > 0 and 0 <= busy["inference"] <= 1.05
+
+
+def test_sampler_process_failure_is_reported(monkeypatch):
+    """An exception inside the sampler's process reaches the caller with its traceback; no hang."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "utils"))
+    import benchmark
+
+    with pytest.raises(RuntimeError, match="sampler process failed(.|\n)*must divide --num-envs"):
+        benchmark.measure_sampler("CartPole-v1", 8, 3, 16, 1.0)  # 3 splits of 8 envs: appo refuses

@@ -139,10 +139,15 @@ def measure_sampler(env_id, num_envs, num_splits, num_steps, seconds, pin=True):
     child = ctx.Process(target=sampler_process, args=(env_id, num_envs, num_splits, num_steps, seconds, layout, results),
                         daemon=True)
     child.start()
+    deadline = time.monotonic() + seconds + 300
     try:
-        outcome, value = results.get(timeout=seconds + 300)
-    except queue.Empty:
-        raise RuntimeError(f"the sampler process gave no result in {seconds + 300:.0f}s (exit code {child.exitcode})")
+        while True:  # wait for the result, but not on a child that died (a crash in C++ code)
+            try:
+                outcome, value = results.get(timeout=1.0 if child.is_alive() and time.monotonic() < deadline else 5.0)
+                break
+            except queue.Empty:
+                if not child.is_alive() or time.monotonic() >= deadline:
+                    raise RuntimeError(f"the sampler process gave no result (exit code {child.exitcode})") from None
     finally:
         child.join(timeout=30)
         if child.is_alive():
