@@ -55,20 +55,23 @@ def test_benchmark_quick_writes_valid_results(tmp_path):
         assert (out / png).stat().st_size > 5000
 
 
-def test_sampler_without_pinning(monkeypatch):
-    """--no-pin: the sampler still measures, in its own process, and reports no core layout."""
+@pytest.fixture
+def bench_module(monkeypatch):
+    """utils/benchmark.py as a module (it imports utils/common.py as `common`)."""
     monkeypatch.syspath_prepend(str(REPO_ROOT / "utils"))
     import benchmark
 
-    sps, busy, layout = benchmark.measure_sampler("CartPole-v1", 8, 2, 16, 1.0, pin=False)
+    return benchmark
+
+
+def test_sampler_without_pinning(bench_module):
+    """--no-pin: the sampler still measures, in its own process, and reports no core layout."""
+    sps, busy, layout = bench_module.measure_sampler("CartPole-v1", 8, 2, 16, 1.0, pin=False)
     assert layout is None
     assert math.isfinite(sps) and sps > 0 and 0 <= busy["inference"] <= 1.05
 
 
-def test_sampler_process_failure_is_reported(monkeypatch):
+def test_sampler_process_failure_is_reported(bench_module):
     """An exception inside the sampler's process reaches the caller with its traceback; no hang."""
-    monkeypatch.syspath_prepend(str(REPO_ROOT / "utils"))
-    import benchmark
-
     with pytest.raises(RuntimeError, match="sampler process failed(.|\n)*must divide --num-envs"):
-        benchmark.measure_sampler("CartPole-v1", 8, 3, 16, 1.0)  # 3 splits of 8 envs: appo refuses
+        bench_module.measure_sampler("CartPole-v1", 8, 3, 16, 1.0)  # 3 splits of 8 envs: appo refuses
