@@ -97,6 +97,8 @@ class Args:
     """continue from this run folder or checkpoint file: parameters, optimiser state, step count"""
     save_interval: int = 50
     """write a checkpoint every this many updates (0: only at the end)"""
+    log_frequency: int = 10
+    """log losses, timings and SPS every this many updates and after the last (returns: always)"""
     eval_episodes: int = 10
     """episodes played with the final policy at the end of training (0: no evaluation)"""
     capture_video: bool = False
@@ -139,7 +141,7 @@ def resolve_args(args: Args) -> Args:
         raise UsageError(f"--env-id {args.env_id!r} is not an envpool task{hint}")
     preset = PRESETS[env_kind(args.env_id)]
     args = dataclasses.replace(args, **{k: v for k, v in preset.items() if getattr(args, k) is None})
-    for name in ["total_timesteps", "num_envs", "num_steps", "num_splits", "queue_size"]:
+    for name in ["total_timesteps", "num_envs", "num_steps", "num_splits", "queue_size", "log_frequency"]:
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     for name in ["learning_rate", "rmsprop_eps", "max_grad_norm", "vtrace_rho_bar", "vtrace_c_bar"]:
@@ -569,15 +571,16 @@ def learner_loop(update, shared, rollout_queue, key, args, num_updates, ckpt_fil
         state = dict(new_state, global_step=int(state["global_step"]) + batch_size)
         shared.state = state
         shared.latest = (state["params"], int(state["policy_version"]))
-        scalars = {f"losses/{k}": v for k, v in diagnostics.items() if k != "finite"}
-        for k in ["policy_lag_mean", "policy_lag_max", "stale_fraction"]:
-            scalars[f"async/{k}"] = scalars.pop(f"losses/{k}")
-        scalars["async/queue_size"] = rollout_queue.qsize()
-        scalars["charts/learning_rate"] = (
-            args.learning_rate * (1 - (update_idx + 1) / num_updates) if args.anneal_lr else args.learning_rate
-        )
-        scalars.update({f"timing/{k}_seconds": v for k, v in timing.items()})
-        shared.reports.put((state["global_step"], scalars))
+        if (update_idx + 1) % args.log_frequency == 0 or update_idx + 1 == num_updates:
+            scalars = {f"losses/{k}": v for k, v in diagnostics.items() if k != "finite"}
+            for k in ["policy_lag_mean", "policy_lag_max", "stale_fraction"]:
+                scalars[f"async/{k}"] = scalars.pop(f"losses/{k}")
+            scalars["async/queue_size"] = rollout_queue.qsize()
+            scalars["charts/learning_rate"] = (
+                args.learning_rate * (1 - (update_idx + 1) / num_updates) if args.anneal_lr else args.learning_rate
+            )
+            scalars.update({f"timing/{k}_seconds": v for k, v in timing.items()})
+            shared.reports.put((state["global_step"], scalars))
         if args.save_interval and (update_idx + 1) % args.save_interval == 0:
             save_checkpoint(ckpt_file, state, args)
 

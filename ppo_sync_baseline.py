@@ -86,6 +86,8 @@ class Args:
     """continue from this run folder or checkpoint file: parameters, optimiser state, step count"""
     save_interval: int = 50
     """write a checkpoint every this many updates (0: only at the end)"""
+    log_frequency: int = 10
+    """log losses, timings and SPS every this many updates and after the last (returns: always)"""
     eval_episodes: int = 10
     """episodes played with the final policy at the end of training (0: no evaluation)"""
     capture_video: bool = False
@@ -131,7 +133,7 @@ def resolve_args(args: Args) -> Args:
         raise UsageError(f"--env-id {args.env_id!r} is not an envpool task{hint}")
     preset = PRESETS[env_kind(args.env_id)]
     args = dataclasses.replace(args, **{k: v for k, v in preset.items() if getattr(args, k) is None})
-    for name in ["total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs"]:
+    for name in ["total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs", "log_frequency"]:
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     for name in ["learning_rate", "clip_coef", "max_grad_norm"]:
@@ -669,17 +671,18 @@ def main(args: Args) -> int:
                 logger.close()
                 return 1
             state = dict(new_state, global_step=global_step)
-            scalars = {f"losses/{k}": v for k, v in diagnostics.items() if k != "finite"}
             for _, ret, length in stats.pop():
                 recent_returns.append(ret)
                 logger.log(global_step, {"charts/episodic_return": ret, "charts/episodic_length": length})
             sps = (global_step - start_step) / (time.time() - start_time)
-            scalars["charts/SPS"] = sps
-            scalars["charts/learning_rate"] = (
-                args.learning_rate * (1 - (update_idx + 1) / num_updates) if args.anneal_lr else args.learning_rate
-            )
-            scalars.update({f"timing/{k}_seconds": v for k, v in timing.items()})
-            logger.log(global_step, scalars)
+            if (update_idx + 1) % args.log_frequency == 0 or update_idx + 1 == num_updates:
+                scalars = {f"losses/{k}": v for k, v in diagnostics.items() if k != "finite"}
+                scalars["charts/SPS"] = sps
+                scalars["charts/learning_rate"] = (
+                    args.learning_rate * (1 - (update_idx + 1) / num_updates) if args.anneal_lr else args.learning_rate
+                )
+                scalars.update({f"timing/{k}_seconds": v for k, v in timing.items()})
+                logger.log(global_step, scalars)
             if args.save_interval and (update_idx + 1) % args.save_interval == 0:
                 save_checkpoint(ckpt_file, state, args)
             if time.time() - last_print > 5 or update_idx + 1 == num_updates:

@@ -27,6 +27,7 @@ TINY_FLAGS = {
     "num_steps": 16,
     "total_timesteps": 128,
     "eval_episodes": 0,
+    "log_frequency": 1,  # every update's scalars, as the tests that wait for them expect
 }
 TINY_BATCH = TINY_FLAGS["num_envs"] * TINY_FLAGS["num_steps"]
 

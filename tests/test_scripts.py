@@ -17,6 +17,7 @@ from helpers import (
     SCRIPT_TABLE,
     TINY_BATCH,
     TINY_FLAGS,
+    UPDATE_TAGS,
     assert_ok,
     assert_usage_error,
     check_run_files,
@@ -29,6 +30,7 @@ from helpers import (
     read_metrics,
     run_script,
     start_script,
+    tag_steps,
     tag_values,
     wait_until,
 )
@@ -65,6 +67,20 @@ def test_smoke(script, env_id, tmp_path):
 
 
 SMOKE_VARIANTS = [(name, variant) for name, row in SCRIPT_TABLE.items() for variant in row["variants"]]
+
+
+@pytest.mark.timeout(300)
+def test_log_frequency(script, tmp_path):
+    """--log-frequency 3 over 7 updates: the update scalars come after updates 3, 6 and the last;
+    episode returns are logged whatever the frequency."""
+    run_dir = tmp_path / "run"
+    flags = dict(total_timesteps=7 * TINY_BATCH, log_frequency=3, run_dir=run_dir)
+    result = run_script(script, cli(script, **flags), timeout=300)
+    assert_ok(result)
+    records = read_metrics(run_dir)
+    for tag in UPDATE_TAGS + SCRIPT_TABLE[script]["extra_tags"] + ["charts/SPS", "charts/learning_rate"]:
+        assert tag_steps(records, tag) == [3 * TINY_BATCH, 6 * TINY_BATCH, 7 * TINY_BATCH], tag
+    assert len(tag_values(records, "charts/episodic_return")) >= 7 * TINY_BATCH // 100
 
 
 @pytest.mark.timeout(600)
@@ -196,6 +212,7 @@ BAD_INPUTS = {
     "unknown-env-id": (dict(env_id="CartPol-v1"), ["--env-id", "CartPole-v1"], None),
     "zero-envs": (dict(num_envs=0), ["--num-envs"], None),
     "negative-timesteps": (dict(total_timesteps=-5), ["--total-timesteps"], None),
+    "zero-log-frequency": (dict(log_frequency=0), ["--log-frequency"], None),
     "resume-missing": (dict(), ["--resume"], lambda run, tmp: tmp / "no_such_run"),
     "resume-random-bytes": (dict(), ["--resume"], corrupt_random),
     "resume-truncated": (dict(), ["--resume"], corrupt_truncated),
