@@ -78,8 +78,8 @@ SCRIPT_TABLE = {
         bad_inputs=dict(PPO_BAD_INPUTS, **ASYNC_BAD_INPUTS),
         variants={"num-splits-1": dict(num_splits=1), "no-vtrace": dict(vtrace=False)},
         extra_tags=ASYNC_TAGS,
-        # Measured at 150k: 20 seeds reached a 20-episode mean >= 475 at 19k-53k steps; all 23
-        # runs (seeds 1-20, and seed 1 three more times) ended at 500, but one CI run ended at 388.
+        # Measured at 150k: seeds 1-20 reached a 20-episode mean >= 475 at 19k-53k steps; all 25
+        # runs (seeds 1-20, seed 1 five more times) ended at 500, but one CI run ended at 388.
         learning_timesteps=150_000,
         asynchronous=True,
     ),

@@ -240,7 +240,7 @@ def measure_end_to_end(script, env_id, num_envs, num_steps, seconds, out_dir):
     cmd = [
         sys.executable, os.path.join(ROOT, script), "--env-id", env_id, "--num-envs", str(num_envs),
         "--num-steps", str(num_steps), "--total-timesteps", str(10**9), "--eval-episodes", "0",
-        "--save-interval", "0", "--run-dir", run_dir,
+        "--save-interval", "0", "--log-frequency", "1", "--run-dir", run_dir,
     ]
     if script != "impala_envpool.py" and num_envs * num_steps % 4:
         cmd += ["--num-minibatches", "1"]
