@@ -548,11 +548,12 @@ def load_checkpoint(path: str, template: dict, args: Args) -> dict:
     return state
 
 
-def evaluate(params, network, args: Args, continuous: bool, num_episodes: int, video_dir=None, greedy=False):
+def evaluate(params, network, args: Args, continuous: bool, num_episodes: int, video_dir=None, greedy=False, signals=()):
     """Play `num_episodes` full games (no life loss ends, unclipped rewards); return the scores.
 
     Each env plays at most its share of the episodes, so that short games are not favoured.
-    With `video_dir`, the first episode of the first env is written to an mp4 there.
+    With `video_dir`, the first episode of the first env is written to an mp4 there. Stops early,
+    with the scores so far and no video, once `signals` (the main thread's received signals) fills.
     """
     num_envs = min(num_episodes, 8)
     quota = np.full(num_envs, -(-num_episodes // num_envs))
@@ -573,7 +574,7 @@ def evaluate(params, network, args: Args, continuous: bool, num_episodes: int, v
     stats = EpisodeStats(num_envs)
     obs, _ = envs.reset()
     scores, frames = [], []
-    while len(scores) < num_episodes:
+    while len(scores) < num_episodes and not signals:
         if render and quota[0] == -(-num_episodes // num_envs):
             frames.append(envs.render()[0])
         action, key = act(params, obs, key)
@@ -584,6 +585,8 @@ def evaluate(params, network, args: Args, continuous: bool, num_episodes: int, v
                 scores.append(ret)
                 quota[env] -= 1
     envs.close()
+    if signals:
+        return scores
     if render and frames:
         import imageio
 
@@ -700,7 +703,15 @@ def main(args: Args) -> int:
         print(f"final: mean return over the last {len(recent_returns)} episodes {np.mean(recent_returns):.2f}")
     if args.eval_episodes:
         video_dir = os.path.join(run_dir, "videos") if args.capture_video else None
-        scores = evaluate(state["params"], network, args, continuous, args.eval_episodes, video_dir)
+        print(f"eval: playing {args.eval_episodes} episodes with the final policy", flush=True)
+        scores = evaluate(state["params"], network, args, continuous, args.eval_episodes, video_dir, signals=received)
+        if received:
+            print(
+                f"evaluation stopped by signal {received[0]} after {len(scores)} episodes; checkpoint: {ckpt_file}",
+                file=sys.stderr,
+            )
+            logger.close()
+            return 128 + received[0]
         logger.log(global_step, {"eval/episodic_return": np.mean(scores)})
         print(f"eval: {len(scores)} episodes, return {np.mean(scores):.2f} +- {np.std(scores):.2f}")
     logger.close()

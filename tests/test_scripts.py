@@ -280,6 +280,31 @@ def test_non_finite_loss_exits_1_and_keeps_checkpoint(script, cartpole_run, tmp_
         assert math.isfinite(record["value"]), f"non-finite value logged: {record}"
 
 
+@pytest.mark.timeout(300)
+def test_sigterm_during_evaluation(script, tmp_path):
+    """A signal during the final evaluation stops it at once: exit 128 + signal, the finished
+    training's checkpoint written, no evaluation score logged."""
+    run_dir, logs = tmp_path / "run", tmp_path / "logs"
+    proc = start_script(script, cli(script, eval_episodes=100_000, run_dir=run_dir), logs)
+    try:
+        wait_until(lambda: "eval: playing" in (logs / "stdout.txt").read_text(), proc, 240)
+        time.sleep(1)  # into the evaluation loop
+        proc.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        returncode = proc.wait(timeout=30)
+        stop_seconds = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = (logs / "stderr.txt").read_text()
+    assert returncode == 128 + signal.SIGTERM, f"exit code {returncode}\n{stderr[-3000:]}"
+    assert "evaluation stopped by signal" in stderr and "Traceback" not in stderr, stderr
+    assert stop_seconds < 10
+    assert int(read_checkpoint(run_dir)["state"]["global_step"]) >= TINY_FLAGS["total_timesteps"]
+    assert not tag_values(read_metrics(run_dir), "eval/episodic_return")
+
+
 # ---------------------------------------------------------------------------------------------
 # Learning
 # ---------------------------------------------------------------------------------------------
