@@ -1,8 +1,10 @@
 """Each script in helpers.SCRIPTS run as a user runs it: smoke runs, SIGTERM and resume, bad input,
 a diverging loss, and learning CartPole-v1. Subprocesses run one at a time, from the repo root."""
 
+import difflib
 import json
 import math
+import re
 import shutil
 import signal
 import time
@@ -14,6 +16,7 @@ import pytest
 
 from helpers import (
     CHECKPOINT,
+    REPO_ROOT,
     SCRIPT_TABLE,
     TINY_BATCH,
     TINY_FLAGS,
@@ -34,6 +37,25 @@ from helpers import (
     tag_values,
     wait_until,
 )
+
+# ---------------------------------------------------------------------------------------------
+# The files side by side
+# ---------------------------------------------------------------------------------------------
+
+
+def test_scripts_stand_alone_and_the_async_diff_stays_small():
+    """Users copy one script: none imports utils/ or a sibling. `diff ppo_sync_baseline.py
+    appo_envpool.py` is how they read what asynchrony changes: under 35% of APPO's lines."""
+    sources = {name: (REPO_ROOT / name).read_text().splitlines() for name in SCRIPT_TABLE}
+    local = re.compile(r"(from|import) +(utils|ppo_sync_baseline|appo_envpool|impala_envpool)\b")
+    for name, lines in sources.items():
+        imports = [line for line in lines if local.match(line)]
+        assert not imports, (name, imports)
+    sync, appo = sources["ppo_sync_baseline.py"], sources["appo_envpool.py"]
+    matcher = difflib.SequenceMatcher(None, sync, appo, autojunk=False)
+    changed = sum(j2 - j1 for tag, _, _, j1, j2 in matcher.get_opcodes() if tag != "equal")
+    assert changed / len(appo) < 0.35, f"{changed} of {len(appo)} lines of appo_envpool.py differ"
+
 
 # ---------------------------------------------------------------------------------------------
 # Smoke runs
