@@ -712,7 +712,9 @@ def evaluate(params, network, args: Args, continuous: bool, num_episodes: int, v
         import imageio
 
         os.makedirs(video_dir, exist_ok=True)
-        imageio.mimsave(os.path.join(video_dir, "eval_episode_0.mp4"), frames, fps=30, macro_block_size=1)
+        with warnings.catch_warnings():  # JAX warns of any fork; ffmpeg's fork + exec is safe
+            warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
+            imageio.mimsave(os.path.join(video_dir, "eval_episode_0.mp4"), frames, fps=30, macro_block_size=1)
     elif video_dir is not None:
         print("warning: MuJoCo rendering needs an OpenGL backend (set MUJOCO_GL); no video written", file=sys.stderr)
     return scores[:num_episodes]

@@ -20,4 +20,5 @@ def cartpole_run(script, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("cartpole_run") / "run"
     result = run_script(script, cli(script, eval_episodes=2, capture_video=True, run_dir=run_dir), timeout=300)
     assert_ok(result)
+    (run_dir.parent / "stderr.txt").write_text(result.stderr)
     return run_dir

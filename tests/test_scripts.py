@@ -71,6 +71,8 @@ def test_smoke_cartpole_eval_and_video(script, cartpole_run):
     assert len(evals) == 1 and 1 <= evals[0] <= 500, evals
     videos = list((cartpole_run / "videos").glob("*.mp4"))
     assert len(videos) == 1 and videos[0].stat().st_size > 0, videos
+    stderr = (cartpole_run.parent / "stderr.txt").read_text()
+    assert "Warning" not in stderr, stderr
 
 
 @pytest.mark.timeout(600)
