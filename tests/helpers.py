@@ -10,6 +10,7 @@ import importlib.util
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -168,6 +169,23 @@ def start_script(script, argv, log_dir):
     log_dir.mkdir(parents=True, exist_ok=True)
     with open(log_dir / "stdout.txt", "w") as out, open(log_dir / "stderr.txt", "w") as err:
         return subprocess.Popen([sys.executable, script, *map(str, argv)], cwd=REPO_ROOT, stdout=out, stderr=err)
+
+
+def sigterm_when(script, argv, log_dir, ready, timeout):
+    """Start `python script argv...`, send SIGTERM once `ready()` holds (within `timeout` s),
+    and wait up to 30 s for it to exit; return (exit code, seconds from signal to exit, stderr)."""
+    proc = start_script(script, argv, log_dir)
+    try:
+        wait_until(ready, proc, timeout)
+        proc.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        returncode = proc.wait(timeout=30)
+        stop_seconds = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return returncode, stop_seconds, (Path(log_dir) / "stderr.txt").read_text()
 
 
 def describe(result):

@@ -32,10 +32,9 @@ from helpers import (
     read_checkpoint,
     read_metrics,
     run_script,
-    start_script,
+    sigterm_when,
     tag_steps,
     tag_values,
-    wait_until,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -131,18 +130,10 @@ def test_smoke_variant(script_name, variant, tmp_path):
 def test_sigterm_writes_checkpoint_and_resume_continues(script, tmp_path):
     run_dir = tmp_path / "run"
     long_run = cli(script, total_timesteps=100_000_000, save_interval=1, run_dir=run_dir)
-    proc = start_script(script, long_run, tmp_path / "logs")
-    try:
-        wait_until(lambda: count_complete_lines(run_dir / "metrics.jsonl", '"losses/policy_loss"') >= 3, proc, 300)
-        proc.send_signal(signal.SIGTERM)
-        start = time.monotonic()
-        returncode = proc.wait(timeout=30)
-        stop_seconds = time.monotonic() - start
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    stderr = (tmp_path / "logs" / "stderr.txt").read_text()
+    returncode, stop_seconds, stderr = sigterm_when(
+        script, long_run, tmp_path / "logs",
+        lambda: count_complete_lines(run_dir / "metrics.jsonl", '"losses/policy_loss"') >= 3, 300,
+    )
     assert returncode == 128 + signal.SIGTERM, f"exit code {returncode}\n{stderr[-3000:]}"
     assert "Traceback" not in stderr, stderr
     assert stop_seconds < 20
@@ -309,19 +300,15 @@ def test_sigterm_during_evaluation(script, tmp_path):
     """A signal during the final evaluation stops it at once: exit 128 + signal, the finished
     training's checkpoint written, no evaluation score logged."""
     run_dir, logs = tmp_path / "run", tmp_path / "logs"
-    proc = start_script(script, cli(script, eval_episodes=100_000, run_dir=run_dir), logs)
-    try:
-        wait_until(lambda: "eval: playing" in (logs / "stdout.txt").read_text(), proc, 240)
-        time.sleep(1)  # into the evaluation loop
-        proc.send_signal(signal.SIGTERM)
-        start = time.monotonic()
-        returncode = proc.wait(timeout=30)
-        stop_seconds = time.monotonic() - start
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    stderr = (logs / "stderr.txt").read_text()
+    def in_evaluation():
+        if "eval: playing" not in (logs / "stdout.txt").read_text():
+            return False
+        time.sleep(1)  # from its first line into the evaluation loop
+        return True
+
+    returncode, stop_seconds, stderr = sigterm_when(
+        script, cli(script, eval_episodes=100_000, run_dir=run_dir), logs, in_evaluation, 240
+    )
     assert returncode == 128 + signal.SIGTERM, f"exit code {returncode}\n{stderr[-3000:]}"
     assert "evaluation stopped by signal" in stderr and "Traceback" not in stderr, stderr
     assert stop_seconds < 10
