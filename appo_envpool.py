@@ -857,7 +857,8 @@ def main(args: Args) -> int:
         start_thread("learner", learner_loop, shared, update, shared, rollout_queue, update_key, args, num_updates, ckpt_file),
     ]
     try:
-        while threads[1].is_alive() and not shared.stop.is_set():
+        # Until the learner has finished and its last report is logged (with SPS), or a stop.
+        while (threads[1].is_alive() or not shared.reports.empty()) and not shared.stop.is_set():
             try:
                 step, scalars = shared.reports.get(timeout=0.2)
             except queue.Empty:
