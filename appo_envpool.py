@@ -15,6 +15,9 @@ Usage: python appo_envpool.py --env-id Pong-v5     (--help lists every flag)
 
 import dataclasses
 import difflib
+import functools
+import importlib.util
+import inspect
 import json
 import os
 import queue
@@ -26,7 +29,7 @@ import traceback
 import warnings
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional
+from typing import Annotated, Optional
 
 import envpool
 import flax
@@ -39,17 +42,21 @@ import tyro
 from tensorboardX import SummaryWriter
 
 
+# Flags left at None take the value of the task's preset (PRESETS below).
+PRESET = tyro.conf.arg(help_behavior_hint="(default: preset)")
+
+
 @dataclass
 class Args:
     """Asynchronous PPO (actor and learner threads). Every size is in agent steps unless it says frames.
 
-    Flags whose default shows as None take the preset of the task's family (Atari, classic
-    control, MuJoCo; the PRESETS table in this file); config.json records the values used.
+    Flags shown with "(default: preset)" take the value of the task's preset (listed below; the
+    PRESETS table in this file); an explicit flag wins, and config.json records the values used.
     """
 
     env_id: str = "Pong-v5"
-    """envpool task id: Atari `*-v5` (84x84 grey, 4-frame stack, frame skip 4), classic control
-    (CartPole-v1, Acrobot-v1, LunarLander-v2, ...) or MuJoCo (HalfCheetah-v4, Hopper-v4, ...)"""
+    """envpool task id: Atari `*-v5` (84x84 grey, 4-frame stack, frame skip 4), classic control and
+    Box2D vectors (CartPole-v1, Acrobot-v1, LunarLander-v2, Pendulum-v1, ...) or MuJoCo (HalfCheetah-v4, ...)"""
     seed: int = 1
     """seed of the environments, the network initialisation and action sampling"""
     total_timesteps: int = 10_000_000
@@ -58,8 +65,8 @@ class Args:
     """number of parallel environments"""
     num_splits: int = 2
     """envpool splits for double-buffered sampling (Sample Factory §3.2); 1 disables it"""
-    num_steps: Optional[int] = None
-    """rollout length: steps per environment in each rollout (default: preset, see PRESETS)"""
+    num_steps: Annotated[Optional[int], PRESET] = None
+    """rollout length: steps per environment in each rollout"""
     queue_size: int = 2
     """rollouts the actor may queue ahead of the learner before it blocks (backpressure)"""
     max_policy_lag: int = 25
@@ -70,28 +77,32 @@ class Args:
     """V-trace clipping threshold of the importance ratio in the targets (rho bar)"""
     vtrace_c_bar: float = 1.0
     """V-trace clipping threshold of the trace-cutting coefficients (c bar)"""
-    learning_rate: Optional[float] = None
-    """Adam learning rate, the start of the schedule when --anneal-lr (default: preset)"""
+    learning_rate: Annotated[Optional[float], PRESET] = None
+    """Adam learning rate, the start of the schedule when --anneal-lr"""
     anneal_lr: bool = True
     """decay the learning rate linearly to 0 over the run"""
-    gamma: Optional[float] = None
-    """discount factor (default: preset)"""
-    gae_lambda: Optional[float] = None
-    """lambda of generalised advantage estimation (default: preset)"""
-    num_minibatches: Optional[int] = None
-    """minibatches per epoch; must divide num_envs * num_steps (default: preset)"""
-    update_epochs: Optional[int] = None
-    """passes over each rollout (default: preset)"""
+    gamma: Annotated[Optional[float], PRESET] = None
+    """discount factor"""
+    gae_lambda: Annotated[Optional[float], PRESET] = None
+    """lambda of generalised advantage estimation"""
+    num_minibatches: Annotated[Optional[int], PRESET] = None
+    """minibatches per epoch; must divide num_envs * num_steps"""
+    update_epochs: Annotated[Optional[int], PRESET] = None
+    """passes over each rollout"""
     norm_adv: bool = True
     """normalise advantages within each minibatch"""
-    clip_coef: Optional[float] = None
-    """PPO ratio clipping epsilon (default: preset)"""
-    ent_coef: Optional[float] = None
-    """weight of the entropy bonus (default: preset)"""
+    clip_coef: Annotated[Optional[float], PRESET] = None
+    """PPO ratio clipping epsilon"""
+    ent_coef: Annotated[Optional[float], PRESET] = None
+    """weight of the entropy bonus"""
     vf_coef: float = 0.5
     """weight of the value loss"""
     max_grad_norm: float = 0.5
     """global gradient-norm clipping threshold"""
+    norm_obs: Annotated[Optional[bool], PRESET] = None
+    """normalise observations by a running mean and std, clipped to [-10, 10] (CleanRL, MuJoCo)"""
+    norm_reward: Annotated[Optional[bool], PRESET] = None
+    """divide rewards by the running std of the discounted return, clipped to [-10, 10]"""
     num_threads: int = 0
     """envpool worker threads stepping the environments (0: one per CPU core, at most num_envs)"""
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
@@ -99,7 +110,8 @@ class Args:
     run_dir: Optional[str] = None
     """output folder (default: runs/{env_id}__{exp_name}__{seed}__{timestamp})"""
     resume: Optional[str] = None
-    """continue from this run folder or checkpoint file: parameters, optimiser state, step count"""
+    """continue this run folder (or checkpoint file) with its own flags; flags given here replace
+    them, except --env-id, --norm-obs and --norm-reward, which cannot change mid-run"""
     save_interval: int = 50
     """write a checkpoint every this many updates (0: only at the end)"""
     log_frequency: int = 10
@@ -109,23 +121,44 @@ class Args:
     capture_video: bool = False
     """record an mp4 of one evaluation episode into {run_dir}/videos/"""
     track: bool = False
-    """also log to Weights & Biases (needs `pip install wandb`)"""
+    """also log to Weights & Biases (needs `pip install -e '.[wandb]'`)"""
     wandb_project: str = "jax-async-rl"
     """Weights & Biases project, with --track"""
 
 
-# Defaults of the flags left at None, by environment family; an explicit flag always wins.
+# Defaults of the flags left at None: a task's own preset (by name, without its version), else its
+# family's (env_kind); an explicit flag always wins. rl-baselines3-zoo's batch sizes become
+# minibatch counts at 8 envs; its gSDE exploration (Pendulum) is not reproduced.
+NO_NORM = dict(norm_obs=False, norm_reward=False)
 PRESETS = {
     # CleanRL's ppo_atari_envpool.py (Huang et al. 2022).
     "atari": dict(num_steps=128, learning_rate=2.5e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=4,
-                  update_epochs=4, clip_coef=0.1, ent_coef=0.01),
-    # rl-baselines3-zoo's tuned CartPole-v1 PPO: solves it within 500k steps on every seed we tried.
-    "classic": dict(num_steps=32, learning_rate=1e-3, gamma=0.98, gae_lambda=0.8, num_minibatches=1,
-                    update_epochs=20, clip_coef=0.2, ent_coef=0.0),
-    # CleanRL's ppo_continuous_action.py (2048 steps a rollout, minibatches of 64 at 8 envs).
+                  update_epochs=4, clip_coef=0.1, ent_coef=0.01, **NO_NORM),
+    # CleanRL's ppo_continuous_action.py (2048 steps a rollout, minibatches of 64 at 8 envs), with
+    # its observation and reward normalisation.
     "mujoco": dict(num_steps=256, learning_rate=3e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=32,
-                   update_epochs=10, clip_coef=0.2, ent_coef=0.0),
+                   update_epochs=10, clip_coef=0.2, ent_coef=0.0, norm_obs=True, norm_reward=True),
+    # Any other vector task: CleanRL's ppo.py defaults, a general starting point, not a tuned one.
+    "classic": dict(num_steps=128, learning_rate=2.5e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=4,
+                    update_epochs=4, clip_coef=0.2, ent_coef=0.01, **NO_NORM),
+    # rl-baselines3-zoo's tuned PPO (hyperparams/ppo.yml): CartPole solves within 100k steps.
+    "CartPole": dict(num_steps=32, learning_rate=1e-3, gamma=0.98, gae_lambda=0.8, num_minibatches=1,
+                     update_epochs=20, clip_coef=0.2, ent_coef=0.0, **NO_NORM),
+    "Acrobot": dict(num_steps=256, learning_rate=3e-4, gamma=0.99, gae_lambda=0.94, num_minibatches=32,
+                    update_epochs=4, clip_coef=0.2, ent_coef=0.0, norm_obs=True, norm_reward=True),
+    "MountainCar": dict(num_steps=16, learning_rate=3e-4, gamma=0.99, gae_lambda=0.98, num_minibatches=2,
+                        update_epochs=4, clip_coef=0.2, ent_coef=0.0, norm_obs=True, norm_reward=True),
+    "Pendulum": dict(num_steps=1024, learning_rate=1e-3, gamma=0.9, gae_lambda=0.95, num_minibatches=128,
+                     update_epochs=10, clip_coef=0.2, ent_coef=0.0, **NO_NORM),
+    "LunarLander": dict(num_steps=1024, learning_rate=3e-4, gamma=0.999, gae_lambda=0.98, num_minibatches=128,
+                        update_epochs=4, clip_coef=0.2, ent_coef=0.01, **NO_NORM),
 }
+
+
+def describe_presets() -> str:
+    """--help's description: the Args docstring and the values each preset gives."""
+    lines = [f"  {name}: " + ", ".join(f"{k}={v}" for k, v in values.items()) for name, values in PRESETS.items()]
+    return "\n".join([inspect.cleandoc(Args.__doc__), "", "Presets:", *lines])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,7 +171,7 @@ class UsageError(Exception):
 
 
 def resolve_args(args: Args) -> Args:
-    """Check the env id, fill the flags left at None from its family's preset, validate all.
+    """Check the env id, fill the flags left at None from its preset, validate all.
 
     Raises UsageError before any environment or thread starts.
     """
@@ -147,8 +180,10 @@ def resolve_args(args: Args) -> Args:
         close = difflib.get_close_matches(args.env_id, known, n=3, cutoff=0.5)
         hint = f"; did you mean {', '.join(close)}?" if close else "; see envpool.list_all_envs()"
         raise UsageError(f"--env-id {args.env_id!r} is not an envpool task{hint}")
-    preset = PRESETS[env_kind(args.env_id)]
+    preset = PRESETS[preset_name(args.env_id)]
     args = dataclasses.replace(args, **{k: v for k, v in preset.items() if getattr(args, k) is None})
+    if args.track and importlib.util.find_spec("wandb") is None:
+        raise UsageError("--track logs to Weights & Biases, which is not installed: pip install -e '.[wandb]'")
     for name in [
         "total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs", "num_splits", "queue_size",
         "log_frequency",
@@ -184,6 +219,12 @@ def env_kind(env_id: str) -> str:
     return "mujoco" if hasattr(config, "xml_file") else "classic"
 
 
+def preset_name(env_id: str) -> str:
+    """The PRESETS entry of a task: its own (CartPole-v1 -> "CartPole"), else its family's."""
+    name = env_id.rsplit("-v", 1)[0]
+    return name if name in PRESETS else env_kind(env_id)
+
+
 def make_env(env_id: str, num_envs: int, seed: int, num_threads: int, train: bool, **kwargs):
     """An envpool of `num_envs` environments (gymnasium API, auto-reset).
 
@@ -217,6 +258,65 @@ class EpisodeStats:
     def pop(self):
         finished, self.finished = self.finished, []
         return finished
+
+
+class Normalizer:
+    """Running normalisation of observations and rewards, as CleanRL's continuous-control PPO
+    does it with gym's wrappers (Huang et al. 2022, continuous-action details 5-8): observations
+    become (obs - mean) / sqrt(var + 1e-8), clipped to [-10, 10]; rewards are divided by the std
+    of each env's discounted return, clipped to [-10, 10]. The statistics live on the host, move
+    with training steps only and are checkpointed with the state; each is replaced whole, so
+    another thread reads a consistent one. With both switches off it passes everything through.
+    """
+
+    def __init__(self, obs_shape, num_envs: int, norm_obs: bool, norm_reward: bool, gamma: float):
+        self.norm_obs, self.norm_reward, self.gamma = norm_obs, norm_reward, gamma
+        self.obs_stats = (np.zeros(obs_shape), np.ones(obs_shape), 1e-4)  # mean, variance, count
+        self.return_stats = (np.zeros(()), np.ones(()), 1e-4)
+        self.returns = np.zeros(num_envs)  # discounted return of each env's episode so far
+
+    @staticmethod
+    def updated(stats, x):
+        """(mean, variance, count) after adding the batch x [N, ...] (Chan et al.'s parallel update)."""
+        mean, var, count = stats
+        total = count + len(x)
+        delta = x.mean(0) - mean
+        m2 = var * count + x.var(0) * len(x) + delta**2 * count * len(x) / total
+        return mean + delta * len(x) / total, m2 / total, total
+
+    def observe(self, obs, train: bool = True):
+        """Normalised observations [N, ...]; `train` also adds them to the statistics."""
+        if not self.norm_obs:
+            return obs
+        if train:
+            self.obs_stats = self.updated(self.obs_stats, obs)
+        mean, var, _ = self.obs_stats
+        return np.clip((obs - mean) / np.sqrt(var + 1e-8), -10, 10).astype(np.float32)
+
+    def reward(self, reward, done, env_ids):
+        """Scaled rewards [N] of envs `env_ids`; `done` ends their discounted returns."""
+        if not self.norm_reward:
+            return reward
+        self.returns[env_ids] = self.returns[env_ids] * self.gamma + reward
+        self.return_stats = self.updated(self.return_stats, self.returns[env_ids])
+        self.returns[env_ids[done]] = 0.0
+        return np.clip(reward / np.sqrt(self.return_stats[1] + 1e-8), -10, 10).astype(np.float32)
+
+    def state(self) -> dict:
+        """{"norm": the statistics} to checkpoint with the state; {} when nothing is normalised."""
+        if not (self.norm_obs or self.norm_reward):
+            return {}
+        names = ("mean", "var", "count")
+        stats = {f"obs_{k}": np.asarray(v) for k, v in zip(names, self.obs_stats)}
+        stats.update({f"return_{k}": np.asarray(v) for k, v in zip(names, self.return_stats)})
+        return {"norm": stats}
+
+    def load(self, state: dict):
+        """Take the statistics out of a restored state (see `state`)."""
+        stats = state.pop("norm", None)
+        if stats is not None:
+            self.obs_stats = tuple(np.asarray(stats[f"obs_{k}"]) for k in ("mean", "var", "count"))
+            self.return_stats = tuple(np.asarray(stats[f"return_{k}"]) for k in ("mean", "var", "count"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,6 +441,15 @@ def time_limit_bootstrap(rewards, values, bootstrap_value, truncated, gamma):
     return rewards + gamma * truncated * next_values
 
 
+def learning_rate_at(args: Args, global_step):
+    """Learning rate of the update that starts at env step `global_step`: with --anneal-lr it falls
+    linearly to 0 at --total-timesteps (CleanRL). A function of steps, not of an optimiser count,
+    so a resumed run continues its schedule, also with another budget or batch size."""
+    if not args.anneal_lr:
+        return args.learning_rate
+    return args.learning_rate * jnp.clip(1.0 - global_step / args.total_timesteps, 0.0, 1.0)
+
+
 def masked_mean(x, mask):
     """Mean of `x` over the entries where `mask` is 1."""
     return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
@@ -394,10 +503,14 @@ def env_action(action, action_space):
 
 
 class Shared:
-    """What the threads share: the newest parameters and their version, stop, errors, reports."""
+    """What the threads share: the newest parameters and their version, the normaliser, counts,
+    stop, errors, reports."""
 
-    def __init__(self, state):
+    def __init__(self, state, normalizer=None):
         self.state = state  # the learner's last good state, for checkpoints
+        self.normalizer = normalizer or Normalizer((), 0, False, False, 0.0)  # the actor's; checkpointed
+        self.sampled = 0  # env steps the actor has sent actions for, this session
+        self.started = threading.Event()  # set by the first update (see Signals)
         self.latest = (state["params"], int(state["policy_version"]))  # replaced whole: atomic
         self.stop = threading.Event()
         self.errors = []  # (thread name, exception, formatted traceback)
@@ -485,12 +598,15 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
         start = time.perf_counter()
         obs, reward, terminated, truncated, info = envs.recv()
         timing["env"] += time.perf_counter() - start
+        env_ids = np.asarray(info["env_id"])
+        obs = shared.normalizer.observe(obs)
         start = time.perf_counter()
         params, version = shared.latest  # fast weight sync (§3.4): newest parameters every call
         action, logprob, _, key = policy_step(params, obs, key)  # dispatched asynchronously, so
         timing["inference"] += time.perf_counter() - start  # the bookkeeping below overlaps it
 
-        env_ids = np.asarray(info["env_id"])
+        stats.update(env_ids, reward, terminated, truncated, info)  # game scores: raw rewards
+        reward = shared.normalizer.reward(reward, terminated | truncated, env_ids)
         stepped = steps[env_ids] > 0  # False for the first observation after reset
         ids, last = env_ids[stepped], steps[env_ids[stepped]] - 1
         scatter("rewards", last, ids, reward[stepped])
@@ -499,7 +615,6 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
         scatter("dones", last, ids, prev_dones[ids])
         ends = stepped & (steps[env_ids] % T == 0)
         scatter("bootstrap_obs", steps[env_ids[ends]] - T, env_ids[ends], obs[ends])
-        stats.update(env_ids, reward, terminated, truncated, info)
         index = steps[env_ids]
         scatter("obs", index, env_ids, obs)
         scatter("valid", index, env_ids, 1.0 - prev_dones[env_ids])
@@ -512,6 +627,7 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
         scatter("actions", index, env_ids, action)
         scatter("logprobs", index, env_ids, logprob)
         steps[env_ids] += 1
+        shared.sampled += len(env_ids)
 
         while pushed < num_rollouts and buffers and bootstrapped[min(buffers)] == B:
             del bootstrapped[min(buffers)]
@@ -531,16 +647,9 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
 # ---------------------------------------------------------------------------------------------
 
 
-def make_optimizer(args: Args, num_updates: int):
-    """Adam with global-norm clipping; the learning rate decays linearly per optimiser step."""
-    steps_per_update = args.update_epochs * args.num_minibatches
-    if args.anneal_lr:
-        learning_rate = optax.linear_schedule(args.learning_rate, 0.0, num_updates * steps_per_update)
-    else:
-        learning_rate = args.learning_rate
-    return optax.chain(
-        optax.clip_by_global_norm(args.max_grad_norm), optax.adam(learning_rate, eps=1e-5)
-    )
+def make_optimizer(args: Args):
+    """Adam with global-norm clipping; the update scales its step by `learning_rate_at`."""
+    return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.scale_by_adam(eps=1e-5))
 
 
 def make_update(network, optimizer, args: Args, continuous: bool):
@@ -561,11 +670,11 @@ def make_update(network, optimizer, args: Args, continuous: bool):
             args.clip_coef, args.vf_coef, args.ent_coef,
         )
 
-    def minibatch_step(carry, mb):
+    def minibatch_step(learning_rate, carry, mb):
         params, opt_state = carry
         (loss, diagnostics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        params = optax.apply_updates(params, jax.tree.map(lambda u: -learning_rate * u, updates))
         return (params, opt_state), {"loss": loss, **diagnostics}
 
     @jax.jit
@@ -602,17 +711,20 @@ def make_update(network, optimizer, args: Args, continuous: bool):
         }
         data = jax.tree.map(lambda x: x.reshape(batch_size, *x.shape[2:]), data)
 
+        learning_rate = learning_rate_at(args, state["global_step"])
+
         def epoch(carry, key):
             order = jax.random.permutation(key, batch_size)
             minibatches = jax.tree.map(
                 lambda x: x[order].reshape(args.num_minibatches, minibatch_size, *x.shape[1:]), data
             )
-            return jax.lax.scan(minibatch_step, carry, minibatches, unroll=unroll)
+            return jax.lax.scan(functools.partial(minibatch_step, learning_rate), carry, minibatches, unroll=unroll)
 
         (params, opt_state), diagnostics = jax.lax.scan(
             epoch, (params, opt_state), jax.random.split(key, args.update_epochs), unroll=unroll
         )
         diagnostics = jax.tree.map(jnp.mean, diagnostics)
+        diagnostics["learning_rate"] = learning_rate
         diagnostics["policy_lag_mean"] = masked_mean(lag, rollout["valid"])
         diagnostics["policy_lag_max"] = jnp.max(jnp.where(rollout["valid"] > 0, lag, 0))
         diagnostics["stale_fraction"] = masked_mean(1.0 - fresh, rollout["valid"])
@@ -627,15 +739,17 @@ def make_update(network, optimizer, args: Args, continuous: bool):
 
 
 def learner_loop(update, shared, rollout_queue, key, args, num_updates, ckpt_file):
-    """Take rollouts from the queue, update, publish parameters and version after each update."""
+    """Take rollouts from the queue, update, publish parameters and version after each update.
+    Reports the update's scalars at the first update, every --log-frequency and at the last,
+    also when a stop ends the loop early."""
     timing, state = shared.timing, shared.state
-    batch_size = args.num_envs * args.num_steps
-    for update_idx in range(int(state["policy_version"]), num_updates):
+    batch_size, start_update, pending = args.num_envs * args.num_steps, int(state["policy_version"]), None
+    for update_idx in range(start_update, num_updates):
         start = time.perf_counter()
         rollout = get(rollout_queue, shared.stop)
         timing["queue_get"] += time.perf_counter() - start
         if rollout is None:
-            return
+            break
         start = time.perf_counter()
         rollout = jax.device_put(rollout)  # the one transfer of a rollout to the learner's device
         key, subkey = jax.random.split(key)
@@ -647,18 +761,21 @@ def learner_loop(update, shared, rollout_queue, key, args, num_updates, ckpt_fil
         state = dict(new_state, global_step=int(state["global_step"]) + batch_size)
         shared.state = state
         shared.latest = (state["params"], int(state["policy_version"]))
-        if (update_idx + 1) % args.log_frequency == 0 or update_idx + 1 == num_updates:
-            scalars = {f"losses/{k}": v for k, v in diagnostics.items() if k != "finite"}
-            for k in ["policy_lag_mean", "policy_lag_max", "stale_fraction"]:
-                scalars[f"async/{k}"] = scalars.pop(f"losses/{k}")
-            scalars["async/queue_size"] = rollout_queue.qsize()
-            scalars["charts/learning_rate"] = (
-                args.learning_rate * (1 - (update_idx + 1) / num_updates) if args.anneal_lr else args.learning_rate
-            )
-            scalars.update({f"timing/{k}_seconds": v for k, v in timing.items()})
-            shared.reports.put((state["global_step"], scalars))
+        shared.started.set()
+        scalars = {f"losses/{k}": v for k, v in diagnostics.items() if k not in ("finite", "learning_rate")}
+        for k in ["policy_lag_mean", "policy_lag_max", "stale_fraction"]:
+            scalars[f"async/{k}"] = scalars.pop(f"losses/{k}")
+        scalars["async/queue_size"] = rollout_queue.qsize()
+        scalars["charts/learning_rate"] = diagnostics["learning_rate"]
+        scalars.update({f"timing/{k}_seconds": v for k, v in timing.items()})
+        pending = (state["global_step"], scalars)
+        if update_idx == start_update or (update_idx + 1) % args.log_frequency == 0 or update_idx + 1 == num_updates:
+            shared.reports.put(pending)
+            pending = None
         if args.save_interval and (update_idx + 1) % args.save_interval == 0:
-            save_checkpoint(ckpt_file, state, args)
+            save_checkpoint(ckpt_file, state, args, shared.normalizer)
+    if pending:
+        shared.reports.put(pending)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -694,12 +811,80 @@ class Logger:
             self.wandb.finish()
 
 
-def save_checkpoint(path: str, state: dict, args: Args):
+class Progress:
+    """The terminal line, every `interval` s from a thread of its own, so that it never waits for a
+    compile or an update: env steps sampled and learned, SPS over the last 30 s, the mean game
+    score of the last 20 episodes, and the time left to --total-timesteps at that speed."""
+
+    def __init__(self, total: int, counts, interval: float = 5.0):
+        self.total, self.counts, self.interval = total, counts, interval  # counts() -> (sampled, learned)
+        self.returns = deque(maxlen=20)  # appended by the main thread
+        self.window = deque([(time.time(), counts()[0])], maxlen=7)
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="progress", daemon=True)
+        self.thread.start()
+
+    def line(self) -> str:
+        sampled, learned = self.counts()
+        self.window.append((time.time(), sampled))
+        (then, before), (now, _) = self.window[0], self.window[-1]
+        sps = (sampled - before) / max(now - then, 1e-9)
+        left = (self.total - learned) / sps if sps > 0 else None
+        eta = f"{int(left // 3600)}:{int(left % 3600 // 60):02d}:{int(left % 60):02d}" if left is not None else "n/a"
+        returns = list(self.returns)
+        mean_ret = f"{np.mean(returns):.1f}" if returns else "n/a"
+        return (f"step {sampled:>10d} sampled {learned:>10d} learned of {self.total}  SPS {sps:7.0f}  "
+                f"return(last 20) {mean_ret}  ETA {eta}")
+
+    def run(self):
+        while not self.done.wait(self.interval):
+            print(self.line(), flush=True)
+
+    def close(self):
+        self.done.set()
+        self.thread.join()
+
+
+class Signals:
+    """Ctrl-C and SIGTERM. The handler records the signal and sets `stop`: the run stops cleanly,
+    writes a checkpoint and exits 128 + signal. Before `started` (the first update) there is
+    nothing to save, and the main thread may be inside an XLA compile that Python cannot
+    interrupt: a thread woken through `signal.set_wakeup_fd` then exits at once, no traceback."""
+
+    def __init__(self, stop: threading.Event, started: threading.Event):
+        self.received, self.stop, self.started = [], stop, started
+        self.handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        self.previous_fd = signal.set_wakeup_fd(write_fd)
+        self.watcher = threading.Thread(target=self.watch, name="signals", daemon=True)
+        self.watcher.start()
+
+    def on_signal(self, signum, frame):
+        self.received.append(signum)
+        self.stop.set()
+
+    def watch(self):
+        while data := os.read(self.read_fd, 1):  # one byte per signal; b"" once `close` runs
+            if not self.started.is_set():
+                print(f"stopped by signal {data[0]} during start-up: nothing to save", file=sys.stderr, flush=True)
+                os._exit(128 + data[0])
+
+    def close(self):
+        os.close(signal.set_wakeup_fd(self.previous_fd))
+        self.watcher.join()
+        os.close(self.read_fd)
+        for signum, handler in self.handlers.items():
+            signal.signal(signum, handler)
+
+
+def save_checkpoint(path: str, state: dict, args: Args, normalizer: Normalizer):
     """Atomic write (temporary file, fsync, rename): a crash mid-write keeps the old checkpoint."""
     payload = {
-        "state": flax.serialization.to_state_dict(jax.device_get(state)),
+        "state": flax.serialization.to_state_dict(jax.device_get(dict(state, **normalizer.state()))),
         "config": json.dumps(dataclasses.asdict(args)),
         "script": os.path.basename(__file__),
+        "script_path": os.path.abspath(__file__),
     }
     data = flax.serialization.msgpack_serialize(payload)
     tmp = f"{path}.tmp"
@@ -720,21 +905,25 @@ def checkpoint_path(resume: str) -> str:
     return os.path.join(resume, "checkpoint.msgpack") if os.path.isdir(resume) else resume
 
 
-def load_checkpoint(path: str, template: dict, args: Args) -> dict:
-    """Restore a checkpoint into the structure of `template`; UsageError if it does not fit."""
+def read_checkpoint(path: str) -> dict:
+    """A checkpoint of this script: {"state", "config" (a dict), "script"}; UsageError if it is
+    missing, unreadable or another script's."""
     if not os.path.isfile(path):
         raise UsageError(f"--resume: no checkpoint at {path}; pass a run folder or its checkpoint.msgpack")
     try:
         with open(path, "rb") as f:
             payload = flax.serialization.msgpack_restore(f.read())
-        config = json.loads(payload["config"])
-        script, env_id = payload["script"], config["env_id"]
+        payload["config"] = json.loads(payload["config"])
+        script, payload["config"]["env_id"] = payload["script"], str(payload["config"]["env_id"])
     except Exception as e:
         raise UsageError(f"--resume: {path} is not a readable checkpoint ({type(e).__name__}); it may be corrupt")
     if script != os.path.basename(__file__):
         raise UsageError(f"--resume: {path} was written by {script}, not {os.path.basename(__file__)}")
-    if env_id != args.env_id:
-        raise UsageError(f"--resume: the checkpoint is for --env-id {env_id}, not {args.env_id}")
+    return payload
+
+
+def load_checkpoint(payload: dict, template: dict, path: str) -> dict:
+    """The checkpoint's state in the structure of `template`; UsageError if it does not fit."""
     try:
         state = flax.serialization.from_state_dict(template, payload["state"])
         shapes_match = jax.tree.map(lambda a, b: np.shape(a) == np.shape(b), template, state)
@@ -745,7 +934,68 @@ def load_checkpoint(path: str, template: dict, args: Args) -> dict:
     return state
 
 
-def evaluate(params, network, args: Args, continuous: bool, num_episodes: int, video_dir=None, greedy=False, signals=()):
+# What the network and its inputs were trained on: a resumed run cannot change these.
+FIXED_ON_RESUME = ("env_id", "norm_obs", "norm_reward")
+
+
+def resume_args(args: Args, given):
+    """With --resume: (the run's flags, those named in `given` replacing them; its checkpoint; the
+    flags changed). `given`: the flags named on the command line (None: those that differ from
+    Args' defaults). UsageError for a flag that cannot change mid-run. Without: (args, None, {})."""
+    if not args.resume:
+        return args, None, {}
+    path = checkpoint_path(args.resume)
+    payload, defaults = read_checkpoint(path), Args()
+    fields = [f.name for f in dataclasses.fields(Args) if f.name not in ("resume", "run_dir")]
+    if given is None:
+        given = {name for name in fields if getattr(args, name) != getattr(defaults, name)}
+    stored = {name: payload["config"].get(name, getattr(defaults, name)) for name in fields}
+    changed = {name: getattr(args, name) for name in fields if name in given and getattr(args, name) != stored[name]}
+    for name in FIXED_ON_RESUME:
+        if name in changed and stored[name] is not None and changed[name] is not None:
+            raise UsageError(
+                f"--resume: --{name.replace('_', '-')} cannot change mid-run ({path} has {stored[name]!r}); "
+                "start a new run to change it"
+            )
+    return dataclasses.replace(args, **{name: stored[name] for name in fields if name not in given}), payload, changed
+
+
+def write_config(run_dir: str, args: Args, changed: dict, global_step: int):
+    """config.json: the run's flags as first resolved, never overwritten; each resume appends the
+    flags it changed, and the step it resumed from, under "resumes"."""
+    path = os.path.join(run_dir, "config.json")
+    config = dataclasses.asdict(args)
+    if args.resume and os.path.isfile(path):
+        with open(path) as f:
+            config = json.load(f)
+    if args.resume:
+        resume = {"step": global_step, "wall_time": time.time(), "from": os.path.abspath(args.resume), "changed": changed}
+        config["resumes"] = [*config.get("resumes", []), resume]
+    with open(f"{path}.tmp", "w") as f:
+        json.dump(config, f, indent=2)
+    os.replace(f"{path}.tmp", path)
+
+
+def build(args: Args, key):
+    """(network, optimizer, continuous, normalizer, initial state) of a run with these flags; a
+    checkpoint restores into `dict(state, **normalizer.state())` (utils/evaluate.py does too)."""
+    spec = envpool.make_spec(args.env_id)
+    action_space = spec.gymnasium_action_space if hasattr(spec, "gymnasium_action_space") else spec.action_space
+    obs_space = spec.gymnasium_observation_space if hasattr(spec, "gymnasium_observation_space") else spec.observation_space
+    continuous = not hasattr(action_space, "n")
+    action_dim = int(np.prod(action_space.shape)) if continuous else int(action_space.n)
+    network = ActorCritic(action_dim, continuous)
+    params = network.init(key, np.zeros((1, *obs_space.shape), obs_space.dtype))
+    optimizer = make_optimizer(args)
+    normalizer = Normalizer(obs_space.shape, args.num_envs, args.norm_obs, args.norm_reward, args.gamma)
+    state = {"params": params, "opt_state": optimizer.init(params), "global_step": 0, "policy_version": 0}
+    return network, optimizer, continuous, normalizer, state
+
+
+def evaluate(
+    params, network, args: Args, continuous: bool, normalizer: Normalizer, num_episodes: int, video_dir=None,
+    greedy=False, signals=(),
+):
     """Play `num_episodes` full games (no life loss ends, unclipped rewards); return the scores.
 
     Each env plays at most its share of the episodes, so that short games are not favoured.
@@ -774,7 +1024,7 @@ def evaluate(params, network, args: Args, continuous: bool, num_episodes: int, v
     while len(scores) < num_episodes and not signals:
         if render and quota[0] == -(-num_episodes // num_envs):
             frames.append(envs.render()[0])
-        action, key = act(params, obs, key)
+        action, key = act(params, normalizer.observe(obs, train=False), key)
         obs, reward, terminated, truncated, info = envs.step(env_action(np.asarray(action), envs.action_space))
         stats.update(np.arange(num_envs), reward, terminated, truncated, info)
         for env, ret, _ in stats.pop():
@@ -801,43 +1051,68 @@ def evaluate(params, network, args: Args, continuous: bool, num_episodes: int, v
 # ---------------------------------------------------------------------------------------------
 
 
-def main(args: Args) -> int:
+def finish(state, network, args: Args, continuous, normalizer, run_dir, logger, progress, received) -> int:
+    """After training (checkpoint written): the closing lines, the final evaluation, the exit code."""
+    ckpt_file = os.path.join(run_dir, "checkpoint.msgpack")
+    if received:
+        print(f"stopped by signal {received[0]} at step {int(state['global_step'])}; checkpoint: {ckpt_file}", file=sys.stderr)
+        logger.close()
+        return 128 + received[0]
+    if progress.returns:
+        print(f"final: mean return over the last {len(progress.returns)} episodes {np.mean(progress.returns):.2f}")
+    if args.eval_episodes:
+        video_dir = os.path.join(run_dir, "videos") if args.capture_video else None
+        print(f"eval: playing {args.eval_episodes} episodes with the final policy", flush=True)
+        scores = evaluate(
+            state["params"], network, args, continuous, normalizer, args.eval_episodes, video_dir, signals=received
+        )
+        if received:
+            print(
+                f"evaluation stopped by signal {received[0]} after {len(scores)} episodes; checkpoint: {ckpt_file}",
+                file=sys.stderr,
+            )
+            logger.close()
+            return 128 + received[0]
+        logger.log(int(state["global_step"]), {"eval/episodic_return": np.mean(scores)})
+        print(f"eval: {len(scores)} episodes, return {np.mean(scores):.2f} +- {np.std(scores):.2f}")
+    logger.close()
+    return 0
+
+
+def main(args: Args, given=None) -> int:
+    """Train; return the exit code. `given`: the flags named on the command line, which replace a
+    resumed run's own (None: those that differ from Args' defaults)."""
     warnings.filterwarnings("ignore", message=".*precision lowered.*")  # gymnasium's Box casts
+    stop, started = threading.Event(), threading.Event()
+    signals = Signals(stop, started)
+    try:
+        return train(args, given, stop, started, signals.received)
+    finally:
+        signals.close()
+
+
+def train(args: Args, given, stop: threading.Event, started: threading.Event, received: list) -> int:
+    args, payload, changed = resume_args(args, given)
     args = resolve_args(args)
     batch_size = args.num_envs * args.num_steps
-    num_updates = args.total_timesteps // batch_size
-    kind = env_kind(args.env_id)
-    spec = envpool.make_spec(args.env_id)
-    action_space = spec.gymnasium_action_space if hasattr(spec, "gymnasium_action_space") else spec.action_space
-    obs_space = spec.gymnasium_observation_space if hasattr(spec, "gymnasium_observation_space") else spec.observation_space
-    continuous = not hasattr(action_space, "n")
-    action_dim = int(np.prod(action_space.shape)) if continuous else int(action_space.n)
-
-    network = ActorCritic(action_dim, continuous)
-    key = jax.random.PRNGKey(args.seed)
-    key, init_key, update_key = jax.random.split(key, 3)
-    params = network.init(init_key, np.zeros((1, *obs_space.shape), obs_space.dtype))
-    optimizer = make_optimizer(args, num_updates)
-    state = {"params": params, "opt_state": optimizer.init(params), "global_step": 0, "policy_version": 0}
-    if args.resume:
-        state = load_checkpoint(checkpoint_path(args.resume), state, args)
-        run_dir = args.run_dir or os.path.dirname(os.path.abspath(checkpoint_path(args.resume)))
-    else:
-        run_dir = args.run_dir or os.path.join("runs", f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}")
+    global_step = int(payload["state"]["global_step"]) if payload else 0
+    if payload and global_step + batch_size > args.total_timesteps:
+        print(f"{args.resume}: finished, {global_step} of --total-timesteps {args.total_timesteps} steps trained; "
+              "pass a larger --total-timesteps to train on")
+        return 0
+    print(f"jax {jax.__version__} on {jax.default_backend()}: {', '.join(map(str, jax.local_devices()))}", flush=True)
+    key, init_key, update_key = jax.random.split(jax.random.PRNGKey(args.seed), 3)
+    network, optimizer, continuous, normalizer, state = build(args, init_key)
+    if payload:
+        state = load_checkpoint(payload, dict(state, **normalizer.state()), checkpoint_path(args.resume))
+        normalizer.load(state)
+    default_dir = os.path.join("runs", f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}")
+    run_dir = args.run_dir or (os.path.dirname(os.path.abspath(checkpoint_path(args.resume))) if payload else default_dir)
     os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "config.json"), "w") as f:
-        json.dump(dataclasses.asdict(args), f, indent=2)
+    write_config(run_dir, args, changed, global_step)
     ckpt_file = os.path.join(run_dir, "checkpoint.msgpack")
-
-    shared = Shared(state)
-    received = []
-
-    def on_signal(signum, frame):
-        received.append(signum)
-        shared.stop.set()
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    start_update = int(state["policy_version"])
+    num_updates = start_update + (args.total_timesteps - global_step) // batch_size  # the version at the end
 
     envs = make_env(
         args.env_id, args.num_envs, args.seed, args.num_threads, train=True, batch_size=args.num_envs // args.num_splits
@@ -845,11 +1120,22 @@ def main(args: Args) -> int:
     policy_step = make_policy_step(network, continuous)
     update = make_update(network, optimizer, args, continuous)
     logger = Logger(run_dir, args)
-    recent_returns = deque(maxlen=20)
-    global_step = int(state["global_step"])
-    start_update = int(state["policy_version"])
-    print(f"{os.path.basename(__file__)}: {args.env_id} ({kind}), {num_updates} updates of {batch_size} steps -> {run_dir}")
-    start_time, start_step, last_print = time.time(), global_step, 0.0
+    shared = Shared(state, normalizer)
+    shared.stop, shared.started = stop, started  # the events that Signals sets and reads
+    print(f"{os.path.basename(__file__)}: {args.env_id} (preset {preset_name(args.env_id)}), "
+          f"{num_updates - start_update} updates of {batch_size} steps -> {run_dir}", flush=True)
+    start_step = global_step
+    progress = Progress(args.total_timesteps, lambda: (start_step + shared.sampled, int(shared.state["global_step"])))
+    start_time = time.time()
+
+    def log_report(step, scalars):
+        if "charts/episodic_return" in scalars:
+            progress.returns.append(scalars["charts/episodic_return"])
+        else:
+            scalars["charts/SPS"] = (step - start_step) / (time.time() - start_time)
+            scalars["async/learner_busy_fraction"] = scalars["timing/update_seconds"] / (time.time() - start_time)
+        logger.log(step, scalars)
+
     rollout_queue = queue.Queue(maxsize=args.queue_size)
     threads = [
         start_thread("actor", actor_loop, shared, envs, policy_step, shared, rollout_queue, key, args,
@@ -860,33 +1146,19 @@ def main(args: Args) -> int:
         # Until the learner has finished and its last report is logged (with SPS), or a stop.
         while (threads[1].is_alive() or not shared.reports.empty()) and not shared.stop.is_set():
             try:
-                step, scalars = shared.reports.get(timeout=0.2)
+                log_report(*shared.reports.get(timeout=0.2))
             except queue.Empty:
                 continue
-            if "charts/episodic_return" in scalars:
-                recent_returns.append(scalars["charts/episodic_return"])
-            elif step > global_step:
-                global_step = step
-                scalars["charts/SPS"] = (global_step - start_step) / (time.time() - start_time)
-                scalars["async/learner_busy_fraction"] = scalars["timing/update_seconds"] / (time.time() - start_time)
-            logger.log(step, scalars)
-            if time.time() - last_print > 5:
-                last_print = time.time()
-                mean_ret = f"{np.mean(recent_returns):.1f}" if recent_returns else "n/a"
-                sps = (global_step - start_step) / (time.time() - start_time)
-                print(f"step {global_step:>10d}/{args.total_timesteps}  SPS {sps:7.0f}  return(last 20) {mean_ret}", flush=True)
     finally:
         shared.stop.set()
+        progress.close()
         deadline = time.time() + 5  # one deadline for all: a thread stuck in XLA is left to os._exit
         for thread in threads:
             thread.join(timeout=max(0.0, deadline - time.time()))
         if not threads[0].is_alive():
             envs.close()
     while not shared.reports.empty():
-        step, scalars = shared.reports.get()
-        if "charts/episodic_return" in scalars:
-            recent_returns.append(scalars["charts/episodic_return"])
-        logger.log(step, scalars)
+        log_report(*shared.reports.get())
     state, global_step = shared.state, int(shared.state["global_step"])
     for name, error, trace in shared.errors:
         if isinstance(error, FloatingPointError):
@@ -899,42 +1171,30 @@ def main(args: Args) -> int:
             logger.close()
             return 1
         print(f"error in the {name} thread:\n{trace}", file=sys.stderr)
-    save_checkpoint(ckpt_file, state, args)
+    save_checkpoint(ckpt_file, state, args, normalizer)
     if shared.errors:
         print(f"stopped by an error at step {global_step}; checkpoint: {ckpt_file}", file=sys.stderr)
         logger.close()
         return 1
-    if received:
-        print(f"stopped by signal {received[0]} at step {global_step}; checkpoint: {ckpt_file}", file=sys.stderr)
-        logger.close()
-        return 128 + received[0]
-    print(f"step {global_step:>10d}/{args.total_timesteps}  SPS {(global_step - start_step) / (time.time() - start_time):7.0f}")
-    if recent_returns:
-        print(f"final: mean return over the last {len(recent_returns)} episodes {np.mean(recent_returns):.2f}")
-    if args.eval_episodes:
-        video_dir = os.path.join(run_dir, "videos") if args.capture_video else None
-        print(f"eval: playing {args.eval_episodes} episodes with the final policy", flush=True)
-        scores = evaluate(state["params"], network, args, continuous, args.eval_episodes, video_dir, signals=received)
-        if received:
-            print(
-                f"evaluation stopped by signal {received[0]} after {len(scores)} episodes; checkpoint: {ckpt_file}",
-                file=sys.stderr,
-            )
-            logger.close()
-            return 128 + received[0]
-        logger.log(global_step, {"eval/episodic_return": np.mean(scores)})
-        print(f"eval: {len(scores)} episodes, return {np.mean(scores):.2f} +- {np.std(scores):.2f}")
-    logger.close()
-    return 0
+    print(progress.line(), flush=True)
+    return finish(state, network, args, continuous, normalizer, run_dir, logger, progress, received)
+
+
+def flags_given(argv) -> set:
+    """The Args fields named on a command line (`--flag value`, `--flag=value`, `--no-flag`)."""
+    fields = {f.name for f in dataclasses.fields(Args)}
+    names = {token[2:].split("=")[0].replace("-", "_") for token in argv if token.startswith("--")}
+    return {name for name in names if name in fields} | {name[3:] for name in names if name.startswith("no_") and name[3:] in fields}
 
 
 if __name__ == "__main__":
-    cli_args = tyro.cli(Args)
     try:
-        exit_code = main(cli_args)
+        exit_code = main(tyro.cli(Args, description=describe_presets()), flags_given(sys.argv[1:]))
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         exit_code = 2
+    except KeyboardInterrupt:  # Ctrl-C before main's handlers are installed
+        exit_code = 128 + signal.SIGINT
     if any(t.name in ("actor", "learner") and t.is_alive() for t in threading.enumerate()):
         sys.stdout.flush()
         sys.stderr.flush()

@@ -357,7 +357,7 @@ def learner(module, **flags):
     args = module.resolve_args(args)
     network = TinyActorCritic(3)
     params = network.init(jax.random.PRNGKey(0), np.zeros((1, 3), np.float32))
-    optimizer = module.make_optimizer(args, 100)
+    optimizer = module.make_optimizer(args)
     state = {"params": params, "opt_state": optimizer.init(params), "global_step": 0, "policy_version": LEARNER_VERSION}
     return module.make_update(network, optimizer, args, False), state
 

@@ -94,15 +94,15 @@ SMOKE_VARIANTS = [(name, variant) for name, row in SCRIPT_TABLE.items() for vari
 
 @pytest.mark.timeout(300)
 def test_log_frequency(script, tmp_path):
-    """--log-frequency 3 over 7 updates: the update scalars come after updates 3, 6 and the last;
-    episode returns are logged whatever the frequency."""
+    """--log-frequency 3 over 7 updates: the update scalars come after the first update, updates 3
+    and 6, and the last; episode returns are logged whatever the frequency."""
     run_dir = tmp_path / "run"
     flags = dict(total_timesteps=7 * TINY_BATCH, log_frequency=3, run_dir=run_dir)
     result = run_script(script, cli(script, **flags), timeout=300)
     assert_ok(result)
     records = read_metrics(run_dir)
     for tag in UPDATE_TAGS + SCRIPT_TABLE[script]["extra_tags"] + ["charts/SPS", "charts/learning_rate"]:
-        assert tag_steps(records, tag) == [3 * TINY_BATCH, 6 * TINY_BATCH, 7 * TINY_BATCH], tag
+        assert tag_steps(records, tag) == [TINY_BATCH, 3 * TINY_BATCH, 6 * TINY_BATCH, 7 * TINY_BATCH], tag
     assert len(tag_values(records, "charts/episodic_return")) >= 7 * TINY_BATCH // 100
 
 
@@ -179,27 +179,42 @@ def small_state():
 def test_checkpoint_round_trip_in_process(script, tmp_path):
     module = load_script(script)
     state = small_state()
-    args = module.Args(env_id="CartPole-v1")
+    args = module.Args(env_id="HalfCheetah-v4", norm_obs=True, norm_reward=True, gamma=0.99)
+    normalizer = module.Normalizer((3,), 2, True, True, 0.99)
+    normalizer.observe(np.arange(12, dtype=np.float64).reshape(4, 3))
+    normalizer.reward(np.array([1.0, -2.0]), np.array([False, True]), np.array([0, 1]))
     path = tmp_path / CHECKPOINT
-    module.save_checkpoint(str(path), state, args)
+    module.save_checkpoint(str(path), state, args, normalizer)
     assert [p.name for p in tmp_path.iterdir()] == [CHECKPOINT], "temporary file left behind"
 
-    template = jax.tree.map(np.zeros_like, state)
-    restored = module.load_checkpoint(str(path), template, args)
+    payload = module.read_checkpoint(str(path))
+    assert payload["config"]["env_id"] == "HalfCheetah-v4"
+    fresh = module.Normalizer((3,), 2, True, True, 0.99)
+    template = jax.tree.map(np.zeros_like, dict(state, **fresh.state()))
+    restored = module.load_checkpoint(payload, template, str(path))
+    fresh.load(restored)
     assert jax.tree.structure(restored) == jax.tree.structure(state)
     for saved, loaded in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
         saved, loaded = np.asarray(saved), np.asarray(loaded)
         assert saved.shape == loaded.shape
         np.testing.assert_array_equal(loaded, saved)
+    # The normaliser's statistics travel with the state: the restored one normalises the same.
+    for saved, loaded in zip((*normalizer.obs_stats, *normalizer.return_stats), (*fresh.obs_stats, *fresh.return_stats)):
+        np.testing.assert_array_equal(np.asarray(loaded), np.asarray(saved))
     assert int(read_checkpoint(path)["state"]["global_step"]) == 12_345
 
-    # A template of other shapes, or another environment, is a UsageError (exit code 2).
-    other = jax.tree.map(np.zeros_like, state)
+    # A template of other shapes is a UsageError (exit code 2).
+    other = jax.tree.map(np.zeros_like, dict(state, **fresh.state()))
     other["params"]["params"]["Dense_0"]["kernel"] = np.zeros((5, 3), np.float32)
     with pytest.raises(module.UsageError):
-        module.load_checkpoint(str(path), other, args)
-    with pytest.raises(module.UsageError):
-        module.load_checkpoint(str(path), template, module.Args(env_id="Acrobot-v1"))
+        module.load_checkpoint(payload, other, str(path))
+    # Resuming with another env, or with normalisation switched, is refused; --total-timesteps may change.
+    for flags in (dict(env_id="Ant-v4"), dict(norm_obs=False)):
+        with pytest.raises(module.UsageError, match=f"--{next(iter(flags)).replace('_', '-')} cannot change"):
+            module.resume_args(module.Args(resume=str(path), **flags), set(flags))
+    resumed, _, changed = module.resume_args(module.Args(resume=str(path), total_timesteps=99), {"total_timesteps"})
+    assert changed == {"total_timesteps": 99}
+    assert (resumed.env_id, resumed.total_timesteps, resumed.gamma) == ("HalfCheetah-v4", 99, 0.99)
 
 
 # ---------------------------------------------------------------------------------------------

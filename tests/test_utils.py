@@ -5,6 +5,8 @@ Subprocesses run one at a time, from the repository root; nothing is written und
 
 import json
 import shutil
+import subprocess
+import sys
 
 import flax.serialization
 import numpy as np
@@ -12,6 +14,7 @@ import pytest
 
 from helpers import (
     CHECKPOINT,
+    REPO_ROOT,
     SCRIPTS,
     assert_ok,
     assert_usage_error,
@@ -176,9 +179,13 @@ BAD_CHECKPOINTS = {
     "no-checkpoint": (lambda tmp: tmp, ["no checkpoint", CHECKPOINT]),
     "random-bytes": (random_bytes, ["not a readable checkpoint", "corrupt"]),
     "foreign-msgpack": (lambda tmp: write_msgpack(tmp, {"weights": np.zeros(3)}), ["not a checkpoint of this project"]),
-    "unknown-script": (
+    "script-path-as-name": (
         lambda tmp: write_msgpack(tmp, {"state": {}, "config": "{}", "script": "../train.py"}),
-        ["../train.py", "not one of the training scripts"],
+        ["../train.py", "not a script's file name"],
+    ),
+    "script-nowhere": (
+        lambda tmp: write_msgpack(tmp, {"state": {}, "config": '{"env_id": "CartPole-v1"}', "script": "gone.py"}),
+        ["gone.py", "--script"],
     ),
     "config-without-env-id": (
         lambda tmp: write_msgpack(tmp, {"state": {}, "config": "{}", "script": "ppo_sync_baseline.py"}),
@@ -202,3 +209,33 @@ def test_evaluate_rejects_config_the_script_lacks(script, cartpole_run, tmp_path
     payload["config"] = json.dumps(dict(json.loads(payload["config"]), no_such_flag=3))
     result = run_script(EVALUATE, [write_msgpack(tmp_path, payload)], timeout=240)
     assert_usage_error(result, "no_such_flag", script)
+
+
+@pytest.mark.timeout(600)
+def test_evaluate_scores_a_copied_script(tmp_path):
+    """"Copy one script and edit it": a renamed copy's checkpoint is scored with the copy, found by
+    the path it recorded, then next to the run once both moved; a file that is no training script
+    is refused with exit 2."""
+    copy = tmp_path / "my_appo.py"
+    shutil.copy(REPO_ROOT / "appo_envpool.py", copy)
+    run = tmp_path / "run"
+    argv = [sys.executable, str(copy), *map(str, cli("appo_envpool.py", run_dir=run))]
+    assert_ok(subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300))
+    assert read_checkpoint(run)["script"] == "my_appo.py"
+
+    result = run_script(EVALUATE, [run, "--episodes", 2], timeout=300)
+    assert_ok(result)
+    assert json.loads((run / "eval.json").read_text())["script"] == "my_appo.py"
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.move(copy, elsewhere / "my_appo.py")
+    shutil.move(run, elsewhere / "run")
+    assert_ok(run_script(EVALUATE, [elsewhere / "run", "--episodes", 2], timeout=300))
+
+    (elsewhere / "my_appo.py").unlink()
+    assert_usage_error(run_script(EVALUATE, [elsewhere / "run"], timeout=100), "my_appo.py", "--script")
+    not_a_script = tmp_path / "notes.py"
+    not_a_script.write_text("NOTES = 1\n")
+    result = run_script(EVALUATE, [elsewhere / "run", "--script", not_a_script], timeout=100)
+    assert_usage_error(result, "notes.py", "interface")

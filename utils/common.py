@@ -1,7 +1,7 @@
 """What the tools in utils/ share: the scripts they know, importing one, reading what a run wrote,
 and the error convention (one `error: ...` line on stderr, exit code 2, no traceback).
 
-The three training scripts never import this module (DESIGN.md, rule 1); it imports them.
+The three training scripts never import this module (docs/DESIGN.md, rule 1); it imports them.
 """
 
 import importlib.util
@@ -41,13 +41,24 @@ def load_script(name: str):
     """Import one of SCRIPTS from the repository root by file name (nothing runs at import)."""
     if name not in SCRIPTS:
         raise UsageError(f"{name!r} is not one of the training scripts ({', '.join(SCRIPTS)})")
-    module_name = Path(name).stem
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    spec = importlib.util.spec_from_file_location(module_name, REPO_ROOT / name)
+    return load_script_file(REPO_ROOT / name)
+
+
+def load_script_file(path) -> object:
+    """Import a training script (one of SCRIPTS or a user's copy) from its file; nothing runs at import."""
+    path = Path(path).resolve()
+    module_name = path.stem
+    module = sys.modules.get(module_name)
+    if module is not None and Path(getattr(module, "__file__", "")).resolve() == path:
+        return module
+    spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[module_name]
+        raise UsageError(f"{path} cannot be imported ({type(e).__name__}: {e}); is it a training script?")
     return module
 
 
@@ -57,7 +68,8 @@ def checkpoint_file(path: str) -> str:
 
 
 def read_checkpoint(path: str) -> dict:
-    """The payload of a checkpoint written by one of SCRIPTS: {"state", "config" (a dict), "script"}.
+    """The payload of a checkpoint written by a training script (one of SCRIPTS or a copy):
+    {"state", "config" (a dict), "script" (its file name), maybe "script_path"}.
 
     UsageError if the file is missing, unreadable (corrupt, truncated) or not one of ours.
     """
@@ -74,10 +86,9 @@ def read_checkpoint(path: str) -> dict:
             f"{path} is not a checkpoint of this project (no {', '.join(repr(k) for k in missing)} entry); "
             f"pass one written by {', '.join(SCRIPTS)}"
         )
-    if payload["script"] not in SCRIPTS:
-        raise UsageError(
-            f"{path} was written by {payload['script']!r}, which is not one of the training scripts ({', '.join(SCRIPTS)})"
-        )
+    script = payload["script"]
+    if not isinstance(script, str) or os.path.basename(script) != script or not script.endswith(".py"):
+        raise UsageError(f"{path} names its script as {script!r}, which is not a script's file name")
     try:
         config = json.loads(payload["config"])
     except (TypeError, ValueError):

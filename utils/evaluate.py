@@ -1,10 +1,11 @@
 """Score a checkpoint: play N full games with the policy a run saved, with the script that wrote it.
 
-The checkpoint names its script (`ppo_sync_baseline.py`, `appo_envpool.py` or
-`impala_envpool.py`); this tool imports that script from the repository root, rebuilds its `Args`
-from the stored config, builds the network and the state template as the script's `main` does,
-restores them with the script's `load_checkpoint` and plays with the script's own `evaluate`:
-game scores (unclipped rewards over all lives), exactly as at the end of training.
+The checkpoint names its script and where it was (`ppo_sync_baseline.py`, `appo_envpool.py`,
+`impala_envpool.py`, or a user's copy of one, renamed and edited). This tool imports that script
+(from the path it recorded, else a file of its name next to the run or in the repository root,
+or `--script`), rebuilds its `Args` from the stored config, builds the network, normaliser and
+state template with the script's `build`, restores them with its `load_checkpoint` and plays
+with its own `evaluate`: game scores (unclipped rewards over all lives), as at the end of training.
 
 Usage:
     python utils/evaluate.py runs/<run>/                     # 10 sampled episodes -> <run>/eval.json
@@ -17,14 +18,17 @@ import os
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Optional
 
-import envpool
 import jax
 import numpy as np
 import tyro
 
-from common import CHECKPOINT, UsageError, checkpoint_file, load_script, read_checkpoint, run_cli
+from common import CHECKPOINT, REPO_ROOT, UsageError, checkpoint_file, load_script_file, read_checkpoint, run_cli
+
+# What a training script offers that this tool calls (the three scripts' shared interface).
+INTERFACE = ("Args", "UsageError", "resolve_args", "build", "load_checkpoint", "evaluate")
 
 
 @dataclass
@@ -43,6 +47,35 @@ class EvalArgs:
     """seed of the evaluation (the script plays with seed + 10000; default: the run's seed)"""
     out: Optional[str] = None
     """JSON file for the result (default: {run}/eval.json)"""
+    script: Optional[str] = None
+    """the training script to evaluate with (default: the one that wrote the checkpoint, found by
+    the path it recorded, next to the run, or in the repository root)"""
+
+
+def find_script(payload: dict, path: str, override: Optional[str]) -> Path:
+    """The file of the script that wrote the checkpoint at `path` (see the module docstring)."""
+    if override is not None:
+        if not os.path.isfile(override):
+            raise UsageError(f"--script {override}: no such file")
+        return Path(override)
+    name, run_dir = payload["script"], Path(path).resolve().parent
+    candidates = [payload.get("script_path"), run_dir / name, run_dir.parent / name, Path.cwd() / name, REPO_ROOT / name]
+    for candidate in candidates:
+        if isinstance(candidate, (str, Path)) and Path(candidate).is_file() and Path(candidate).name == name:
+            return Path(candidate)
+    raise UsageError(
+        f"{path} was written by {name}, which is neither at {payload.get('script_path')} nor next to the run "
+        "nor in the repository root; pass --script PATH"
+    )
+
+
+def load_training_script(script: Path):
+    """The imported script; UsageError if it lacks the interface this tool calls."""
+    module = load_script_file(script)
+    missing = [name for name in INTERFACE if not hasattr(module, name)]
+    if missing:
+        raise UsageError(f"{script} does not follow the training scripts' interface (no {', '.join(missing)})")
+    return module
 
 
 def rebuild_args(module, config: dict, path: str):
@@ -55,28 +88,20 @@ def rebuild_args(module, config: dict, path: str):
             "it was written by another version of the script"
         )
     try:
-        return module.resolve_args(dataclasses.replace(module.Args(), **config))
+        return module.resolve_args(dataclasses.replace(module.Args(), **dict(config, track=False, resume=None)))
     except module.UsageError as e:
         raise UsageError(f"{path}: its config is not valid for {module.__name__}.py ({e})")
 
 
-def restore(module, args, path: str):
-    """(network, continuous, state) as the script's main builds them, the state read from `path`."""
-    num_updates = args.total_timesteps // (args.num_envs * args.num_steps)
-    spec = envpool.make_spec(args.env_id)
-    action_space = spec.gymnasium_action_space if hasattr(spec, "gymnasium_action_space") else spec.action_space
-    obs_space = spec.gymnasium_observation_space if hasattr(spec, "gymnasium_observation_space") else spec.observation_space
-    continuous = not hasattr(action_space, "n")
-    action_dim = int(np.prod(action_space.shape)) if continuous else int(action_space.n)
-    network = module.ActorCritic(action_dim, continuous)
-    params = network.init(jax.random.PRNGKey(args.seed), np.zeros((1, *obs_space.shape), obs_space.dtype))
-    optimizer = module.make_optimizer(args, num_updates)
-    template = {"params": params, "opt_state": optimizer.init(params), "global_step": 0, "policy_version": 0}
+def restore(module, args, payload: dict, path: str):
+    """(network, continuous, normalizer, state) as the script's main builds them, restored from `path`."""
+    network, _, continuous, normalizer, state = module.build(args, jax.random.PRNGKey(args.seed))
     try:
-        state = module.load_checkpoint(path, template, args)
+        state = module.load_checkpoint(payload, dict(state, **normalizer.state()), path)
     except module.UsageError as e:
         raise UsageError(str(e).removeprefix("--resume: "))
-    return network, continuous, state
+    normalizer.load(state)
+    return network, continuous, normalizer, state
 
 
 def main(cli: EvalArgs) -> int:
@@ -87,17 +112,19 @@ def main(cli: EvalArgs) -> int:
         raise UsageError(f"{cli.run} does not exist; pass a run folder (runs/<run>/) or its {CHECKPOINT}")
     path = checkpoint_file(cli.run)
     payload = read_checkpoint(path)
-    module = load_script(payload["script"])
+    module = load_training_script(find_script(payload, path, cli.script))
     args = rebuild_args(module, payload["config"], path)
     if cli.seed is not None:
         args = dataclasses.replace(args, seed=cli.seed)
-    network, continuous, state = restore(module, args, path)
+    network, continuous, normalizer, state = restore(module, args, payload, path)
 
     run_dir = os.path.dirname(os.path.abspath(path))
     video_dir = os.path.join(run_dir, "videos", f"evaluate__{int(time.time())}") if cli.video else None
     print(f"{payload['script']}: {args.env_id}, step {int(state['global_step'])}, "
           f"{cli.episodes} {'greedy' if cli.greedy else 'sampled'} episodes")
-    scores = module.evaluate(state["params"], network, args, continuous, cli.episodes, video_dir, greedy=cli.greedy)
+    scores = module.evaluate(
+        state["params"], network, args, continuous, normalizer, cli.episodes, video_dir, greedy=cli.greedy
+    )
     videos = sorted(os.path.join(video_dir, f) for f in os.listdir(video_dir)) if video_dir and os.path.isdir(video_dir) else []
     result = {
         "episodes": len(scores),
