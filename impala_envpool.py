@@ -81,7 +81,7 @@ class Args:
     """decay the learning rate linearly to 0 over the run"""
     gamma: Annotated[Optional[float], PRESET] = None
     """discount factor"""
-    entropy_cost: Optional[float] = None
+    entropy_cost: Annotated[Optional[float], PRESET] = None
     """weight of the entropy bonus (TorchBeast: 0.0006)"""
     baseline_cost: float = 0.5
     """weight of the baseline (value) loss (TorchBeast's --baseline_cost)"""

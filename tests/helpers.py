@@ -1,6 +1,6 @@
 """Helpers shared by the tests: which scripts to test, running one, reading what a run wrote.
 
-Every script follows the same CLI conventions (see DESIGN.md), so the tests take the script's
+Every script follows the same CLI conventions (see docs/DESIGN.md), so the tests take the script's
 file name as a parameter. Add a new script to SCRIPT_TABLE (with its own flags there) and every
 script-level test covers it.
 """
@@ -43,6 +43,8 @@ TINY_BATCH = TINY_FLAGS["num_envs"] * TINY_FLAGS["num_steps"]
 #                 average >= 475 and the last 20 still average >= 200 (measured, with margin; see
 #                 the comments and test_learns_cartpole)
 #   asynchronous: actor and learner threads (actor_loop, make_update, Shared: tests/test_pipeline.py)
+#   presets:      {env id: flags its preset must give}, typed from the published sources the
+#                 scripts cite (rl-baselines3-zoo's ppo.yml / a2c.yml, CleanRL, TorchBeast)
 PPO_TINY = {"num_minibatches": 2, "update_epochs": 1}
 ASYNC_TINY = {"num_splits": 2, "queue_size": 2}
 ASYNC_TAGS = [
@@ -59,6 +61,29 @@ ASYNC_BAD_INPUTS = {
     "negative-policy-lag": (dict(max_policy_lag=-1), ["--max-policy-lag"]),
 }
 PPO_BAD_INPUTS = {"minibatches-do-not-divide": (dict(num_minibatches=3), ["--num-minibatches"])}
+# rl-baselines3-zoo hyperparams/ppo.yml (batch_size 64 -> minibatch counts at 8 envs), CleanRL.
+PPO_PRESETS = {
+    "CartPole-v1": dict(num_steps=32, learning_rate=1e-3, gamma=0.98, gae_lambda=0.8, update_epochs=20, ent_coef=0.0),
+    "Pendulum-v1": dict(num_steps=1024, learning_rate=1e-3, gamma=0.9, gae_lambda=0.95, update_epochs=10, norm_obs=False),
+    "LunarLander-v2": dict(num_steps=1024, gamma=0.999, gae_lambda=0.98, update_epochs=4, ent_coef=0.01, num_minibatches=128),
+    "Acrobot-v1": dict(num_steps=256, gamma=0.99, gae_lambda=0.94, update_epochs=4, norm_obs=True, norm_reward=True),
+    "MountainCar-v0": dict(num_steps=16, gamma=0.99, gae_lambda=0.98, update_epochs=4, norm_obs=True, norm_reward=True),
+    "HalfCheetah-v4": dict(num_steps=256, learning_rate=3e-4, update_epochs=10, norm_obs=True, norm_reward=True),
+    "Pong-v5": dict(num_steps=128, learning_rate=2.5e-4, clip_coef=0.1, ent_coef=0.01, norm_obs=False),
+    # No preset of its own: CleanRL's ppo.py defaults.
+    "MountainCarContinuous-v0": dict(num_steps=128, learning_rate=2.5e-4, update_epochs=4, ent_coef=0.01, norm_obs=False),
+}
+# rl-baselines3-zoo hyperparams/a2c.yml, TorchBeast (Atari), Cleanba (MuJoCo).
+IMPALA_PRESETS = {
+    "CartPole-v1": dict(num_steps=5, learning_rate=7e-4, gamma=0.99, entropy_cost=0.0, norm_obs=False),
+    "Pendulum-v1": dict(num_steps=8, learning_rate=7e-4, gamma=0.9, norm_obs=True, norm_reward=True),
+    "LunarLander-v2": dict(num_steps=5, learning_rate=8.3e-4, gamma=0.995, entropy_cost=1e-5),
+    "Acrobot-v1": dict(num_steps=5, learning_rate=7e-4, norm_obs=True, norm_reward=True),
+    "MountainCar-v0": dict(num_steps=5, learning_rate=7e-4, norm_obs=True, norm_reward=True),
+    "HalfCheetah-v4": dict(num_steps=20, learning_rate=3e-4, norm_obs=True, norm_reward=True),
+    "Pong-v5": dict(num_steps=80, learning_rate=4.8e-4, entropy_cost=0.0006, norm_obs=False),
+    "MountainCarContinuous-v0": dict(num_steps=5, learning_rate=7e-4, gamma=0.99, norm_obs=False),
+}
 SCRIPT_TABLE = {
     "ppo_sync_baseline.py": dict(
         tiny=PPO_TINY,
@@ -72,6 +97,7 @@ SCRIPT_TABLE = {
         # 20 episodes on seeds 1-5).
         learning_timesteps=100_000,
         asynchronous=False,
+        presets=PPO_PRESETS,
     ),
     "appo_envpool.py": dict(
         tiny=dict(PPO_TINY, **ASYNC_TINY),
@@ -83,6 +109,7 @@ SCRIPT_TABLE = {
         # runs (seeds 1-20, seed 1 five more times) ended at 500, but one CI run ended at 388.
         learning_timesteps=150_000,
         asynchronous=True,
+        presets=PPO_PRESETS,
     ),
     "impala_envpool.py": dict(
         tiny=dict(ASYNC_TINY),
@@ -97,6 +124,7 @@ SCRIPT_TABLE = {
         # of 4 passed, but one (seed 1) collapsed from 454 at 100k to 92 at the end.
         learning_timesteps=1_000_000,
         asynchronous=True,
+        presets=IMPALA_PRESETS,
     ),
 }
 
@@ -105,7 +133,7 @@ SCRIPT_TABLE = {
 SCRIPTS = list(SCRIPT_TABLE)
 ASYNC_SCRIPTS = [name for name, row in SCRIPT_TABLE.items() if row["asynchronous"]]
 
-# Tags every script logs after an update (DESIGN.md, "Shared tag names").
+# Tags every script logs after an update (docs/DESIGN.md, "Shared tag names").
 UPDATE_TAGS = [
     "charts/SPS",
     "losses/policy_loss",

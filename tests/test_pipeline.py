@@ -1,6 +1,6 @@
 """The asynchronous pipeline of the actor/learner scripts (helpers.ASYNC_SCRIPTS): trajectory
 integrity under envpool's out-of-order `recv()`, version stamps, backpressure, policy-lag
-masking, and failure of either thread (DESIGN.md, "The asynchronous pipeline")."""
+masking, and failure of either thread (docs/DESIGN.md, "The asynchronous pipeline")."""
 
 import dataclasses
 import queue
@@ -271,7 +271,8 @@ def test_full_queue_blocks_the_actor_and_loses_nothing(script):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("script", ASYNC_SCRIPTS)
 def test_actor_loop_stops_on_stop_event_while_blocked(script):
-    """No put waits forever: with a full queue, setting `stop` ends the actor within a second."""
+    """No put waits forever: with a full queue, setting `stop` ends the actor within seconds (it
+    polls every 0.1 s; the margin is for a loaded machine)."""
     module = load_script(script)
     envs, policy, shared, args, _ = make_pipeline(module, num_splits=2)
     rollout_queue = queue.Queue(maxsize=1)
@@ -287,7 +288,7 @@ def test_actor_loop_stops_on_stop_event_while_blocked(script):
     start = time.monotonic()
     shared.stop.set()
     actor.join(timeout=5)
-    assert not actor.is_alive() and time.monotonic() - start < 1.0
+    assert not actor.is_alive() and time.monotonic() - start < 3.0
     assert not shared.errors
 
 
@@ -479,21 +480,22 @@ sys.exit(module.main(dataclasses.replace(module.Args(), **flags)))
 
 
 def check_fault_exit(script, where, tmp_path, actor_fault_call, first_update_seconds=0):
-    """Run FAULT_PROGRAM; the process must exit non-zero within 10 s of the fault, printing the
-    original traceback and message."""
+    """Run FAULT_PROGRAM; the process must exit non-zero within 20 s of the fault (5 s of join
+    deadline, then os._exit; the rest is margin for a loaded machine), printing the original
+    traceback and message."""
     program = FAULT_PROGRAM.format(
         tests_dir=str(REPO_ROOT / "tests"), script=script, where=where, actor_fault_call=actor_fault_call,
         first_update_seconds=first_update_seconds, run_dir=str(tmp_path / "run"),
     )
     start = time.time()
-    result = run_script("-c", [program], timeout=60)
+    result = run_script("-c", [program], timeout=150)
     ended = time.time()
     assert result.returncode not in (0, None), describe(result)
     fault_lines = [line for line in result.stderr.splitlines() if line.startswith("FAULT_AT ")]
     assert len(fault_lines) == 1, describe(result)
     fault_at = float(fault_lines[0].split()[1])
     assert start < fault_at < ended
-    assert ended - fault_at < 10, f"exited {ended - fault_at:.1f} s after the fault\n{describe(result)}"
+    assert ended - fault_at < 20, f"exited {ended - fault_at:.1f} s after the fault\n{describe(result)}"
     message = f"injected {where} fault"
     assert f"RuntimeError: {message}" in result.stderr, describe(result)
     assert "Traceback (most recent call last)" in result.stderr, describe(result)
@@ -501,7 +503,7 @@ def check_fault_exit(script, where, tmp_path, actor_fault_call, first_update_sec
     assert f"in faulty_{'update' if where == 'learner' else 'policy_step'}" in result.stderr, describe(result)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(200)
 @pytest.mark.parametrize("where", ["learner", "actor"])
 @pytest.mark.parametrize("script", ASYNC_SCRIPTS)
 def test_thread_fault_exits_nonzero_with_traceback(script, where, tmp_path):
@@ -510,7 +512,7 @@ def test_thread_fault_exits_nonzero_with_traceback(script, where, tmp_path):
     check_fault_exit(script, where, tmp_path, actor_fault_call=200)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(200)
 @pytest.mark.parametrize("script", ASYNC_SCRIPTS)
 def test_actor_fault_while_learner_is_in_a_long_call(script, tmp_path):
     """The actor fails while the learner is inside one 20 s call (as in the first XLA compile of

@@ -2,12 +2,17 @@
 a diverging loss, and learning CartPole-v1. Subprocesses run one at a time, from the repo root."""
 
 import difflib
+import importlib.util
 import json
 import math
+import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -33,8 +38,10 @@ from helpers import (
     read_metrics,
     run_script,
     sigterm_when,
+    start_script,
     tag_steps,
     tag_values,
+    wait_until,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -329,6 +336,196 @@ def test_sigterm_during_evaluation(script, tmp_path):
     assert stop_seconds < 10
     assert int(read_checkpoint(run_dir)["state"]["global_step"]) >= TINY_FLAGS["total_timesteps"]
     assert not tag_values(read_metrics(run_dir), "eval/episodic_return")
+
+
+# ---------------------------------------------------------------------------------------------
+# A run's life: resume, schedule, progress, start-up signals, TensorBoard, presets
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(600)
+def test_resume_continues_the_run(script, cartpole_run, tmp_path):
+    """`--resume RUN` alone takes the run's own flags (no --env-id: the default is Pong-v5); a
+    finished run says so and changes nothing; a larger --total-timesteps trains exactly the steps
+    left; a changed --num-envs trains the rest too; config.json keeps the original flags and
+    appends each resume's changes."""
+    run = tmp_path / "run"
+    shutil.copytree(cartpole_run, run)
+    before = file_contents(run)
+    saved_step = int(read_checkpoint(run)["state"]["global_step"])
+    original = json.loads((run / "config.json").read_text())
+
+    result = run_script(script, ["--resume", run], timeout=240)
+    assert_ok(result)
+    assert "finished" in result.stdout and "--total-timesteps" in result.stdout, describe(result)
+    assert file_contents(run) == before, "resuming a finished run changed its files"
+
+    total = saved_step + 3 * TINY_BATCH
+    result = run_script(script, ["--resume", run, "--total-timesteps", total, "--eval-episodes", 0], timeout=300)
+    assert_ok(result)
+    state = read_checkpoint(run)["state"]
+    assert int(state["global_step"]) == total, "the resumed run did not train exactly the steps left"
+    config = json.loads((run / "config.json").read_text())
+    assert {k: v for k, v in config.items() if k != "resumes"} == original, "config.json lost the original flags"
+    assert config["resumes"][0]["changed"] == {"total_timesteps": total, "eval_episodes": 0}
+    assert config["resumes"][0]["step"] == saved_step
+    records = read_metrics(run)
+    assert max(tag_steps(records, "losses/policy_loss")) == total
+
+    total_8 = total + 2 * 8 * TINY_FLAGS["num_steps"]
+    argv = ["--resume", run, "--total-timesteps", total_8, "--num-envs", 8, "--eval-episodes", 0]
+    assert_ok(run_script(script, argv, timeout=300))
+    assert int(read_checkpoint(run)["state"]["global_step"]) == total_8
+    resumes = json.loads((run / "config.json").read_text())["resumes"]
+    assert len(resumes) == 2 and resumes[1]["changed"]["num_envs"] == 8
+    assert json.loads(read_checkpoint(run)["config"])["num_envs"] == 8
+
+
+@pytest.mark.timeout(600)
+def test_learning_rate_schedule_continues_across_a_resume(script, tmp_path):
+    """The annealed learning rate of every update, for a run stopped by SIGTERM and resumed with
+    `--resume` alone, equals that of the same run uninterrupted."""
+    flags = dict(total_timesteps=100 * TINY_BATCH, save_interval=1)
+    whole = tmp_path / "whole"
+    assert_ok(run_script(script, cli(script, run_dir=whole, **flags), timeout=300))
+    parts = tmp_path / "parts"
+    returncode, _, stderr = sigterm_when(
+        script, cli(script, run_dir=parts, **flags), tmp_path / "logs",
+        lambda: count_complete_lines(parts / "metrics.jsonl", '"charts/learning_rate"') >= 5, 300,
+    )
+    assert returncode == 128 + signal.SIGTERM, stderr
+    stopped_at = int(read_checkpoint(parts)["state"]["global_step"])
+    assert stopped_at < flags["total_timesteps"], "the run finished before the signal; nothing was resumed"
+    assert_ok(run_script(script, ["--resume", parts], timeout=300))
+
+    def schedule(run):
+        records = [r for r in read_metrics(run) if r["tag"] == "charts/learning_rate"]
+        return {r["step"]: r["value"] for r in records}
+
+    expected, resumed = schedule(whole), schedule(parts)
+    assert sorted(expected) == [TINY_BATCH * (i + 1) for i in range(100)]  # --log-frequency 1
+    assert sorted(resumed) == sorted(expected)
+    for step, value in expected.items():
+        assert resumed[step] == pytest.approx(value, rel=1e-6, abs=1e-12), step
+    assert min(expected.values()) < 0.02 * max(expected.values())  # it did anneal to ~0
+
+
+def interrupt(proc, signum, logs):
+    """Send `signum`, wait for the exit; (exit code, seconds from signal to exit, stderr)."""
+    try:
+        proc.send_signal(signum)
+        start = time.monotonic()
+        returncode = proc.wait(timeout=30)
+        return returncode, time.monotonic() - start, (logs / "stderr.txt").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# The PPO scripts, whose Pong update (4 epochs x 4 minibatches, unrolled on CPU) compiles for minutes.
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("script_name", ["appo_envpool.py", "ppo_sync_baseline.py"])
+def test_progress_lines_while_the_update_compiles(script_name, tmp_path):
+    """Pong at default flags: a progress line every 5 s from the first rollout on, while XLA
+    compiles the first update; Ctrl-C then exits 130 within seconds: no traceback, nothing to save."""
+    logs, run_dir = tmp_path / "logs", tmp_path / "run"
+    proc = start_script(script_name, ["--env-id", "Pong-v5", "--run-dir", run_dir], logs)
+    progress = re.compile(r"^step +(\d+) sampled +(\d+) learned of 10000000 .*ETA")
+    seen = []  # (time a progress line appeared, env steps sampled)
+
+    def watch():
+        lines = (logs / "stdout.txt").read_text().split("\n")[:-1]
+        for line in lines[len(seen) + 2:]:  # after the backend and header lines
+            match = progress.match(line)
+            assert match, f"not a progress line: {line!r}"
+            seen.append((time.monotonic(), int(match[1])))
+        return bool(seen) and seen[-1][1] > 0
+
+    try:
+        wait_until(watch, proc, 240)  # the first rollout is under way
+        sampling = time.monotonic()
+        wait_until(lambda: watch() and len([t for t, _ in seen if t > sampling]) >= 2, proc, 20)
+    finally:
+        if proc.poll() is not None or count_complete_lines(run_dir / "metrics.jsonl", '"losses/'):
+            proc.kill()
+    times = [t for t, _ in seen]
+    assert max(b - a for a, b in zip(times, times[1:])) < 8, f"seconds between progress lines: {times}"
+    assert count_complete_lines(run_dir / "metrics.jsonl", '"losses/') == 0, "the first update finished first"
+    returncode, stop_seconds, stderr = interrupt(proc, signal.SIGINT, logs)
+    assert returncode == 128 + signal.SIGINT, stderr
+    assert "Traceback" not in stderr and "during start-up" in stderr, stderr
+    assert stop_seconds < 10
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_during_start_up(script, tmp_path):
+    """Ctrl-C one second after the header line (the policy and the update are compiling): exit
+    130 within seconds, one line on stderr, no traceback."""
+    logs = tmp_path / "logs"
+    proc = start_script(script, ["--env-id", "Pong-v5", "--run-dir", tmp_path / "run"], logs)
+    wait_until(lambda: count_complete_lines(logs / "stdout.txt", "updates of") == 1, proc, 240)
+    time.sleep(1)
+    returncode, stop_seconds, stderr = interrupt(proc, signal.SIGINT, logs)
+    assert returncode == 128 + signal.SIGINT, stderr
+    assert stderr.strip().splitlines() == [f"stopped by signal {int(signal.SIGINT)} during start-up: nothing to save"]
+    assert stop_seconds < 10
+
+
+@pytest.mark.timeout(120)
+def test_tensorboard_reads_the_events(script, cartpole_run):
+    """The `tensorboard` command installed with the project lists the run's scalars, and its event
+    reader gives the same values as metrics.jsonl."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tensorboard = shutil.which("tensorboard", path=str(Path(sys.executable).parent)) or shutil.which("tensorboard")
+    assert tensorboard, "no tensorboard command next to this Python"
+    result = subprocess.run([tensorboard, "--inspect", "--logdir", str(cartpole_run)], capture_output=True, text=True, timeout=100)
+    assert result.returncode == 0, result.stderr
+    for tag in UPDATE_TAGS + ["charts/episodic_return", "eval/episodic_return"]:
+        assert tag in result.stdout, (tag, result.stdout)
+    events = EventAccumulator(str(cartpole_run))
+    events.Reload()
+    records = read_metrics(cartpole_run)
+    for tag in UPDATE_TAGS:
+        got = [(e.step, e.value) for e in events.Scalars(tag)]
+        want = [(r["step"], r["value"]) for r in records if r["tag"] == tag]
+        assert len(got) == len(want) and all(a[0] == b[0] and a[1] == pytest.approx(b[1], rel=1e-6) for a, b in zip(got, want))
+
+
+# Presets from a published source, per task (helpers.SCRIPT_TABLE's `presets`).
+@pytest.mark.timeout(120)
+def test_presets_per_task_and_help(script):
+    module = load_script(script)
+    for env_id, expected in SCRIPT_TABLE[script]["presets"].items():
+        args = module.resolve_args(module.Args(env_id=env_id))
+        got = {name: getattr(args, name) for name in expected}
+        assert got == expected, env_id
+    # An explicit flag wins over the preset.
+    assert module.resolve_args(module.Args(env_id="Pendulum-v1", gamma=0.5)).gamma == 0.5
+    env = dict(os.environ, COLUMNS="300")  # one line per flag and per preset
+    result = subprocess.run([sys.executable, script, "--help"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    for name, values in module.PRESETS.items():
+        assert f"{name}: " + ", ".join(f"{k}={v}" for k, v in values.items()) in result.stdout, name
+    options = {}  # flag -> its help text, from rich's box of options
+    for line in result.stdout.split("╭─ options")[1].splitlines():
+        text = line.strip("│ ")
+        if text.startswith("--"):
+            flag = text.split()[0].rstrip(",")[2:].replace("-", "_")
+            options[flag] = text
+        elif options and text:
+            options[flag] += " " + text
+    preset_flags = {k for values in module.PRESETS.values() for k in values}
+    assert preset_flags <= set(options), preset_flags - set(options)
+    for flag in preset_flags:
+        assert options[flag].endswith("(default: preset)") and "(default: None)" not in options[flag], options[flag]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
+@pytest.mark.timeout(120)
+def test_track_without_wandb_is_a_usage_error(script, tmp_path):
+    check_bad_input(script, dict(track=True), ["--track", "pip install"], tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------
