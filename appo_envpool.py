@@ -1079,6 +1079,24 @@ def finish(state, network, args: Args, continuous, normalizer, run_dir, logger, 
     return 0
 
 
+def report_errors(errors, ckpt_file: str, global_step: int) -> bool:
+    """Print the threads' errors (traceback, or one line for a non-finite loss); True if the
+    learner stopped on a non-finite loss, so that the last good checkpoint must stay."""
+    for name, error, trace in errors:
+        if isinstance(error, FloatingPointError):
+            print(
+                f"error: {error} (step {global_step}); "
+                f"{'the last good checkpoint is kept: ' + ckpt_file if os.path.exists(ckpt_file) else 'no checkpoint written'}. "
+                "Try a lower --learning-rate or --max-grad-norm.",
+                file=sys.stderr,
+            )
+            return True
+        print(f"error in the {name} thread:\n{trace}", file=sys.stderr)
+    if errors:
+        print(f"stopped by an error at step {global_step}; checkpoint: {ckpt_file}", file=sys.stderr)
+    return False
+
+
 def main(args: Args, given=None) -> int:
     """Train; return the exit code. `given`: the flags named on the command line, which replace a
     resumed run's own (None: those that differ from Args' defaults)."""
@@ -1159,21 +1177,10 @@ def train(args: Args, given, stop: threading.Event, started: threading.Event, re
             envs.close()
     while not shared.reports.empty():
         log_report(*shared.reports.get())
-    state, global_step = shared.state, int(shared.state["global_step"])
-    for name, error, trace in shared.errors:
-        if isinstance(error, FloatingPointError):
-            print(
-                f"error: {error} (step {global_step}); "
-                f"{'the last good checkpoint is kept: ' + ckpt_file if os.path.exists(ckpt_file) else 'no checkpoint written'}. "
-                "Try a lower --learning-rate or --max-grad-norm.",
-                file=sys.stderr,
-            )
-            logger.close()
-            return 1
-        print(f"error in the {name} thread:\n{trace}", file=sys.stderr)
-    save_checkpoint(ckpt_file, state, args, normalizer)
+    state = shared.state
+    if not report_errors(shared.errors, ckpt_file, int(state["global_step"])):
+        save_checkpoint(ckpt_file, state, args, normalizer)  # not after a non-finite loss: the last good one stays
     if shared.errors:
-        print(f"stopped by an error at step {global_step}; checkpoint: {ckpt_file}", file=sys.stderr)
         logger.close()
         return 1
     print(progress.line(), flush=True)
