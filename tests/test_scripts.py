@@ -51,16 +51,17 @@ from helpers import (
 
 def test_scripts_stand_alone_and_the_async_diff_stays_small():
     """Users copy one script: none imports utils/ or a sibling. `diff ppo_sync_baseline.py
-    appo_envpool.py` is how they read what asynchrony changes: under 35% of APPO's lines."""
+    appo_envpool.py` is how they read what asynchrony changes: under 35% of APPO's lines; `diff
+    appo_envpool.py impala_envpool.py` shows the IMPALA loss: under 15% of IMPALA's."""
     sources = {name: (REPO_ROOT / name).read_text().splitlines() for name in SCRIPT_TABLE}
     local = re.compile(r"(from|import) +(utils|ppo_sync_baseline|appo_envpool|impala_envpool)\b")
     for name, lines in sources.items():
         imports = [line for line in lines if local.match(line)]
         assert not imports, (name, imports)
-    sync, appo = sources["ppo_sync_baseline.py"], sources["appo_envpool.py"]
-    matcher = difflib.SequenceMatcher(None, sync, appo, autojunk=False)
-    changed = sum(j2 - j1 for tag, _, _, j1, j2 in matcher.get_opcodes() if tag != "equal")
-    assert changed / len(appo) < 0.35, f"{changed} of {len(appo)} lines of appo_envpool.py differ"
+    for old, new, limit in [("ppo_sync_baseline.py", "appo_envpool.py", 0.35), ("appo_envpool.py", "impala_envpool.py", 0.15)]:
+        matcher = difflib.SequenceMatcher(None, sources[old], sources[new], autojunk=False)
+        changed = sum(j2 - j1 for tag, _, _, j1, j2 in matcher.get_opcodes() if tag != "equal")
+        assert changed / len(sources[new]) < limit, f"{changed} of {len(sources[new])} lines of {new} differ from {old}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -540,9 +541,11 @@ def test_track_without_wandb_is_a_usage_error(script, tmp_path):
 
 # HalfCheetah-v4 at default flags (the MuJoCo preset: CleanRL's settings and its observation and
 # reward normalisation), seed 1: the budget within which 20 consecutive episodes average > 1000.
-# Measured (seeds 1-3): the sync baseline first passed 1000 at 185k-200k steps (seed 3: at
-# HALFCHEETAH_SEED3) and APPO at HALFCHEETAH_APPO; CleanRL's PPO is at about 1500-2000 after 1M.
-HALFCHEETAH_BUDGET = {"ppo_sync_baseline.py": 300_000, "appo_envpool.py": 1_000_000}
+# Measured: the sync baseline first passed 1000 at 201k, 184k and 217k steps (seeds 1-3; it is
+# repeatable from its seed); APPO at 297k, 305k and 418k (seeds 1, 3, 2), and one other seed-2
+# run was at 910 after 500k (APPO runs are not repeatable). CleanRL's PPO is at ~1500-2000 at 1M;
+# here 1M gave 3527 (sync, seed 1) and 2427 / 2320 / 1708 (APPO, seeds 1-3).
+HALFCHEETAH_BUDGET = {"ppo_sync_baseline.py": 300_000, "appo_envpool.py": 800_000}
 
 
 @pytest.mark.slow
