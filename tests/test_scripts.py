@@ -143,10 +143,11 @@ def test_smoke_variant(script_name, variant, tmp_path):
 @pytest.mark.timeout(600)
 def test_sigterm_writes_checkpoint_and_resume_continues(script, tmp_path):
     run_dir = tmp_path / "run"
-    long_run = cli(script, total_timesteps=100_000_000, save_interval=1, run_dir=run_dir)
+    # --log-frequency 1000: the update scalars come at the first update and, on the stop, the last.
+    long_run = cli(script, total_timesteps=100_000_000, save_interval=1, log_frequency=1000, run_dir=run_dir)
     returncode, stop_seconds, stderr = sigterm_when(
         script, long_run, tmp_path / "logs",
-        lambda: count_complete_lines(run_dir / "metrics.jsonl", '"losses/policy_loss"') >= 3, 300,
+        lambda: count_complete_lines(run_dir / "metrics.jsonl", '"charts/episodic_return"') >= 30, 300,
     )
     assert returncode == 128 + signal.SIGTERM, f"exit code {returncode}\n{stderr[-3000:]}"
     assert "Traceback" not in stderr, stderr
@@ -157,8 +158,10 @@ def test_sigterm_writes_checkpoint_and_resume_continues(script, tmp_path):
     saved_version = int(payload["state"]["policy_version"])
     records = read_metrics(run_dir)
     logged_steps = [r["step"] for r in records if r["tag"] == "losses/policy_loss"]
-    # The checkpoint holds the newest state, not the one of an earlier save_interval.
-    assert saved_step >= max(logged_steps) > 0
+    # The checkpoint holds the newest state, not the one of an earlier save_interval, and the
+    # last update's scalars were logged on the stop although --log-frequency was not reached.
+    assert logged_steps == [TINY_BATCH, saved_step] and saved_step >= 3 * TINY_BATCH, logged_steps
+    assert tag_steps(records, "charts/SPS") == logged_steps
     assert saved_version > 0
 
     resumed_total = saved_step + 4 * TINY_BATCH
