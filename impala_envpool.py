@@ -18,9 +18,11 @@ import dataclasses
 import difflib
 import importlib.util
 import inspect
+import itertools
 import json
 import os
 import queue
+import shutil
 import signal
 import sys
 import threading
@@ -30,6 +32,9 @@ import warnings
 from collections import deque
 from dataclasses import dataclass
 from typing import Annotated, Optional
+
+if __name__ == "__main__":  # Ctrl-C while the libraries below import (seconds): exit 130, no traceback
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import envpool
 import flax
@@ -94,15 +99,15 @@ class Args:
     max_grad_norm: float = 40.0
     """global gradient-norm clipping threshold (TorchBeast's --grad_norm_clipping)"""
     norm_obs: Annotated[Optional[bool], PRESET] = None
-    """normalise observations by a running mean and std, clipped to [-10, 10] (CleanRL, MuJoCo)"""
+    """True: normalise observations by a running mean and std, clipped to [-10, 10] (CleanRL, MuJoCo)"""
     norm_reward: Annotated[Optional[bool], PRESET] = None
-    """divide rewards by the running std of the discounted return, clipped to [-10, 10]"""
+    """True: divide rewards by the running std of the discounted return, clipped to [-10, 10]"""
     num_threads: int = 0
     """envpool worker threads stepping the environments (0: one per CPU core, at most num_envs)"""
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """experiment name, part of the run folder's name"""
-    run_dir: Optional[str] = None
-    """output folder (default: runs/{env_id}__{exp_name}__{seed}__{timestamp})"""
+    run_dir: Annotated[Optional[str], tyro.conf.arg(help_behavior_hint="(default: runs/{env_id}__{exp_name}__{seed}__{time})")] = None
+    """output folder; one that holds another run is refused (continue that one with --resume)"""
     resume: Optional[str] = None
     """continue this run folder (or checkpoint file) with its own flags; flags given here replace
     them, except --env-id, --norm-obs and --norm-reward, which cannot change mid-run"""
@@ -115,7 +120,7 @@ class Args:
     capture_video: bool = False
     """record an mp4 of one evaluation episode into {run_dir}/videos/"""
     track: bool = False
-    """also log to Weights & Biases (needs `pip install -e '.[wandb]'`)"""
+    """also log to Weights & Biases (needs `pip install wandb`, or the project's `wandb` extra)"""
     wandb_project: str = "jax-async-rl"
     """Weights & Biases project, with --track"""
 
@@ -170,7 +175,7 @@ def resolve_args(args: Args) -> Args:
     preset = PRESETS[preset_name(args.env_id)]
     args = dataclasses.replace(args, **{k: v for k, v in preset.items() if getattr(args, k) is None})
     if args.track and importlib.util.find_spec("wandb") is None:
-        raise UsageError("--track logs to Weights & Biases, which is not installed: pip install -e '.[wandb]'")
+        raise UsageError("--track logs to Weights & Biases, which is not installed: pip install wandb")
     for name in ["total_timesteps", "num_envs", "num_steps", "num_splits", "queue_size", "log_frequency"]:
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
@@ -737,23 +742,25 @@ class Logger:
 
 class Progress:
     """The terminal line, every `interval` s from a thread of its own, so that it never waits for a
-    compile or an update: env steps sampled and learned, SPS over the last 30 s, the mean game
-    score of the last 20 episodes, and the time left to --total-timesteps at that speed."""
+    compile or an update: env steps sampled and learned, SPS (sampled) over the last 30 s, the
+    mean game score of the last 20 episodes, and the time left at the learner's pace over the
+    same 30 s (n/a until the first update)."""
 
     def __init__(self, total: int, counts, interval: float = 5.0):
         self.total, self.counts, self.interval = total, counts, interval  # counts() -> (sampled, learned)
         self.returns = deque(maxlen=20)  # appended by the main thread
-        self.window = deque([(time.time(), counts()[0])], maxlen=7)
+        self.window = deque([(time.time(), *counts())], maxlen=7)
         self.done = threading.Event()
         self.thread = threading.Thread(target=self.run, name="progress", daemon=True)
         self.thread.start()
 
     def line(self) -> str:
         sampled, learned = self.counts()
-        self.window.append((time.time(), sampled))
-        (then, before), (now, _) = self.window[0], self.window[-1]
-        sps = (sampled - before) / max(now - then, 1e-9)
-        left = (self.total - learned) / sps if sps > 0 else None
+        self.window.append((time.time(), sampled, learned))
+        (then, sampled_then, learned_then), now = self.window[0], self.window[-1][0]
+        sps = (sampled - sampled_then) / max(now - then, 1e-9)
+        pace = (learned - learned_then) / max(now - then, 1e-9)
+        left = (self.total - learned) / pace if pace > 0 else None
         eta = f"{int(left // 3600)}:{int(left % 3600 // 60):02d}:{int(left % 60):02d}" if left is not None else "n/a"
         returns = list(self.returns)
         mean_ret = f"{np.mean(returns):.1f}" if returns else "n/a"
@@ -773,10 +780,11 @@ class Signals:
     """Ctrl-C and SIGTERM. The handler records the signal and sets `stop`: the run stops cleanly,
     writes a checkpoint and exits 128 + signal. Before `started` (the first update) there is
     nothing to save, and the main thread may be inside an XLA compile that Python cannot
-    interrupt: a thread woken through `signal.set_wakeup_fd` then exits at once, no traceback."""
+    interrupt: a thread woken through `signal.set_wakeup_fd` then exits at once, no traceback,
+    removing the folder of a new run (`new_run_dir`), which holds nothing to resume from."""
 
-    def __init__(self, stop: threading.Event, started: threading.Event):
-        self.received, self.stop, self.started = [], stop, started
+    def __init__(self):
+        self.received, self.stop, self.started, self.new_run_dir = [], threading.Event(), threading.Event(), None
         self.handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         self.read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)
@@ -791,6 +799,8 @@ class Signals:
     def watch(self):
         while data := os.read(self.read_fd, 1):  # one byte per signal; b"" once `close` runs
             if not self.started.is_set():
+                if self.new_run_dir:
+                    shutil.rmtree(self.new_run_dir, ignore_errors=True)
                 print(f"stopped by signal {data[0]} during start-up: nothing to save", file=sys.stderr, flush=True)
                 os._exit(128 + data[0])
 
@@ -898,6 +908,35 @@ def write_config(run_dir: str, args: Args, changed: dict, global_step: int):
     with open(f"{path}.tmp", "w") as f:
         json.dump(config, f, indent=2)
     os.replace(f"{path}.tmp", path)
+
+
+def holds_run(folder: str) -> bool:
+    return any(os.path.exists(os.path.join(folder, name)) for name in ("checkpoint.msgpack", "config.json"))
+
+
+def check_run_dir(args: Args, resumed: bool):
+    """UsageError if --run-dir names a folder that holds another run: it would be overwritten."""
+    own = resumed and os.path.abspath(args.run_dir or "") == os.path.dirname(os.path.abspath(checkpoint_path(args.resume)))
+    if args.run_dir and not own and holds_run(args.run_dir):
+        raise UsageError(
+            f"--run-dir {args.run_dir} already holds a run; continue it with --resume {args.run_dir}, or pick another folder"
+        )
+
+
+def make_run_dir(args: Args, resumed: bool) -> str:
+    """Create the run folder: --run-dir, else a resumed run's own, else a new
+    runs/{env_id}__{exp_name}__{seed}__{time} (with _2, _3, ... if runs start in the same second)."""
+    if args.run_dir or resumed:
+        run_dir = args.run_dir or os.path.dirname(os.path.abspath(checkpoint_path(args.resume)))
+        os.makedirs(run_dir, exist_ok=True)
+        return run_dir
+    base = os.path.join("runs", f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}")
+    for n in itertools.count(1):
+        try:
+            os.makedirs(base if n == 1 else f"{base}_{n}")
+            return base if n == 1 else f"{base}_{n}"
+        except FileExistsError:
+            continue
 
 
 def build(args: Args, key):
@@ -1025,15 +1064,14 @@ def main(args: Args, given=None) -> int:
     """Train; return the exit code. `given`: the flags named on the command line, which replace a
     resumed run's own (None: those that differ from Args' defaults)."""
     warnings.filterwarnings("ignore", message=".*precision lowered.*")  # gymnasium's Box casts
-    stop, started = threading.Event(), threading.Event()
-    signals = Signals(stop, started)
+    signals = Signals()
     try:
-        return train(args, given, stop, started, signals.received)
+        return train(args, given, signals)
     finally:
         signals.close()
 
 
-def train(args: Args, given, stop: threading.Event, started: threading.Event, received: list) -> int:
+def train(args: Args, given, signals: Signals) -> int:
     args, payload, changed = resume_args(args, given)
     args = resolve_args(args)
     batch_size = args.num_envs * args.num_steps
@@ -1042,15 +1080,15 @@ def train(args: Args, given, stop: threading.Event, started: threading.Event, re
         print(f"{args.resume}: finished, {global_step} of --total-timesteps {args.total_timesteps} steps trained; "
               "pass a larger --total-timesteps to train on")
         return 0
+    check_run_dir(args, payload is not None)
     print(f"jax {jax.__version__} on {jax.default_backend()}: {', '.join(map(str, jax.local_devices()))}", flush=True)
     key, init_key, update_key = jax.random.split(jax.random.PRNGKey(args.seed), 3)
     network, optimizer, continuous, normalizer, state = build(args, init_key)
     if payload:
         state = load_checkpoint(payload, dict(state, **normalizer.state()), checkpoint_path(args.resume))
         normalizer.load(state)
-    default_dir = os.path.join("runs", f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}")
-    run_dir = args.run_dir or (os.path.dirname(os.path.abspath(checkpoint_path(args.resume))) if payload else default_dir)
-    os.makedirs(run_dir, exist_ok=True)
+    run_dir = make_run_dir(args, payload is not None)
+    signals.new_run_dir = None if payload else run_dir
     write_config(run_dir, args, changed, global_step)
     ckpt_file = os.path.join(run_dir, "checkpoint.msgpack")
     start_update = int(state["policy_version"])
@@ -1063,7 +1101,7 @@ def train(args: Args, given, stop: threading.Event, started: threading.Event, re
     update = make_update(network, optimizer, args, continuous)
     logger = Logger(run_dir, args)
     shared = Shared(state, normalizer)
-    shared.stop, shared.started = stop, started  # the events that Signals sets and reads
+    shared.stop, shared.started = signals.stop, signals.started  # the events Signals sets and reads
     print(f"{os.path.basename(__file__)}: {args.env_id} (preset {preset_name(args.env_id)}), "
           f"{num_updates - start_update} updates of {batch_size} steps -> {run_dir}", flush=True)
     start_step = global_step
@@ -1108,7 +1146,7 @@ def train(args: Args, given, stop: threading.Event, started: threading.Event, re
         logger.close()
         return 1
     print(progress.line(), flush=True)
-    return finish(state, network, args, continuous, normalizer, run_dir, logger, progress, received)
+    return finish(state, network, args, continuous, normalizer, run_dir, logger, progress, signals.received)
 
 
 def flags_given(argv) -> set:
@@ -1124,8 +1162,6 @@ if __name__ == "__main__":
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         exit_code = 2
-    except KeyboardInterrupt:  # Ctrl-C before main's handlers are installed
-        exit_code = 128 + signal.SIGINT
     if any(t.name in ("actor", "learner") and t.is_alive() for t in threading.enumerate()):
         sys.stdout.flush()
         sys.stderr.flush()

@@ -301,6 +301,26 @@ def check_bad_input(script, flags, fragments, tmp_path):
     assert not out_dir.exists(), "the run folder was created before the input was checked"
 
 
+@pytest.mark.timeout(300)
+def test_run_dir_holding_a_run_is_refused(script, cartpole_run, tmp_path):
+    """A new run pointed at a folder that holds one would overwrite its checkpoint and config."""
+    run = tmp_path / "run"
+    shutil.copytree(cartpole_run, run)
+    before = file_contents(run)
+    result = run_script(script, cli(script, run_dir=run), timeout=240)
+    assert_usage_error(result, "--run-dir", "--resume")
+    assert file_contents(run) == before
+
+
+def test_runs_started_in_the_same_second_get_their_own_folders(script, tmp_path, monkeypatch):
+    module = load_script(script)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(module.time, "time", lambda: 1_000_000.0)
+    args = module.Args(env_id="CartPole-v1")
+    folders = [module.make_run_dir(args, resumed=False) for _ in range(3)]
+    assert len(set(folders)) == 3 and all((tmp_path / f).is_dir() for f in folders), folders
+
+
 # ---------------------------------------------------------------------------------------------
 # Failure: a diverging loss
 # ---------------------------------------------------------------------------------------------
@@ -441,7 +461,7 @@ def test_progress_lines_while_the_update_compiles(script_name, tmp_path):
     compiles the first update; Ctrl-C then exits 130 within seconds: no traceback, nothing to save."""
     logs, run_dir = tmp_path / "logs", tmp_path / "run"
     proc = start_script(script_name, ["--env-id", "Pong-v5", "--run-dir", run_dir], logs)
-    progress = re.compile(r"^step +(\d+) sampled +(\d+) learned of 10000000 .*ETA")
+    progress = re.compile(r"^step +(\d+) sampled +0 learned of 10000000 .*ETA n/a$")  # no update yet
     seen = []  # (time a progress line appeared, env steps sampled)
 
     def watch():
@@ -479,6 +499,21 @@ def test_ctrl_c_during_start_up(script, tmp_path):
     returncode, stop_seconds, stderr = interrupt(proc, signal.SIGINT, logs)
     assert returncode == 128 + signal.SIGINT, stderr
     assert stderr.strip().splitlines() == [f"stopped by signal {int(signal.SIGINT)} during start-up: nothing to save"]
+    assert stop_seconds < 10
+    assert not (tmp_path / "run").exists(), "a new run interrupted before its first update left its folder"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("delay", [0.5, 1.5])
+def test_ctrl_c_while_importing(script, delay, tmp_path):
+    """Ctrl-C while Python imports JAX, envpool and the rest (the first seconds): the process ends
+    at once, by the signal (the shell's 130), with no traceback and without training on."""
+    logs = tmp_path / "logs"
+    proc = start_script(script, ["--env-id", "CartPole-v1", "--total-timesteps", 10**7, "--run-dir", tmp_path / "run"], logs)
+    time.sleep(delay)
+    returncode, stop_seconds, stderr = interrupt(proc, signal.SIGINT, logs)
+    assert returncode in (-signal.SIGINT, 128 + signal.SIGINT), stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
     assert stop_seconds < 10
 
 

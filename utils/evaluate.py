@@ -43,13 +43,13 @@ class EvalArgs:
     """play the most likely action (the mean for continuous actions) instead of sampling"""
     video: bool = False
     """record an mp4 of the first episode under {run}/videos/evaluate__{timestamp}/"""
-    seed: Optional[int] = None
-    """seed of the evaluation (the script plays with seed + 10000; default: the run's seed)"""
-    out: Optional[str] = None
-    """JSON file for the result (default: {run}/eval.json)"""
-    script: Optional[str] = None
-    """the training script to evaluate with (default: the one that wrote the checkpoint, found by
-    the path it recorded, next to the run, or in the repository root)"""
+    seed: Annotated[Optional[int], tyro.conf.arg(help_behavior_hint="(default: the run's seed)")] = None
+    """seed of the evaluation (the script plays with seed + 10000)"""
+    out: Annotated[Optional[str], tyro.conf.arg(help_behavior_hint="(default: {run}/eval.json)")] = None
+    """JSON file for the result"""
+    script: Annotated[Optional[str], tyro.conf.arg(help_behavior_hint="(default: the one that wrote it)")] = None
+    """the training script to evaluate with; by default the one that wrote the checkpoint, found
+    by the path it recorded, next to the run, or in the repository root"""
 
 
 def find_script(payload: dict, path: str, override: Optional[str]) -> Path:
@@ -120,7 +120,7 @@ def main(cli: EvalArgs) -> int:
 
     run_dir = os.path.dirname(os.path.abspath(path))
     video_dir = os.path.join(run_dir, "videos", f"evaluate__{int(time.time())}") if cli.video else None
-    print(f"{payload['script']}: {args.env_id}, step {int(state['global_step'])}, "
+    print(f"{Path(module.__file__).name}: {args.env_id}, step {int(state['global_step'])}, "
           f"{cli.episodes} {'greedy' if cli.greedy else 'sampled'} episodes")
     scores = module.evaluate(
         state["params"], network, args, continuous, normalizer, cli.episodes, video_dir, greedy=cli.greedy

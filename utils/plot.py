@@ -41,8 +41,8 @@ class PlotArgs:
 
     runs: Annotated[tyro.conf.Positional[list[str]], tyro.conf.arg(metavar="RUN_DIR...")]
     """run folders (holding metrics.jsonl), or parent folders whose subfolders are runs"""
-    out: Optional[str] = None
-    """output folder for the PNGs and summary.md (default: runs/plots__{timestamp})"""
+    out: Annotated[Optional[str], tyro.conf.arg(help_behavior_hint="(default: runs/plots__{timestamp})")] = None
+    """output folder for the PNGs and summary.md"""
     window: int = 20
     """smoothing: each point is the mean return of the last this many episodes of the seed"""
     points: int = 200
