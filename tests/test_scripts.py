@@ -481,6 +481,8 @@ def test_progress_lines_while_the_update_compiles(script_name, tmp_path):
             proc.kill()
     times = [t for t, _ in seen]
     assert max(b - a for a, b in zip(times, times[1:])) < 8, f"seconds between progress lines: {times}"
+    first_line = (logs / "stdout.txt").read_text().splitlines()[0]
+    assert first_line.startswith(f"jax {jax.__version__} on cpu: cpu:0"), first_line  # backend and devices
     assert count_complete_lines(run_dir / "metrics.jsonl", '"losses/') == 0, "the first update finished first"
     returncode, stop_seconds, stderr = interrupt(proc, signal.SIGINT, logs)
     assert returncode == 128 + signal.SIGINT, stderr
