@@ -16,7 +16,7 @@ FIELDS = ["kind", "script", "env_id", "num_envs", "num_splits", "num_threads", "
 def test_benchmark_quick_writes_valid_results(tmp_path):
     out = tmp_path / "bench"
     cmd = [sys.executable, str(REPO_ROOT / "utils" / "benchmark.py"), "--quick", "--env-id", "CartPole-v1",
-           "--seconds", "2", "--e2e-seconds", "15", "--out", str(out)]
+           "--seconds", "2", "--e2e-seconds", "10", "--out", str(out)]
     result = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())

@@ -56,7 +56,7 @@ class Args:
     seconds: Optional[float] = None
     """length of each ceiling/sampler measurement in seconds (default 15; with --quick 5)"""
     e2e_seconds: Optional[float] = None
-    """wall time of each end-to-end run in seconds, compilation included (default 60; --quick 25)"""
+    """seconds each end-to-end run trains after its first update (compilation excluded; default 60; --quick 25)"""
     scripts: tuple[str, ...] = SCRIPTS
     """training scripts of the end-to-end part (empty: skip it)"""
     out: Optional[str] = None
@@ -233,9 +233,19 @@ def read_metrics(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
+def logged_update(metrics_file) -> bool:
+    """Whether a run's metrics.jsonl holds an update's scalars yet."""
+    try:
+        with open(metrics_file) as f:
+            return '"losses/loss"' in f.read()
+    except FileNotFoundError:
+        return False
+
+
 def measure_end_to_end(script, env_id, num_envs, num_steps, seconds, out_dir):
-    """Run `script` for `seconds`, stop it with SIGINT, and read its throughput from
-    metrics.jsonl between its first and last update (compilation excluded)."""
+    """Run `script` until its first update is logged (start-up and compilation, however long a
+    busy machine makes them), then `seconds` more; stop it with SIGINT, and read its throughput
+    from metrics.jsonl between its first and last update (compilation excluded)."""
     run_dir = os.path.join(out_dir, "e2e", f"{script[:-3]}__{num_envs}")
     cmd = [
         sys.executable, os.path.join(ROOT, script), "--env-id", env_id, "--num-envs", str(num_envs),
@@ -245,6 +255,10 @@ def measure_end_to_end(script, env_id, num_envs, num_steps, seconds, out_dir):
     if script != "impala_envpool.py" and num_envs * num_steps % 4:
         cmd += ["--num-minibatches", "1"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics_file = os.path.join(run_dir, METRICS)
+    deadline = time.time() + 900  # the first update: minutes for the Atari CNN's compile on a busy CPU
+    while time.time() < deadline and proc.poll() is None and not logged_update(metrics_file):
+        time.sleep(0.5)
     try:
         proc.wait(timeout=seconds)
     except subprocess.TimeoutExpired:
@@ -254,7 +268,6 @@ def measure_end_to_end(script, env_id, num_envs, num_steps, seconds, out_dir):
         except subprocess.TimeoutExpired:
             proc.kill()
     stderr = proc.stderr.read()
-    metrics_file = os.path.join(run_dir, METRICS)
     if not os.path.exists(metrics_file):
         raise RuntimeError(f"{script} wrote no metrics:\n{stderr[-2000:]}")
     updates = [r for r in read_metrics(metrics_file) if r["tag"] == "losses/loss"]
@@ -378,7 +391,7 @@ def main(args: Args) -> int:
             script, num_envs = param
             measured = measure_end_to_end(script, args.env_id, num_envs, args.num_steps, e2e_seconds, out_dir)
             if measured is None:
-                print(f"    {script} finished fewer than 2 updates in {e2e_seconds:.0f}s; raise --e2e-seconds", flush=True)
+                print(f"    {script} finished fewer than 2 updates in {e2e_seconds:.0f}s after its first; raise --e2e-seconds", flush=True)
                 continue
             sps, busy, updates = measured
             row.update(script=script, num_envs=num_envs, num_splits=None if script == SCRIPTS[0] else 2,
