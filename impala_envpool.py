@@ -174,6 +174,8 @@ def resolve_args(args: Args) -> Args:
         raise UsageError(f"--env-id {args.env_id!r} is not an envpool task{hint}")
     preset = PRESETS[preset_name(args.env_id)]
     args = dataclasses.replace(args, **{k: v for k, v in preset.items() if getattr(args, k) is None})
+    if args.norm_obs and spaces(args.env_id)[0].dtype == np.uint8:
+        raise UsageError(f"--norm-obs is for vector observations; {args.env_id}'s are uint8 images: pass --norm-obs False")
     if args.track and importlib.util.find_spec("wandb") is None:
         raise UsageError("--track logs to Weights & Biases, which is not installed: pip install wandb")
     for name in ["total_timesteps", "num_envs", "num_steps", "num_splits", "queue_size", "log_frequency"]:
@@ -202,6 +204,14 @@ def env_kind(env_id: str) -> str:
     if hasattr(config, "episodic_life"):
         return "atari"
     return "mujoco" if hasattr(config, "xml_file") else "classic"
+
+
+def spaces(env_id: str):
+    """(observation space, action space) of a task, gymnasium's, from its spec without starting it."""
+    spec = envpool.make_spec(env_id)
+    if hasattr(spec, "gymnasium_observation_space"):
+        return spec.gymnasium_observation_space, spec.gymnasium_action_space
+    return spec.observation_space, spec.action_space
 
 
 def preset_name(env_id: str) -> str:
@@ -611,11 +621,10 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
 def make_optimizer(args: Args):
     """RMSProp as TorchBeast (PyTorch) computes it, with global-norm clipping: the update scales its
     step by `learning_rate_at`, applied after the momentum buffer as PyTorch does."""
-    momentum = [optax.trace(decay=args.rmsprop_momentum)] if args.rmsprop_momentum else []
     return optax.chain(
         optax.clip_by_global_norm(args.max_grad_norm),
         optax.scale_by_rms(decay=args.rmsprop_alpha, eps=args.rmsprop_eps, eps_in_sqrt=False),
-        *momentum,
+        optax.trace(decay=args.rmsprop_momentum),  # also at 0 (a no-op), so --rmsprop-momentum may change on resume
     )
 
 
@@ -862,7 +871,10 @@ def load_checkpoint(payload: dict, template: dict, path: str) -> dict:
         state = flax.serialization.from_state_dict(template, payload["state"])
         shapes_match = jax.tree.map(lambda a, b: np.shape(a) == np.shape(b), template, state)
     except Exception as e:
-        raise UsageError(f"--resume: {path} does not match this network/optimiser ({e}); use the run's flags")
+        raise UsageError(
+            f"--resume: {path} does not match this network/optimiser ({e}); it needs the run's flags and the "
+            "version of the script that wrote it"
+        )
     if not all(jax.tree.leaves(shapes_match)):
         raise UsageError(f"--resume: {path} has parameters of other shapes; use the flags of the run that wrote it")
     return state
@@ -883,10 +895,11 @@ def resume_args(args: Args, given):
     fields = [f.name for f in dataclasses.fields(Args) if f.name not in ("resume", "run_dir")]
     if given is None:
         given = {name for name in fields if getattr(args, name) != getattr(defaults, name)}
+    given = {name for name in given if getattr(args, name) is not None}  # None (the preset): the run's own
     stored = {name: payload["config"].get(name, getattr(defaults, name)) for name in fields}
     changed = {name: getattr(args, name) for name in fields if name in given and getattr(args, name) != stored[name]}
     for name in FIXED_ON_RESUME:
-        if name in changed and stored[name] is not None and changed[name] is not None:
+        if name in changed:
             raise UsageError(
                 f"--resume: --{name.replace('_', '-')} cannot change mid-run ({path} has {stored[name]!r}); "
                 "start a new run to change it"
@@ -900,8 +913,11 @@ def write_config(run_dir: str, args: Args, changed: dict, global_step: int):
     path = os.path.join(run_dir, "config.json")
     config = dataclasses.asdict(args)
     if args.resume and os.path.isfile(path):
-        with open(path) as f:
-            config = json.load(f)
+        try:
+            with open(path) as f:
+                config = json.load(f)
+        except ValueError:  # unreadable: start its record afresh from the resumed flags
+            pass
     if args.resume:
         resume = {"step": global_step, "wall_time": time.time(), "from": os.path.abspath(args.resume), "changed": changed}
         config["resumes"] = [*config.get("resumes", []), resume]
@@ -910,31 +926,38 @@ def write_config(run_dir: str, args: Args, changed: dict, global_step: int):
     os.replace(f"{path}.tmp", path)
 
 
-def holds_run(folder: str) -> bool:
-    return any(os.path.exists(os.path.join(folder, name)) for name in ("checkpoint.msgpack", "config.json"))
-
-
 def check_run_dir(args: Args, resumed: bool):
-    """UsageError if --run-dir names a folder that holds another run: it would be overwritten."""
+    """UsageError if --run-dir names a file, or a folder that holds another run (overwritten otherwise)."""
     own = resumed and os.path.abspath(args.run_dir or "") == os.path.dirname(os.path.abspath(checkpoint_path(args.resume)))
-    if args.run_dir and not own and holds_run(args.run_dir):
+    if not args.run_dir or own:
+        return
+    if os.path.exists(args.run_dir) and not os.path.isdir(args.run_dir):
+        raise UsageError(f"--run-dir {args.run_dir} is a file, not a folder")
+    if os.path.exists(os.path.join(args.run_dir, "checkpoint.msgpack")):
         raise UsageError(
             f"--run-dir {args.run_dir} already holds a run; continue it with --resume {args.run_dir}, or pick another folder"
         )
+    if os.path.exists(os.path.join(args.run_dir, "config.json")):
+        raise UsageError(f"--run-dir {args.run_dir} holds a run that saved no checkpoint; remove it or pick another folder")
 
 
-def make_run_dir(args: Args, resumed: bool) -> str:
+def make_run_dir(args: Args, resumed: bool):
     """Create the run folder: --run-dir, else a resumed run's own, else a new
-    runs/{env_id}__{exp_name}__{seed}__{time} (with _2, _3, ... if runs start in the same second)."""
+    runs/{env_id}__{exp_name}__{seed}__{time} (with _2, _3, ... if runs start in the same second).
+    Returns (folder, whether this call created it)."""
     if args.run_dir or resumed:
         run_dir = args.run_dir or os.path.dirname(os.path.abspath(checkpoint_path(args.resume)))
-        os.makedirs(run_dir, exist_ok=True)
-        return run_dir
+        existed = os.path.isdir(run_dir)
+        try:
+            os.makedirs(run_dir, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"--run-dir {run_dir}: cannot create it ({e.strerror})")
+        return run_dir, not existed
     base = os.path.join("runs", f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}")
     for n in itertools.count(1):
         try:
             os.makedirs(base if n == 1 else f"{base}_{n}")
-            return base if n == 1 else f"{base}_{n}"
+            return (base if n == 1 else f"{base}_{n}"), True
         except FileExistsError:
             continue
 
@@ -942,9 +965,7 @@ def make_run_dir(args: Args, resumed: bool) -> str:
 def build(args: Args, key):
     """(network, optimizer, continuous, normalizer, initial state) of a run with these flags; a
     checkpoint restores into `dict(state, **normalizer.state())` (utils/evaluate.py does too)."""
-    spec = envpool.make_spec(args.env_id)
-    action_space = spec.gymnasium_action_space if hasattr(spec, "gymnasium_action_space") else spec.action_space
-    obs_space = spec.gymnasium_observation_space if hasattr(spec, "gymnasium_observation_space") else spec.observation_space
+    obs_space, action_space = spaces(args.env_id)
     continuous = not hasattr(action_space, "n")
     action_dim = int(np.prod(action_space.shape)) if continuous else int(action_space.n)
     network = ActorCritic(action_dim, continuous)
@@ -1082,20 +1103,21 @@ def train(args: Args, given, signals: Signals) -> int:
         return 0
     check_run_dir(args, payload is not None)
     print(f"jax {jax.__version__} on {jax.default_backend()}: {', '.join(map(str, jax.local_devices()))}", flush=True)
-    key, init_key, update_key = jax.random.split(jax.random.PRNGKey(args.seed), 3)
+    seed = (args.seed + global_step) % 2**31  # a resumed run draws new env seeds and noise, not the first part's
+    key, init_key, update_key = jax.random.split(jax.random.PRNGKey(seed), 3)
     network, optimizer, continuous, normalizer, state = build(args, init_key)
     if payload:
         state = load_checkpoint(payload, dict(state, **normalizer.state()), checkpoint_path(args.resume))
         normalizer.load(state)
-    run_dir = make_run_dir(args, payload is not None)
-    signals.new_run_dir = None if payload else run_dir
+    run_dir, created = make_run_dir(args, payload is not None)
+    signals.new_run_dir = run_dir if created and not payload else None  # removed if stopped before an update
     write_config(run_dir, args, changed, global_step)
     ckpt_file = os.path.join(run_dir, "checkpoint.msgpack")
     start_update = int(state["policy_version"])
     num_updates = start_update + (args.total_timesteps - global_step) // batch_size  # the version at the end
 
     envs = make_env(
-        args.env_id, args.num_envs, args.seed, args.num_threads, train=True, batch_size=args.num_envs // args.num_splits
+        args.env_id, args.num_envs, seed, args.num_threads, train=True, batch_size=args.num_envs // args.num_splits
     )
     policy_step = make_policy_step(network, continuous)
     update = make_update(network, optimizer, args, continuous)

@@ -232,3 +232,13 @@ def test_impala_loss_gradient_moves_log_prob_with_the_advantage():
     assert np.all(after[signed > 0] > before[signed > 0])
     assert np.all(after[signed < 0] < before[signed < 0])
     np.testing.assert_array_equal(after[signed == 0], before[signed == 0])
+
+
+def test_impala_optimizer_state_has_one_structure_for_any_momentum():
+    """--rmsprop-momentum may change on resume: the optimiser state's structure must not."""
+    params = {"w": np.zeros((3, 2), np.float32)}
+    structures = {
+        str(jax.tree.structure(impala.make_optimizer(impala.Args(rmsprop_momentum=m, max_grad_norm=40.0)).init(params)))
+        for m in (0.0, 0.9)
+    }
+    assert len(structures) == 1, structures

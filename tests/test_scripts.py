@@ -231,6 +231,9 @@ def test_checkpoint_round_trip_in_process(script, tmp_path):
             module.resume_args(module.Args(resume=str(path), **flags), set(flags))
     resumed, _, changed = module.resume_args(module.Args(resume=str(path), total_timesteps=99), {"total_timesteps"})
     assert changed == {"total_timesteps": 99}
+    # A flag given as None (its preset) keeps the run's value: no way around a fixed flag.
+    resumed, _, changed = module.resume_args(module.Args(resume=str(path), norm_reward=None), {"norm_reward"})
+    assert resumed.norm_reward is True and "norm_reward" not in changed
     assert (resumed.env_id, resumed.total_timesteps, resumed.gamma) == ("HalfCheetah-v4", 99, 0.99)
 
 
@@ -264,6 +267,7 @@ BAD_INPUTS = {
     "resume-random-bytes": (dict(), ["--resume"], corrupt_random),
     "resume-truncated": (dict(), ["--resume"], corrupt_truncated),
     "resume-other-env": (dict(env_id="Acrobot-v1"), ["--resume", "CartPole-v1"], lambda run, tmp: run),
+    "norm-obs-on-images": (dict(env_id="Pong-v5", norm_obs="True"), ["--norm-obs", "uint8"], None),
 }
 
 
@@ -310,6 +314,26 @@ def test_run_dir_holding_a_run_is_refused(script, cartpole_run, tmp_path):
     result = run_script(script, cli(script, run_dir=run), timeout=240)
     assert_usage_error(result, "--run-dir", "--resume")
     assert file_contents(run) == before
+    # A file, and a folder with a config but no checkpoint (a run that failed before saving).
+    (tmp_path / "file").write_text("x")
+    assert_usage_error(run_script(script, cli(script, run_dir=tmp_path / "file"), timeout=240), "--run-dir", "file")
+    (run / CHECKPOINT).unlink()
+    assert_usage_error(run_script(script, cli(script, run_dir=run), timeout=240), "--run-dir", "no checkpoint")
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_during_start_up_keeps_a_folder_it_did_not_create(script, tmp_path):
+    """A new run in an existing folder (--run-dir runs/, say) stopped during start-up must not
+    delete what was there."""
+    folder = tmp_path / "runs"
+    (folder / "another_run").mkdir(parents=True)
+    (folder / "another_run" / "notes.txt").write_text("keep me")
+    logs = tmp_path / "logs"
+    proc = start_script(script, ["--env-id", "Pong-v5", "--run-dir", folder], logs)
+    wait_until(lambda: count_complete_lines(logs / "stdout.txt", "updates of") == 1, proc, 240)
+    returncode, _, stderr = interrupt(proc, signal.SIGINT, logs)
+    assert returncode == 128 + signal.SIGINT and "during start-up" in stderr, stderr
+    assert (folder / "another_run" / "notes.txt").read_text() == "keep me"
 
 
 def test_runs_started_in_the_same_second_get_their_own_folders(script, tmp_path, monkeypatch):
@@ -317,8 +341,12 @@ def test_runs_started_in_the_same_second_get_their_own_folders(script, tmp_path,
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(module.time, "time", lambda: 1_000_000.0)
     args = module.Args(env_id="CartPole-v1")
-    folders = [module.make_run_dir(args, resumed=False) for _ in range(3)]
+    made = [module.make_run_dir(args, resumed=False) for _ in range(3)]
+    folders = [folder for folder, created in made]
     assert len(set(folders)) == 3 and all((tmp_path / f).is_dir() for f in folders), folders
+    assert all(created for _, created in made)
+    # An existing --run-dir (that holds no run) is used, and not counted as created by this run.
+    assert module.make_run_dir(module.Args(env_id="CartPole-v1", run_dir=folders[0]), resumed=False) == (folders[0], False)
 
 
 # ---------------------------------------------------------------------------------------------

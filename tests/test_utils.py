@@ -239,3 +239,17 @@ def test_evaluate_scores_a_copied_script(tmp_path):
     not_a_script.write_text("NOTES = 1\n")
     result = run_script(EVALUATE, [elsewhere / "run", "--script", not_a_script], timeout=100)
     assert_usage_error(result, "notes.py", "interface")
+
+
+@pytest.mark.timeout(300)
+def test_evaluate_scores_a_checkpoint_of_an_older_version(script, cartpole_run, tmp_path):
+    """Only the parameters (and the normaliser) are needed to play: an optimiser state of another
+    structure, and a config from before the normalisation flags existed, still evaluate."""
+    payload = read_checkpoint(cartpole_run)
+    payload["state"]["opt_state"] = {"0": {"count": np.zeros(())}}
+    config = json.loads(payload["config"])
+    del config["norm_obs"], config["norm_reward"]
+    payload["config"] = json.dumps(config)
+    result = run_script(EVALUATE, [write_msgpack(tmp_path, payload), "--episodes", 2], timeout=240)
+    assert_ok(result)
+    assert json.loads((tmp_path / "run" / "eval.json").read_text())["episodes"] == 2

@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -254,6 +255,7 @@ def measure_end_to_end(script, env_id, num_envs, num_steps, seconds, out_dir):
     ]
     if script != "impala_envpool.py" and num_envs * num_steps % 4:
         cmd += ["--num-minibatches", "1"]
+    shutil.rmtree(run_dir, ignore_errors=True)  # a previous benchmark's, in the same --out
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     metrics_file = os.path.join(run_dir, METRICS)
     deadline = time.time() + 900  # the first update: minutes for the Atari CNN's compile on a busy CPU
@@ -268,6 +270,8 @@ def measure_end_to_end(script, env_id, num_envs, num_steps, seconds, out_dir):
         except subprocess.TimeoutExpired:
             proc.kill()
     stderr = proc.stderr.read()
+    if proc.returncode not in (0, 128 + signal.SIGINT):
+        raise RuntimeError(f"{script} exited with code {proc.returncode}:\n{stderr[-2000:]}")
     if not os.path.exists(metrics_file):
         raise RuntimeError(f"{script} wrote no metrics:\n{stderr[-2000:]}")
     updates = [r for r in read_metrics(metrics_file) if r["tag"] == "losses/loss"]

@@ -2,8 +2,8 @@
 
 The checkpoint names its script and where it was (`ppo_sync_baseline.py`, `appo_envpool.py`,
 `impala_envpool.py`, or a user's copy of one, renamed and edited). This tool imports that script
-(from the path it recorded, else a file of its name next to the run or in the repository root,
-or `--script`), rebuilds its `Args` from the stored config, builds the network, normaliser and
+(from the path it recorded, else a file of its name in the run folder, in the folder above it,
+or in the repository root; or `--script`), rebuilds its `Args` from the stored config, builds the network, normaliser and
 state template with the script's `build`, restores them with its `load_checkpoint` and plays
 with its own `evaluate`: game scores (unclipped rewards over all lives), as at the end of training.
 
@@ -48,8 +48,8 @@ class EvalArgs:
     out: Annotated[Optional[str], tyro.conf.arg(help_behavior_hint="(default: {run}/eval.json)")] = None
     """JSON file for the result"""
     script: Annotated[Optional[str], tyro.conf.arg(help_behavior_hint="(default: the one that wrote it)")] = None
-    """the training script to evaluate with; by default the one that wrote the checkpoint, found
-    by the path it recorded, next to the run, or in the repository root"""
+    """the training script to evaluate with; by default the one that wrote the checkpoint, found by
+    the path it recorded, in the run folder, the folder above it, or the repository root"""
 
 
 def find_script(payload: dict, path: str, override: Optional[str]) -> Path:
@@ -59,7 +59,7 @@ def find_script(payload: dict, path: str, override: Optional[str]) -> Path:
             raise UsageError(f"--script {override}: no such file")
         return Path(override)
     name, run_dir = payload["script"], Path(path).resolve().parent
-    candidates = [payload.get("script_path"), run_dir / name, run_dir.parent / name, Path.cwd() / name, REPO_ROOT / name]
+    candidates = [payload.get("script_path"), run_dir / name, run_dir.parent / name, REPO_ROOT / name]
     for candidate in candidates:
         if isinstance(candidate, (str, Path)) and Path(candidate).is_file() and Path(candidate).name == name:
             return Path(candidate)
@@ -87,21 +87,27 @@ def rebuild_args(module, config: dict, path: str):
             f"{path}: its config has fields that {module.__name__}.py's Args lacks ({', '.join(unknown)}); "
             "it was written by another version of the script"
         )
+    # Written before normalisation existed: nothing was normalised (not today's preset).
+    config = {"norm_obs": False, "norm_reward": False, **config, "track": False, "resume": None}
     try:
-        return module.resolve_args(dataclasses.replace(module.Args(), **dict(config, track=False, resume=None)))
+        return module.resolve_args(dataclasses.replace(module.Args(), **config))
     except module.UsageError as e:
         raise UsageError(f"{path}: its config is not valid for {module.__name__}.py ({e})")
 
 
 def restore(module, args, payload: dict, path: str):
-    """(network, continuous, normalizer, state) as the script's main builds them, restored from `path`."""
+    """(network, continuous, normalizer, params) as the script's main builds them, restored from
+    `path`. Only the parameters and the normaliser are read: an optimiser state of another
+    version of the script does not matter for playing."""
     network, _, continuous, normalizer, state = module.build(args, jax.random.PRNGKey(args.seed))
+    template = {"params": state["params"], **normalizer.state()}
+    stored = {key: payload["state"][key] for key in template if key in payload["state"]}
     try:
-        state = module.load_checkpoint(payload, dict(state, **normalizer.state()), path)
+        restored = module.load_checkpoint(dict(payload, state=stored), template, path)
     except module.UsageError as e:
         raise UsageError(str(e).removeprefix("--resume: "))
-    normalizer.load(state)
-    return network, continuous, normalizer, state
+    normalizer.load(restored)
+    return network, continuous, normalizer, restored["params"]
 
 
 def main(cli: EvalArgs) -> int:
@@ -116,14 +122,15 @@ def main(cli: EvalArgs) -> int:
     args = rebuild_args(module, payload["config"], path)
     if cli.seed is not None:
         args = dataclasses.replace(args, seed=cli.seed)
-    network, continuous, normalizer, state = restore(module, args, payload, path)
+    network, continuous, normalizer, params = restore(module, args, payload, path)
+    global_step = int(payload["state"].get("global_step", 0))
 
     run_dir = os.path.dirname(os.path.abspath(path))
     video_dir = os.path.join(run_dir, "videos", f"evaluate__{int(time.time())}") if cli.video else None
-    print(f"{Path(module.__file__).name}: {args.env_id}, step {int(state['global_step'])}, "
+    print(f"{Path(module.__file__).name}: {args.env_id}, step {global_step}, "
           f"{cli.episodes} {'greedy' if cli.greedy else 'sampled'} episodes")
     scores = module.evaluate(
-        state["params"], network, args, continuous, normalizer, cli.episodes, video_dir, greedy=cli.greedy
+        params, network, args, continuous, normalizer, cli.episodes, video_dir, greedy=cli.greedy
     )
     videos = sorted(os.path.join(video_dir, f) for f in os.listdir(video_dir)) if video_dir and os.path.isdir(video_dir) else []
     result = {
@@ -132,7 +139,7 @@ def main(cli: EvalArgs) -> int:
         "std": float(np.std(scores)),
         "scores": [float(s) for s in scores],
         "checkpoint": os.path.abspath(path),
-        "global_step": int(state["global_step"]),
+        "global_step": global_step,
         "greedy": cli.greedy,
         "script": payload["script"],
         "env_id": args.env_id,
