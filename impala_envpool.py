@@ -172,9 +172,18 @@ def resolve_args(args: Args) -> Args:
         close = difflib.get_close_matches(args.env_id, known, n=3, cutoff=0.5)
         hint = f"; did you mean {', '.join(close)}?" if close else "; see envpool.list_all_envs()"
         raise UsageError(f"--env-id {args.env_id!r} is not an envpool task{hint}")
+    try:
+        obs_space, _ = spaces(args.env_id)
+    except Exception as e:  # e.g. Procgen without the system Qt 5 runtime: envpool names the package
+        raise UsageError(f"--env-id {args.env_id} cannot be made here: {(str(e) or type(e).__name__).splitlines()[0]}")
+    if type(obs_space).__name__ != "Box":
+        raise UsageError(
+            f"--env-id {args.env_id} has {type(obs_space).__name__} observations; "
+            "these scripts take Box observations (images or vectors)"
+        )
     preset = PRESETS[preset_name(args.env_id)]
     args = dataclasses.replace(args, **{k: v for k, v in preset.items() if getattr(args, k) is None})
-    if args.norm_obs and spaces(args.env_id)[0].dtype == np.uint8:
+    if args.norm_obs and obs_space.dtype == np.uint8:
         raise UsageError(f"--norm-obs is for vector observations; {args.env_id}'s are uint8 images: pass --norm-obs False")
     if args.track and importlib.util.find_spec("wandb") is None:
         raise UsageError("--track logs to Weights & Biases, which is not installed: pip install wandb")
