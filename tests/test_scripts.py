@@ -142,11 +142,17 @@ def test_smoke_variant(script_name, variant, tmp_path):
 
 @pytest.mark.timeout(600)
 def test_sigterm_writes_checkpoint_and_resume_continues(script, tmp_path):
+    """SIGTERM mid-run: exit 143 within seconds, the newest state checkpointed, the last update's
+    scalars logged although --log-frequency was not reached. `--resume` alone then finishes the
+    run, and the annealed learning rate of every logged update equals the uninterrupted run's."""
+    total = 100 * TINY_BATCH
+    whole = tmp_path / "whole"
+    assert_ok(run_script(script, cli(script, total_timesteps=total, run_dir=whole), timeout=300))
     run_dir = tmp_path / "run"
     # --log-frequency 1000: the update scalars come at the first update and, on the stop, the last.
-    long_run = cli(script, total_timesteps=100_000_000, save_interval=1, log_frequency=1000, run_dir=run_dir)
+    flags = dict(total_timesteps=total, save_interval=1, log_frequency=1000, run_dir=run_dir)
     returncode, stop_seconds, stderr = sigterm_when(
-        script, long_run, tmp_path / "logs",
+        script, cli(script, **flags), tmp_path / "logs",
         lambda: count_complete_lines(run_dir / "metrics.jsonl", '"charts/episodic_return"') >= 30, 300,
     )
     assert returncode == 128 + signal.SIGTERM, f"exit code {returncode}\n{stderr[-3000:]}"
@@ -157,23 +163,24 @@ def test_sigterm_writes_checkpoint_and_resume_continues(script, tmp_path):
     saved_step = int(payload["state"]["global_step"])
     saved_version = int(payload["state"]["policy_version"])
     records = read_metrics(run_dir)
-    logged_steps = [r["step"] for r in records if r["tag"] == "losses/policy_loss"]
-    # The checkpoint holds the newest state, not the one of an earlier save_interval, and the
-    # last update's scalars were logged on the stop although --log-frequency was not reached.
-    assert logged_steps == [TINY_BATCH, saved_step] and saved_step >= 3 * TINY_BATCH, logged_steps
+    logged_steps = tag_steps(records, "losses/policy_loss")
+    # The checkpoint holds the newest state, not the one of an earlier save_interval.
+    assert logged_steps == [TINY_BATCH, saved_step] and 3 * TINY_BATCH <= saved_step < total, logged_steps
     assert tag_steps(records, "charts/SPS") == logged_steps
     assert saved_version > 0
 
-    resumed_total = saved_step + 4 * TINY_BATCH
-    result = run_script(script, cli(script, total_timesteps=resumed_total, resume=run_dir), timeout=300)
-    assert_ok(result)
+    assert_ok(run_script(script, ["--resume", run_dir], timeout=300))
     new_records = read_metrics(run_dir)[len(records):]
-    assert new_records, "the resumed run logged nothing"
-    assert min(r["step"] for r in new_records) > saved_step
-    assert [r for r in new_records if r["tag"] == "losses/policy_loss"]
+    assert new_records and min(r["step"] for r in new_records) > saved_step
     final = read_checkpoint(run_dir)["state"]
-    assert int(final["global_step"]) >= resumed_total
-    assert int(final["policy_version"]) > saved_version
+    assert int(final["global_step"]) == total and int(final["policy_version"]) > saved_version
+    expected = {r["step"]: r["value"] for r in read_metrics(whole) if r["tag"] == "charts/learning_rate"}
+    assert sorted(expected) == [TINY_BATCH * (i + 1) for i in range(100)]  # --log-frequency 1
+    assert min(expected.values()) < 0.02 * max(expected.values())  # it did anneal to ~0
+    resumed = [(r["step"], r["value"]) for r in read_metrics(run_dir) if r["tag"] == "charts/learning_rate"]
+    assert [step for step, _ in resumed] == [TINY_BATCH, saved_step, saved_step + TINY_BATCH, total]
+    for step, value in resumed:
+        assert value == pytest.approx(expected[step], rel=1e-6, abs=1e-12), step
 
 
 def small_state():
@@ -323,14 +330,15 @@ def test_run_dir_holding_a_run_is_refused(script, cartpole_run, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_ctrl_c_during_start_up_keeps_a_folder_it_did_not_create(script, tmp_path):
+@pytest.mark.parametrize("script_name", ["ppo_sync_baseline.py"])  # Signals is the same text in all three
+def test_ctrl_c_during_start_up_keeps_a_folder_it_did_not_create(script_name, tmp_path):
     """A new run in an existing folder (--run-dir runs/, say) stopped during start-up must not
     delete what was there."""
     folder = tmp_path / "runs"
     (folder / "another_run").mkdir(parents=True)
     (folder / "another_run" / "notes.txt").write_text("keep me")
     logs = tmp_path / "logs"
-    proc = start_script(script, ["--env-id", "Pong-v5", "--run-dir", folder], logs)
+    proc = start_script(script_name, ["--env-id", "Pong-v5", "--run-dir", folder], logs)
     wait_until(lambda: count_complete_lines(logs / "stdout.txt", "updates of") == 1, proc, 240)
     returncode, _, stderr = interrupt(proc, signal.SIGINT, logs)
     assert returncode == 128 + signal.SIGINT and "during start-up" in stderr, stderr
@@ -440,35 +448,6 @@ def test_resume_continues_the_run(script, cartpole_run, tmp_path):
     assert json.loads(read_checkpoint(run)["config"])["num_envs"] == 8
 
 
-@pytest.mark.timeout(600)
-def test_learning_rate_schedule_continues_across_a_resume(script, tmp_path):
-    """The annealed learning rate of every update, for a run stopped by SIGTERM and resumed with
-    `--resume` alone, equals that of the same run uninterrupted."""
-    flags = dict(total_timesteps=100 * TINY_BATCH, save_interval=1)
-    whole = tmp_path / "whole"
-    assert_ok(run_script(script, cli(script, run_dir=whole, **flags), timeout=300))
-    parts = tmp_path / "parts"
-    returncode, _, stderr = sigterm_when(
-        script, cli(script, run_dir=parts, **flags), tmp_path / "logs",
-        lambda: count_complete_lines(parts / "metrics.jsonl", '"charts/learning_rate"') >= 5, 300,
-    )
-    assert returncode == 128 + signal.SIGTERM, stderr
-    stopped_at = int(read_checkpoint(parts)["state"]["global_step"])
-    assert stopped_at < flags["total_timesteps"], "the run finished before the signal; nothing was resumed"
-    assert_ok(run_script(script, ["--resume", parts], timeout=300))
-
-    def schedule(run):
-        records = [r for r in read_metrics(run) if r["tag"] == "charts/learning_rate"]
-        return {r["step"]: r["value"] for r in records}
-
-    expected, resumed = schedule(whole), schedule(parts)
-    assert sorted(expected) == [TINY_BATCH * (i + 1) for i in range(100)]  # --log-frequency 1
-    assert sorted(resumed) == sorted(expected)
-    for step, value in expected.items():
-        assert resumed[step] == pytest.approx(value, rel=1e-6, abs=1e-12), step
-    assert min(expected.values()) < 0.02 * max(expected.values())  # it did anneal to ~0
-
-
 def interrupt(proc, signum, logs):
     """Send `signum`, wait for the exit; (exit code, seconds from signal to exit, stderr)."""
     try:
@@ -482,9 +461,10 @@ def interrupt(proc, signum, logs):
             proc.wait()
 
 
-# The PPO scripts, whose Pong update (4 epochs x 4 minibatches, unrolled on CPU) compiles for minutes.
+# APPO, whose Pong update (4 epochs x 4 minibatches, unrolled on CPU) compiles for minutes while the
+# actor samples. (The sync baseline compiles in its main thread: test_ctrl_c_during_start_up.)
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("script_name", ["appo_envpool.py", "ppo_sync_baseline.py"])
+@pytest.mark.parametrize("script_name", ["appo_envpool.py"])
 def test_progress_lines_while_the_update_compiles(script_name, tmp_path):
     """Pong at default flags: a progress line every 5 s from the first rollout on, while XLA
     compiles the first update; Ctrl-C then exits 130 within seconds: no traceback, nothing to save."""
@@ -535,7 +515,7 @@ def test_ctrl_c_during_start_up(script, tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("delay", [0.5, 1.5])
+@pytest.mark.parametrize("delay", [1.0])
 def test_ctrl_c_while_importing(script, delay, tmp_path):
     """Ctrl-C while Python imports JAX, envpool and the rest (the first seconds): the process ends
     at once, by the signal (the shell's 130), with no traceback and without training on."""
