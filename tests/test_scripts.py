@@ -238,10 +238,10 @@ def test_checkpoint_round_trip_in_process(script, tmp_path):
             module.resume_args(module.Args(resume=str(path), **flags), set(flags))
     resumed, _, changed = module.resume_args(module.Args(resume=str(path), total_timesteps=99), {"total_timesteps"})
     assert changed == {"total_timesteps": 99}
+    assert (resumed.env_id, resumed.total_timesteps, resumed.gamma) == ("HalfCheetah-v4", 99, 0.99)
     # A flag given as None (its preset) keeps the run's value: no way around a fixed flag.
     resumed, _, changed = module.resume_args(module.Args(resume=str(path), norm_reward=None), {"norm_reward"})
     assert resumed.norm_reward is True and "norm_reward" not in changed
-    assert (resumed.env_id, resumed.total_timesteps, resumed.gamma) == ("HalfCheetah-v4", 99, 0.99)
 
 
 # ---------------------------------------------------------------------------------------------
