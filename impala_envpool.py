@@ -486,13 +486,13 @@ class Shared:
     """What the threads share: the newest parameters and their version, the normaliser, counts,
     stop, errors, reports."""
 
-    def __init__(self, state, normalizer=None):
+    def __init__(self, state, normalizer=None, stop=None, started=None):
         self.state = state  # the learner's last good state, for checkpoints
         self.normalizer = normalizer or Normalizer((), 0, False, False, 0.0)  # the actor's; checkpointed
         self.sampled = 0  # env steps the actor has sent actions for, this session
-        self.started = threading.Event()  # set by the first update (see Signals)
+        self.started = started or threading.Event()  # set by the first update (Signals reads it)
         self.latest = (state["params"], int(state["policy_version"]))  # replaced whole: atomic
-        self.stop = threading.Event()
+        self.stop = stop or threading.Event()  # set by Signals, an error, or the end
         self.errors = []  # (thread name, exception, formatted traceback)
         self.reports = queue.Queue()  # (env steps, {tag: value}) for the main thread's logger
         self.timing = dict.fromkeys(["env", "inference", "queue_put", "queue_get", "update"], 0.0)
@@ -1131,8 +1131,7 @@ def train(args: Args, given, signals: Signals) -> int:
     policy_step = make_policy_step(network, continuous)
     update = make_update(network, optimizer, args, continuous)
     logger = Logger(run_dir, args)
-    shared = Shared(state, normalizer)
-    shared.stop, shared.started = signals.stop, signals.started  # the events Signals sets and reads
+    shared = Shared(state, normalizer, signals.stop, signals.started)
     print(f"{os.path.basename(__file__)}: {args.env_id} (preset {preset_name(args.env_id)}), "
           f"{num_updates - start_update} updates of {batch_size} steps -> {run_dir}", flush=True)
     start_step = global_step
