@@ -60,8 +60,9 @@ class Args:
     """
 
     env_id: str = "Pong-v5"
-    """envpool task id: Atari `*-v5` (84x84 grey, 4-frame stack, frame skip 4), classic control and
-    Box2D vectors (CartPole-v1, Acrobot-v1, LunarLander-v2, Pendulum-v1, ...) or MuJoCo (HalfCheetah-v4, ...)"""
+    """envpool task id of any single-agent family with Discrete or continuous actions: Atari `*-v5`,
+    classic control, Box2D (CarRacing-v3), MuJoCo, dm_control (CheetahRun-v1), MiniGrid and BabyAI,
+    MetaWorld, MyoSuite, Gymnasium-Robotics (FetchReach-v1), highway-env, gfootball, toy text, ..."""
     seed: int = 1
     """seed of the environments, the network initialisation and action sampling"""
     total_timesteps: int = 10_000_000
@@ -144,6 +145,12 @@ PRESETS = {
     "MountainCar": dict(num_steps=5, learning_rate=7e-4, gamma=0.99, entropy_cost=0.0, norm_obs=True, norm_reward=True),
     "Pendulum": dict(num_steps=8, learning_rate=7e-4, gamma=0.9, entropy_cost=0.0, norm_obs=True, norm_reward=True),
     "LunarLander": dict(num_steps=5, learning_rate=8.3e-4, gamma=0.995, entropy_cost=1e-5, **NO_NORM),
+    # The Control Suite: the continuous-control settings above.
+    "dm_control": dict(num_steps=20, learning_rate=3e-4, gamma=0.99, entropy_cost=0.0, norm_obs=True, norm_reward=True),
+    # MiniGrid and BabyAI: rl-starter-files' A2C (torch-ac; 5-step unrolls, RMSProp, lr 1e-3).
+    "minigrid": dict(num_steps=5, learning_rate=1e-3, gamma=0.99, entropy_cost=0.01, **NO_NORM),
+    # gfootball's frames as Atari's: TorchBeast's Atari settings.
+    "gfootball": dict(num_steps=80, learning_rate=4.8e-4, gamma=0.99, entropy_cost=0.0006, **NO_NORM),
 }
 
 
@@ -172,19 +179,11 @@ def resolve_args(args: Args) -> Args:
         close = difflib.get_close_matches(args.env_id, known, n=3, cutoff=0.5)
         hint = f"; did you mean {', '.join(close)}?" if close else "; see envpool.list_all_envs()"
         raise UsageError(f"--env-id {args.env_id!r} is not an envpool task{hint}")
-    try:
-        obs_space, _ = spaces(args.env_id)
-    except Exception as e:  # e.g. Procgen without the system Qt 5 runtime: envpool names the package
-        raise UsageError(f"--env-id {args.env_id} cannot be made here: {(str(e) or type(e).__name__).splitlines()[0]}")
-    if type(obs_space).__name__ != "Box":
-        raise UsageError(
-            f"--env-id {args.env_id} has {type(obs_space).__name__} observations; "
-            "these scripts take Box observations (images or vectors)"
-        )
+    obs_space = check_task(args.env_id)
     preset = PRESETS[preset_name(args.env_id)]
     args = dataclasses.replace(args, **{k: v for k, v in preset.items() if getattr(args, k) is None})
-    if args.norm_obs and obs_space.dtype == np.uint8:
-        raise UsageError(f"--norm-obs is for vector observations; {args.env_id}'s are uint8 images: pass --norm-obs False")
+    if args.norm_obs and not any(np.issubdtype(s.dtype, np.floating) for s in jax.tree.leaves(space_tree(obs_space))):
+        raise UsageError(f"--norm-obs is for float observations; {args.env_id} has none: pass --norm-obs False")
     if args.track and importlib.util.find_spec("wandb") is None:
         raise UsageError("--track logs to Weights & Biases, which is not installed: pip install wandb")
     for name in ["total_timesteps", "num_envs", "num_steps", "num_splits", "queue_size", "log_frequency"]:
@@ -207,12 +206,39 @@ def resolve_args(args: Args) -> Args:
     return args
 
 
+def check_task(env_id: str):
+    """The observation space of a task these scripts can train on; else UsageError, one line."""
+    try:
+        spec = envpool.make_spec(env_id)
+        obs_space, action_space = spaces(env_id)
+    except Exception as e:  # e.g. Procgen without the system Qt 5 runtime: envpool names the package
+        first = (str(e) or type(e).__name__).splitlines()[0]
+        hint = " (Debian/Ubuntu: apt-get install libqt5core5a libqt5gui5)" if "Qt 5" in first else ""
+        raise UsageError(f"--env-id {env_id} cannot be made here: {first}{hint}")
+    if spec.config.max_num_players > 1:
+        raise UsageError(f"--env-id {env_id} is a {spec.config.max_num_players}-player task; these scripts train one agent")
+    if not (hasattr(action_space, "n") or np.issubdtype(getattr(action_space, "dtype", np.int32), np.floating)):
+        raise UsageError(
+            f"--env-id {env_id} has {action_space} actions (one discrete choice per dimension, as MultiDiscrete); "
+            "these scripts take Discrete or continuous (float Box) actions"
+        )
+    for leaf in jax.tree.leaves(space_tree(obs_space)):
+        if type(leaf).__name__ not in ("Box", "Discrete", "MultiBinary"):
+            raise UsageError(f"--env-id {env_id} has {type(leaf).__name__} observations; these scripts take Box, "
+                             "Discrete and MultiBinary observations and Dicts of them")
+    return obs_space
+
+
+# envpool's module of a task (envpool.mujoco.dmc, ...) -> the PRESETS family it takes.
+FAMILIES = {"atari": "atari", "mujoco.dmc": "dm_control", "minigrid": "minigrid", "highway": "highway", "gfootball": "gfootball"}
+
+
 def env_kind(env_id: str) -> str:
-    """'atari', 'mujoco' or 'classic', read from the envpool spec without starting an env."""
-    config = envpool.make_spec(env_id).config
-    if hasattr(config, "episodic_life"):
-        return "atari"
-    return "mujoco" if hasattr(config, "xml_file") else "classic"
+    """A task's family, from the envpool module that registers it: 'atari', 'dm_control',
+    'minigrid' (and BabyAI), 'highway', 'gfootball', 'mujoco' (Gym MuJoCo, MetaWorld, MyoSuite,
+    Gymnasium-Robotics, MuJoCo Playground) or 'classic' (any other: classic control, Box2D, ...)."""
+    family = envpool.registration.registry.specs[env_id][0].removeprefix("envpool.")
+    return FAMILIES.get(family, "mujoco" if family.startswith("mujoco") else "classic")
 
 
 def spaces(env_id: str):
@@ -223,10 +249,23 @@ def spaces(env_id: str):
     return spec.observation_space, spec.action_space
 
 
+def space_tree(space):
+    """The observation pytree's structure with spaces as leaves: a Dict space becomes a dict (nested
+    as envpool returns it), any other space is one leaf."""
+    if type(space).__name__ == "Dict":
+        return {key: space_tree(value) for key, value in space.spaces.items()}
+    return space
+
+
+def zeros_like_space(space, *batch):
+    """An observation of zeros with leading dimensions `batch` (templates, network init)."""
+    return jax.tree.map(lambda s: np.zeros((*batch, *s.shape), s.dtype), space_tree(space))
+
+
 def preset_name(env_id: str) -> str:
-    """The PRESETS entry of a task: its own (CartPole-v1 -> "CartPole"), else its family's."""
-    name = env_id.rsplit("-v", 1)[0]
-    return name if name in PRESETS else env_kind(env_id)
+    """The PRESETS entry of a task: its own (CartPole-v1 -> "CartPole"), else its family's, else classic."""
+    name, kind = env_id.rsplit("-v", 1)[0], env_kind(env_id)
+    return name if name in PRESETS else kind if kind in PRESETS else "classic"
 
 
 def make_env(env_id: str, num_envs: int, seed: int, num_threads: int, train: bool, **kwargs):
@@ -273,29 +312,34 @@ class Normalizer:
     another thread reads a consistent one. With both switches off it passes everything through.
     """
 
-    def __init__(self, obs_shape, num_envs: int, norm_obs: bool, norm_reward: bool, gamma: float):
+    def __init__(self, obs, num_envs: int, norm_obs: bool, norm_reward: bool, gamma: float):
         self.norm_obs, self.norm_reward, self.gamma = norm_obs, norm_reward, gamma
-        self.obs_stats = (np.zeros(obs_shape), np.ones(obs_shape), 1e-4)  # mean, variance, count
+        zeros = jax.tree.map(lambda x: np.zeros(np.shape(x)), obs)  # `obs`: one observation (a pytree)
+        self.obs_stats = (zeros, jax.tree.map(np.ones_like, zeros), 1e-4)  # mean, variance, count
         self.return_stats = (np.zeros(()), np.ones(()), 1e-4)
         self.returns = np.zeros(num_envs)  # discounted return of each env's episode so far
 
     @staticmethod
     def updated(stats, x):
-        """(mean, variance, count) after adding the batch x [N, ...] (Chan et al.'s parallel update)."""
+        """(mean, variance, count) after adding the batch x [N, ...], a pytree (Chan et al.'s parallel update)."""
         mean, var, count = stats
-        total = count + len(x)
-        delta = x.mean(0) - mean
-        m2 = var * count + x.var(0) * len(x) + delta**2 * count * len(x) / total
-        return mean + delta * len(x) / total, m2 / total, total
+        n = len(jax.tree.leaves(x)[0])
+        total = count + n
+        delta = jax.tree.map(lambda x, m: x.mean(0) - m, x, mean)
+        var = jax.tree.map(lambda x, v, d: (v * count + x.var(0) * n + d**2 * count * n / total) / total, x, var, delta)
+        return jax.tree.map(lambda m, d: m + d * n / total, mean, delta), var, total
 
     def observe(self, obs, train: bool = True):
-        """Normalised observations [N, ...]; `train` also adds them to the statistics."""
+        """Normalised observations [N, ...] (the float leaves; others pass); `train` also adds them to the statistics."""
         if not self.norm_obs:
             return obs
         if train:
             self.obs_stats = self.updated(self.obs_stats, obs)
         mean, var, _ = self.obs_stats
-        return np.clip((obs - mean) / np.sqrt(var + 1e-8), -10, 10).astype(np.float32)
+        return jax.tree.map(
+            lambda x, m, v: np.clip((x - m) / np.sqrt(v + 1e-8), -10, 10).astype(np.float32)
+            if np.issubdtype(x.dtype, np.floating) else x, obs, mean, var,
+        )
 
     def reward(self, reward, done, env_ids):
         """Scaled rewards [N] of envs `env_ids`; `done` ends their discounted returns."""
@@ -311,7 +355,7 @@ class Normalizer:
         if not (self.norm_obs or self.norm_reward):
             return {}
         names = ("mean", "var", "count")
-        stats = {f"obs_{k}": np.asarray(v) for k, v in zip(names, self.obs_stats)}
+        stats = {f"obs_{k}": jax.tree.map(np.asarray, v) for k, v in zip(names, self.obs_stats)}
         stats.update({f"return_{k}": np.asarray(v) for k, v in zip(names, self.return_stats)})
         return {"norm": stats}
 
@@ -319,7 +363,7 @@ class Normalizer:
         """Take the statistics out of a restored state (see `state`)."""
         stats = state.pop("norm", None)
         if stats is not None:
-            self.obs_stats = tuple(np.asarray(stats[f"obs_{k}"]) for k in ("mean", "var", "count"))
+            self.obs_stats = tuple(jax.tree.map(np.asarray, stats[f"obs_{k}"]) for k in ("mean", "var", "count"))
             self.return_stats = tuple(np.asarray(stats[f"return_{k}"]) for k in ("mean", "var", "count"))
 
 
@@ -328,8 +372,40 @@ class Normalizer:
 # ---------------------------------------------------------------------------------------------
 
 
+def leaf_encoder(space) -> tuple:
+    """How the network encodes one observation leaf, read from its space (no per-family tables).
+
+    A rank-3 uint8 Box is an image. Its channels are the smaller of its first and last axes:
+    Atari and VizDoom stack frames first, [C, H, W]; CarRacing, gfootball, MiniGrid and Procgen
+    are [H, W, C] (a tie reads channels-last); either way the conv sees [B, H, W, C]. Images of at
+    least 36x36 take the Nature CNN on pixels / 255 ("nature"); smaller grids, the MiniGrid
+    literature's small conv on their raw symbolic codes ("grid"; from 7x7 up). A Discrete leaf is
+    one-hot ("onehot", n). Anything else (float or integer Boxes of any rank, MultiBinary, smaller
+    grids) is flattened to floats, uint8 scaled by 1/255 ("flat", scale).
+    """
+    name, shape = type(space).__name__, getattr(space, "shape", ())
+    if name == "Discrete":
+        return ("onehot", int(space.n))
+    if name == "Box" and space.dtype == np.uint8 and len(shape) == 3:
+        layout = "chw" if shape[0] < shape[-1] else "hwc"
+        height, width = shape[1:] if layout == "chw" else shape[:2]
+        if min(height, width) >= 36:
+            return ("nature", layout)
+        if min(height, width) >= 7:
+            return ("grid", layout)
+    return ("flat", 1 / 255 if space.dtype == np.uint8 else 1.0)
+
+
+def encoders(obs_space) -> tuple:
+    """leaf_encoder of every observation leaf, in the order of jax.tree.leaves(observation)."""
+    return tuple(leaf_encoder(s) for s in jax.tree.leaves(space_tree(obs_space)))
+
+
 class ActorCritic(nn.Module):
-    """Nature CNN trunk for images, separate 64-64 tanh MLPs for vectors (CleanRL).
+    """One encoder per observation leaf (`encoders`), concatenated into the trunk: with a Nature
+    CNN leaf, a shared 512 ReLU layer (CleanRL's Atari network); otherwise separate 64-64 tanh
+    MLPs for the policy and the value (CleanRL's vector network). A Box image or vector alone
+    gives exactly those networks.
 
     Returns `pi` [B, A] (logits, or mean and log-std concatenated [B, 2A] for Box actions)
     and `value` [B].
@@ -337,19 +413,32 @@ class ActorCritic(nn.Module):
 
     action_dim: int
     continuous: bool
+    encoders: tuple  # leaf_encoder of each observation leaf
 
     @nn.compact
     def __call__(self, obs):
         orth = nn.initializers.orthogonal
-        if obs.ndim == 4:  # [B, C, H, W] uint8 frames
-            x = jnp.transpose(obs, (0, 2, 3, 1)).astype(jnp.float32) / 255.0
-            x = nn.relu(nn.Conv(32, (8, 8), (4, 4), padding="VALID", kernel_init=orth(np.sqrt(2)))(x))
-            x = nn.relu(nn.Conv(64, (4, 4), (2, 2), padding="VALID", kernel_init=orth(np.sqrt(2)))(x))
-            x = nn.relu(nn.Conv(64, (3, 3), (1, 1), padding="VALID", kernel_init=orth(np.sqrt(2)))(x))
-            hidden = nn.relu(nn.Dense(512, kernel_init=orth(np.sqrt(2)))(x.reshape(x.shape[0], -1)))
+
+        def conv(x, size, kernel, stride=1):
+            return nn.relu(nn.Conv(size, (kernel, kernel), (stride, stride), "VALID", kernel_init=orth(np.sqrt(2)))(x))
+
+        features = []
+        for x, (kind, arg) in zip(jax.tree.leaves(obs), self.encoders, strict=True):
+            if kind in ("nature", "grid") and arg == "chw":
+                x = jnp.transpose(x, (0, 2, 3, 1))  # [B, C, H, W] -> [B, H, W, C]
+            if kind == "nature":  # Mnih et al. 2015
+                x = conv(conv(conv(x.astype(jnp.float32) / 255.0, 32, 8, 4), 64, 4, 2), 64, 3)
+            elif kind == "grid":  # rl-starter-files' (torch-ac's) MiniGrid network: 2x2 convs, a max-pool
+                x = nn.max_pool(conv(x.astype(jnp.float32), 16, 2), (2, 2), (2, 2))
+                x = conv(conv(x, 32, 2), 64, 2)
+            else:
+                x = jax.nn.one_hot(x, arg) if kind == "onehot" else x.astype(jnp.float32) * arg
+            features.append(x.reshape(x.shape[0], -1))
+        x = jnp.concatenate(features, axis=-1)
+        if any(kind == "nature" for kind, _ in self.encoders):
+            hidden = nn.relu(nn.Dense(512, kernel_init=orth(np.sqrt(2)))(x))
             actor_hidden = critic_hidden = hidden
         else:
-            x = obs.reshape(obs.shape[0], -1).astype(jnp.float32)
             actor_hidden, critic_hidden = x, x
             for _ in range(2):
                 actor_hidden = nn.tanh(nn.Dense(64, kernel_init=orth(np.sqrt(2)))(actor_hidden))
@@ -475,6 +564,12 @@ def make_policy_step(network, continuous: bool):
     return policy_step
 
 
+def write(tree, index, values):
+    """tree[index] = values, leaf by leaf: observations are pytrees of host arrays."""
+    for buffer, value in zip(jax.tree.leaves(tree), jax.tree.leaves(values), strict=True):
+        buffer[index] = value
+
+
 def env_action(action, action_space):
     """Gaussian actions are clipped to the action bounds before they reach the environment."""
     if hasattr(action_space, "n"):
@@ -488,7 +583,7 @@ class Shared:
 
     def __init__(self, state, normalizer=None, stop=None, started=None):
         self.state = state  # the learner's last good state, for checkpoints
-        self.normalizer = normalizer or Normalizer((), 0, False, False, 0.0)  # the actor's; checkpointed
+        self.normalizer = normalizer or Normalizer(np.zeros(()), 0, False, False, 0.0)  # the actor's; checkpointed
         self.sampled = 0  # env steps the actor has sent actions for, this session
         self.started = started or threading.Event()  # set by the first update (Signals reads it)
         self.latest = (state["params"], int(state["policy_version"]))  # replaced whole: atomic
@@ -552,9 +647,9 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
 
     def scatter(field, index, env_ids, values):
         for k in np.unique(index // T):
-            if k not in buffers:
+            if k not in buffers:  # the first write to rollout k is always of "obs" (the highest index)
                 buffers[k] = {
-                    "obs": np.zeros((T, B, *values.shape[1:]), values.dtype),
+                    "obs": jax.tree.map(lambda x: np.zeros((T, B, *x.shape[1:]), x.dtype), values),
                     "actions": np.zeros((T, B, *envs.action_space.shape), envs.action_space.dtype),
                     "logprobs": np.zeros((T, B), np.float32),
                     "rewards": np.zeros((T, B), np.float32),
@@ -562,15 +657,16 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
                     "truncated": np.zeros((T, B), np.float32),
                     "valid": np.zeros((T, B), np.float32),
                     "policy_version": np.zeros((T, B), np.int32),
-                    "bootstrap_obs": np.zeros((B, *values.shape[1:]), values.dtype),
+                    "bootstrap_obs": jax.tree.map(lambda x: np.zeros((B, *x.shape[1:]), x.dtype), values),
                 }
                 bootstrapped[k] = 0
             mask = index // T == k
+            rows = jax.tree.map(lambda x: x[mask], values)
             if field == "bootstrap_obs":
-                buffers[k][field][env_ids[mask]] = values[mask]
+                write(buffers[k][field], env_ids[mask], rows)
                 bootstrapped[k] += int(mask.sum())
             else:
-                buffers[k][field][index[mask] % T, env_ids[mask]] = values[mask]
+                write(buffers[k][field], (index[mask] % T, env_ids[mask]), rows)
 
     envs.async_reset()
     pushed = 0
@@ -594,7 +690,7 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
         prev_dones[ids] = (terminated | truncated)[stepped]
         scatter("dones", last, ids, prev_dones[ids])
         ends = stepped & (steps[env_ids] % T == 0)
-        scatter("bootstrap_obs", steps[env_ids[ends]] - T, env_ids[ends], obs[ends])
+        scatter("bootstrap_obs", steps[env_ids[ends]] - T, env_ids[ends], jax.tree.map(lambda x: x[ends], obs))
         index = steps[env_ids]
         scatter("obs", index, env_ids, obs)
         scatter("valid", index, env_ids, 1.0 - prev_dones[env_ids])
@@ -643,7 +739,7 @@ def make_update(network, optimizer, args: Args, continuous: bool):
 
     def loss_fn(params, rollout, mask):
         T, B = rollout["rewards"].shape
-        pi, values = network.apply(params, rollout["obs"].reshape(T * B, *rollout["obs"].shape[2:]))
+        pi, values = network.apply(params, jax.tree.map(lambda x: x.reshape(T * B, *x.shape[2:]), rollout["obs"]))
         logprobs, entropy = log_prob_entropy(pi, rollout["actions"].reshape(T * B, *rollout["actions"].shape[2:]), continuous)
         values, logprobs, entropy = values.reshape(T, B), logprobs.reshape(T, B), entropy.reshape(T, B)
         _, bootstrap_value = network.apply(params, rollout["bootstrap_obs"])
@@ -977,10 +1073,10 @@ def build(args: Args, key):
     obs_space, action_space = spaces(args.env_id)
     continuous = not hasattr(action_space, "n")
     action_dim = int(np.prod(action_space.shape)) if continuous else int(action_space.n)
-    network = ActorCritic(action_dim, continuous)
-    params = network.init(key, np.zeros((1, *obs_space.shape), obs_space.dtype))
+    network = ActorCritic(action_dim, continuous, encoders(obs_space))
+    params = network.init(key, zeros_like_space(obs_space, 1))
     optimizer = make_optimizer(args)
-    normalizer = Normalizer(obs_space.shape, args.num_envs, args.norm_obs, args.norm_reward, args.gamma)
+    normalizer = Normalizer(zeros_like_space(obs_space), args.num_envs, args.norm_obs, args.norm_reward, args.gamma)
     state = {"params": params, "opt_state": optimizer.init(params), "global_step": 0, "policy_version": 0}
     return network, optimizer, continuous, normalizer, state
 
@@ -997,7 +1093,7 @@ def evaluate(
     """
     num_envs = min(num_episodes, 8)
     quota = np.full(num_envs, -(-num_episodes // num_envs))
-    render = video_dir is not None and env_kind(args.env_id) != "mujoco"
+    render = video_dir is not None and env_kind(args.env_id) not in ("mujoco", "dm_control")
     envs = make_env(
         args.env_id, num_envs, args.seed + 10_000, 1, train=False, **({"render_mode": "rgb_array"} if render else {})
     )

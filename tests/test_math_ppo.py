@@ -251,7 +251,7 @@ def test_normalizer_matches_plain_statistics():
     reset at episode ends."""
     rng = np.random.default_rng(0)
     gamma = 0.9
-    norm = ppo.Normalizer((3,), 2, True, True, gamma)
+    norm = ppo.Normalizer(np.zeros(3), 2, True, True, gamma)
     seen_obs, seen_returns, ret = [], [], np.zeros(2)
     for step in range(40):
         env_ids = np.array([[0, 1], [1], [0]][step % 3])
@@ -277,7 +277,7 @@ def test_normalizer_matches_plain_statistics():
 
 
 def test_normalizer_off_passes_through():
-    norm = ppo.Normalizer((3,), 2, False, False, 0.99)
+    norm = ppo.Normalizer(np.zeros(3), 2, False, False, 0.99)
     obs, reward = np.ones((2, 3)), np.array([1.0, 2.0])
     assert norm.observe(obs) is obs and norm.reward(reward, np.zeros(2, bool), np.arange(2)) is reward
     assert norm.state() == {}

@@ -204,7 +204,7 @@ def test_checkpoint_round_trip_in_process(script, tmp_path):
     module = load_script(script)
     state = small_state()
     args = module.Args(env_id="HalfCheetah-v4", norm_obs=True, norm_reward=True, gamma=0.99)
-    normalizer = module.Normalizer((3,), 2, True, True, 0.99)
+    normalizer = module.Normalizer(np.zeros(3), 2, True, True, 0.99)
     normalizer.observe(np.arange(12, dtype=np.float64).reshape(4, 3))
     normalizer.reward(np.array([1.0, -2.0]), np.array([False, True]), np.array([0, 1]))
     path = tmp_path / CHECKPOINT
@@ -213,7 +213,7 @@ def test_checkpoint_round_trip_in_process(script, tmp_path):
 
     payload = module.read_checkpoint(str(path))
     assert payload["config"]["env_id"] == "HalfCheetah-v4"
-    fresh = module.Normalizer((3,), 2, True, True, 0.99)
+    fresh = module.Normalizer(np.zeros(3), 2, True, True, 0.99)
     template = jax.tree.map(np.zeros_like, dict(state, **fresh.state()))
     restored = module.load_checkpoint(payload, template, str(path))
     fresh.load(restored)

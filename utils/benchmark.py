@@ -195,11 +195,11 @@ def run_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds, env_core
                 pass
     continuous = not hasattr(envs.action_space, "n")
     action_dim = int(np.prod(envs.action_space.shape)) if continuous else int(envs.action_space.n)
-    network = appo.ActorCritic(action_dim, continuous)
-    obs_space = envs.observation_space
-    params = network.init(jax.random.PRNGKey(0), np.zeros((1, *obs_space.shape), obs_space.dtype))
+    obs_space, _ = appo.spaces(env_id)
+    network = appo.ActorCritic(action_dim, continuous, appo.encoders(obs_space))
+    params = network.init(jax.random.PRNGKey(0), appo.zeros_like_space(obs_space, 1))
     policy_step = appo.make_policy_step(network, continuous)
-    warm = np.zeros((num_envs // num_splits, *obs_space.shape), obs_space.dtype)
+    warm = appo.zeros_like_space(obs_space, num_envs // num_splits)
     jax.block_until_ready(policy_step(params, warm, jax.random.PRNGKey(0)))  # compile outside the clock
     shared = appo.Shared({"params": params, "policy_version": 0})
     rollouts = queue.Queue(maxsize=2)
