@@ -16,6 +16,7 @@ Usage: python impala_envpool.py --env-id Pong-v5     (--help lists every flag)
 
 import dataclasses
 import difflib
+import functools
 import importlib.util
 import inspect
 import itertools
@@ -241,6 +242,7 @@ def env_kind(env_id: str) -> str:
     return FAMILIES.get(family, "mujoco" if family.startswith("mujoco") else "classic")
 
 
+@functools.lru_cache(maxsize=None)
 def spaces(env_id: str):
     """(observation space, action space) of a task, gymnasium's, from its spec without starting it."""
     spec = envpool.make_spec(env_id)

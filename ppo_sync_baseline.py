@@ -249,6 +249,7 @@ def env_kind(env_id: str) -> str:
     return FAMILIES.get(family, "mujoco" if family.startswith("mujoco") else "classic")
 
 
+@functools.lru_cache(maxsize=None)
 def spaces(env_id: str):
     """(observation space, action space) of a task, gymnasium's, from its spec without starting it."""
     spec = envpool.make_spec(env_id)
