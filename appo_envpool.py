@@ -240,10 +240,8 @@ def check_task(env_id: str):
     try:
         spec = envpool.make_spec(env_id)
         obs_space, action_space = spaces(env_id)
-    except Exception as e:  # e.g. Procgen without the system Qt 5 runtime: envpool names the package
-        first = (str(e) or type(e).__name__).splitlines()[0]
-        hint = " (Debian/Ubuntu: apt-get install libqt5core5a libqt5gui5)" if "Qt 5" in first else ""
-        raise UsageError(f"--env-id {env_id} cannot be made here: {first}{hint}")
+    except Exception as e:  # e.g. Procgen without the system Qt 5 runtime: envpool's line gives the install command
+        raise UsageError(f"--env-id {env_id} cannot be made here: {(str(e) or type(e).__name__).splitlines()[0]}")
     if spec.config.max_num_players > 1:
         raise UsageError(f"--env-id {env_id} is a {spec.config.max_num_players}-player task; these scripts train one agent")
     if not (hasattr(action_space, "n") or np.issubdtype(getattr(action_space, "dtype", np.int32), np.floating)):
@@ -811,8 +809,10 @@ def make_update(network, optimizer, args: Args, continuous: bool):
     def update(state, rollout, key):
         params, opt_state = state["params"], state["opt_state"]
         # XLA:CPU runs convolutions inside a loop ~10x slower than unrolled (measured on the
-        # Nature CNN), so on CPU the scans over images are unrolled; elsewhere they stay loops.
-        unroll = jax.default_backend() == "cpu" and any(x.ndim == 5 for x in jax.tree.leaves(rollout["obs"]))
+        # Nature CNN), so on CPU the scans over images are unrolled, up to 16 minibatch steps
+        # (Atari's 4 x 4): CarRacing's 10 x 32 took over 5 minutes and 9 GiB to compile unrolled.
+        images = any(x.ndim == 5 for x in jax.tree.leaves(rollout["obs"]))
+        unroll = jax.default_backend() == "cpu" and images and args.update_epochs * args.num_minibatches <= 16
         T, B = rollout["rewards"].shape
         pi, values = network.apply(params, jax.tree.map(lambda x: x.reshape(T * B, *x.shape[2:]), rollout["obs"]))
         logprobs, _ = log_prob_entropy(pi, rollout["actions"].reshape(T * B, *rollout["actions"].shape[2:]), continuous)

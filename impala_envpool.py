@@ -212,10 +212,8 @@ def check_task(env_id: str):
     try:
         spec = envpool.make_spec(env_id)
         obs_space, action_space = spaces(env_id)
-    except Exception as e:  # e.g. Procgen without the system Qt 5 runtime: envpool names the package
-        first = (str(e) or type(e).__name__).splitlines()[0]
-        hint = " (Debian/Ubuntu: apt-get install libqt5core5a libqt5gui5)" if "Qt 5" in first else ""
-        raise UsageError(f"--env-id {env_id} cannot be made here: {first}{hint}")
+    except Exception as e:  # e.g. Procgen without the system Qt 5 runtime: envpool's line gives the install command
+        raise UsageError(f"--env-id {env_id} cannot be made here: {(str(e) or type(e).__name__).splitlines()[0]}")
     if spec.config.max_num_players > 1:
         raise UsageError(f"--env-id {env_id} is a {spec.config.max_num_players}-player task; these scripts train one agent")
     if not (hasattr(action_space, "n") or np.issubdtype(getattr(action_space, "dtype", np.int32), np.floating)):

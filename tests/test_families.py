@@ -306,7 +306,7 @@ NOT_SERVED = [
 try:
     envpool.make_spec("BigfishEasy-v0")
 except ImportError:  # Procgen without the system Qt 5 runtime: the install command
-    NOT_SERVED.append(("BigfishEasy-v0", ["cannot be made here", "Qt 5", "apt-get install"]))
+    NOT_SERVED.append(("BigfishEasy-v0", ["cannot be made here", "Qt 5", "apt install"]))
 
 
 @pytest.mark.timeout(300)
