@@ -223,7 +223,8 @@ def check_task(env_id: str):
         raise UsageError(f"--env-id {env_id} cannot be made here: {(str(e) or type(e).__name__).splitlines()[0]}")
     if spec.config.max_num_players > 1:
         raise UsageError(f"--env-id {env_id} is a {spec.config.max_num_players}-player task; these scripts train one agent")
-    if not (hasattr(action_space, "n") or np.issubdtype(getattr(action_space, "dtype", np.int32), np.floating)):
+    kind = type(action_space).__name__
+    if not (kind == "Discrete" or kind == "Box" and np.issubdtype(action_space.dtype, np.floating)):
         raise UsageError(
             f"--env-id {env_id} has {action_space} actions (one discrete choice per dimension, as MultiDiscrete); "
             "these scripts take Discrete or continuous (float Box) actions"
@@ -387,12 +388,12 @@ def leaf_encoder(space) -> tuple:
     are [H, W, C] (a tie reads channels-last); either way the conv sees [B, H, W, C]. Images of at
     least 36x36 take the Nature CNN on pixels / 255 ("nature"); smaller grids, the MiniGrid
     literature's small conv on their raw symbolic codes ("grid"; from 7x7 up). A Discrete leaf is
-    one-hot ("onehot", n). Anything else (float or integer Boxes of any rank, MultiBinary, smaller
+    one-hot ("onehot", (n, start)). Anything else (float or integer Boxes of any rank, MultiBinary, smaller
     grids) is flattened to floats, uint8 scaled by 1/255 ("flat", scale).
     """
     name, shape = type(space).__name__, getattr(space, "shape", ())
     if name == "Discrete":
-        return ("onehot", int(space.n))
+        return ("onehot", (int(space.n), int(space.start)))
     if name == "Box" and space.dtype == np.uint8 and len(shape) == 3:
         layout = "chw" if shape[0] < shape[-1] else "hwc"
         height, width = shape[1:] if layout == "chw" else shape[:2]
@@ -439,7 +440,7 @@ class ActorCritic(nn.Module):
                 x = nn.max_pool(conv(x.astype(jnp.float32), 16, 2), (2, 2), (2, 2))
                 x = conv(conv(x, 32, 2), 64, 2)
             else:
-                x = jax.nn.one_hot(x, arg) if kind == "onehot" else x.astype(jnp.float32) * arg
+                x = jax.nn.one_hot(x - arg[1], arg[0]) if kind == "onehot" else x.astype(jnp.float32) * arg
             features.append(x.reshape(x.shape[0], -1))
         x = jnp.concatenate(features, axis=-1)
         if any(kind == "nature" for kind, _ in self.encoders):
@@ -659,7 +660,7 @@ def make_update(network, optimizer, args: Args, continuous: bool):
         # XLA:CPU runs convolutions inside a loop ~10x slower than unrolled (measured on the
         # Nature CNN), so on CPU the scans over images are unrolled, up to 16 minibatch steps
         # (Atari's 4 x 4): CarRacing's 10 x 32 took over 5 minutes and 9 GiB to compile unrolled.
-        images = any(x.ndim == 5 for x in jax.tree.leaves(rollout["obs"]))
+        images = any(kind in ("nature", "grid") for kind, _ in network.encoders)
         unroll = jax.default_backend() == "cpu" and images and args.update_epochs * args.num_minibatches <= 16
         values = rollout["values"]
         _, bootstrap_value = network.apply(params, rollout["bootstrap_obs"])

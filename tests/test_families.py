@@ -72,7 +72,8 @@ def test_leaf_encoder_reads_the_space():
     assert ppo.leaf_encoder(box((96,), np.uint8, 255)) == ("flat", 1 / 255)  # MiniGrid's mission bytes
     assert ppo.leaf_encoder(box((5, 5))) == ("flat", 1.0)  # highway's kinematics: flattened
     assert ppo.leaf_encoder(box((8, 8, 119))) == ("flat", 1.0)  # float planes are not pixels
-    assert ppo.leaf_encoder(gymnasium.spaces.Discrete(500)) == ("onehot", 500)
+    assert ppo.leaf_encoder(gymnasium.spaces.Discrete(500)) == ("onehot", (500, 0))
+    assert ppo.leaf_encoder(gymnasium.spaces.Discrete(21, start=-1)) == ("onehot", (21, -1))  # Jumanji TSP's position
     assert ppo.leaf_encoder(gymnasium.spaces.MultiBinary((9, 9, 17))) == ("flat", 1.0)
 
 
@@ -105,12 +106,12 @@ def test_discrete_leaves_are_one_hot_and_a_dict_gives_one_trunk_input():
         "image": box((7, 7, 3), np.uint8, 255),
         "mission": box((96,), np.uint8, 255),
         "mask": gymnasium.spaces.MultiBinary(3),
-        "goal": gymnasium.spaces.Dict({"row": gymnasium.spaces.Discrete(5), "xy": box((2, 2))}),  # nested
+        "goal": gymnasium.spaces.Dict({"row": gymnasium.spaces.Discrete(5, start=-1), "xy": box((2, 2))}),  # nested
     })
     network = ppo.ActorCritic(7, False, ppo.encoders(space))
     obs = ppo.zeros_like_space(space, 2)
     obs["direction"] = np.array([1, 3])
-    obs["goal"]["row"] = np.array([4, 0])
+    obs["goal"]["row"] = np.array([3, -1])  # Discrete(5, start=-1): -1..3
     obs["mask"] = np.array([[1, 0, 1], [0, 1, 1]], np.int8)
     obs["goal"]["xy"] = np.arange(8, dtype=np.float32).reshape(2, 2, 2)
     first_dense = inputs_seen(network, obs, nn.Dense)[0]
@@ -118,9 +119,53 @@ def test_discrete_leaves_are_one_hot_and_a_dict_gives_one_trunk_input():
     grid_features = 64  # 7x7 -> 6x6 -> pool 3x3 -> 2x2 -> 1x1, 64 channels
     assert first_dense.shape == (2, 4 + (5 + 4) + grid_features + 3 + 96), first_dense.shape
     np.testing.assert_array_equal(first_dense[:, :4], np.eye(4)[[1, 3]])  # direction: one-hot
-    np.testing.assert_array_equal(first_dense[:, 4:9], np.eye(5)[[4, 0]])  # goal/row: one-hot
+    np.testing.assert_array_equal(first_dense[:, 4:9], np.eye(5)[[4, 0]])  # goal/row: one-hot from its start
     np.testing.assert_array_equal(first_dense[:, 9:13], obs["goal"]["xy"].reshape(2, 4))  # flattened
     np.testing.assert_array_equal(first_dense[:, 13 + grid_features:16 + grid_features], obs["mask"])  # MultiBinary
+
+
+@pytest.mark.parametrize("env_id", ["MiniGrid-Empty-5x5-v0", "Maze-v0", "CheetahRun-v1", "FetchReach-v1", "Taxi-v3"])
+def test_observations_envpool_returns_match_the_space(env_id):
+    """The network and the buffers are built from the space; what envpool returns must have the
+    same tree (keys, nesting, order) and leaf shapes, after reset and after a step."""
+    ppo = load_script("ppo_sync_baseline.py")
+    obs_space, _ = ppo.spaces(env_id)
+    template = ppo.zeros_like_space(obs_space, 2)
+    envs = ppo.make_env(env_id, 2, 0, 1, train=True)
+    try:
+        obs, _ = envs.reset()
+        for _ in range(2):
+            assert jax.tree.structure(obs) == jax.tree.structure(template), env_id
+            assert [np.shape(x) for x in jax.tree.leaves(obs)] == [x.shape for x in jax.tree.leaves(template)]
+            action = np.zeros((2, *envs.action_space.shape), envs.action_space.dtype)
+            obs = envs.step(action)[0]
+    finally:
+        envs.close()
+
+
+def test_normalizer_of_a_dict_matches_plain_statistics():
+    """Running statistics per float leaf of a nested dict equal numpy's over all batches seen;
+    integer and bool leaves pass through untouched."""
+    ppo = load_script("ppo_sync_baseline.py")
+    rng = np.random.default_rng(0)
+    batches = [
+        {"a": rng.normal(3, 2, (4, 3)), "b": {"c": rng.normal(-1, 5, (4,)).astype(np.float32),
+                                              "d": rng.integers(0, 9, (4, 2)), "e": rng.random((4, 2)) > 0.5}}
+        for _ in range(3)
+    ]
+    norm = ppo.Normalizer(jax.tree.map(lambda x: x[0], batches[0]), 4, True, False, 0.99)
+    for batch in batches:
+        out = norm.observe(batch)
+    mean, var, count = norm.obs_stats
+    for path in (("a",), ("b", "c")):
+        pick = lambda tree: functools.reduce(lambda node, key: node[key], path, tree)  # noqa: E731
+        data = np.concatenate([pick(b) for b in batches])
+        np.testing.assert_allclose(pick(mean), data.mean(0), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(pick(var), data.var(0), rtol=1e-3)
+        expected = np.clip((pick(batches[-1]) - pick(mean)) / np.sqrt(pick(var) + 1e-8), -10, 10)
+        np.testing.assert_allclose(pick(out), expected, rtol=1e-5, atol=1e-5)
+    assert out["b"]["d"] is batches[-1]["b"]["d"] and out["b"]["e"] is batches[-1]["b"]["e"]
+    assert count == pytest.approx(12, abs=1e-3)
 
 
 def test_box_observations_keep_the_networks_of_before():
@@ -262,7 +307,7 @@ def test_each_family_trains_and_its_checkpoint_is_scored(script, family, tmp_pat
     if resolved.norm_obs:  # the statistics, of every float leaf, are checkpointed
         norm = checkpoint["state"]["norm"]
         assert float(norm["obs_count"]) > FAMILY_FLAGS["total_timesteps"]
-        assert all(np.all(np.asarray(v) > 0) for v in jax.tree.leaves(norm["obs_var"]))
+        assert all(np.any(np.asarray(mean) != 0) for mean in jax.tree.leaves(norm["obs_mean"]))  # moved from 0
     if family == "Atari":  # the game score over all lives, unclipped: an integer in [-21, 21]
         assert result["mean"] == int(result["mean"]) and -21 <= result["mean"] <= 21, result
 
