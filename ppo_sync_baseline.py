@@ -237,12 +237,15 @@ def check_task(env_id: str):
 
 
 # envpool's module of a task (envpool.mujoco.dmc, ...) -> the PRESETS family it takes.
-FAMILIES = {"atari": "atari", "mujoco.dmc": "dm_control", "minigrid": "minigrid", "highway": "highway", "gfootball": "gfootball"}
+FAMILIES = {"atari": "atari", "mujoco.dmc": "dm_control", "minigrid": "minigrid", "highway": "highway", "gfootball": "gfootball",
+            "vizdoom": "vizdoom"}
+# VizDoom's buttons as one Discrete action: envpool's default is a float Box over [DBL_MIN, DBL_MAX].
+VIZDOOM = dict(use_combined_action=True)
 
 
 def env_kind(env_id: str) -> str:
     """A task's family, from the envpool module that registers it: 'atari', 'dm_control',
-    'minigrid' (and BabyAI), 'highway', 'gfootball', 'mujoco' (Gym MuJoCo, MetaWorld, MyoSuite,
+    'minigrid' (and BabyAI), 'highway', 'gfootball', 'vizdoom', 'mujoco' (Gym MuJoCo, MetaWorld, MyoSuite,
     Gymnasium-Robotics, MuJoCo Playground) or 'classic' (any other: classic control, Box2D, ...)."""
     family = envpool.registration.registry.specs[env_id][0].removeprefix("envpool.")
     return FAMILIES.get(family, "mujoco" if family.startswith("mujoco") else "classic")
@@ -251,7 +254,7 @@ def env_kind(env_id: str) -> str:
 @functools.lru_cache(maxsize=None)
 def spaces(env_id: str):
     """(observation space, action space) of a task, gymnasium's, from its spec without starting it."""
-    spec = envpool.make_spec(env_id)
+    spec = envpool.make_spec(env_id, **(VIZDOOM if env_kind(env_id) == "vizdoom" else {}))
     if hasattr(spec, "gymnasium_observation_space"):
         return spec.gymnasium_observation_space, spec.gymnasium_action_space
     return spec.observation_space, spec.action_space
@@ -284,6 +287,7 @@ def make_env(env_id: str, num_envs: int, seed: int, num_threads: int, train: boo
     """
     if env_kind(env_id) == "atari":
         kwargs.update(episodic_life=train, reward_clip=train, noop_max=30)
+    kwargs.update(VIZDOOM if env_kind(env_id) == "vizdoom" else {})
     num_threads = num_threads or min(os.cpu_count() or 1, num_envs)
     return envpool.make(
         env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, num_threads=num_threads, **kwargs
