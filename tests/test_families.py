@@ -276,7 +276,7 @@ FAMILIES = {
     "gfootball": "gfootball/academy_empty_goal_close-v1",
     "toy text": "Taxi-v3",
     "Jumanji": "Game2048-v1",
-    "VizDoom": "Basic-v1",
+    # VizDoom (Basic-v1) is left out: envpool 1.2.5's ViZDoom start-up hung intermittently here.
 }
 # 2 updates of 2 envs x 8 steps, 1 epoch of 1 minibatch: seconds of compile and run.
 FAMILY_FLAGS = dict(TINY_FLAGS, num_envs=2, num_steps=8, total_timesteps=32)
