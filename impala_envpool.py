@@ -278,9 +278,9 @@ def make_env(env_id: str, num_envs: int, seed: int, num_threads: int, train: boo
     For training, Atari games end an episode at each life lost and clip rewards to [-1, 1]
     (Mnih et al. 2015); the game score stays available in info["reward"] / info["terminated"].
     """
-    if env_kind(env_id) == "atari":
-        kwargs.update(episodic_life=train, reward_clip=train, noop_max=30)
-    kwargs.update(VIZDOOM if env_kind(env_id) == "vizdoom" else {})
+    kind = env_kind(env_id)
+    kwargs.update(dict(episodic_life=train, reward_clip=train, noop_max=30) if kind == "atari" else {})
+    kwargs.update(VIZDOOM if kind == "vizdoom" else {})
     num_threads = num_threads or min(os.cpu_count() or 1, num_envs)
     return envpool.make(
         env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, num_threads=num_threads, **kwargs
@@ -569,10 +569,10 @@ def make_policy_step(network, continuous: bool):
     return policy_step
 
 
-def write(tree, index, values):
-    """tree[index] = values, leaf by leaf: observations are pytrees of host arrays."""
+def write(tree, index, values, rows=...):
+    """tree[index] = values[rows], leaf by leaf: observations are pytrees of host arrays."""
     for buffer, value in zip(jax.tree.leaves(tree), jax.tree.leaves(values), strict=True):
-        buffer[index] = value
+        buffer[index] = value[rows]
 
 
 def env_action(action, action_space):
@@ -634,6 +634,16 @@ def get(q, stop):
     return None
 
 
+def new_rollout(T: int, B: int, obs, action_space) -> dict:
+    """Empty host buffers of one rollout, time-major [T, B, ...]; `obs`: a batch of observations."""
+    rollout = {name: np.zeros((T, B), np.float32) for name in ["logprobs", "rewards", "dones", "truncated", "valid"]}
+    rollout["actions"] = np.zeros((T, B, *action_space.shape), action_space.dtype)
+    rollout["policy_version"] = np.zeros((T, B), np.int32)
+    rollout["obs"] = jax.tree.map(lambda x: np.zeros((T, B, *x.shape[1:]), x.dtype), obs)
+    rollout["bootstrap_obs"] = jax.tree.map(lambda x: np.zeros((B, *x.shape[1:]), x.dtype), obs)
+    return rollout
+
+
 def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts, start_step):
     """Double-buffered sampling (Sample Factory §3.2): act on the split `recv()` returns while
     envpool steps the others, and queue `num_rollouts` rollouts for the learner.
@@ -653,25 +663,13 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
     def scatter(field, index, env_ids, values):
         for k in np.unique(index // T):
             if k not in buffers:  # the first write to rollout k is always of "obs" (the highest index)
-                buffers[k] = {
-                    "obs": jax.tree.map(lambda x: np.zeros((T, B, *x.shape[1:]), x.dtype), values),
-                    "actions": np.zeros((T, B, *envs.action_space.shape), envs.action_space.dtype),
-                    "logprobs": np.zeros((T, B), np.float32),
-                    "rewards": np.zeros((T, B), np.float32),
-                    "dones": np.zeros((T, B), np.float32),
-                    "truncated": np.zeros((T, B), np.float32),
-                    "valid": np.zeros((T, B), np.float32),
-                    "policy_version": np.zeros((T, B), np.int32),
-                    "bootstrap_obs": jax.tree.map(lambda x: np.zeros((B, *x.shape[1:]), x.dtype), values),
-                }
-                bootstrapped[k] = 0
+                buffers[k], bootstrapped[k] = new_rollout(T, B, values, envs.action_space), 0
             mask = index // T == k
-            rows = jax.tree.map(lambda x: x[mask], values)
             if field == "bootstrap_obs":
-                write(buffers[k][field], env_ids[mask], rows)
+                write(buffers[k][field], env_ids[mask], values, mask)
                 bootstrapped[k] += int(mask.sum())
             else:
-                write(buffers[k][field], (index[mask] % T, env_ids[mask]), rows)
+                write(buffers[k][field], (index[mask] % T, env_ids[mask]), values, mask)
 
     envs.async_reset()
     pushed = 0

@@ -285,9 +285,9 @@ def make_env(env_id: str, num_envs: int, seed: int, num_threads: int, train: boo
     For training, Atari games end an episode at each life lost and clip rewards to [-1, 1]
     (Mnih et al. 2015); the game score stays available in info["reward"] / info["terminated"].
     """
-    if env_kind(env_id) == "atari":
-        kwargs.update(episodic_life=train, reward_clip=train, noop_max=30)
-    kwargs.update(VIZDOOM if env_kind(env_id) == "vizdoom" else {})
+    kind = env_kind(env_id)
+    kwargs.update(dict(episodic_life=train, reward_clip=train, noop_max=30) if kind == "atari" else {})
+    kwargs.update(VIZDOOM if kind == "vizdoom" else {})
     num_threads = num_threads or min(os.cpu_count() or 1, num_envs)
     return envpool.make(
         env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, num_threads=num_threads, **kwargs
@@ -573,10 +573,10 @@ def make_policy_step(network, continuous: bool):
     return policy_step
 
 
-def write(tree, index, values):
-    """tree[index] = values, leaf by leaf: observations are pytrees of host arrays."""
+def write(tree, index, values, rows=...):
+    """tree[index] = values[rows], leaf by leaf: observations are pytrees of host arrays."""
     for buffer, value in zip(jax.tree.leaves(tree), jax.tree.leaves(values), strict=True):
-        buffer[index] = value
+        buffer[index] = value[rows]
 
 
 def env_action(action, action_space):
@@ -661,9 +661,8 @@ def make_update(network, optimizer, args: Args, continuous: bool):
     @jax.jit
     def update(state, rollout, key):
         params, opt_state = state["params"], state["opt_state"]
-        # XLA:CPU runs convolutions inside a loop ~10x slower than unrolled (measured on the
-        # Nature CNN), so on CPU the scans over images are unrolled, up to 16 minibatch steps
-        # (Atari's 4 x 4): CarRacing's 10 x 32 took over 5 minutes and 9 GiB to compile unrolled.
+        # XLA:CPU runs convs in a loop ~10x slower than unrolled (Nature CNN), so on CPU scans over
+        # images unroll up to 16 minibatch steps (Atari's 4 x 4; CarRacing's 10 x 32: 9 GiB, 5+ min).
         images = any(kind in ("nature", "grid") for kind, _ in network.encoders)
         unroll = jax.default_backend() == "cpu" and images and args.update_epochs * args.num_minibatches <= 16
         values = rollout["values"]

@@ -298,9 +298,11 @@ def test_actor_loop_stops_on_stop_event_while_blocked(script):
 
 
 class TinyActorCritic(nn.Module):
-    """(logits [B, A], value [B]) from a single hidden layer of 8 units."""
+    """(logits [B, A], value [B]) from a single hidden layer of 8 units; a flat vector observation
+    (`encoders` as the scripts' ActorCritic has them)."""
 
     action_dim: int
+    encoders: tuple = (("flat", 1.0),)
 
     @nn.compact
     def __call__(self, obs):
