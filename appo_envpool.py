@@ -728,6 +728,7 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
     while pushed < num_rollouts and not shared.stop.is_set():
         start = time.perf_counter()
         obs, reward, terminated, truncated, info = envs.recv()
+        reward = np.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's reward is undefined (dm_control: NaN at times)
         timing["env"] += time.perf_counter() - start
         env_ids = np.asarray(info["env_id"])
         obs = shared.normalizer.observe(obs)
@@ -1204,6 +1205,7 @@ def evaluate(
             frames.append(envs.render()[0])
         action, key = act(params, normalizer.observe(obs, train=False), key)
         obs, reward, terminated, truncated, info = envs.step(env_action(np.asarray(action), envs.action_space))
+        reward = np.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's reward is undefined (dm_control: NaN at times)
         stats.update(np.arange(num_envs), reward, terminated, truncated, info)
         for env, ret, _ in stats.pop():
             if quota[env] > 0:

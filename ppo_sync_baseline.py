@@ -615,6 +615,7 @@ def collect_rollout(envs, policy_step, params, obs, prev_dones, key, stats, norm
         rollout["logprobs"][t], rollout["values"][t] = logprob, value
         start = time.perf_counter()
         obs, reward, terminated, truncated, info = envs.step(env_action(action, envs.action_space))
+        reward = np.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's reward is undefined (dm_control: NaN at times)
         timing["env"] += time.perf_counter() - start
         stats.update(env_ids, reward, terminated, truncated, info)
         rollout["valid"][t], prev_dones = 1.0 - prev_dones, terminated | truncated
@@ -998,6 +999,7 @@ def evaluate(
             frames.append(envs.render()[0])
         action, key = act(params, normalizer.observe(obs, train=False), key)
         obs, reward, terminated, truncated, info = envs.step(env_action(np.asarray(action), envs.action_space))
+        reward = np.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's reward is undefined (dm_control: NaN at times)
         stats.update(np.arange(num_envs), reward, terminated, truncated, info)
         for env, ret, _ in stats.pop():
             if quota[env] > 0:

@@ -253,8 +253,7 @@ BAD_INPUTS = {
     "resume-random-bytes": (dict(), ["--resume"], corrupt_random),
     "resume-truncated": (dict(), ["--resume"], corrupt_truncated),
     "resume-other-env": (dict(env_id="Acrobot-v1"), ["--resume", "CartPole-v1"], lambda run, tmp: run),
-    "norm-obs-on-images": (dict(env_id="Pong-v5", norm_obs="True"), ["--norm-obs", "uint8"], None),
-    "dict-observations": (dict(env_id="MiniGrid-Empty-5x5-v0"), ["MiniGrid-Empty-5x5-v0", "Dict observations"], None),
+    "norm-obs-on-images": (dict(env_id="Pong-v5", norm_obs="True"), ["--norm-obs", "float observations", "Pong-v5"], None),
 }
 
 
