@@ -36,7 +36,9 @@ class ScriptedEnvPool:
     [e, n]. Its episodes take `episode_lengths[e]` steps; the last one is terminated, or truncated
     for the envs in `truncating`. As envpool does, the step after an episode's end resets the env
     (ignoring the action) and returns the first observation of the next episode. Every reward
-    encodes (e, n) of the observation it comes with: 0.5 + code(e, n). `recv()` returns
+    encodes (e, n) of the observation it comes with: 0.5 + code(e, n), except that a reset
+    observation's reward is NaN (envpool's dm_control returns NaN there at times; the actor must
+    record 0, since that reward belongs to no transition). `recv()` returns
     `batch_size` envs drawn at random (seeded) among the envs whose step is in flight, in random
     order. Everything each env returned and received is recorded, per env, in order.
     """
@@ -79,7 +81,7 @@ class ScriptedEnvPool:
                     terminated[i] = e not in self.truncating
             self.ended[e] = terminated[i] or truncated[i]
             obs[i] = [e, n]
-            reward[i] = 0.5 + code(e, n) if n > 0 else 0.0
+            reward[i] = 0.5 + code(e, n) if self.elapsed[e] > 0 else np.nan
             self.returned[e].append((obs[i].copy(), float(reward[i]), bool(terminated[i]), bool(truncated[i])))
             self.count[e] += 1
             self.in_flight.remove(e)
@@ -158,7 +160,10 @@ def check_rollouts(rollouts, envs, policy):
                 assert tuple(rollout["obs"][t, e]) == (e, n), where
                 assert rollout["actions"][t, e] == envs.received[e][n] == code(e, n), where
                 assert rollout["logprobs"][t, e] == -code(e, n), where
-                assert rollout["rewards"][t, e] == next_reward == 0.5 + code(e, n + 1), where
+                if np.isnan(next_reward):  # a reset observation: the actor records 0
+                    assert rollout["valid"][t, e] == 0.0 and rollout["rewards"][t, e] == 0.0, where
+                else:
+                    assert rollout["rewards"][t, e] == next_reward == 0.5 + code(e, n + 1), where
                 assert rollout["dones"][t, e] == float(next_term or next_trunc), where
                 assert rollout["truncated"][t, e] == float(next_trunc), where
                 # The step after an episode end only resets the env (its action is ignored).
