@@ -104,6 +104,11 @@ class Args:
     """True: normalise observations by a running mean and std, clipped to [-10, 10] (CleanRL, MuJoCo)"""
     norm_reward: Annotated[Optional[bool], PRESET] = None
     """True: divide rewards by the running std of the discounted return, clipped to [-10, 10]"""
+    lstm: bool = False
+    """an LSTM core between the encoder and the policy/value heads (TorchBeast's --use_lstm, Sample
+    Factory's --use_rnn), its state carried per env and reset where an episode starts"""
+    lstm_size: int = 128
+    """hidden units of the LSTM, the size of its h and of its c (CleanRL's ppo_atari_lstm.py: 128)"""
     num_threads: int = 0
     """envpool worker threads stepping the environments (0: one per CPU core, at most num_envs)"""
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
@@ -187,7 +192,7 @@ def resolve_args(args: Args) -> Args:
         raise UsageError(f"--norm-obs is for float observations; {args.env_id} has none: pass --norm-obs False")
     if args.track and importlib.util.find_spec("wandb") is None:
         raise UsageError("--track logs to Weights & Biases, which is not installed: pip install wandb")
-    for name in ["total_timesteps", "num_envs", "num_steps", "num_splits", "queue_size", "log_frequency"]:
+    for name in ["total_timesteps", "num_envs", "num_steps", "num_splits", "queue_size", "log_frequency", "lstm_size"]:
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     for name in ["learning_rate", "rmsprop_eps", "max_grad_norm", "vtrace_rho_bar", "vtrace_c_bar"]:
@@ -406,23 +411,54 @@ def encoders(obs_space) -> tuple:
     return tuple(leaf_encoder(s) for s in jax.tree.leaves(space_tree(obs_space)))
 
 
+class LSTMCore(nn.Module):
+    """An LSTM over time-major inputs [T, B, F]; each env's state (c, h) [B, size] is reset to
+    zeros before a step where its episode starts (`first` [T, B])."""
+
+    size: int
+
+    @functools.partial(nn.scan, variable_broadcast="params", split_rngs={"params": False})
+    @nn.compact
+    def __call__(self, state, inputs):
+        x, first = inputs
+        state = jax.tree.map(lambda s: jnp.where(first[:, None] > 0, 0.0, s), state)
+        return nn.OptimizedLSTMCell(self.size)(state, x)
+
+
+def zero_core(lstm_size: int, num_envs: int):
+    """The network's `core` for `num_envs` envs before their first step: (state (c, h) of zeros
+    [N, lstm_size], first [N] all True); None without an LSTM."""
+    if not lstm_size:
+        return None
+    return (np.zeros((num_envs, lstm_size), np.float32), np.zeros((num_envs, lstm_size), np.float32)), np.ones(num_envs, bool)
+
+
 class ActorCritic(nn.Module):
     """One encoder per observation leaf (`encoders`), concatenated into the trunk: with a Nature
     CNN leaf, a shared 512 ReLU layer (CleanRL's Atari network); otherwise separate 64-64 tanh
     MLPs for the policy and the value (CleanRL's vector network). A Box image or vector alone
-    gives exactly those networks.
+    gives exactly those networks. With `lstm_size`, an LSTM (LSTMCore) sits between the encoders
+    (and the 512 layer) and the heads.
 
-    Returns `pi` [B, A] (logits, or mean and log-std concatenated [B, 2A] for Box actions)
-    and `value` [B].
+    Feed-forward: obs [B, ...] -> `pi` [B, A] (logits, or mean and log-std concatenated [B, 2A]
+    for Box actions), `value` [B], None. LSTM: `core` = (state, first) and obs [T, B, ...] with
+    first [T, B] (T steps of each env from `state`; first [B] is one step, obs [B, ...]) ->
+    pi [T, B, A], value [T, B] (or [B, A], [B]) and the state after the last step.
     """
 
     action_dim: int
     continuous: bool
     encoders: tuple  # leaf_encoder of each observation leaf
+    lstm_size: int = 0  # 0: no LSTM
 
     @nn.compact
-    def __call__(self, obs):
+    def __call__(self, obs, core=None):
         orth = nn.initializers.orthogonal
+        if self.lstm_size:
+            state, first = core
+            shape = first.shape  # [T, B], or [B] for one step
+            first = first.reshape(-1, shape[-1])
+            obs = jax.tree.map(lambda x: x.reshape(-1, *x.shape[len(shape):]), obs)
 
         def conv(x, size, kernel, stride=1):
             return nn.relu(nn.Conv(size, (kernel, kernel), (stride, stride), "VALID", kernel_init=orth(np.sqrt(2)))(x))
@@ -440,9 +476,14 @@ class ActorCritic(nn.Module):
                 x = jax.nn.one_hot(x - arg[1], arg[0]) if kind == "onehot" else x.astype(jnp.float32) * arg
             features.append(x.reshape(x.shape[0], -1))
         x = jnp.concatenate(features, axis=-1)
-        if any(kind == "nature" for kind, _ in self.encoders):
-            hidden = nn.relu(nn.Dense(512, kernel_init=orth(np.sqrt(2)))(x))
-            actor_hidden = critic_hidden = hidden
+        nature = any(kind == "nature" for kind, _ in self.encoders)
+        if nature:
+            x = nn.relu(nn.Dense(512, kernel_init=orth(np.sqrt(2)))(x))
+        if self.lstm_size:
+            state, x = LSTMCore(self.lstm_size)(state, (x.reshape(*first.shape, -1), first))
+            x = x.reshape(-1, self.lstm_size)
+        if nature:
+            actor_hidden = critic_hidden = x
         else:
             actor_hidden, critic_hidden = x, x
             for _ in range(2):
@@ -453,7 +494,9 @@ class ActorCritic(nn.Module):
             log_std = self.param("log_std", nn.initializers.zeros, (self.action_dim,))
             pi = jnp.concatenate([pi, jnp.broadcast_to(log_std, pi.shape)], axis=-1)
         value = nn.Dense(1, kernel_init=orth(1.0))(critic_hidden)[:, 0]
-        return pi, value
+        if self.lstm_size:
+            return pi.reshape(*shape, -1), value.reshape(shape), state
+        return pi, value, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -556,15 +599,16 @@ def impala_loss(logprobs, pg_advantages, values, vs, entropy, mask, baseline_cos
 
 
 def make_policy_step(network, continuous: bool):
-    """One jitted call per environment step: actions, their log-probabilities and values."""
+    """One jitted call per environment step: actions, their log-probabilities, values, the
+    recurrent state after the step (`core`: see ActorCritic; None without --lstm) and the key."""
 
     @jax.jit
-    def policy_step(params, obs, key):
+    def policy_step(params, obs, core, key):
         key, subkey = jax.random.split(key)
-        pi, value = network.apply(params, obs)
+        pi, value, state = network.apply(params, obs, core)
         action = sample_action(pi, subkey, continuous)
         logprob, _ = log_prob_entropy(pi, action, continuous)
-        return action, logprob, value, key
+        return action, logprob, value, state, key
 
     return policy_step
 
@@ -634,9 +678,13 @@ def get(q, stop):
     return None
 
 
-def new_rollout(T: int, B: int, obs, action_space) -> dict:
-    """Empty host buffers of one rollout, time-major [T, B, ...]; `obs`: a batch of observations."""
-    rollout = {name: np.zeros((T, B), np.float32) for name in ["logprobs", "rewards", "dones", "truncated", "valid"]}
+def new_rollout(T: int, B: int, obs, action_space, memory=None) -> dict:
+    """Empty host buffers of one rollout, time-major [T, B, ...]; `obs`: a batch of observations;
+    `memory`: with --lstm, the recurrent states of the B envs, recorded at row 0 ("state")."""
+    fields = ["logprobs", "rewards", "dones", "truncated", "valid"] + ["first"] * (memory is not None)
+    rollout = {name: np.zeros((T, B), np.float32) for name in fields}
+    if memory is not None:
+        rollout["state"] = jax.tree.map(np.zeros_like, memory)
     rollout["actions"] = np.zeros((T, B, *action_space.shape), action_space.dtype)
     rollout["policy_version"] = np.zeros((T, B), np.int32)
     rollout["obs"] = jax.tree.map(lambda x: np.zeros((T, B, *x.shape[1:]), x.dtype), obs)
@@ -652,6 +700,12 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
     returns envs in; a rollout is queued once every env has delivered the observation after its
     last row (`bootstrap_obs`), which is also row 0 of the next rollout. envpool resets an env on
     the step after its episode ends, ignoring that step's action: such steps get `valid` 0.
+
+    With --lstm, `memory` holds each env's recurrent state by env id (each split keeps its own),
+    reset where an episode starts; each rollout records the states before its row 0, and the
+    learner unrolls from them (Sample Factory's choice: the behaviour policy's state, no burn-in;
+    under policy lag it came from older parameters, which V-trace and the lag mask treat as part
+    of the behaviour policy). A new actor (start, resume) starts every env from zeros.
     """
     T, B = args.num_steps, args.num_envs
     steps = np.zeros(B, np.int64)  # actions sent so far, per env
@@ -659,15 +713,17 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
     buffers, bootstrapped = {}, {}
     stats = EpisodeStats(B)
     timing = shared.timing
+    memory = zero_core(args.lstm_size, B)[0] if args.lstm else None  # (c, h) [B, lstm_size], by env id
+    core = None
 
     def scatter(field, index, env_ids, values):
         for k in np.unique(index // T):
             if k not in buffers:  # the first write to rollout k is always of "obs" (the highest index)
-                buffers[k], bootstrapped[k] = new_rollout(T, B, values, envs.action_space), 0
+                buffers[k], bootstrapped[k] = new_rollout(T, B, values, envs.action_space, memory), 0
             mask = index // T == k
-            if field == "bootstrap_obs":
+            if field in ("bootstrap_obs", "state"):  # one row per env
                 write(buffers[k][field], env_ids[mask], values, mask)
-                bootstrapped[k] += int(mask.sum())
+                bootstrapped[k] += int(mask.sum()) if field == "bootstrap_obs" else 0
             else:
                 write(buffers[k][field], (index[mask] % T, env_ids[mask]), values, mask)
 
@@ -680,10 +736,12 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
         timing["env"] += time.perf_counter() - start
         env_ids = np.asarray(info["env_id"])
         obs = shared.normalizer.observe(obs)
+        if memory is not None:  # the envs' states, and which observations start an episode
+            core = jax.tree.map(lambda s: s[env_ids], memory), prev_dones[env_ids] | (steps[env_ids] == 0)
         start = time.perf_counter()
         params, version = shared.latest  # fast weight sync (§3.4): newest parameters every call
-        action, logprob, _, key = policy_step(params, obs, key)  # dispatched asynchronously, so
-        timing["inference"] += time.perf_counter() - start  # the bookkeeping below overlaps it
+        action, logprob, _, state, key = policy_step(params, obs, core, key)  # dispatched asynchronously,
+        timing["inference"] += time.perf_counter() - start  # so the bookkeeping below overlaps it
 
         stats.update(env_ids, reward, terminated, truncated, info)  # game scores: raw rewards
         reward = shared.normalizer.reward(reward, terminated | truncated, env_ids)
@@ -699,10 +757,16 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
         scatter("obs", index, env_ids, obs)
         scatter("valid", index, env_ids, 1.0 - prev_dones[env_ids])
         scatter("policy_version", index, env_ids, np.full(len(env_ids), version))
+        if memory is not None:
+            scatter("first", index, env_ids, core[1])
+            starts = index % T == 0
+            scatter("state", index[starts], env_ids[starts], jax.tree.map(lambda s: s[starts], core[0]))
 
         start = time.perf_counter()
-        action, logprob = jax.device_get((action, logprob))
+        action, logprob, state = jax.device_get((action, logprob, state))
         timing["inference"] += time.perf_counter() - start
+        if memory is not None:
+            write(memory, env_ids, state)
         envs.send(env_action(action, envs.action_space), env_ids)
         scatter("actions", index, env_ids, action)
         scatter("logprobs", index, env_ids, logprob)
@@ -737,16 +801,30 @@ def make_optimizer(args: Args):
     )
 
 
+def rollout_forward(network, params, rollout, continuous: bool):
+    """The network over a rollout: log-probabilities of its actions, entropies, values [T, B], and
+    the value of `bootstrap_obs` [B]. With --lstm, each env's sequence runs from the state the
+    actor recorded before row 0, reset where episodes start (`first`), on into `bootstrap_obs`
+    (which starts an episode when row T-1 is a reset step, `valid` 0)."""
+    T, B = rollout["rewards"].shape
+    if network.lstm_size:
+        obs = jax.tree.map(lambda x, y: jnp.concatenate([x, y[None]]), rollout["obs"], rollout["bootstrap_obs"])
+        first = jnp.concatenate([rollout["first"], 1.0 - rollout["valid"][-1:]])
+        pi, values, _ = network.apply(params, obs, (rollout["state"], first))
+        logprobs, entropy = log_prob_entropy(pi[:-1], rollout["actions"], continuous)
+        return logprobs, entropy, values[:-1], values[-1]
+    pi, values, _ = network.apply(params, jax.tree.map(lambda x: x.reshape(T * B, *x.shape[2:]), rollout["obs"]))
+    logprobs, entropy = log_prob_entropy(pi, rollout["actions"].reshape(T * B, *rollout["actions"].shape[2:]), continuous)
+    _, bootstrap_value, _ = network.apply(params, rollout["bootstrap_obs"])
+    return logprobs.reshape(T, B), entropy.reshape(T, B), values.reshape(T, B), bootstrap_value
+
+
 def make_update(network, optimizer, args: Args, continuous: bool):
     """The jitted learner step: V-trace from the current parameters, lag masking, then one
     gradient step of the IMPALA loss (no epochs, no ratio clipping)."""
 
     def loss_fn(params, rollout, mask):
-        T, B = rollout["rewards"].shape
-        pi, values = network.apply(params, jax.tree.map(lambda x: x.reshape(T * B, *x.shape[2:]), rollout["obs"]))
-        logprobs, entropy = log_prob_entropy(pi, rollout["actions"].reshape(T * B, *rollout["actions"].shape[2:]), continuous)
-        values, logprobs, entropy = values.reshape(T, B), logprobs.reshape(T, B), entropy.reshape(T, B)
-        _, bootstrap_value = network.apply(params, rollout["bootstrap_obs"])
+        logprobs, entropy, values, bootstrap_value = rollout_forward(network, params, rollout, continuous)
         rewards = time_limit_bootstrap(rollout["rewards"], values, bootstrap_value, rollout["truncated"], args.gamma)
         discounts = args.gamma * (1.0 - rollout["dones"])
         log_rhos = logprobs - rollout["logprobs"]
@@ -990,7 +1068,7 @@ def load_checkpoint(payload: dict, template: dict, path: str) -> dict:
 
 
 # What the network and its inputs were trained on: a resumed run cannot change these.
-FIXED_ON_RESUME = ("env_id", "norm_obs", "norm_reward")
+FIXED_ON_RESUME = ("env_id", "norm_obs", "norm_reward", "lstm", "lstm_size")
 
 
 def resume_args(args: Args, given):
@@ -1077,8 +1155,8 @@ def build(args: Args, key):
     obs_space, action_space = spaces(args.env_id)
     continuous = not hasattr(action_space, "n")
     action_dim = int(np.prod(action_space.shape)) if continuous else int(action_space.n)
-    network = ActorCritic(action_dim, continuous, encoders(obs_space))
-    params = network.init(key, zeros_like_space(obs_space, 1))
+    network = ActorCritic(action_dim, continuous, encoders(obs_space), args.lstm_size if args.lstm else 0)
+    params = network.init(key, zeros_like_space(obs_space, 1), zero_core(network.lstm_size, 1))
     optimizer = make_optimizer(args)
     normalizer = Normalizer(zeros_like_space(obs_space), args.num_envs, args.norm_obs, args.norm_reward, args.gamma)
     state = {"params": params, "opt_state": optimizer.init(params), "global_step": 0, "policy_version": 0}
@@ -1103,22 +1181,25 @@ def evaluate(
     )
 
     @jax.jit
-    def act(params, obs, key):
-        pi, _ = network.apply(params, obs)
+    def act(params, obs, core, key):
+        pi, _, state = network.apply(params, obs, core)
         if greedy:
-            return (jnp.split(pi, 2, axis=-1)[0] if continuous else jnp.argmax(pi, -1)), key
+            return (jnp.split(pi, 2, axis=-1)[0] if continuous else jnp.argmax(pi, -1)), state, key
         key, subkey = jax.random.split(key)
-        return sample_action(pi, subkey, continuous), key
+        return sample_action(pi, subkey, continuous), state, key
 
     key = jax.random.PRNGKey(args.seed + 10_000)
     stats = EpisodeStats(num_envs)
     obs, _ = envs.reset()
+    core, done = zero_core(network.lstm_size, num_envs), np.zeros(num_envs, bool)  # --lstm: zeros at the start
     scores, frames = [], []
     while len(scores) < num_episodes and not signals:
         if render and quota[0] == -(-num_episodes // num_envs):
             frames.append(envs.render()[0])
-        action, key = act(params, normalizer.observe(obs, train=False), key)
+        action, state, key = act(params, normalizer.observe(obs, train=False), core, key)
+        core = core and (state, done)  # the next observation starts an episode if this one ended one
         obs, reward, terminated, truncated, info = envs.step(env_action(np.asarray(action), envs.action_space))
+        done = terminated | truncated
         reward = np.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's reward is undefined (dm_control: NaN at times)
         stats.update(np.arange(num_envs), reward, terminated, truncated, info)
         for env, ret, _ in stats.pop():

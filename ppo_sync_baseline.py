@@ -76,7 +76,7 @@ class Args:
     gae_lambda: Annotated[Optional[float], PRESET] = None
     """lambda of generalised advantage estimation"""
     num_minibatches: Annotated[Optional[int], PRESET] = None
-    """minibatches per epoch; must divide num_envs * num_steps"""
+    """minibatches per epoch; must divide num_envs * num_steps (with --lstm, num_envs: whole env sequences)"""
     update_epochs: Annotated[Optional[int], PRESET] = None
     """passes over each rollout"""
     norm_adv: bool = True
@@ -93,6 +93,11 @@ class Args:
     """True: normalise observations by a running mean and std, clipped to [-10, 10] (CleanRL, MuJoCo)"""
     norm_reward: Annotated[Optional[bool], PRESET] = None
     """True: divide rewards by the running std of the discounted return, clipped to [-10, 10]"""
+    lstm: bool = False
+    """an LSTM core between the encoder and the policy/value heads (TorchBeast's --use_lstm, Sample
+    Factory's --use_rnn), its state carried per env and reset where an episode starts"""
+    lstm_size: int = 128
+    """hidden units of the LSTM, the size of its h and of its c (CleanRL's ppo_atari_lstm.py: 128)"""
     num_threads: int = 0
     """envpool worker threads stepping the environments (0: one per CPU core, at most num_envs)"""
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
@@ -192,7 +197,7 @@ def resolve_args(args: Args) -> Args:
         raise UsageError(f"--norm-obs is for float observations; {args.env_id} has none: pass --norm-obs False")
     if args.track and importlib.util.find_spec("wandb") is None:
         raise UsageError("--track logs to Weights & Biases, which is not installed: pip install wandb")
-    for name in ["total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs", "log_frequency"]:
+    for name in ["total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs", "log_frequency", "lstm_size"]:
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     for name in ["learning_rate", "clip_coef", "max_grad_norm"]:
@@ -209,6 +214,9 @@ def resolve_args(args: Args) -> Args:
         raise UsageError(
             f"--num-minibatches {args.num_minibatches} must divide --num-envs x --num-steps = {batch_size}"
         )
+    if args.lstm and args.num_envs % args.num_minibatches:
+        raise UsageError(f"--num-minibatches {args.num_minibatches} must divide --num-envs {args.num_envs} with --lstm "
+                         "(a minibatch holds whole env sequences)")
     if args.total_timesteps < batch_size:
         raise UsageError(f"--total-timesteps {args.total_timesteps} is less than one rollout ({batch_size} steps)")
     return args
@@ -413,23 +421,54 @@ def encoders(obs_space) -> tuple:
     return tuple(leaf_encoder(s) for s in jax.tree.leaves(space_tree(obs_space)))
 
 
+class LSTMCore(nn.Module):
+    """An LSTM over time-major inputs [T, B, F]; each env's state (c, h) [B, size] is reset to
+    zeros before a step where its episode starts (`first` [T, B])."""
+
+    size: int
+
+    @functools.partial(nn.scan, variable_broadcast="params", split_rngs={"params": False})
+    @nn.compact
+    def __call__(self, state, inputs):
+        x, first = inputs
+        state = jax.tree.map(lambda s: jnp.where(first[:, None] > 0, 0.0, s), state)
+        return nn.OptimizedLSTMCell(self.size)(state, x)
+
+
+def zero_core(lstm_size: int, num_envs: int):
+    """The network's `core` for `num_envs` envs before their first step: (state (c, h) of zeros
+    [N, lstm_size], first [N] all True); None without an LSTM."""
+    if not lstm_size:
+        return None
+    return (np.zeros((num_envs, lstm_size), np.float32), np.zeros((num_envs, lstm_size), np.float32)), np.ones(num_envs, bool)
+
+
 class ActorCritic(nn.Module):
     """One encoder per observation leaf (`encoders`), concatenated into the trunk: with a Nature
     CNN leaf, a shared 512 ReLU layer (CleanRL's Atari network); otherwise separate 64-64 tanh
     MLPs for the policy and the value (CleanRL's vector network). A Box image or vector alone
-    gives exactly those networks.
+    gives exactly those networks. With `lstm_size`, an LSTM (LSTMCore) sits between the encoders
+    (and the 512 layer) and the heads.
 
-    Returns `pi` [B, A] (logits, or mean and log-std concatenated [B, 2A] for Box actions)
-    and `value` [B].
+    Feed-forward: obs [B, ...] -> `pi` [B, A] (logits, or mean and log-std concatenated [B, 2A]
+    for Box actions), `value` [B], None. LSTM: `core` = (state, first) and obs [T, B, ...] with
+    first [T, B] (T steps of each env from `state`; first [B] is one step, obs [B, ...]) ->
+    pi [T, B, A], value [T, B] (or [B, A], [B]) and the state after the last step.
     """
 
     action_dim: int
     continuous: bool
     encoders: tuple  # leaf_encoder of each observation leaf
+    lstm_size: int = 0  # 0: no LSTM
 
     @nn.compact
-    def __call__(self, obs):
+    def __call__(self, obs, core=None):
         orth = nn.initializers.orthogonal
+        if self.lstm_size:
+            state, first = core
+            shape = first.shape  # [T, B], or [B] for one step
+            first = first.reshape(-1, shape[-1])
+            obs = jax.tree.map(lambda x: x.reshape(-1, *x.shape[len(shape):]), obs)
 
         def conv(x, size, kernel, stride=1):
             return nn.relu(nn.Conv(size, (kernel, kernel), (stride, stride), "VALID", kernel_init=orth(np.sqrt(2)))(x))
@@ -447,9 +486,14 @@ class ActorCritic(nn.Module):
                 x = jax.nn.one_hot(x - arg[1], arg[0]) if kind == "onehot" else x.astype(jnp.float32) * arg
             features.append(x.reshape(x.shape[0], -1))
         x = jnp.concatenate(features, axis=-1)
-        if any(kind == "nature" for kind, _ in self.encoders):
-            hidden = nn.relu(nn.Dense(512, kernel_init=orth(np.sqrt(2)))(x))
-            actor_hidden = critic_hidden = hidden
+        nature = any(kind == "nature" for kind, _ in self.encoders)
+        if nature:
+            x = nn.relu(nn.Dense(512, kernel_init=orth(np.sqrt(2)))(x))
+        if self.lstm_size:
+            state, x = LSTMCore(self.lstm_size)(state, (x.reshape(*first.shape, -1), first))
+            x = x.reshape(-1, self.lstm_size)
+        if nature:
+            actor_hidden = critic_hidden = x
         else:
             actor_hidden, critic_hidden = x, x
             for _ in range(2):
@@ -460,7 +504,9 @@ class ActorCritic(nn.Module):
             log_std = self.param("log_std", nn.initializers.zeros, (self.action_dim,))
             pi = jnp.concatenate([pi, jnp.broadcast_to(log_std, pi.shape)], axis=-1)
         value = nn.Dense(1, kernel_init=orth(1.0))(critic_hidden)[:, 0]
-        return pi, value
+        if self.lstm_size:
+            return pi.reshape(*shape, -1), value.reshape(shape), state
+        return pi, value, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -560,15 +606,16 @@ def ppo_loss(logprobs, old_logprobs, advantages, values, returns, entropy, mask,
 
 
 def make_policy_step(network, continuous: bool):
-    """One jitted call per environment step: actions, their log-probabilities and values."""
+    """One jitted call per environment step: actions, their log-probabilities, values, the
+    recurrent state after the step (`core`: see ActorCritic; None without --lstm) and the key."""
 
     @jax.jit
-    def policy_step(params, obs, key):
+    def policy_step(params, obs, core, key):
         key, subkey = jax.random.split(key)
-        pi, value = network.apply(params, obs)
+        pi, value, state = network.apply(params, obs, core)
         action = sample_action(pi, subkey, continuous)
         logprob, _ = log_prob_entropy(pi, action, continuous)
-        return action, logprob, value, key
+        return action, logprob, value, state, key
 
     return policy_step
 
@@ -586,12 +633,16 @@ def env_action(action, action_space):
     return np.clip(action, action_space.low, action_space.high)
 
 
-def collect_rollout(envs, policy_step, params, obs, prev_dones, key, stats, normalizer, args, timing):
-    """Step all envs `num_steps` times with `params`; return the rollout, next obs, dones and key.
+def collect_rollout(envs, policy_step, params, obs, prev_dones, core, key, stats, normalizer, args, timing):
+    """Step all envs `num_steps` times with `params`; return the rollout, next obs, dones, core and key.
 
     The rollout is time-major [T, B, ...] host arrays plus `bootstrap_obs` [B, ...]. envpool
     resets an env on the step after its episode ends, ignoring that step's action: such steps
     get `valid` 0 and stay out of the loss. `truncated` marks time-limit ends, which bootstrap.
+    With --lstm, `core` (ActorCritic's) carries the envs' recurrent state from step to step and
+    rollout to rollout, reset where an episode starts (`first`: the observation after an
+    episode's end); the rollout records the state before row 0 ("state"), which the learner
+    unrolls from, and "first".
     """
     T, B = args.num_steps, args.num_envs
     rollout = {
@@ -604,25 +655,30 @@ def collect_rollout(envs, policy_step, params, obs, prev_dones, key, stats, norm
         "truncated": np.zeros((T, B), np.float32),
         "valid": np.zeros((T, B), np.float32),
     }
+    if core is not None:
+        rollout["state"], rollout["first"] = core[0], np.zeros((T, B), np.float32)
     env_ids = np.arange(B)
     for t in range(T):
         start = time.perf_counter()
-        action, logprob, value, key = policy_step(params, obs, key)
+        action, logprob, value, state, key = policy_step(params, obs, core, key)
         action, logprob, value = jax.device_get((action, logprob, value))
         timing["inference"] += time.perf_counter() - start
         write(rollout["obs"], t, obs)
         rollout["actions"][t] = action
         rollout["logprobs"][t], rollout["values"][t] = logprob, value
+        if core is not None:
+            rollout["first"][t] = core[1]
         start = time.perf_counter()
         obs, reward, terminated, truncated, info = envs.step(env_action(action, envs.action_space))
         reward = np.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's reward is undefined (dm_control: NaN at times)
         timing["env"] += time.perf_counter() - start
         stats.update(env_ids, reward, terminated, truncated, info)
         rollout["valid"][t], prev_dones = 1.0 - prev_dones, terminated | truncated
+        core = core and (state, rollout["valid"][t] == 0)  # after a reset step, an episode starts
         obs, reward = normalizer.observe(obs), normalizer.reward(reward, prev_dones, env_ids)
         rollout["rewards"][t], rollout["dones"][t], rollout["truncated"][t] = reward, prev_dones, truncated
     rollout["bootstrap_obs"] = obs
-    return rollout, obs, prev_dones, key
+    return rollout, obs, prev_dones, core, key
 
 
 # ---------------------------------------------------------------------------------------------
@@ -635,13 +691,47 @@ def make_optimizer(args: Args):
     return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.scale_by_adam(eps=1e-5))
 
 
+def rollout_forward(network, params, rollout, continuous: bool):
+    """The network over a rollout: log-probabilities of its actions, entropies, values [T, B], and
+    the value of `bootstrap_obs` [B]. With --lstm, each env's sequence runs from the state the
+    actor recorded before row 0, reset where episodes start (`first`), on into `bootstrap_obs`
+    (which starts an episode when row T-1 is a reset step, `valid` 0)."""
+    T, B = rollout["rewards"].shape
+    if network.lstm_size:
+        obs = jax.tree.map(lambda x, y: jnp.concatenate([x, y[None]]), rollout["obs"], rollout["bootstrap_obs"])
+        first = jnp.concatenate([rollout["first"], 1.0 - rollout["valid"][-1:]])
+        pi, values, _ = network.apply(params, obs, (rollout["state"], first))
+        logprobs, entropy = log_prob_entropy(pi[:-1], rollout["actions"], continuous)
+        return logprobs, entropy, values[:-1], values[-1]
+    pi, values, _ = network.apply(params, jax.tree.map(lambda x: x.reshape(T * B, *x.shape[2:]), rollout["obs"]))
+    logprobs, entropy = log_prob_entropy(pi, rollout["actions"].reshape(T * B, *rollout["actions"].shape[2:]), continuous)
+    _, bootstrap_value, _ = network.apply(params, rollout["bootstrap_obs"])
+    return logprobs.reshape(T, B), entropy.reshape(T, B), values.reshape(T, B), bootstrap_value
+
+
+def minibatches(key, data, num_minibatches: int):
+    """One epoch's shuffled minibatches [M, ...] of a rollout's `data` (leaves [T, B, ...]).
+    Feed-forward: transitions from all of T x B. With --lstm (`data` holds the recorded "state"
+    [B, ...]): whole env sequences [M, T, B / M, ...], each with its state."""
+    T, B = data["valid"].shape
+    if "state" not in data:
+        order = jax.random.permutation(key, T * B)
+        return jax.tree.map(lambda x: x.reshape(T * B, *x.shape[2:])[order].reshape(num_minibatches, -1, *x.shape[2:]), data)
+    order = jax.random.permutation(key, B)
+
+    def split(x):  # [B, ...] -> [M, B / M, ...] in the shuffled env order
+        return x[order].reshape(num_minibatches, B // num_minibatches, *x.shape[1:])
+
+    state = jax.tree.map(split, data["state"])
+    sequences = jax.tree.map(lambda x: jnp.swapaxes(split(jnp.swapaxes(x, 0, 1)), 1, 2), {**data, "state": None})
+    return dict(sequences, state=state)
+
+
 def make_update(network, optimizer, args: Args, continuous: bool):
     """The jitted learner step: GAE on the rollout, then epochs x minibatches of PPO-clip."""
-    batch_size = args.num_envs * args.num_steps
-    minibatch_size = batch_size // args.num_minibatches
 
     def loss_fn(params, mb):
-        pi, values = network.apply(params, mb["obs"])
+        pi, values, _ = network.apply(params, mb["obs"], (mb["state"], mb["first"]) if "state" in mb else None)
         logprobs, entropy = log_prob_entropy(pi, mb["actions"], continuous)
         advantages, mask = mb["advantages"], mb["valid"]
         if args.norm_adv:
@@ -667,7 +757,9 @@ def make_update(network, optimizer, args: Args, continuous: bool):
         images = any(kind in ("nature", "grid") for kind, _ in network.encoders)
         unroll = jax.default_backend() == "cpu" and images and args.update_epochs * args.num_minibatches <= 16
         values = rollout["values"]
-        _, bootstrap_value = network.apply(params, rollout["bootstrap_obs"])
+        # With --lstm the bootstrap value needs the state after the last step: an unroll. Feed-forward,
+        # XLA drops the unused pass over the rollout and computes V(bootstrap_obs) alone.
+        _, _, _, bootstrap_value = rollout_forward(network, params, rollout, continuous)
         rewards = time_limit_bootstrap(rollout["rewards"], values, bootstrap_value, rollout["truncated"], args.gamma)
         discounts = args.gamma * (1.0 - rollout["dones"])
         advantages = compute_gae(rewards, values, bootstrap_value, discounts, args.gae_lambda)
@@ -679,16 +771,13 @@ def make_update(network, optimizer, args: Args, continuous: bool):
             "advantages": advantages,
             "returns": advantages + rollout["values"],
         }
-        data = jax.tree.map(lambda x: x.reshape(batch_size, *x.shape[2:]), data)
-
+        if network.lstm_size:
+            data.update(state=rollout["state"], first=rollout["first"])
         learning_rate = learning_rate_at(args, state["global_step"])
 
         def epoch(carry, key):
-            order = jax.random.permutation(key, batch_size)
-            minibatches = jax.tree.map(
-                lambda x: x[order].reshape(args.num_minibatches, minibatch_size, *x.shape[1:]), data
-            )
-            return jax.lax.scan(functools.partial(minibatch_step, learning_rate), carry, minibatches, unroll=unroll)
+            epoch_data = minibatches(key, data, args.num_minibatches)
+            return jax.lax.scan(functools.partial(minibatch_step, learning_rate), carry, epoch_data, unroll=unroll)
 
         (params, opt_state), diagnostics = jax.lax.scan(
             epoch, (params, opt_state), jax.random.split(key, args.update_epochs), unroll=unroll
@@ -870,7 +959,7 @@ def load_checkpoint(payload: dict, template: dict, path: str) -> dict:
 
 
 # What the network and its inputs were trained on: a resumed run cannot change these.
-FIXED_ON_RESUME = ("env_id", "norm_obs", "norm_reward")
+FIXED_ON_RESUME = ("env_id", "norm_obs", "norm_reward", "lstm", "lstm_size")
 
 
 def resume_args(args: Args, given):
@@ -957,8 +1046,8 @@ def build(args: Args, key):
     obs_space, action_space = spaces(args.env_id)
     continuous = not hasattr(action_space, "n")
     action_dim = int(np.prod(action_space.shape)) if continuous else int(action_space.n)
-    network = ActorCritic(action_dim, continuous, encoders(obs_space))
-    params = network.init(key, zeros_like_space(obs_space, 1))
+    network = ActorCritic(action_dim, continuous, encoders(obs_space), args.lstm_size if args.lstm else 0)
+    params = network.init(key, zeros_like_space(obs_space, 1), zero_core(network.lstm_size, 1))
     optimizer = make_optimizer(args)
     normalizer = Normalizer(zeros_like_space(obs_space), args.num_envs, args.norm_obs, args.norm_reward, args.gamma)
     state = {"params": params, "opt_state": optimizer.init(params), "global_step": 0, "policy_version": 0}
@@ -983,22 +1072,25 @@ def evaluate(
     )
 
     @jax.jit
-    def act(params, obs, key):
-        pi, _ = network.apply(params, obs)
+    def act(params, obs, core, key):
+        pi, _, state = network.apply(params, obs, core)
         if greedy:
-            return (jnp.split(pi, 2, axis=-1)[0] if continuous else jnp.argmax(pi, -1)), key
+            return (jnp.split(pi, 2, axis=-1)[0] if continuous else jnp.argmax(pi, -1)), state, key
         key, subkey = jax.random.split(key)
-        return sample_action(pi, subkey, continuous), key
+        return sample_action(pi, subkey, continuous), state, key
 
     key = jax.random.PRNGKey(args.seed + 10_000)
     stats = EpisodeStats(num_envs)
     obs, _ = envs.reset()
+    core, done = zero_core(network.lstm_size, num_envs), np.zeros(num_envs, bool)  # --lstm: zeros at the start
     scores, frames = [], []
     while len(scores) < num_episodes and not signals:
         if render and quota[0] == -(-num_episodes // num_envs):
             frames.append(envs.render()[0])
-        action, key = act(params, normalizer.observe(obs, train=False), key)
+        action, state, key = act(params, normalizer.observe(obs, train=False), core, key)
+        core = core and (state, done)  # the next observation starts an episode if this one ended one
         obs, reward, terminated, truncated, info = envs.step(env_action(np.asarray(action), envs.action_space))
+        done = terminated | truncated
         reward = np.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's reward is undefined (dm_control: NaN at times)
         stats.update(np.arange(num_envs), reward, terminated, truncated, info)
         for env, ret, _ in stats.pop():
@@ -1094,6 +1186,7 @@ def train(args: Args, given, signals: Signals) -> int:
     logger = Logger(run_dir, args)
     stats = EpisodeStats(args.num_envs)
     obs, dones = normalizer.observe(envs.reset()[0]), np.zeros(args.num_envs, bool)
+    core = zero_core(network.lstm_size, args.num_envs)  # --lstm: every env starts from zeros, also on resume
     print(f"{os.path.basename(__file__)}: {args.env_id} (preset {preset_name(args.env_id)}), "
           f"{num_updates - start_update} updates of {batch_size} steps -> {run_dir}", flush=True)
     sampled = start_step = global_step
@@ -1104,8 +1197,8 @@ def train(args: Args, given, signals: Signals) -> int:
         for update_idx in range(start_update, num_updates):
             if signals.stop.is_set():
                 break
-            rollout, obs, dones, key = collect_rollout(
-                envs, policy_step, state["params"], obs, dones, key, stats, normalizer, args, timing
+            rollout, obs, dones, core, key = collect_rollout(
+                envs, policy_step, state["params"], obs, dones, core, key, stats, normalizer, args, timing
             )
             sampled += batch_size
             start = time.perf_counter()

@@ -60,7 +60,11 @@ ASYNC_BAD_INPUTS = {
     "zero-queue-size": (dict(queue_size=0), ["--queue-size"]),
     "negative-policy-lag": (dict(max_policy_lag=-1), ["--max-policy-lag"]),
 }
-PPO_BAD_INPUTS = {"minibatches-do-not-divide": (dict(num_minibatches=3), ["--num-minibatches"])}
+PPO_BAD_INPUTS = {
+    "minibatches-do-not-divide": (dict(num_minibatches=3), ["--num-minibatches"]),
+    # 8 divides 4 envs x 16 steps but not the 4 envs: a minibatch would split an env's sequence
+    "lstm-minibatches-split-envs": (dict(lstm=True, num_minibatches=8), ["--num-minibatches", "--num-envs", "--lstm"]),
+}
 # rl-baselines3-zoo hyperparams/ppo.yml (batch_size 64 -> minibatch counts at 8 envs), CleanRL.
 PPO_PRESETS = {
     "CartPole-v1": dict(num_steps=32, learning_rate=1e-3, gamma=0.98, gae_lambda=0.8, update_epochs=20, ent_coef=0.0),
@@ -91,7 +95,7 @@ SCRIPT_TABLE = {
         # minibatch's loss is non-finite.
         diverge=dict(learning_rate=1e30, max_grad_norm=1e30, update_epochs=2),
         bad_inputs=PPO_BAD_INPUTS,
-        variants={},
+        variants={"lstm": dict(lstm=True)},
         extra_tags=[],
         # ~30k-60k steps needed (measured: 50k fails on some seeds, 100k scored 500 on the last
         # 20 episodes on seeds 1-5).
@@ -103,7 +107,8 @@ SCRIPT_TABLE = {
         tiny=dict(PPO_TINY, **ASYNC_TINY),
         diverge=dict(learning_rate=1e30, max_grad_norm=1e30, update_epochs=2),
         bad_inputs=dict(PPO_BAD_INPUTS, **ASYNC_BAD_INPUTS),
-        variants={"num-splits-1": dict(num_splits=1), "no-vtrace": dict(vtrace=False)},
+        variants={"num-splits-1": dict(num_splits=1), "no-vtrace": dict(vtrace=False), "lstm": dict(lstm=True),
+                  "lstm-num-splits-1": dict(lstm=True, num_splits=1)},
         extra_tags=ASYNC_TAGS,
         # Measured at 150k: seeds 1-20 reached a 20-episode mean >= 475 at 19k-53k steps; all 25
         # runs (seeds 1-20, seed 1 five more times) ended at 500, but one CI run ended at 388.
@@ -117,7 +122,7 @@ SCRIPT_TABLE = {
         # first update's parameters overflow float32.
         diverge=dict(learning_rate=1e38, max_grad_norm=1e30),
         bad_inputs=dict(ASYNC_BAD_INPUTS),
-        variants={"num-splits-1": dict(num_splits=1)},
+        variants={"num-splits-1": dict(num_splits=1), "lstm": dict(lstm=True)},
         extra_tags=ASYNC_TAGS,
         # The budget. Measured with the classic preset (5-step unrolls, RMSProp 7e-4):
         # seeds 1 and 2 passed at 1M twice each (500 from 200k-300k steps on); at 500k, 3 runs

@@ -31,11 +31,12 @@ def test_benchmark_quick_writes_valid_results(tmp_path):
         assert math.isfinite(row["sps"]) and row["sps"] > 0
         assert row["fps"] == row["sps"]  # CartPole has no frame skip: frames = agent steps
     kinds = [r["kind"] for r in rows]
-    assert kinds.count("ceiling") == 2 and kinds.count("sampler") == 2
+    assert kinds.count("ceiling") == 2 and kinds.count("sampler") == 3
     ceilings = [r for r in rows if r["kind"] == "ceiling"]
     assert all(r["script"] is None for r in ceilings)
-    samplers = sorted((r for r in rows if r["kind"] == "sampler"), key=lambda r: r["num_splits"])
-    assert [r["num_splits"] for r in samplers] == [1, 2] and all(r["num_threads"] == 1 for r in samplers)
+    samplers = sorted((r for r in rows if r["kind"] == "sampler"), key=lambda r: (r["lstm"], r["num_splits"]))
+    assert [(r["num_splits"], r["lstm"]) for r in samplers] == [(1, False), (2, False), (2, True)]
+    assert all(r["num_threads"] == 1 for r in samplers)
     for r in samplers:  # envpool's thread and the actor on separate cores, where there are two
         if len(os.sched_getaffinity(0)) > 1:
             cores = r["cores"]
@@ -51,6 +52,8 @@ def test_benchmark_quick_writes_valid_results(tmp_path):
             assert r["updates"] >= 2 and 0 <= r["busy"]["update"] <= 1.05
     table = (out / "results.md").read_text()
     assert "Double buffering" in table and "| end_to_end" not in table  # tables, not raw rows
+    lstm_ratio = samplers[2]["sps"] / samplers[1]["sps"]
+    assert f"Recurrent actor: the --lstm sampler / the feed-forward one (2 splits) = **{lstm_ratio:.2f}x**" in table
     for png in ["sampler.png", "end_to_end.png"]:
         assert (out / png).stat().st_size > 5000
 

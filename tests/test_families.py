@@ -245,7 +245,7 @@ def test_every_envpool_task_builds_a_network_or_exits_with_one_line(capsys, monk
             network = ppo.ActorCritic(action_dim, continuous, ppo.encoders(obs_space))
             obs = ppo.zeros_like_space(obs_space, 2)
             params = jax.eval_shape(network.init, jax.random.PRNGKey(0), obs)
-            pi, value = jax.eval_shape(network.apply, params, obs)
+            pi, value, _ = jax.eval_shape(network.apply, params, obs)
             assert pi.shape == (2, action_dim * (2 if continuous else 1)) and value.shape == (2,), args.env_id
             networks[signature] = args.env_id
     built, reasons = counts["ppo_sync_baseline.py"]

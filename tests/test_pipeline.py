@@ -100,7 +100,7 @@ class ScriptedEnvPool:
 
 
 class ScriptedPolicy:
-    """A `policy_step(params, obs, key)` stand-in: the action and log-prob encode the observation;
+    """A `policy_step(params, obs, core, key)` stand-in (feed-forward: `core` None): the action and log-prob encode the observation;
     the parameters are the version itself. It records, per (env, count), the version that
     `shared.latest` held during the call, then publishes a new version every `publish_every`
     calls, as the learner would."""
@@ -111,7 +111,8 @@ class ScriptedPolicy:
         self.version_at = {}  # (env, count) -> version in shared.latest during the call
         self.mismatch = []
 
-    def __call__(self, params, obs, key):
+    def __call__(self, params, obs, core, key):
+        assert core is None
         latest_params, version = self.shared.latest
         if params != latest_params:
             self.mismatch.append((params, latest_params))
@@ -122,7 +123,7 @@ class ScriptedPolicy:
         if self.calls % self.publish_every == 0:
             self.shared.latest = (version + 1, version + 1)
         action = code(env, n)
-        return action, -action.astype(np.float32), np.zeros(len(obs), np.float32), key
+        return action, -action.astype(np.float32), np.zeros(len(obs), np.float32), None, key
 
 
 # (num_envs of each split, rollout length); episode lengths and truncation per env
@@ -308,11 +309,12 @@ class TinyActorCritic(nn.Module):
 
     action_dim: int
     encoders: tuple = (("flat", 1.0),)
+    lstm_size: int = 0
 
     @nn.compact
-    def __call__(self, obs):
+    def __call__(self, obs, core=None):
         hidden = nn.tanh(nn.Dense(8)(obs.reshape(obs.shape[0], -1).astype(jnp.float32)))
-        return nn.Dense(self.action_dim)(hidden), nn.Dense(1)(hidden)[:, 0]
+        return nn.Dense(self.action_dim)(hidden), nn.Dense(1)(hidden)[:, 0], None
 
 
 LEARNER_VERSION, MAX_LAG = 10, 2
@@ -469,12 +471,12 @@ def patched_make_policy_step(*args, **kwargs):
     policy_step = original_make_policy_step(*args, **kwargs)
     calls = []
 
-    def faulty_policy_step(params, obs, key):
+    def faulty_policy_step(params, obs, core, key):
         calls.append(1)
         if len(calls) == {actor_fault_call} and {where!r} == "actor":
             report_fault()
             raise RuntimeError("injected actor fault")
-        return policy_step(params, obs, key)
+        return policy_step(params, obs, core, key)
 
     return faulty_policy_step
 

@@ -253,6 +253,8 @@ BAD_INPUTS = {
     "resume-random-bytes": (dict(), ["--resume"], corrupt_random),
     "resume-truncated": (dict(), ["--resume"], corrupt_truncated),
     "resume-other-env": (dict(env_id="Acrobot-v1"), ["--resume", "CartPole-v1"], lambda run, tmp: run),
+    "resume-with-lstm": (dict(lstm=True), ["--resume", "--lstm", "cannot change"], lambda run, tmp: run),
+    "zero-lstm-size": (dict(lstm=True, lstm_size=0), ["--lstm-size"], None),
     "norm-obs-on-images": (dict(env_id="Pong-v5", norm_obs="True"), ["--norm-obs", "float observations", "Pong-v5"], None),
 }
 

@@ -2,7 +2,8 @@
 
 1. ceiling:    raw envpool stepping with random actions (no policy), per thread count;
 2. sampler:    appo_envpool.py's actor loop with the jitted policy and no learning, with
-               --num-splits 1 and 2 at the same --num-envs and one env thread (double buffering);
+               --num-splits 1 and 2 at the same --num-envs and one env thread (double buffering),
+               and with --lstm at 2 splits (the recurrent actor's cost against the feed-forward one);
 3. end_to_end: training throughput of the three scripts with matching flags over a sweep of
                --num-envs, with the fraction of wall time each stage is busy.
 
@@ -129,7 +130,7 @@ def core_layout():
     return (cores[0], cores[1:]) if len(cores) > 1 else None
 
 
-def measure_sampler(env_id, num_envs, num_splits, num_steps, seconds, pin=True):
+def measure_sampler(env_id, num_envs, num_splits, num_steps, seconds, pin=True, lstm=False):
     """Sampler throughput, measured in a fresh process (pinning and XLA flags must not leak into
     this one or its later runs): (agent steps per second, busy fraction per stage, layout)."""
     import multiprocessing
@@ -137,7 +138,7 @@ def measure_sampler(env_id, num_envs, num_splits, num_steps, seconds, pin=True):
     layout = core_layout() if pin else None
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    child = ctx.Process(target=sampler_process, args=(env_id, num_envs, num_splits, num_steps, seconds, layout, results),
+    child = ctx.Process(target=sampler_process, args=(env_id, num_envs, num_splits, num_steps, seconds, layout, results, lstm),
                         daemon=True)
     child.start()
     deadline = time.monotonic() + seconds + 300
@@ -161,7 +162,7 @@ def measure_sampler(env_id, num_envs, num_splits, num_steps, seconds, pin=True):
     return sps, busy, {"env_core": layout[0], "actor_cores": layout[1], "threads_on_env_core": threads_on_env_core}
 
 
-def sampler_process(env_id, num_envs, num_splits, num_steps, seconds, layout, results):
+def sampler_process(env_id, num_envs, num_splits, num_steps, seconds, layout, results, lstm):
     """Child process of measure_sampler: pin, then run the actor loop; report through `results`."""
     try:
         if layout:
@@ -169,19 +170,20 @@ def sampler_process(env_id, num_envs, num_splits, num_steps, seconds, layout, re
             os.sched_setaffinity(0, layout[1])  # this thread and every thread it starts, not envpool's
         appo = load_script("appo_envpool.py")
         env_core = layout[0] if layout else None
-        results.put(("ok", run_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds, env_core)))
+        results.put(("ok", run_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds, env_core, lstm)))
     except BaseException:
         results.put(("error", traceback.format_exc()))
 
 
-def run_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds, env_core=None):
-    """Agent steps per second of appo_envpool.actor_loop (jitted policy, one env thread, pinned
-    to `env_core` if given), with a consumer that drops rollouts: sampling alone, no learning.
+def run_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds, env_core=None, lstm=False):
+    """Agent steps per second of appo_envpool.actor_loop (jitted policy, with an LSTM if `lstm`;
+    one env thread, pinned to `env_core` if given), with a consumer that drops rollouts: sampling
+    alone, no learning.
     Returns (SPS, busy fraction of env wait and inference, threads found pinned to env_core)."""
     import jax
 
     args = appo.resolve_args(
-        appo.Args(env_id=env_id, num_envs=num_envs, num_splits=num_splits, num_steps=num_steps, num_threads=1)
+        appo.Args(env_id=env_id, num_envs=num_envs, num_splits=num_splits, num_steps=num_steps, num_threads=1, lstm=lstm)
     )
     pin = {} if env_core is None else {"thread_affinity_offset": env_core}
     envs = appo.make_env(env_id, num_envs, 1, 1, train=True, batch_size=num_envs // num_splits, **pin)
@@ -193,14 +195,11 @@ def run_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds, env_core
                 threads_on_env_core += os.sched_getaffinity(int(tid)) == {env_core}
             except OSError:  # the thread ended meanwhile
                 pass
-    continuous = not hasattr(envs.action_space, "n")
-    action_dim = int(np.prod(envs.action_space.shape)) if continuous else int(envs.action_space.n)
-    obs_space, _ = appo.spaces(env_id)
-    network = appo.ActorCritic(action_dim, continuous, appo.encoders(obs_space))
-    params = network.init(jax.random.PRNGKey(0), appo.zeros_like_space(obs_space, 1))
+    network, _, continuous, _, state = appo.build(args, jax.random.PRNGKey(0))
+    params, split_size = state["params"], num_envs // num_splits
     policy_step = appo.make_policy_step(network, continuous)
-    warm = appo.zeros_like_space(obs_space, num_envs // num_splits)
-    jax.block_until_ready(policy_step(params, warm, jax.random.PRNGKey(0)))  # compile outside the clock
+    warm = appo.zeros_like_space(appo.spaces(env_id)[0], split_size), appo.zero_core(network.lstm_size, split_size)
+    jax.block_until_ready(policy_step(params, *warm, jax.random.PRNGKey(0)))  # compile outside the clock
     shared = appo.Shared({"params": params, "policy_version": 0})
     rollouts = queue.Queue(maxsize=2)
     actor = appo.start_thread(
@@ -306,12 +305,17 @@ def write_report(out_dir, results, quick):
             frac = f"{r['fraction_of_ceiling']:.0%}" if r.get("fraction_of_ceiling") is not None else ""
             busy = r.get("busy", {})
             lines.append(
-                f"| {r['kind']} | {r['num_envs']} | {r['num_splits'] or ''} | {r['num_threads']} | {r['sps']:.0f} | "
+                f"| {r['kind']}{' --lstm' * r.get('lstm', False)} | {r['num_envs']} | {r['num_splits'] or ''} | {r['num_threads']} | {r['sps']:.0f} | "
                 f"{r['fps']:.0f} | {frac} | {busy.get('env', ''):} | {busy.get('inference', '')} |"
             )
-    samplers = {r["num_splits"]: r for r in rows if r["kind"] == "sampler"}
+    samplers = {r["num_splits"]: r for r in rows if r["kind"] == "sampler" and not r.get("lstm")}
+    lstm = [r for r in rows if r["kind"] == "sampler" and r.get("lstm")]
     if 1 in samplers and 2 in samplers:
         lines += ["", f"Double buffering: 2 splits / 1 split = **{samplers[2]['sps'] / samplers[1]['sps']:.2f}x**."]
+    if lstm and 2 in samplers:
+        lines += ["", f"Recurrent actor: the --lstm sampler / the feed-forward one (2 splits) = "
+                      f"**{lstm[0]['sps'] / samplers[2]['sps']:.2f}x**."]
+    if 1 in samplers and 2 in samplers:
         cores = samplers[2].get("cores")
         if cores:
             lines += ["", f"Sampler layout: envpool's thread pinned to core {cores['env_core']}; the actor thread and "
@@ -331,7 +335,8 @@ def write_report(out_dir, results, quick):
 
     fig, ax = plt.subplots(figsize=(6, 4))
     bars = [(f"ceiling\n{r['num_threads']} thr", r["fps"]) for r in rows if r["kind"] == "ceiling"]
-    bars += [(f"sampler\n{r['num_splits']} split{'s' * (r['num_splits'] > 1)}", r["fps"]) for r in rows if r["kind"] == "sampler"]
+    bars += [(f"sampler{' lstm' * r['lstm']}\n{r['num_splits']} split{'s' * (r['num_splits'] > 1)}", r["fps"])
+             for r in rows if r["kind"] == "sampler"]
     ax.bar([b[0] for b in bars], [b[1] for b in bars], color="tab:blue")
     ax.set_ylabel("FPS (frames / s)")
     ax.set_title(f"{results['env_id']}: sampling throughput\n{hardware}", fontsize=9)
@@ -375,20 +380,21 @@ def main(args: Args) -> int:
     appo = load_script("appo_envpool.py")
     skip = frame_skip(args.env_id)
     results = {"env_id": args.env_id, "frame_skip": skip, "config": dataclasses.asdict(args), "machine": machine_info(), "measurements": []}
-    tasks = [("ceiling", t) for t in args.ceiling_threads] + [("sampler", 1), ("sampler", 2)]
+    tasks = [("ceiling", t) for t in args.ceiling_threads] + [("sampler", (1, False)), ("sampler", (2, False)), ("sampler", (2, True))]
     tasks += [("end_to_end", (script, n)) for n in sweep for script in args.scripts]
     start = time.time()
     for i, (kind, param) in enumerate(tasks):
         print(f"[{i + 1}/{len(tasks)}] {kind} {param}  ({time.time() - start:.0f}s elapsed)", flush=True)
         row = {"kind": kind, "script": None, "env_id": args.env_id, "num_envs": args.num_envs, "num_splits": None,
-               "num_threads": None, "num_steps": None}
+               "num_threads": None, "num_steps": None, "lstm": False}
         if kind == "ceiling":
             threads = param or min(os.cpu_count() or 1, args.num_envs)
             row.update(num_threads=threads, sps=measure_ceiling(appo, args.env_id, args.num_envs, threads, seconds))
         elif kind == "sampler":
-            sps, busy, layout = measure_sampler(args.env_id, args.num_envs, param, args.num_steps, seconds, args.pin)
+            num_splits, lstm = param
+            sps, busy, layout = measure_sampler(args.env_id, args.num_envs, num_splits, args.num_steps, seconds, args.pin, lstm)
             ceiling = [r["sps"] for r in results["measurements"] if r["kind"] == "ceiling" and r["num_threads"] == 1]
-            row.update(script="appo_envpool.py", num_splits=param, num_threads=1, num_steps=args.num_steps, sps=sps,
+            row.update(script="appo_envpool.py", num_splits=num_splits, lstm=lstm, num_threads=1, num_steps=args.num_steps, sps=sps,
                        busy={k: round(v, 3) for k, v in busy.items()}, cores=layout,
                        fraction_of_ceiling=sps / ceiling[0] if ceiling else None)
         else:
