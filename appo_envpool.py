@@ -237,7 +237,7 @@ def resolve_args(args: Args) -> Args:
         )
     if args.lstm and args.num_envs % args.num_minibatches:
         raise UsageError(f"--num-minibatches {args.num_minibatches} must divide --num-envs {args.num_envs} with --lstm "
-                         "(a minibatch holds whole env sequences)")
+                         "(a minibatch holds whole env sequences); pass a divisor of --num-envs")
     if args.total_timesteps < batch_size:
         raise UsageError(f"--total-timesteps {args.total_timesteps} is less than one rollout ({batch_size} steps)")
     return args
