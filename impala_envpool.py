@@ -111,6 +111,9 @@ class Args:
     """hidden units of the LSTM, the size of its h and of its c (CleanRL's ppo_atari_lstm.py: 128)"""
     num_threads: int = 0
     """envpool worker threads stepping the environments (0: one per CPU core, at most num_envs)"""
+    compile_cache: str = os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "jax-async-rl")
+    """folder of JAX's persistent compilation cache: a later run of the same configuration skips most
+    of XLA's compile (the Atari update's takes minutes on a CPU); '' turns it off"""
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """experiment name, part of the run folder's name"""
     run_dir: Annotated[Optional[str], tyro.conf.arg(help_behavior_hint="(default: runs/{env_id}__{exp_name}__{seed}__{time})")] = None
@@ -639,7 +642,7 @@ class Shared:
         self.stop = stop or threading.Event()  # set by Signals, an error, or the end
         self.errors = []  # (thread name, exception, formatted traceback)
         self.reports = queue.Queue()  # (env steps, {tag: value}) for the main thread's logger
-        self.timing = dict.fromkeys(["env", "inference", "queue_put", "queue_get", "update"], 0.0)
+        self.timing = dict.fromkeys(["env", "inference", "bookkeeping", "device_get", "queue_put", "queue_get", "update"], 0.0)
 
 
 def start_thread(name, fn, shared, *args):
@@ -710,75 +713,79 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
     T, B = args.num_steps, args.num_envs
     steps = np.zeros(B, np.int64)  # actions sent so far, per env
     prev_dones = np.zeros(B, bool)
-    buffers, bootstrapped = {}, {}
-    stats = EpisodeStats(B)
-    timing = shared.timing
+    buffers, bootstrapped = {}, {}  # rollouts being filled, by number, and their bootstrap counts
+    stats, timing = EpisodeStats(B), shared.timing
     memory = zero_core(args.lstm_size, B)[0] if args.lstm else None  # (c, h) [B, lstm_size], by env id
     core = None
 
-    def scatter(field, index, env_ids, values):
-        for k in np.unique(index // T):
-            if k not in buffers:  # the first write to rollout k is always of "obs" (the highest index)
-                buffers[k], bootstrapped[k] = new_rollout(T, B, values, envs.action_space, memory), 0
-            mask = index // T == k
-            if field in ("bootstrap_obs", "state"):  # one row per env
-                write(buffers[k][field], env_ids[mask], values, mask)
-                bootstrapped[k] += int(mask.sum()) if field == "bootstrap_obs" else 0
-            else:
-                write(buffers[k][field], (index[mask] % T, env_ids[mask]), values, mask)
+    def rollouts_of(index, env_ids, obs):
+        """[(k, rollout k's buffers, rows, env ids, selection)] for the rollouts that the env steps
+        `index` of `env_ids` fall in: one rollout and no masks in the common case. A new rollout's
+        buffers take the shapes of `obs`."""
+        k = index // T
+        if not len(k) or k.min() == k.max():
+            ks, selections = k[:1].tolist(), [slice(None)]
+        else:
+            ks = np.unique(k).tolist()
+            selections = [k == n for n in ks]
+        for n in ks:
+            if n not in buffers:
+                buffers[n], bootstrapped[n] = new_rollout(T, B, obs, envs.action_space, memory), 0
+        return [(n, buffers[n], index[sel] - n * T, env_ids[sel], sel) for n, sel in zip(ks, selections)]
 
     envs.async_reset()
     pushed = 0
     while pushed < num_rollouts and not shared.stop.is_set():
         start = time.perf_counter()
         obs, reward, terminated, truncated, info = envs.recv()
+        timing["env"] += (now := time.perf_counter()) - start
+        env_ids, index = info["env_id"], steps[info["env_id"]]
         reward = np.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's reward is undefined (dm_control: NaN at times)
-        timing["env"] += time.perf_counter() - start
-        env_ids = np.asarray(info["env_id"])
         obs = shared.normalizer.observe(obs)
         if memory is not None:  # the envs' states, and which observations start an episode
-            core = jax.tree.map(lambda s: s[env_ids], memory), prev_dones[env_ids] | (steps[env_ids] == 0)
-        start = time.perf_counter()
+            core = jax.tree.map(lambda s: s[env_ids], memory), prev_dones[env_ids] | (index == 0)
         params, version = shared.latest  # fast weight sync (§3.4): newest parameters every call
         action, logprob, _, state, key = policy_step(params, obs, core, key)  # dispatched asynchronously,
-        timing["inference"] += time.perf_counter() - start  # so the bookkeeping below overlaps it
+        timing["inference"] += (start := time.perf_counter()) - now  # so the bookkeeping below overlaps it
 
         stats.update(env_ids, reward, terminated, truncated, info)  # game scores: raw rewards
-        reward = shared.normalizer.reward(reward, terminated | truncated, env_ids)
-        stepped = steps[env_ids] > 0  # False for the first observation after reset
-        ids, last = env_ids[stepped], steps[env_ids[stepped]] - 1
-        scatter("rewards", last, ids, reward[stepped])
-        scatter("truncated", last, ids, truncated[stepped])
-        prev_dones[ids] = (terminated | truncated)[stepped]
-        scatter("dones", last, ids, prev_dones[ids])
-        ends = stepped & (steps[env_ids] % T == 0)
-        scatter("bootstrap_obs", steps[env_ids[ends]] - T, env_ids[ends], jax.tree.map(lambda x: x[ends], obs))
-        index = steps[env_ids]
-        scatter("obs", index, env_ids, obs)
-        scatter("valid", index, env_ids, 1.0 - prev_dones[env_ids])
-        scatter("policy_version", index, env_ids, np.full(len(env_ids), version))
-        if memory is not None:
-            scatter("first", index, env_ids, core[1])
-            starts = index % T == 0
-            scatter("state", index[starts], env_ids[starts], jax.tree.map(lambda s: s[starts], core[0]))
+        done = terminated | truncated
+        reward = shared.normalizer.reward(reward, done, env_ids)
+        s = slice(None) if index.all() else index > 0  # the envs a step returned (not a first observation)
+        prev_dones[env_ids[s]] = done[s]
+        for _, buf, rows, ids, sel in rollouts_of(index[s] - 1, env_ids[s], obs):  # that step's row
+            buf["rewards"][rows, ids], buf["truncated"][rows, ids], buf["dones"][rows, ids] = (
+                reward[s][sel], truncated[s][sel], done[s][sel])
+        ends = (index % T == 0) & (index > 0)
+        for n, buf, _, ids, sel in rollouts_of(index[ends] - T, env_ids[ends], obs) if ends.any() else []:
+            write(buf["bootstrap_obs"], ids, jax.tree.map(lambda x: x[ends], obs), sel)
+            bootstrapped[n] += len(ids)
+        current = rollouts_of(index, env_ids, obs)
+        valid = 1.0 - prev_dones[env_ids]
+        for _, buf, rows, ids, sel in current:
+            write(buf["obs"], (rows, ids), obs, sel)
+            buf["valid"][rows, ids], buf["policy_version"][rows, ids] = valid[sel], version
+            if memory is not None:
+                buf["first"][rows, ids] = core[1][sel]
+                write(buf["state"], ids[rows == 0], jax.tree.map(lambda x: x[sel][rows == 0], core[0]))
+        timing["bookkeeping"] += (now := time.perf_counter()) - start
 
-        start = time.perf_counter()
         action, logprob, state = jax.device_get((action, logprob, state))
-        timing["inference"] += time.perf_counter() - start
+        timing["device_get"] += (start := time.perf_counter()) - now
         if memory is not None:
             write(memory, env_ids, state)
         envs.send(env_action(action, envs.action_space), env_ids)
-        scatter("actions", index, env_ids, action)
-        scatter("logprobs", index, env_ids, logprob)
+        for _, buf, rows, ids, sel in current:
+            buf["actions"][rows, ids], buf["logprobs"][rows, ids] = action[sel], logprob[sel]
         steps[env_ids] += 1
         shared.sampled += len(env_ids)
+        timing["bookkeeping"] += time.perf_counter() - start
 
         while pushed < num_rollouts and buffers and bootstrapped[min(buffers)] == B:
             del bootstrapped[min(buffers)]
             rollout = buffers.pop(min(buffers))
             env_steps = start_step + int(steps.sum())
-            for _, ret, length in stats.pop():
-                shared.reports.put((env_steps, {"charts/episodic_return": ret, "charts/episodic_length": length}))
+            shared.reports.put((env_steps, {"episodes": stats.pop()}))  # logged by the main thread
             start = time.perf_counter()
             if not put(rollout_queue, rollout, shared.stop):
                 return
@@ -1190,16 +1197,18 @@ def evaluate(
 
     key = jax.random.PRNGKey(args.seed + 10_000)
     stats = EpisodeStats(num_envs)
-    obs, _ = envs.reset()
-    core, done = zero_core(network.lstm_size, num_envs), np.zeros(num_envs, bool)  # --lstm: zeros at the start
+    obs, info = envs.reset()
+    core, done, lives = zero_core(network.lstm_size, num_envs), np.zeros(num_envs, bool), info.get("lives")
     scores, frames = [], []
     while len(scores) < num_episodes and not signals:
         if render and quota[0] == -(-num_episodes // num_envs):
             frames.append(envs.render()[0])
         action, state, key = act(params, normalizer.observe(obs, train=False), core, key)
-        core = core and (state, done)  # the next observation starts an episode if this one ended one
+        core = None if core is None else (state, done)  # --lstm: after an episode's end, one starts
         obs, reward, terminated, truncated, info = envs.step(env_action(np.asarray(action), envs.action_space))
         done = terminated | truncated
+        if lives is not None:  # Atari: as in training (episodic life), each life lost resets the LSTM
+            done, lives = done | (info["lives"] < lives), info["lives"]
         reward = np.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's reward is undefined (dm_control: NaN at times)
         stats.update(np.arange(num_envs), reward, terminated, truncated, info)
         for env, ret, _ in stats.pop():
@@ -1272,6 +1281,21 @@ def report_errors(errors, ckpt_file: str, global_step: int) -> bool:
     return False
 
 
+def use_compile_cache(path: str):
+    """JAX's persistent compilation cache in `path` ('': off), set before anything compiles (JAX
+    reads it once per process). UsageError if the folder cannot be created or written."""
+    if not path:
+        return
+    path = os.path.expanduser(path)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--compile-cache {path}: cannot create it ({e.strerror}); pass another folder, or '' for none")
+    if not os.access(path, os.W_OK):
+        raise UsageError(f"--compile-cache {path} is not writable; pass another folder, or '' for none")
+    jax.config.update("jax_compilation_cache_dir", path)
+
+
 def main(args: Args, given=None) -> int:
     """Train; return the exit code. `given`: the flags named on the command line, which replace a
     resumed run's own (None: those that differ from Args' defaults)."""
@@ -1286,6 +1310,7 @@ def main(args: Args, given=None) -> int:
 def train(args: Args, given, signals: Signals) -> int:
     args, payload, changed = resume_args(args, given)
     args = resolve_args(args)
+    use_compile_cache(args.compile_cache)
     batch_size = args.num_envs * args.num_steps
     global_step = int(payload["state"]["global_step"]) if payload else 0
     if payload and global_step + batch_size > args.total_timesteps:
@@ -1321,12 +1346,13 @@ def train(args: Args, given, signals: Signals) -> int:
     start_time = time.time()
 
     def log_report(step, scalars):
-        if "charts/episodic_return" in scalars:
-            progress.returns.append(scalars["charts/episodic_return"])
-        else:
+        for _, ret, length in scalars.pop("episodes", []):  # the actor's: the games a rollout finished
+            progress.returns.append(ret)
+            logger.log(step, {"charts/episodic_return": ret, "charts/episodic_length": length})
+        if scalars:  # the learner's
             scalars["charts/SPS"] = (step - start_step) / (time.time() - start_time)
             scalars["async/learner_busy_fraction"] = scalars["timing/update_seconds"] / (time.time() - start_time)
-        logger.log(step, scalars)
+            logger.log(step, scalars)
 
     rollout_queue = queue.Queue(maxsize=args.queue_size)
     threads = [

@@ -76,7 +76,8 @@ class Args:
     gae_lambda: Annotated[Optional[float], PRESET] = None
     """lambda of generalised advantage estimation"""
     num_minibatches: Annotated[Optional[int], PRESET] = None
-    """minibatches per epoch; must divide num_envs * num_steps (with --lstm, num_envs: whole env sequences)"""
+    """minibatches per epoch; must divide num_envs * num_steps (with --lstm, num_envs: whole env
+    sequences; a preset's count then becomes its greatest common divisor with num_envs)"""
     update_epochs: Annotated[Optional[int], PRESET] = None
     """passes over each rollout"""
     norm_adv: bool = True
@@ -100,6 +101,9 @@ class Args:
     """hidden units of the LSTM, the size of its h and of its c (CleanRL's ppo_atari_lstm.py: 128)"""
     num_threads: int = 0
     """envpool worker threads stepping the environments (0: one per CPU core, at most num_envs)"""
+    compile_cache: str = os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "jax-async-rl")
+    """folder of JAX's persistent compilation cache: a later run of the same configuration skips most
+    of XLA's compile (the Atari update's takes minutes on a CPU); '' turns it off"""
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """experiment name, part of the run folder's name"""
     run_dir: Annotated[Optional[str], tyro.conf.arg(help_behavior_hint="(default: runs/{env_id}__{exp_name}__{seed}__{time})")] = None
@@ -192,7 +196,10 @@ def resolve_args(args: Args) -> Args:
         raise UsageError(f"--env-id {args.env_id!r} is not an envpool task{hint}")
     obs_space = check_task(args.env_id)
     preset = PRESETS[preset_name(args.env_id)]
-    args = dataclasses.replace(args, **{k: v for k, v in preset.items() if getattr(args, k) is None})
+    fill = {k: v for k, v in preset.items() if getattr(args, k) is None}
+    if args.lstm and "num_minibatches" in fill:  # whole env sequences: a preset's count that divides num_envs
+        fill["num_minibatches"] = int(np.gcd(fill["num_minibatches"], args.num_envs))
+    args = dataclasses.replace(args, **fill)
     if args.norm_obs and not any(np.issubdtype(s.dtype, np.floating) for s in jax.tree.leaves(space_tree(obs_space))):
         raise UsageError(f"--norm-obs is for float observations; {args.env_id} has none: pass --norm-obs False")
     if args.track and importlib.util.find_spec("wandb") is None:
@@ -582,7 +589,8 @@ def masked_mean(x, mask):
 def ppo_loss(logprobs, old_logprobs, advantages, values, returns, entropy, mask, clip_coef, vf_coef, ent_coef):
     """PPO-clip surrogate (Schulman et al. 2017, eq. 7) + value regression - entropy bonus.
 
-    All inputs are flat [N]; transitions with mask 0 do not count. Returns (loss, diagnostics).
+    All inputs have one shape ([N], or [T, N] with --lstm); transitions with mask 0 do not count.
+    Returns (loss, diagnostics).
     """
     log_ratio = logprobs - old_logprobs
     ratio = jnp.exp(log_ratio)
@@ -674,7 +682,7 @@ def collect_rollout(envs, policy_step, params, obs, prev_dones, core, key, stats
         timing["env"] += time.perf_counter() - start
         stats.update(env_ids, reward, terminated, truncated, info)
         rollout["valid"][t], prev_dones = 1.0 - prev_dones, terminated | truncated
-        core = core and (state, rollout["valid"][t] == 0)  # after a reset step, an episode starts
+        core = None if core is None else (state, rollout["valid"][t] == 0)  # after a reset step, an episode starts
         obs, reward = normalizer.observe(obs), normalizer.reward(reward, prev_dones, env_ids)
         rollout["rewards"][t], rollout["dones"][t], rollout["truncated"][t] = reward, prev_dones, truncated
     rollout["bootstrap_obs"] = obs
@@ -1081,16 +1089,18 @@ def evaluate(
 
     key = jax.random.PRNGKey(args.seed + 10_000)
     stats = EpisodeStats(num_envs)
-    obs, _ = envs.reset()
-    core, done = zero_core(network.lstm_size, num_envs), np.zeros(num_envs, bool)  # --lstm: zeros at the start
+    obs, info = envs.reset()
+    core, done, lives = zero_core(network.lstm_size, num_envs), np.zeros(num_envs, bool), info.get("lives")
     scores, frames = [], []
     while len(scores) < num_episodes and not signals:
         if render and quota[0] == -(-num_episodes // num_envs):
             frames.append(envs.render()[0])
         action, state, key = act(params, normalizer.observe(obs, train=False), core, key)
-        core = core and (state, done)  # the next observation starts an episode if this one ended one
+        core = None if core is None else (state, done)  # --lstm: after an episode's end, one starts
         obs, reward, terminated, truncated, info = envs.step(env_action(np.asarray(action), envs.action_space))
         done = terminated | truncated
+        if lives is not None:  # Atari: as in training (episodic life), each life lost resets the LSTM
+            done, lives = done | (info["lives"] < lives), info["lives"]
         reward = np.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's reward is undefined (dm_control: NaN at times)
         stats.update(np.arange(num_envs), reward, terminated, truncated, info)
         for env, ret, _ in stats.pop():
@@ -1145,6 +1155,21 @@ def finish(state, network, args: Args, continuous, normalizer, run_dir, logger, 
     return 0
 
 
+def use_compile_cache(path: str):
+    """JAX's persistent compilation cache in `path` ('': off), set before anything compiles (JAX
+    reads it once per process). UsageError if the folder cannot be created or written."""
+    if not path:
+        return
+    path = os.path.expanduser(path)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--compile-cache {path}: cannot create it ({e.strerror}); pass another folder, or '' for none")
+    if not os.access(path, os.W_OK):
+        raise UsageError(f"--compile-cache {path} is not writable; pass another folder, or '' for none")
+    jax.config.update("jax_compilation_cache_dir", path)
+
+
 def main(args: Args, given=None) -> int:
     """Train; return the exit code. `given`: the flags named on the command line, which replace a
     resumed run's own (None: those that differ from Args' defaults)."""
@@ -1159,6 +1184,7 @@ def main(args: Args, given=None) -> int:
 def train(args: Args, given, signals: Signals) -> int:
     args, payload, changed = resume_args(args, given)
     args = resolve_args(args)
+    use_compile_cache(args.compile_cache)
     batch_size = args.num_envs * args.num_steps
     global_step = int(payload["state"]["global_step"]) if payload else 0
     if payload and global_step + batch_size > args.total_timesteps:

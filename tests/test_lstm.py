@@ -180,13 +180,16 @@ def test_lstm_run_saves_resumes_and_evaluates(script, tmp_path):
     assert scores["episodes"] == 3 and all(r > 0 for r in scores["scores"]), scores
 
 
-def test_evaluation_starts_from_zeros_and_resets_where_episodes_start(monkeypatch):
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("env_id", "episodes"), [("CartPole-v1", 6), ("Breakout-v5", 1)])
+def test_evaluation_starts_from_zeros_and_resets_where_episodes_start(env_id, episodes, monkeypatch):
     """evaluate() gives every env a zero state at the start and `first` exactly after an episode's
-    end (envpool's reset step), as the actors do."""
+    end (envpool's reset step), as the actors do; on Atari also after each life lost, where
+    training's episodic life ends an episode."""
     appo = load_script("appo_envpool.py")
-    args = appo.resolve_args(appo.Args(env_id="CartPole-v1", lstm=True, lstm_size=LSTM_SIZE))
+    args = appo.resolve_args(appo.Args(env_id=env_id, lstm=True, lstm_size=LSTM_SIZE))
     network, _, continuous, normalizer, state = appo.build(args, jax.random.PRNGKey(0))
-    seen, dones = [], []
+    seen, ends = [], []  # the `core` of every call; what each step ended (episode, or a life)
 
     class Probe:  # the network, recording the `core` of every call
         lstm_size = network.lstm_size
@@ -198,22 +201,50 @@ def test_evaluation_starts_from_zeros_and_resets_where_episodes_start(monkeypatc
 
     make_env = appo.make_env
 
-    def recording_make_env(*a, **k):
-        envs = make_env(*a, **k)
-        step = envs.step
-        envs_step = lambda action: (out := step(action), dones.append(out[2] | out[3]))[0]
-        return type("Recorded", (), {"__getattr__": lambda self, n: getattr(envs, n), "step": staticmethod(envs_step)})()
+    class Recorded:
+        def __init__(self, envs):
+            self.envs, self.lives = envs, None
 
-    monkeypatch.setattr(appo, "make_env", recording_make_env)
-    scores = appo.evaluate(state["params"], Probe, args, continuous, normalizer, 6)
-    assert len(scores) == 6
+        def __getattr__(self, name):
+            return getattr(self.envs, name)
+
+        def reset(self):
+            obs, info = self.envs.reset()
+            self.lives = info.get("lives")
+            return obs, info
+
+        def step(self, action):
+            out = self.envs.step(action)
+            lives = out[4].get("lives")
+            ends.append(out[2] | out[3] | (lives < self.lives if lives is not None else False))
+            self.lives = lives
+            return out
+
+    monkeypatch.setattr(appo, "make_env", lambda *a, **k: Recorded(make_env(*a, **k)))
+    scores = appo.evaluate(state["params"], Probe, args, continuous, normalizer, episodes)
+    assert len(scores) == episodes
     assert not seen[0][0].any() and seen[0][1].all()  # zeros, every env starting
     # Call t acts on the observation of step t - 1; envpool's step after an episode's end (the
     # terminal observation came with done, from step t - 2) returns the next episode's first.
     assert not seen[1][1].any()
     for t in range(2, len(seen)):
-        np.testing.assert_array_equal(seen[t][1], dones[t - 2], err_msg=f"call {t}")
-    assert sum(d.sum() for d in dones[:-2]) >= 3  # episodes ended where the check above looks
+        np.testing.assert_array_equal(seen[t][1], ends[t - 2], err_msg=f"call {t}")
+    assert sum(e.sum() for e in ends[:-2]) >= 3  # episodes (or lives) ended where the check above looks
+
+
+@pytest.mark.timeout(300)
+def test_lstm_with_box_actions_and_a_preset_of_many_minibatches(tmp_path):
+    """HalfCheetah's preset has 32 minibatches; with --lstm and 4 envs they become 4 (whole env
+    sequences), and Gaussian actions [T, B, A] go through the recurrent update."""
+    appo = load_script("appo_envpool.py")
+    assert appo.resolve_args(appo.Args(env_id="HalfCheetah-v4", lstm=True)).num_minibatches == 8
+    assert appo.resolve_args(appo.Args(env_id="HalfCheetah-v4")).num_minibatches == 32  # unchanged without
+    run_dir = tmp_path / "run"
+    flags = dict(run_dir=run_dir, lstm=True, num_minibatches=None, update_epochs=None)
+    assert_ok(run_script("appo_envpool.py", cli("appo_envpool.py", env_id="HalfCheetah-v4", **flags)))
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["num_minibatches"] == 4 and config["update_epochs"] == 10
+    assert len(tag_values(read_metrics(run_dir), "losses/loss")) == 2
 
 
 # ---------------------------------------------------------------------------------------------

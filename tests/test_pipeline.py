@@ -211,7 +211,7 @@ def test_actor_loop_trajectory_integrity(script, num_splits):
         assert envs.count.max() > envs.count.min()
     # Episode reports: lengths of the games that ended, each an env's episode length.
     reports = drain(shared.reports)
-    lengths = [s["charts/episodic_length"] for _, s in reports]
+    lengths = [length for _, report in reports for _, _, length in report["episodes"]]
     assert lengths and set(lengths) <= set(EPISODE_LENGTHS[: envs.num_envs])
 
 

@@ -255,6 +255,7 @@ BAD_INPUTS = {
     "resume-other-env": (dict(env_id="Acrobot-v1"), ["--resume", "CartPole-v1"], lambda run, tmp: run),
     "resume-with-lstm": (dict(lstm=True), ["--resume", "--lstm", "cannot change"], lambda run, tmp: run),
     "zero-lstm-size": (dict(lstm=True, lstm_size=0), ["--lstm-size"], None),
+    "unusable-compile-cache": (dict(compile_cache="/proc/no_such_folder"), ["--compile-cache"], None),
     "norm-obs-on-images": (dict(env_id="Pong-v5", norm_obs="True"), ["--norm-obs", "float observations", "Pong-v5"], None),
 }
 
@@ -616,3 +617,15 @@ def test_learns_cartpole(script, seed, tmp_path):
     # timing), and after converging, 2 of 20 APPO runs at 150k had a transient dip (the 20-episode
     # mean down to 130 and 218 for 10k-20k steps, then back to 500); one such dip ended a CI run at 388.
     assert np.mean(returns[-20:]) >= 200, f"last 20 episodes: {returns[-20:]}; means along the run: {curve}"
+
+
+@pytest.mark.timeout(300)
+def test_compile_cache_keeps_the_update(script, tmp_path):
+    """--compile-cache FOLDER keeps the compiled update there, which a later run of the same flags
+    loads instead of compiling (the start-up figures are in the README)."""
+    cache = tmp_path / "cache"
+    assert_ok(run_script(script, cli(script, run_dir=tmp_path / "run", compile_cache=cache)))
+    entries = sorted(path.name for path in cache.iterdir())
+    assert any(name.startswith("jit_update") for name in entries), entries
+    assert_ok(run_script(script, cli(script, run_dir=tmp_path / "run2", compile_cache=cache)))
+    assert sorted(path.name for path in cache.iterdir()) == entries  # found, not compiled again

@@ -175,11 +175,16 @@ def sampler_process(env_id, num_envs, num_splits, num_steps, seconds, layout, re
         results.put(("error", traceback.format_exc()))
 
 
+# The actor's stages (appo_envpool.Shared.timing): waiting in recv(), dispatching inference, the
+# rollout bookkeeping, waiting for the actions (device_get), and waiting on a full queue.
+ACTOR_STAGES = ["env", "inference", "bookkeeping", "device_get", "queue_put"]
+
+
 def run_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds, env_core=None, lstm=False):
     """Agent steps per second of appo_envpool.actor_loop (jitted policy, with an LSTM if `lstm`;
     one env thread, pinned to `env_core` if given), with a consumer that drops rollouts: sampling
     alone, no learning.
-    Returns (SPS, busy fraction of env wait and inference, threads found pinned to env_core)."""
+    Returns (SPS, busy fraction of each actor stage (ACTOR_STAGES), threads found pinned to env_core)."""
     import jax
 
     args = appo.resolve_args(
@@ -224,7 +229,7 @@ def run_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds, env_core
         raise RuntimeError(f"the sampler delivered fewer than 2 rollouts in {seconds + 60:.0f}s")
     (start, timing0), (end, timing1) = arrivals[0], arrivals[-1]
     elapsed = end - start
-    busy = {k: (timing1[k] - timing0[k]) / elapsed for k in ["env", "inference"]}
+    busy = {k: (timing1[k] - timing0[k]) / elapsed for k in ACTOR_STAGES if k in timing1}
     return (len(arrivals) - 1) * num_envs * num_steps / elapsed, busy, threads_on_env_core
 
 
@@ -298,15 +303,19 @@ def write_report(out_dir, results, quick):
     hardware = f"{machine['cpu_count']} CPU cores, JAX on {machine['jax_backend']} ({machine['processor']})"
     rows = results["measurements"]
     lines = [f"# Benchmark: {results['env_id']}{' (--quick)' if quick else ''}", "", f"Hardware: {hardware}.", ""]
-    lines += ["## Ceiling and sampler", "", "| kind | num_envs | num_splits | env threads | SPS | FPS | of ceiling | env busy | inference busy |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["## Ceiling and sampler", "",
+              "| kind | num_envs | num_splits | env threads | SPS | FPS | of ceiling | actor µs per env step: "
+              "total (env wait, dispatch, bookkeeping, device_get, queue) |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["kind"] in ("ceiling", "sampler"):
             frac = f"{r['fraction_of_ceiling']:.0%}" if r.get("fraction_of_ceiling") is not None else ""
-            busy = r.get("busy", {})
+            us = ""
+            if r["kind"] == "sampler":  # a stage's busy fraction x wall time / steps
+                per_step = [r["busy"].get(k, 0.0) * 1e6 / r["sps"] for k in ACTOR_STAGES]
+                us = f"{1e6 / r['sps']:.1f} ({', '.join(f'{x:.1f}' for x in per_step)})"
             lines.append(
                 f"| {r['kind']}{' --lstm' * r.get('lstm', False)} | {r['num_envs']} | {r['num_splits'] or ''} | {r['num_threads']} | {r['sps']:.0f} | "
-                f"{r['fps']:.0f} | {frac} | {busy.get('env', ''):} | {busy.get('inference', '')} |"
+                f"{r['fps']:.0f} | {frac} | {us} |"
             )
     samplers = {r["num_splits"]: r for r in rows if r["kind"] == "sampler" and not r.get("lstm")}
     lstm = [r for r in rows if r["kind"] == "sampler" and r.get("lstm")]
