@@ -661,9 +661,10 @@ def ppo_loss(logprobs, old_logprobs, advantages, values, returns, entropy, mask,
 # ---------------------------------------------------------------------------------------------
 
 
-def make_policy_step(network, continuous: bool):
-    """One jitted call per environment step: actions, their log-probabilities, values, the
-    recurrent state after the step (`core`: see ActorCritic; None without --lstm) and the key."""
+def make_policy_step(network, continuous: bool, values: bool = True):
+    """One jitted call per environment step: actions, their log-probabilities, values (None with
+    `values` False: XLA then skips the critic, a third of a small MLP's acting time), the recurrent
+    state after the step (`core`: see ActorCritic; None without --lstm) and the key."""
 
     @jax.jit
     def policy_step(params, obs, core, key):
@@ -671,7 +672,7 @@ def make_policy_step(network, continuous: bool):
         pi, value, state = network.apply(params, obs, core)
         action = sample_action(pi, subkey, continuous)
         logprob, _ = log_prob_entropy(pi, action, continuous)
-        return action, logprob, value, state, key
+        return action, logprob, value if values else None, state, key
 
     return policy_step
 
@@ -1442,7 +1443,7 @@ def train(args: Args, given, signals: Signals) -> int:
     envs = make_env(
         args.env_id, args.num_envs, seed, args.num_threads, train=True, batch_size=args.num_envs // args.num_splits
     )
-    policy_step = make_policy_step(network, continuous)
+    policy_step = make_policy_step(network, continuous, values=False)  # the actor needs no values
     update = make_update(network, optimizer, args, continuous)
     logger = Logger(run_dir, args)
     shared = Shared(state, normalizer, signals.stop, signals.started)

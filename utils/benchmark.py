@@ -202,7 +202,7 @@ def run_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds, env_core
                 pass
     network, _, continuous, _, state = appo.build(args, jax.random.PRNGKey(0))
     params, split_size = state["params"], num_envs // num_splits
-    policy_step = appo.make_policy_step(network, continuous)
+    policy_step = appo.make_policy_step(network, continuous, values=False)  # as the actor uses it
     warm = appo.zeros_like_space(appo.spaces(env_id)[0], split_size), appo.zero_core(network.lstm_size, split_size)
     jax.block_until_ready(policy_step(params, *warm, jax.random.PRNGKey(0)))  # compile outside the clock
     shared = appo.Shared({"params": params, "policy_version": 0})
