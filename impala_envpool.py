@@ -696,20 +696,32 @@ def new_rollout(T: int, B: int, obs, action_space, memory=None) -> dict:
     return rollout
 
 
+def rollouts_at(buffers, index, env_ids, T: int, new) -> list:
+    """[(k, buffers[k], rows, env ids, selection)] for the rollouts k = index // T that the env
+    steps `index` of `env_ids` fall in: one rollout and no masks in the common case (no
+    np.unique); `new()` makes the buffers of a rollout not in `buffers` yet."""
+    k = index // T
+    if not len(k) or k.min() == k.max():
+        ks, selections = k[:1].tolist(), [slice(None)]
+    else:
+        ks = np.unique(k).tolist()
+        selections = [k == n for n in ks]
+    for n in ks:
+        if n not in buffers:
+            buffers[n] = new()
+    return [(n, buffers[n], index[sel] - n * T, env_ids[sel], sel) for n, sel in zip(ks, selections)]
+
+
 def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts, start_step):
     """Double-buffered sampling (Sample Factory §3.2): act on the split `recv()` returns while
-    envpool steps the others, and queue `num_rollouts` rollouts for the learner.
-
-    Env e's n-th step goes to rollout n // T, row n % T, column e, whatever order envpool
-    returns envs in; a rollout is queued once every env has delivered the observation after its
-    last row (`bootstrap_obs`), which is also row 0 of the next rollout. envpool resets an env on
-    the step after its episode ends, ignoring that step's action: such steps get `valid` 0.
-
-    With --lstm, `memory` holds each env's recurrent state by env id (each split keeps its own),
-    reset where an episode starts; each rollout records the states before its row 0, and the
-    learner unrolls from them (Sample Factory's choice: the behaviour policy's state, no burn-in;
-    under policy lag it came from older parameters, which V-trace and the lag mask treat as part
-    of the behaviour policy). A new actor (start, resume) starts every env from zeros.
+    envpool steps the others, and queue `num_rollouts` rollouts for the learner. Env e's n-th
+    step goes to rollout n // T, row n % T, column e, whatever order envpool returns envs in; a
+    rollout is queued once every env has delivered the observation after its last row
+    (`bootstrap_obs`, also row 0 of the next). The step after an episode's end only resets the
+    env (envpool ignores its action): `valid` 0. With --lstm, `memory` holds each env's state by
+    env id (each split keeps its own), reset where an episode starts, and each rollout records
+    the states before its row 0 for the learner (Sample Factory's choice: no burn-in; under
+    policy lag, the state is part of the behaviour policy). A new actor starts from zeros.
     """
     T, B = args.num_steps, args.num_envs
     steps = np.zeros(B, np.int64)  # actions sent so far, per env
@@ -719,20 +731,8 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
     memory = zero_core(args.lstm_size, B)[0] if args.lstm else None  # (c, h) [B, lstm_size], by env id
     core = None
 
-    def rollouts_of(index, env_ids, obs):
-        """[(k, rollout k's buffers, rows, env ids, selection)] for the rollouts that the env steps
-        `index` of `env_ids` fall in: one rollout and no masks in the common case. A new rollout's
-        buffers take the shapes of `obs`."""
-        k = index // T
-        if not len(k) or k.min() == k.max():
-            ks, selections = k[:1].tolist(), [slice(None)]
-        else:
-            ks = np.unique(k).tolist()
-            selections = [k == n for n in ks]
-        for n in ks:
-            if n not in buffers:
-                buffers[n], bootstrapped[n] = new_rollout(T, B, obs, envs.action_space, memory), 0
-        return [(n, buffers[n], index[sel] - n * T, env_ids[sel], sel) for n, sel in zip(ks, selections)]
+    def rollouts_of(index, env_ids):  # ... and a new rollout's buffers take the current obs' shapes
+        return rollouts_at(buffers, index, env_ids, T, lambda: new_rollout(T, B, obs, envs.action_space, memory))
 
     envs.async_reset()
     pushed = 0
@@ -754,14 +754,14 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
         reward = shared.normalizer.reward(reward, done, env_ids)
         s = slice(None) if index.all() else index > 0  # the envs a step returned (not a first observation)
         prev_dones[env_ids[s]] = done[s]
-        for _, buf, rows, ids, sel in rollouts_of(index[s] - 1, env_ids[s], obs):  # that step's row
+        for _, buf, rows, ids, sel in rollouts_of(index[s] - 1, env_ids[s]):  # that step's row
             buf["rewards"][rows, ids], buf["truncated"][rows, ids], buf["dones"][rows, ids] = (
                 reward[s][sel], truncated[s][sel], done[s][sel])
         ends = (index % T == 0) & (index > 0)
-        for n, buf, _, ids, sel in rollouts_of(index[ends] - T, env_ids[ends], obs) if ends.any() else []:
+        for n, buf, _, ids, sel in rollouts_of(index[ends] - T, env_ids[ends]) if ends.any() else []:
             write(buf["bootstrap_obs"], ids, jax.tree.map(lambda x: x[ends], obs), sel)
-            bootstrapped[n] += len(ids)
-        current = rollouts_of(index, env_ids, obs)
+            bootstrapped[n] = bootstrapped.get(n, 0) + len(ids)
+        current = rollouts_of(index, env_ids)
         valid = 1.0 - prev_dones[env_ids]
         for _, buf, rows, ids, sel in current:
             write(buf["obs"], (rows, ids), obs, sel)
@@ -782,7 +782,7 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
         shared.sampled += len(env_ids)
         timing["bookkeeping"] += time.perf_counter() - start
 
-        while pushed < num_rollouts and buffers and bootstrapped[min(buffers)] == B:
+        while pushed < num_rollouts and buffers and bootstrapped.get(min(buffers)) == B:
             del bootstrapped[min(buffers)]
             rollout = buffers.pop(min(buffers))
             env_steps = start_step + int(steps.sum())
