@@ -1,5 +1,7 @@
 """Fixtures shared by the test files: the script under test and one tiny finished run of it."""
 
+import os
+
 import pytest
 
 from helpers import SCRIPTS, assert_ok, cli, run_script
@@ -22,3 +24,16 @@ def cartpole_run(script, tmp_path_factory):
     assert_ok(result)
     (run_dir.parent / "stderr.txt").write_text(result.stderr)
     return run_dir
+
+
+@pytest.fixture(scope="session", autouse=True)
+def own_compile_cache(tmp_path_factory):
+    """The scripts keep compiled functions under $XDG_CACHE_HOME (--compile-cache): give the suite
+    its own, so that it neither fills the user's cache nor starts warm from an earlier suite."""
+    previous = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg_cache"))
+    yield
+    if previous is None:
+        del os.environ["XDG_CACHE_HOME"]
+    else:
+        os.environ["XDG_CACHE_HOME"] = previous

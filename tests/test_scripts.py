@@ -44,6 +44,9 @@ from helpers import (
     wait_until,
 )
 
+# The start-up tests need a cold start: an update cached by an earlier Pong run loads in seconds.
+COLD = ["--compile-cache", ""]
+
 # ---------------------------------------------------------------------------------------------
 # The files side by side
 # ---------------------------------------------------------------------------------------------
@@ -319,7 +322,7 @@ def test_ctrl_c_during_start_up_keeps_a_folder_it_did_not_create(script_name, tm
     (folder / "another_run").mkdir(parents=True)
     (folder / "another_run" / "notes.txt").write_text("keep me")
     logs = tmp_path / "logs"
-    proc = start_script(script_name, ["--env-id", "Pong-v5", "--run-dir", folder], logs)
+    proc = start_script(script_name, ["--env-id", "Pong-v5", "--run-dir", folder, *COLD], logs)
     wait_until(lambda: count_complete_lines(logs / "stdout.txt", "updates of") == 1, proc, 240)
     returncode, _, stderr = interrupt(proc, signal.SIGINT, logs)
     assert returncode == 128 + signal.SIGINT and "during start-up" in stderr, stderr
@@ -450,7 +453,7 @@ def test_progress_lines_while_the_update_compiles(script_name, tmp_path):
     """Pong at default flags: a progress line every 5 s from the first rollout on, while XLA
     compiles the first update; Ctrl-C then exits 130 within seconds: no traceback, nothing to save."""
     logs, run_dir = tmp_path / "logs", tmp_path / "run"
-    proc = start_script(script_name, ["--env-id", "Pong-v5", "--run-dir", run_dir], logs)
+    proc = start_script(script_name, ["--env-id", "Pong-v5", "--run-dir", run_dir, *COLD], logs)
     progress = re.compile(r"^step +(\d+) sampled +0 learned of 10000000 .*ETA n/a$")  # no update yet
     seen = []  # (time a progress line appeared, env steps sampled)
 
@@ -485,7 +488,7 @@ def test_ctrl_c_during_start_up(script, tmp_path):
     """Ctrl-C one second after the header line (the policy and the update are compiling): exit
     130 within seconds, one line on stderr, no traceback."""
     logs = tmp_path / "logs"
-    proc = start_script(script, ["--env-id", "Pong-v5", "--run-dir", tmp_path / "run"], logs)
+    proc = start_script(script, ["--env-id", "Pong-v5", "--run-dir", tmp_path / "run", *COLD], logs)
     wait_until(lambda: count_complete_lines(logs / "stdout.txt", "updates of") == 1, proc, 240)
     time.sleep(1)
     returncode, stop_seconds, stderr = interrupt(proc, signal.SIGINT, logs)
