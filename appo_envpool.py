@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import tyro
+from jax.experimental import multihost_utils
 from tensorboardX import SummaryWriter
 
 
@@ -117,6 +118,24 @@ class Args:
     """hidden units of the LSTM, the size of its h and of its c (CleanRL's ppo_atari_lstm.py: 128)"""
     num_threads: int = 0
     """envpool worker threads stepping the environments (0: one per CPU core, at most num_envs)"""
+    num_actor_threads: int = 1
+    """actor threads on each actor device, each with its own --num-envs envs and splits; an update
+    takes one rollout from each, so its global batch is processes x actor devices x actor threads x
+    num_envs x num_steps env steps (config.json records it)"""
+    actor_device_ids: list[int] = dataclasses.field(default_factory=lambda: [0])
+    """this process's devices that run the policy for the envs (indices into jax.local_devices())"""
+    learner_device_ids: list[int] = dataclasses.field(default_factory=lambda: [0])
+    """this process's devices that hold the parameters, replicated, and share each update's batch
+    along the env axis: the gradient is the mean over the global batch (XLA all-reduces it)"""
+    distributed: bool = False
+    """join the run's other processes through jax.distributed; each runs this command with its own
+    envs; all update in lockstep and process 0 alone writes the run folder"""
+    coordinator_address: str = ""
+    """with --distributed: host:port of process 0 (empty: detected from the cluster, e.g. SLURM)"""
+    num_processes: int = 0
+    """with --distributed: the number of processes (0: detected from the cluster)"""
+    process_id: int = -1
+    """with --distributed: this process's index, 0 to num_processes - 1 (-1: detected)"""
     compile_cache: str = os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "jax-async-rl")
     """folder of JAX's persistent compilation cache: a later run of the same configuration skips most
     of XLA's compile (the Atari update's takes minutes on a CPU); '' turns it off"""
@@ -214,7 +233,7 @@ def resolve_args(args: Args) -> Args:
     preset = PRESETS[preset_name(args.env_id)]
     fill = {k: v for k, v in preset.items() if getattr(args, k) is None}
     if args.lstm and "num_minibatches" in fill:  # whole env sequences: a preset's count that divides num_envs
-        fill["num_minibatches"] = int(np.gcd(fill["num_minibatches"], args.num_envs))
+        fill["num_minibatches"] = int(np.gcd(fill["num_minibatches"], global_envs(args)))
     args = dataclasses.replace(args, **fill)
     if args.norm_obs and not any(np.issubdtype(s.dtype, np.floating) for s in jax.tree.leaves(space_tree(obs_space))):
         raise UsageError(f"--norm-obs is for float observations; {args.env_id} has none: pass --norm-obs False")
@@ -222,7 +241,7 @@ def resolve_args(args: Args) -> Args:
         raise UsageError("--track logs to Weights & Biases, which is not installed: pip install wandb")
     for name in [
         "total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs", "num_splits", "queue_size",
-        "log_frequency", "lstm_size",
+        "log_frequency", "lstm_size", "num_actor_threads",
     ]:
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
@@ -237,17 +256,30 @@ def resolve_args(args: Args) -> Args:
             raise UsageError(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
     if args.num_envs % args.num_splits:
         raise UsageError(f"--num-splits {args.num_splits} must divide --num-envs {args.num_envs}")
-    batch_size = args.num_envs * args.num_steps
-    if batch_size % args.num_minibatches:
-        raise UsageError(
-            f"--num-minibatches {args.num_minibatches} must divide --num-envs x --num-steps = {batch_size}"
-        )
-    if args.lstm and args.num_envs % args.num_minibatches:
-        raise UsageError(f"--num-minibatches {args.num_minibatches} must divide --num-envs {args.num_envs} with --lstm "
-                         "(a minibatch holds whole env sequences); pass a divisor of --num-envs")
-    if args.total_timesteps < batch_size:
-        raise UsageError(f"--total-timesteps {args.total_timesteps} is less than one rollout ({batch_size} steps)")
+    if global_envs(args) * args.num_steps % args.num_minibatches:
+        raise UsageError(f"--num-minibatches {args.num_minibatches} must divide the global batch {describe_batch(args)}")
+    if args.lstm and global_envs(args) % args.num_minibatches:
+        raise UsageError(f"--num-minibatches {args.num_minibatches} must divide the {global_envs(args)} envs of an update "
+                         "with --lstm (a minibatch holds whole env sequences); pass a divisor of them")
+    if args.total_timesteps < global_envs(args) * args.num_steps:
+        raise UsageError(f"--total-timesteps {args.total_timesteps} is less than one update ({describe_batch(args)})")
     return args
+
+
+def local_envs(args: Args) -> int:
+    """The envs of this process's actor threads, which make its share of every update's batch."""
+    return len(args.actor_device_ids) * args.num_actor_threads * args.num_envs
+
+
+def global_envs(args: Args) -> int:
+    return jax.process_count() * local_envs(args)
+
+
+def describe_batch(args: Args) -> str:
+    """An update's batch, in words: processes x actor threads x num_envs x num_steps."""
+    threads = len(args.actor_device_ids) * args.num_actor_threads
+    return (f"{jax.process_count()} processes x {threads} actor threads x {args.num_envs} envs x {args.num_steps} steps "
+            f"= {global_envs(args) * args.num_steps} env steps")
 
 
 def check_task(env_id: str):
@@ -357,7 +389,8 @@ class Normalizer:
     become (obs - mean) / sqrt(var + 1e-8), clipped to [-10, 10]; rewards are divided by the std
     of each env's discounted return, clipped to [-10, 10]. The statistics live on the host, move
     with training steps only and are checkpointed with the state; each is replaced whole, so
-    another thread reads a consistent one. With both switches off it passes everything through.
+    another thread reads a consistent one, and actor threads update them one at a time. With both
+    switches off it passes everything through.
     """
 
     def __init__(self, obs, num_envs: int, norm_obs: bool, norm_reward: bool, gamma: float):
@@ -366,6 +399,7 @@ class Normalizer:
         self.obs_stats = (zeros, jax.tree.map(np.ones_like, zeros), 1e-4)  # mean, variance, count
         self.return_stats = (np.zeros(()), np.ones(()), 1e-4)
         self.returns = np.zeros(num_envs)  # discounted return of each env's episode so far
+        self.lock = threading.Lock()
 
     @staticmethod
     def updated(stats, x):
@@ -382,7 +416,8 @@ class Normalizer:
         if not self.norm_obs:
             return obs
         if train:
-            self.obs_stats = self.updated(self.obs_stats, obs)
+            with self.lock:
+                self.obs_stats = self.updated(self.obs_stats, obs)
         mean, var, _ = self.obs_stats
         return jax.tree.map(
             lambda x, m, v: np.clip((x - m) / np.sqrt(v + 1e-8), -10, 10).astype(np.float32)
@@ -393,9 +428,10 @@ class Normalizer:
         """Scaled rewards [N] of envs `env_ids`; `done` ends their discounted returns."""
         if not self.norm_reward:
             return reward
-        self.returns[env_ids] = self.returns[env_ids] * self.gamma + reward
-        self.return_stats = self.updated(self.return_stats, self.returns[env_ids])
-        self.returns[env_ids[done]] = 0.0
+        with self.lock:
+            self.returns[env_ids] = self.returns[env_ids] * self.gamma + reward
+            self.return_stats = self.updated(self.return_stats, self.returns[env_ids])
+            self.returns[env_ids[done]] = 0.0
         return np.clip(reward / np.sqrt(self.return_stats[1] + 1e-8), -10, 10).astype(np.float32)
 
     def state(self) -> dict:
@@ -694,16 +730,26 @@ class Shared:
     """What the threads share: the newest parameters and their version, the normaliser, counts,
     stop, errors, reports."""
 
-    def __init__(self, state, normalizer=None, stop=None, started=None):
+    def __init__(self, state, normalizer=None, stop=None, started=None, received=None, actors=1):
         self.state = state  # the learner's last good state, for checkpoints
-        self.normalizer = normalizer or Normalizer(np.zeros(()), 0, False, False, 0.0)  # the actor's; checkpointed
-        self.sampled = 0  # env steps the actor has sent actions for, this session
+        self.normalizer = normalizer or Normalizer(np.zeros(()), 0, False, False, 0.0)  # the actors'; checkpointed
+        self.sampled = np.zeros(actors, np.int64)  # env steps each actor thread has sent actions for, this session
+        self.received = [] if received is None else received  # the signals received (Signals'), for `agree`
+        self.episodes = deque()  # with many processes: finished games, gathered by the learner (`agree`)
         self.started = started or threading.Event()  # set by the first update (Signals reads it)
         self.latest = (state["params"], int(state["policy_version"]))  # replaced whole: atomic
         self.stop = stop or threading.Event()  # set by Signals, an error, or the end
         self.errors = []  # (thread name, exception, formatted traceback)
         self.reports = queue.Queue()  # (env steps, {tag: value}) for the main thread's logger
         self.timing = dict.fromkeys(["env", "inference", "bookkeeping", "device_get", "queue_put", "queue_get", "update"], 0.0)
+
+    def report_episodes(self, step: int, episodes: list):
+        """The (env, return, length) of games an actor finished: for the main thread's logs, or
+        with many processes for the learner, which gathers those of all (`agree`)."""
+        if jax.process_count() > 1:
+            self.episodes.extend(episodes)
+        else:
+            self.reports.put((step, {"episodes": episodes}))
 
 
 def start_thread(name, fn, shared, *args):
@@ -719,6 +765,18 @@ def start_thread(name, fn, shared, *args):
     thread = threading.Thread(target=target, name=name, daemon=True)
     thread.start()
     return thread
+
+
+def join_threads(threads, envs):
+    """Wait for the stopped threads, one deadline for all (a thread stuck in XLA is left to
+    os._exit; with many processes, the learner may first finish an update and agree with the
+    others to stop); close the envs of the actors that ended (`envs[i]`: `threads[i]`'s)."""
+    deadline = time.time() + (5 if jax.process_count() == 1 else 60)
+    for thread in threads:
+        thread.join(timeout=max(0.0, deadline - time.time()))
+    for thread, env in zip(threads, envs):
+        if not thread.is_alive():
+            env.close()
 
 
 def put(q, item, stop) -> bool:
@@ -772,30 +830,28 @@ def rollouts_at(buffers, index, env_ids, T: int, new) -> list:
     return [(n, buffers[n], index[sel] - n * T, env_ids[sel], sel) for n, sel in zip(ks, selections)]
 
 
-def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts, start_step):
+def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts, start_step, device=None, thread=0):
     """Double-buffered sampling (Sample Factory §3.2): act on the split `recv()` returns while
-    envpool steps the others, and queue `num_rollouts` rollouts for the learner. Env e's n-th
-    step goes to rollout n // T, row n % T, column e, whatever order envpool returns envs in; a
-    rollout is queued once every env has delivered the observation after its last row
-    (`bootstrap_obs`, also row 0 of the next). The step after an episode's end only resets the
-    env (envpool ignores its action): `valid` 0. With --lstm, `memory` holds each env's state by
-    env id (each split keeps its own), reset where an episode starts, and each rollout records
-    the states before its row 0 for the learner (Sample Factory's choice: no burn-in; under
-    policy lag, the state is part of the behaviour policy). A new actor starts from zeros.
+    envpool steps the others; queue `num_rollouts` rollouts. Env e's n-th step goes to rollout
+    n // T, row n % T, column e, in whatever order envpool returns envs; a rollout is queued once
+    every env has delivered the observation after its last row (`bootstrap_obs`). The step after
+    an episode's end only resets the env (envpool ignores its action): `valid` 0. With --lstm,
+    `memory` holds each env's state by env id, reset where an episode starts; each rollout records
+    the states before its row 0 (Sample Factory's choice: no burn-in; under policy lag, the state
+    is part of the behaviour policy). A new actor starts from zeros. Thread `thread` acts on
+    `device`; the normaliser numbers its envs from thread x B.
     """
     T, B = args.num_steps, args.num_envs
-    steps = np.zeros(B, np.int64)  # actions sent so far, per env
-    prev_dones = np.zeros(B, bool)
-    buffers, bootstrapped = {}, {}  # rollouts being filled, by number, and their bootstrap counts
+    steps, prev_dones = np.zeros(B, np.int64), np.zeros(B, bool)  # actions sent so far, per env
+    buffers, bootstrapped, pushed = {}, {}, 0  # rollouts being filled, by number, and their bootstrap counts
     stats, timing = EpisodeStats(B), shared.timing
     memory = zero_core(args.lstm_size, B)[0] if args.lstm else None  # (c, h) [B, lstm_size], by env id
-    core = None
+    core = held = params = None  # held: the version of `params`
 
     def rollouts_of(index, env_ids):  # ... and a new rollout's buffers take the current obs' shapes
         return rollouts_at(buffers, index, env_ids, T, lambda: new_rollout(T, B, obs, envs.action_space, memory))
 
     envs.async_reset()
-    pushed = 0
     while pushed < num_rollouts and not shared.stop.is_set():
         start = time.perf_counter()
         obs, reward, terminated, truncated, info = envs.recv()
@@ -805,13 +861,15 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
         obs = shared.normalizer.observe(obs)
         if memory is not None:  # the envs' states, and which observations start an episode
             core = jax.tree.map(lambda s: s[env_ids], memory), prev_dones[env_ids] | (index == 0)
-        params, version = shared.latest  # fast weight sync (§3.4): newest parameters every call
+        latest, version = shared.latest  # fast weight sync (§3.4): newest parameters every call,
+        if version != held:  # copied to this actor's device once per update
+            held, params = version, to_actor(device, latest)
         action, logprob, _, state, key = policy_step(params, obs, core, key)  # dispatched asynchronously,
         timing["inference"] += (start := time.perf_counter()) - now  # so the bookkeeping below overlaps it
 
         stats.update(env_ids, reward, terminated, truncated, info)  # game scores: raw rewards
         done = terminated | truncated
-        reward = shared.normalizer.reward(reward, done, env_ids)
+        reward = shared.normalizer.reward(reward, done, env_ids + thread * B)
         s = slice(None) if index.all() else index > 0  # the envs a step returned (not a first observation)
         prev_dones[env_ids[s]] = done[s]
         for _, buf, rows, ids, sel in rollouts_of(index[s] - 1, env_ids[s]):  # that step's row
@@ -839,14 +897,13 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
         for _, buf, rows, ids, sel in current:
             buf["actions"][rows, ids], buf["logprobs"][rows, ids] = action[sel], logprob[sel]
         steps[env_ids] += 1
-        shared.sampled += len(env_ids)
+        shared.sampled[thread] += len(env_ids)
         timing["bookkeeping"] += time.perf_counter() - start
 
         while pushed < num_rollouts and buffers and bootstrapped.get(min(buffers)) == B:
             del bootstrapped[min(buffers)]
             rollout = buffers.pop(min(buffers))
-            env_steps = start_step + int(steps.sum())
-            shared.reports.put((env_steps, {"episodes": stats.pop()}))  # logged by the main thread
+            shared.report_episodes(start_step + int(steps.sum()), stats.pop())
             start = time.perf_counter()
             if not put(rollout_queue, rollout, shared.stop):
                 return
@@ -978,20 +1035,25 @@ def make_update(network, optimizer, args: Args, continuous: bool):
     return update
 
 
-def learner_loop(update, shared, rollout_queue, key, args, num_updates, ckpt_file):
-    """Take rollouts from the queue, update, publish parameters and version after each update.
-    Reports the update's scalars at the first update, every --log-frequency and at the last,
-    also when a stop ends the loop early."""
+def learner_loop(update, shared, queues, key, args, num_updates, ckpt_file, mesh):
+    """Take one rollout from every actor thread's queue, update, publish parameters and version
+    after each update. First, every process says whether it goes on (`agree`, in lockstep): a stop
+    in any process stops all at the same update. Reports the update's scalars at the first update,
+    every --log-frequency and at the last, also when a stop ends the loop early."""
     timing, state = shared.timing, shared.state
-    batch_size, start_update, pending = args.num_envs * args.num_steps, int(state["policy_version"]), None
+    batch_size, start_update, pending = global_envs(args) * args.num_steps, int(state["policy_version"]), None
     for update_idx in range(start_update, num_updates):
         start = time.perf_counter()
-        rollout = get(rollout_queue, shared.stop)
+        rollouts = [get(q, shared.stop) for q in queues]
         timing["queue_get"] += time.perf_counter() - start
-        if rollout is None:
+        mine = stop_code(shared.received, None in rollouts)
+        code, episodes = agree(mine, [shared.episodes.popleft() for _ in range(len(shared.episodes))])
+        if episodes:  # many processes: the games of all
+            shared.reports.put((int(state["global_step"]), {"episodes": episodes}))
+        if agreed_stop(mine, code, shared.received):
             break
         start = time.perf_counter()
-        rollout = jax.device_put(rollout)  # the one transfer of a rollout to the learner's device
+        rollout = to_learner(mesh, joined(rollouts))  # the one transfer of the rollouts to the learner devices
         key, subkey = jax.random.split(key)
         new_state, diagnostics = update(state, rollout, subkey)
         diagnostics = jax.device_get(diagnostics)
@@ -1005,7 +1067,7 @@ def learner_loop(update, shared, rollout_queue, key, args, num_updates, ckpt_fil
         scalars = {f"losses/{k}": v for k, v in diagnostics.items() if k not in ("finite", "learning_rate")}
         for k in ["policy_lag_mean", "policy_lag_max", "stale_fraction"]:
             scalars[f"async/{k}"] = scalars.pop(f"losses/{k}")
-        scalars["async/queue_size"] = rollout_queue.qsize()
+        scalars["async/queue_size"] = sum(q.qsize() for q in queues)
         scalars["charts/learning_rate"] = diagnostics["learning_rate"]
         scalars.update({f"timing/{k}_seconds": v for k, v in timing.items()})
         pending = (state["global_step"], scalars)
@@ -1018,6 +1080,112 @@ def learner_loop(update, shared, rollout_queue, key, args, num_updates, ckpt_fil
         shared.reports.put(pending)
 
 
+def joined(rollouts: list) -> dict:
+    """The actor threads' rollouts side by side along the env axis: this process's share of a batch."""
+    if len(rollouts) == 1:
+        return rollouts[0]
+    return jax.tree_util.tree_map_with_path(lambda path, *xs: np.concatenate(xs, env_axis(path)), *rollouts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Devices and processes
+# ---------------------------------------------------------------------------------------------
+
+
+def start_processes(args: Args):
+    """--distributed: join the run's other processes (jax.distributed), before anything uses a
+    device. The coordinator's address, the process count and this process's id come from the
+    flags, or else from the cluster (SLURM, Open MPI, ...). A process that dies stops the others:
+    its heartbeats stop, and within 30 s they abort instead of waiting in a collective forever."""
+    given = [f"--{name.replace('_', '-')}" for name, unset in
+             [("coordinator_address", ""), ("num_processes", 0), ("process_id", -1)] if getattr(args, name) != unset]
+    if not args.distributed:
+        if given:
+            raise UsageError(f"{given[0]} is for a run of many processes: pass --distributed too")
+        return
+    if args.num_processes < 0 or args.process_id < -1 or (args.num_processes and not -1 < args.process_id < args.num_processes):
+        raise UsageError(f"--process-id {args.process_id} must be in 0 to --num-processes - 1 ({args.num_processes - 1})")
+    if (args.num_processes or args.process_id >= 0) and not args.coordinator_address:
+        raise UsageError("--num-processes and --process-id need --coordinator-address HOST:PORT (process 0's)")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # collectives between CPU processes
+    jax.config.update("jax_enable_preemption_service", False)  # it would take SIGTERM from Signals
+    jax.distributed.initialize(
+        args.coordinator_address or None, args.num_processes or None, None if args.process_id < 0 else args.process_id,
+        heartbeat_timeout_seconds=30,
+    )
+
+
+def make_mesh(args: Args):
+    """(actor devices, the learner's mesh). The device ids index this process's devices; the mesh
+    lines up the learner devices of every process along one axis, "env", over which each update's
+    batch is split (jit with NamedSharding: XLA partitions the update and all-reduces gradients)."""
+    local = [d for d in jax.devices() if d.process_index == jax.process_index()]
+    for flag, ids in [("--actor-device-ids", args.actor_device_ids), ("--learner-device-ids", args.learner_device_ids)]:
+        if not ids or min(ids) < 0 or max(ids) >= len(local) or len(set(ids)) < len(ids):
+            raise UsageError(f"{flag} {' '.join(map(str, ids))}: this process has {len(local)} {jax.default_backend()} "
+                             f"devices, 0 to {len(local) - 1}; give each at most once")
+    if local_envs(args) % len(args.learner_device_ids):
+        raise UsageError(f"the {local_envs(args)} envs of this process do not divide over its "
+                         f"{len(args.learner_device_ids)} learner devices (--learner-device-ids)")
+    learners = [d for p in range(jax.process_count()) for d in
+                np.array([d for d in jax.devices() if d.process_index == p])[args.learner_device_ids]]
+    return [local[i] for i in args.actor_device_ids], jax.sharding.Mesh(np.array(learners), ("env",))
+
+
+def env_axis(path) -> int:
+    """The env axis of a rollout's leaf: 0 in bootstrap_obs and state ([B, ...]), else 1 ([T, B, ...])."""
+    return 0 if path[0].key in ("bootstrap_obs", "state") else 1
+
+
+def to_learner(mesh, rollout):
+    """The one transfer of a rollout to the learner devices: this process's share of the global
+    batch, split along the env axis over its learner devices."""
+    def put(path, x):
+        spec = jax.sharding.PartitionSpec(*[None] * env_axis(path), "env")
+        return jax.make_array_from_process_local_data(jax.sharding.NamedSharding(mesh, spec), x)
+
+    return jax.tree_util.tree_map_with_path(put, rollout)
+
+
+def replicated(mesh, tree):
+    """`tree` (the same values in every process) on every learner device."""
+    return jax.device_put(jax.device_get(tree), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+
+def to_actor(device, params):
+    """The learner's parameters copied to an actor's device from a local replica (None: as they are)."""
+    if device is None:
+        return params
+    return jax.tree.map(lambda x: jax.device_put(x.addressable_data(0), device), params)
+
+
+def stop_code(received, stopped: bool) -> int:
+    """What this process says at `agree`: 128 + n after signal n, 1 when it stops otherwise, 0 to go on."""
+    return 128 + received[0] if received else int(stopped)
+
+
+def agree(code: int, episodes: list):
+    """Once per update, in lockstep (a collective): (the largest stop code of all processes, the
+    (env, return, length) of the games that every process finished). One process: as given."""
+    if jax.process_count() == 1:
+        return code, episodes
+    counts = multihost_utils.process_allgather(np.array([code, len(episodes)]))
+    table = np.zeros((max(1, counts[:, 1].max()), 3))
+    table[: len(episodes)] = np.reshape(episodes, (-1, 3))
+    tables = multihost_utils.process_allgather(table)
+    return int(counts[:, 0].max()), [(int(e), float(r), int(n)) for t, k in zip(tables, counts[:, 1]) for e, r, n in t[:k]]
+
+
+def agreed_stop(mine: int, code: int, received: list) -> bool:
+    """Whether every process stops now (`code` from `agree`). Another process's signal becomes this
+    one's (the same exit code, a checkpoint); another process's error raises here too."""
+    if code == 1 and mine == 0:
+        raise RuntimeError("another process stopped with an error; its log has the traceback")
+    if code > 1 and not received:
+        received.append(code - 128)
+    return code > 0
+
+
 # ---------------------------------------------------------------------------------------------
 # Logging and checkpoints
 # ---------------------------------------------------------------------------------------------
@@ -1026,7 +1194,10 @@ def learner_loop(update, shared, rollout_queue, key, args, num_updates, ckpt_fil
 class Logger:
     """TensorBoard events + metrics.jsonl ({"step", "wall_time", "tag", "value"} a line) + wandb."""
 
-    def __init__(self, run_dir: str, args: Args):
+    def __init__(self, run_dir: Optional[str], args: Args):
+        self.run_dir = run_dir  # None: a process other than 0, which logs nothing
+        if run_dir is None:
+            return
         self.writer = SummaryWriter(run_dir)
         self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
         self.wandb = None
@@ -1036,6 +1207,8 @@ class Logger:
             self.wandb = wandb.init(project=args.wandb_project, config=vars(args), dir=run_dir, resume="allow")
 
     def log(self, step: int, scalars: dict):
+        if self.run_dir is None:
+            return
         now = time.time()
         for tag, value in scalars.items():
             value = float(value)
@@ -1045,6 +1218,8 @@ class Logger:
             self.wandb.log(dict(scalars, global_step=step))
 
     def close(self):
+        if self.run_dir is None:
+            return
         self.writer.close()
         self.jsonl.close()
         if self.wandb is not None:
@@ -1124,7 +1299,10 @@ class Signals:
 
 
 def save_checkpoint(path: str, state: dict, args: Args, normalizer: Normalizer):
-    """Atomic write (temporary file, fsync, rename): a crash mid-write keeps the old checkpoint."""
+    """Atomic write (temporary file, fsync, rename): a crash mid-write keeps the old checkpoint.
+    Process 0 alone writes; the others' calls do nothing."""
+    if jax.process_index():
+        return
     payload = {
         "state": flax.serialization.to_state_dict(jax.device_get(dict(state, **normalizer.state()))),
         "config": json.dumps(dataclasses.asdict(args)),
@@ -1183,6 +1361,7 @@ def load_checkpoint(payload: dict, template: dict, path: str) -> dict:
 
 
 # What the network and its inputs were trained on: a resumed run cannot change these.
+LAUNCH = ("distributed", "coordinator_address", "num_processes", "process_id")  # this launch's: never restored
 FIXED_ON_RESUME = ("env_id", "norm_obs", "norm_reward", "lstm", "lstm_size")
 
 
@@ -1194,7 +1373,7 @@ def resume_args(args: Args, given):
         return args, None, {}
     path = checkpoint_path(args.resume)
     payload, defaults = read_checkpoint(path), Args()
-    fields = [f.name for f in dataclasses.fields(Args) if f.name not in ("resume", "run_dir")]
+    fields = [f.name for f in dataclasses.fields(Args) if f.name not in ("resume", "run_dir", *LAUNCH)]
     if given is None:
         given = {name for name in fields if getattr(args, name) != getattr(defaults, name)}
     given = {name for name in given if getattr(args, name) is not None}  # None (the preset): the run's own
@@ -1209,11 +1388,12 @@ def resume_args(args: Args, given):
     return dataclasses.replace(args, **{name: stored[name] for name in fields if name not in given}), payload, changed
 
 
-def write_config(run_dir: str, args: Args, changed: dict, global_step: int):
-    """config.json: the run's flags as first resolved, never overwritten; each resume appends the
-    flags it changed, and the step it resumed from, under "resumes"."""
+def write_config(run_dir: str, args: Args, changed: dict, global_step: int, batch: str):
+    """config.json: the run's flags as first resolved, with the update's global `batch` in words,
+    never overwritten; each resume appends the flags it changed, and the step it resumed from,
+    under "resumes"."""
     path = os.path.join(run_dir, "config.json")
-    config = dataclasses.asdict(args)
+    config = dict(dataclasses.asdict(args), global_batch=batch)
     if args.resume and os.path.isfile(path):
         try:
             with open(path) as f:
@@ -1229,7 +1409,10 @@ def write_config(run_dir: str, args: Args, changed: dict, global_step: int):
 
 
 def check_run_dir(args: Args, resumed: bool):
-    """UsageError if --run-dir names a file, or a folder that holds another run (overwritten otherwise)."""
+    """UsageError if --run-dir names a file, or a folder that holds another run (overwritten otherwise).
+    Process 0's to check: it alone writes the folder."""
+    if jax.process_index():
+        return
     own = resumed and os.path.abspath(args.run_dir or "") == os.path.dirname(os.path.abspath(checkpoint_path(args.resume)))
     if not args.run_dir or own:
         return
@@ -1264,6 +1447,21 @@ def make_run_dir(args: Args, resumed: bool):
             continue
 
 
+def checkpoint_file(run_dir: Optional[str]) -> str:
+    """The run's checkpoint (named in messages); `run_dir` None: another process's, which says so."""
+    return os.path.join(run_dir, "checkpoint.msgpack") if run_dir else "process 0's"
+
+
+def open_run_dir(args: Args, resumed: bool, changed: dict, global_step: int, signals) -> Optional[str]:
+    """The run folder, made or resumed, with its config.json; None in the processes other than 0."""
+    if jax.process_index():
+        return None
+    run_dir, created = make_run_dir(args, resumed)
+    signals.new_run_dir = run_dir if created and not resumed else None  # removed if stopped before an update
+    write_config(run_dir, args, changed, global_step, describe_batch(args))
+    return run_dir
+
+
 def build(args: Args, key):
     """(network, optimizer, continuous, normalizer, initial state) of a run with these flags; a
     checkpoint restores into `dict(state, **normalizer.state())` (utils/evaluate.py does too)."""
@@ -1273,7 +1471,7 @@ def build(args: Args, key):
     network = ActorCritic(action_dim, continuous, encoders(obs_space), args.lstm_size if args.lstm else 0)
     params = network.init(key, zeros_like_space(obs_space, 1), zero_core(network.lstm_size, 1))
     optimizer = make_optimizer(args)
-    normalizer = Normalizer(zeros_like_space(obs_space), args.num_envs, args.norm_obs, args.norm_reward, args.gamma)
+    normalizer = Normalizer(zeros_like_space(obs_space), local_envs(args), args.norm_obs, args.norm_reward, args.gamma)
     state = {"params": params, "opt_state": optimizer.init(params), "global_step": 0, "policy_version": 0}
     return network, optimizer, continuous, normalizer, state
 
@@ -1345,14 +1543,14 @@ def evaluate(
 
 def finish(state, network, args: Args, continuous, normalizer, run_dir, logger, progress, received) -> int:
     """After training (checkpoint written): the closing lines, the final evaluation, the exit code."""
-    ckpt_file = os.path.join(run_dir, "checkpoint.msgpack")
+    ckpt_file = checkpoint_file(run_dir)
     if received:
         print(f"stopped by signal {received[0]} at step {int(state['global_step'])}; checkpoint: {ckpt_file}", file=sys.stderr)
         logger.close()
         return 128 + received[0]
     if progress.returns:
         print(f"final: mean return over the last {len(progress.returns)} episodes {np.mean(progress.returns):.2f}")
-    if args.eval_episodes:
+    if args.eval_episodes and run_dir:  # process 0's
         video_dir = os.path.join(run_dir, "videos") if args.capture_video else None
         print(f"eval: playing {args.eval_episodes} episodes with the final policy", flush=True)
         scores = evaluate(
@@ -1417,9 +1615,11 @@ def main(args: Args, given=None) -> int:
 
 def train(args: Args, given, signals: Signals) -> int:
     args, payload, changed = resume_args(args, given)
+    start_processes(args)
     args = resolve_args(args)
     use_compile_cache(args.compile_cache)
-    batch_size = args.num_envs * args.num_steps
+    actor_devices, mesh = make_mesh(args)
+    batch_size = global_envs(args) * args.num_steps
     global_step = int(payload["state"]["global_step"]) if payload else 0
     if payload and global_step + batch_size > args.total_timesteps:
         print(f"{args.resume}: finished, {global_step} of --total-timesteps {args.total_timesteps} steps trained; "
@@ -1433,24 +1633,25 @@ def train(args: Args, given, signals: Signals) -> int:
     if payload:
         state = load_checkpoint(payload, dict(state, **normalizer.state()), checkpoint_path(args.resume))
         normalizer.load(state)
-    run_dir, created = make_run_dir(args, payload is not None)
-    signals.new_run_dir = run_dir if created and not payload else None  # removed if stopped before an update
-    write_config(run_dir, args, changed, global_step)
-    ckpt_file = os.path.join(run_dir, "checkpoint.msgpack")
+    state = dict(state, params=replicated(mesh, state["params"]), opt_state=replicated(mesh, state["opt_state"]))
+    run_dir = open_run_dir(args, payload is not None, changed, global_step, signals)
+    ckpt_file = checkpoint_file(run_dir)
     start_update = int(state["policy_version"])
     num_updates = start_update + (args.total_timesteps - global_step) // batch_size  # the version at the end
 
-    envs = make_env(
-        args.env_id, args.num_envs, seed, args.num_threads, train=True, batch_size=args.num_envs // args.num_splits
-    )
+    actors = [(device, thread) for device in actor_devices for thread in range(args.num_actor_threads)]
+    first_env = jax.process_index() * len(actors) * args.num_envs  # each actor thread's envs draw their own seeds
+    envs = [make_env(args.env_id, args.num_envs, seed + first_env + i * args.num_envs, args.num_threads, train=True,
+                     batch_size=args.num_envs // args.num_splits) for i in range(len(actors))]
     policy_step = make_policy_step(network, continuous, values=False)  # the actor needs no values
     update = make_update(network, optimizer, args, continuous)
     logger = Logger(run_dir, args)
-    shared = Shared(state, normalizer, signals.stop, signals.started)
+    shared = Shared(state, normalizer, signals.stop, signals.started, signals.received, len(actors))
     print(f"{os.path.basename(__file__)}: {args.env_id} (preset {preset_name(args.env_id)}), "
-          f"{num_updates - start_update} updates of {batch_size} steps -> {run_dir}", flush=True)
+          f"{num_updates - start_update} updates of {describe_batch(args)} -> {run_dir}", flush=True)
     start_step = global_step
-    progress = Progress(args.total_timesteps, lambda: (start_step + shared.sampled, int(shared.state["global_step"])))
+    progress = Progress(args.total_timesteps,  # sampled: as if every process sampled at this one's pace
+                        lambda: (start_step + int(shared.sampled.sum()) * jax.process_count(), int(shared.state["global_step"])))
     start_time = time.time()
 
     def log_report(step, scalars):
@@ -1462,15 +1663,17 @@ def train(args: Args, given, signals: Signals) -> int:
             scalars["async/learner_busy_fraction"] = scalars["timing/update_seconds"] / (time.time() - start_time)
             logger.log(step, scalars)
 
-    rollout_queue = queue.Queue(maxsize=args.queue_size)
+    queues = [queue.Queue(maxsize=args.queue_size) for _ in actors]
     threads = [
-        start_thread("actor", actor_loop, shared, envs, policy_step, shared, rollout_queue, key, args,
-                     num_updates - start_update, global_step),
-        start_thread("learner", learner_loop, shared, update, shared, rollout_queue, update_key, args, num_updates, ckpt_file),
+        start_thread(f"actor {i}" if i else "actor", actor_loop, shared, envs[i], policy_step, shared, queues[i],
+                     jax.random.fold_in(key, i), args, num_updates - start_update, global_step, device, i)
+        for i, (device, _) in enumerate(actors)
     ]
+    threads.append(start_thread("learner", learner_loop, shared, update, shared, queues, update_key, args, num_updates,
+                                ckpt_file, mesh))
     try:
         # Until the learner has finished and its last report is logged (with SPS), or a stop.
-        while (threads[1].is_alive() or not shared.reports.empty()) and not shared.stop.is_set():
+        while (threads[-1].is_alive() or not shared.reports.empty()) and not shared.stop.is_set():
             try:
                 log_report(*shared.reports.get(timeout=0.2))
             except queue.Empty:
@@ -1478,11 +1681,7 @@ def train(args: Args, given, signals: Signals) -> int:
     finally:
         shared.stop.set()
         progress.close()
-        deadline = time.time() + 5  # one deadline for all: a thread stuck in XLA is left to os._exit
-        for thread in threads:
-            thread.join(timeout=max(0.0, deadline - time.time()))
-        if not threads[0].is_alive():
-            envs.close()
+        join_threads(threads, envs)
     while not shared.reports.empty():
         log_report(*shared.reports.get())
     state = shared.state
@@ -1492,6 +1691,7 @@ def train(args: Args, given, signals: Signals) -> int:
         logger.close()
         return 1
     print(progress.line(), flush=True)
+    state = dict(state, params=to_actor(actor_devices[0], state["params"]))  # evaluated on an actor device
     return finish(state, network, args, continuous, normalizer, run_dir, logger, progress, signals.received)
 
 
@@ -1508,7 +1708,7 @@ if __name__ == "__main__":
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         exit_code = 2
-    if any(t.name in ("actor", "learner") and t.is_alive() for t in threading.enumerate()):
+    if any(t.name.startswith(("actor", "learner")) and t.is_alive() for t in threading.enumerate()):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(exit_code)  # a thread still inside an XLA call would abort interpreter shutdown

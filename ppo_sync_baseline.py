@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import tyro
+from jax.experimental import multihost_utils
 from tensorboardX import SummaryWriter
 
 
@@ -101,6 +102,20 @@ class Args:
     """hidden units of the LSTM, the size of its h and of its c (CleanRL's ppo_atari_lstm.py: 128)"""
     num_threads: int = 0
     """envpool worker threads stepping the environments (0: one per CPU core, at most num_envs)"""
+    actor_device_ids: list[int] = dataclasses.field(default_factory=lambda: [0])
+    """this process's devices that run the policy for the envs (indices into jax.local_devices())"""
+    learner_device_ids: list[int] = dataclasses.field(default_factory=lambda: [0])
+    """this process's devices that hold the parameters, replicated, and share each update's batch
+    along the env axis: the gradient is the mean over the global batch (XLA all-reduces it)"""
+    distributed: bool = False
+    """join the run's other processes through jax.distributed; each runs this command with its own
+    envs; all update in lockstep and process 0 alone writes the run folder"""
+    coordinator_address: str = ""
+    """with --distributed: host:port of process 0 (empty: detected from the cluster, e.g. SLURM)"""
+    num_processes: int = 0
+    """with --distributed: the number of processes (0: detected from the cluster)"""
+    process_id: int = -1
+    """with --distributed: this process's index, 0 to num_processes - 1 (-1: detected)"""
     compile_cache: str = os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "jax-async-rl")
     """folder of JAX's persistent compilation cache: a later run of the same configuration skips most
     of XLA's compile (the Atari update's takes minutes on a CPU); '' turns it off"""
@@ -198,7 +213,7 @@ def resolve_args(args: Args) -> Args:
     preset = PRESETS[preset_name(args.env_id)]
     fill = {k: v for k, v in preset.items() if getattr(args, k) is None}
     if args.lstm and "num_minibatches" in fill:  # whole env sequences: a preset's count that divides num_envs
-        fill["num_minibatches"] = int(np.gcd(fill["num_minibatches"], args.num_envs))
+        fill["num_minibatches"] = int(np.gcd(fill["num_minibatches"], global_envs(args)))
     args = dataclasses.replace(args, **fill)
     if args.norm_obs and not any(np.issubdtype(s.dtype, np.floating) for s in jax.tree.leaves(space_tree(obs_space))):
         raise UsageError(f"--norm-obs is for float observations; {args.env_id} has none: pass --norm-obs False")
@@ -216,17 +231,31 @@ def resolve_args(args: Args) -> Args:
     for name in ["gamma", "gae_lambda"]:
         if not 0.0 <= getattr(args, name) <= 1.0:
             raise UsageError(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
-    batch_size = args.num_envs * args.num_steps
-    if batch_size % args.num_minibatches:
-        raise UsageError(
-            f"--num-minibatches {args.num_minibatches} must divide --num-envs x --num-steps = {batch_size}"
-        )
-    if args.lstm and args.num_envs % args.num_minibatches:
-        raise UsageError(f"--num-minibatches {args.num_minibatches} must divide --num-envs {args.num_envs} with --lstm "
-                         "(a minibatch holds whole env sequences); pass a divisor of --num-envs")
-    if args.total_timesteps < batch_size:
-        raise UsageError(f"--total-timesteps {args.total_timesteps} is less than one rollout ({batch_size} steps)")
+    if len(args.actor_device_ids) != 1:
+        raise UsageError("--actor-device-ids: the synchronous loop acts on one device; give one id")
+    if global_envs(args) * args.num_steps % args.num_minibatches:
+        raise UsageError(f"--num-minibatches {args.num_minibatches} must divide the global batch {describe_batch(args)}")
+    if args.lstm and global_envs(args) % args.num_minibatches:
+        raise UsageError(f"--num-minibatches {args.num_minibatches} must divide the {global_envs(args)} envs of an update "
+                         "with --lstm (a minibatch holds whole env sequences); pass a divisor of them")
+    if args.total_timesteps < global_envs(args) * args.num_steps:
+        raise UsageError(f"--total-timesteps {args.total_timesteps} is less than one update ({describe_batch(args)})")
     return args
+
+
+def local_envs(args: Args) -> int:
+    """The envs of this process, its share of every update's batch."""
+    return args.num_envs
+
+
+def global_envs(args: Args) -> int:
+    return jax.process_count() * local_envs(args)
+
+
+def describe_batch(args: Args) -> str:
+    """An update's batch, in words: processes x num_envs x num_steps."""
+    return (f"{jax.process_count()} processes x {args.num_envs} envs x {args.num_steps} steps "
+            f"= {global_envs(args) * args.num_steps} env steps")
 
 
 def check_task(env_id: str):
@@ -336,7 +365,8 @@ class Normalizer:
     become (obs - mean) / sqrt(var + 1e-8), clipped to [-10, 10]; rewards are divided by the std
     of each env's discounted return, clipped to [-10, 10]. The statistics live on the host, move
     with training steps only and are checkpointed with the state; each is replaced whole, so
-    another thread reads a consistent one. With both switches off it passes everything through.
+    another thread reads a consistent one, and actor threads update them one at a time. With both
+    switches off it passes everything through.
     """
 
     def __init__(self, obs, num_envs: int, norm_obs: bool, norm_reward: bool, gamma: float):
@@ -345,6 +375,7 @@ class Normalizer:
         self.obs_stats = (zeros, jax.tree.map(np.ones_like, zeros), 1e-4)  # mean, variance, count
         self.return_stats = (np.zeros(()), np.ones(()), 1e-4)
         self.returns = np.zeros(num_envs)  # discounted return of each env's episode so far
+        self.lock = threading.Lock()
 
     @staticmethod
     def updated(stats, x):
@@ -361,7 +392,8 @@ class Normalizer:
         if not self.norm_obs:
             return obs
         if train:
-            self.obs_stats = self.updated(self.obs_stats, obs)
+            with self.lock:
+                self.obs_stats = self.updated(self.obs_stats, obs)
         mean, var, _ = self.obs_stats
         return jax.tree.map(
             lambda x, m, v: np.clip((x - m) / np.sqrt(v + 1e-8), -10, 10).astype(np.float32)
@@ -372,9 +404,10 @@ class Normalizer:
         """Scaled rewards [N] of envs `env_ids`; `done` ends their discounted returns."""
         if not self.norm_reward:
             return reward
-        self.returns[env_ids] = self.returns[env_ids] * self.gamma + reward
-        self.return_stats = self.updated(self.return_stats, self.returns[env_ids])
-        self.returns[env_ids[done]] = 0.0
+        with self.lock:
+            self.returns[env_ids] = self.returns[env_ids] * self.gamma + reward
+            self.return_stats = self.updated(self.return_stats, self.returns[env_ids])
+            self.returns[env_ids[done]] = 0.0
         return np.clip(reward / np.sqrt(self.return_stats[1] + 1e-8), -10, 10).astype(np.float32)
 
     def state(self) -> dict:
@@ -804,6 +837,105 @@ def make_update(network, optimizer, args: Args, continuous: bool):
 
 
 # ---------------------------------------------------------------------------------------------
+# Devices and processes
+# ---------------------------------------------------------------------------------------------
+
+
+def start_processes(args: Args):
+    """--distributed: join the run's other processes (jax.distributed), before anything uses a
+    device. The coordinator's address, the process count and this process's id come from the
+    flags, or else from the cluster (SLURM, Open MPI, ...). A process that dies stops the others:
+    its heartbeats stop, and within 30 s they abort instead of waiting in a collective forever."""
+    given = [f"--{name.replace('_', '-')}" for name, unset in
+             [("coordinator_address", ""), ("num_processes", 0), ("process_id", -1)] if getattr(args, name) != unset]
+    if not args.distributed:
+        if given:
+            raise UsageError(f"{given[0]} is for a run of many processes: pass --distributed too")
+        return
+    if args.num_processes < 0 or args.process_id < -1 or (args.num_processes and not -1 < args.process_id < args.num_processes):
+        raise UsageError(f"--process-id {args.process_id} must be in 0 to --num-processes - 1 ({args.num_processes - 1})")
+    if (args.num_processes or args.process_id >= 0) and not args.coordinator_address:
+        raise UsageError("--num-processes and --process-id need --coordinator-address HOST:PORT (process 0's)")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # collectives between CPU processes
+    jax.config.update("jax_enable_preemption_service", False)  # it would take SIGTERM from Signals
+    jax.distributed.initialize(
+        args.coordinator_address or None, args.num_processes or None, None if args.process_id < 0 else args.process_id,
+        heartbeat_timeout_seconds=30,
+    )
+
+
+def make_mesh(args: Args):
+    """(actor devices, the learner's mesh). The device ids index this process's devices; the mesh
+    lines up the learner devices of every process along one axis, "env", over which each update's
+    batch is split (jit with NamedSharding: XLA partitions the update and all-reduces gradients)."""
+    local = [d for d in jax.devices() if d.process_index == jax.process_index()]
+    for flag, ids in [("--actor-device-ids", args.actor_device_ids), ("--learner-device-ids", args.learner_device_ids)]:
+        if not ids or min(ids) < 0 or max(ids) >= len(local) or len(set(ids)) < len(ids):
+            raise UsageError(f"{flag} {' '.join(map(str, ids))}: this process has {len(local)} {jax.default_backend()} "
+                             f"devices, 0 to {len(local) - 1}; give each at most once")
+    if local_envs(args) % len(args.learner_device_ids):
+        raise UsageError(f"the {local_envs(args)} envs of this process do not divide over its "
+                         f"{len(args.learner_device_ids)} learner devices (--learner-device-ids)")
+    learners = [d for p in range(jax.process_count()) for d in
+                np.array([d for d in jax.devices() if d.process_index == p])[args.learner_device_ids]]
+    return [local[i] for i in args.actor_device_ids], jax.sharding.Mesh(np.array(learners), ("env",))
+
+
+def env_axis(path) -> int:
+    """The env axis of a rollout's leaf: 0 in bootstrap_obs and state ([B, ...]), else 1 ([T, B, ...])."""
+    return 0 if path[0].key in ("bootstrap_obs", "state") else 1
+
+
+def to_learner(mesh, rollout):
+    """The one transfer of a rollout to the learner devices: this process's share of the global
+    batch, split along the env axis over its learner devices."""
+    def put(path, x):
+        spec = jax.sharding.PartitionSpec(*[None] * env_axis(path), "env")
+        return jax.make_array_from_process_local_data(jax.sharding.NamedSharding(mesh, spec), x)
+
+    return jax.tree_util.tree_map_with_path(put, rollout)
+
+
+def replicated(mesh, tree):
+    """`tree` (the same values in every process) on every learner device."""
+    return jax.device_put(jax.device_get(tree), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+
+def to_actor(device, params):
+    """The learner's parameters copied to an actor's device from a local replica (None: as they are)."""
+    if device is None:
+        return params
+    return jax.tree.map(lambda x: jax.device_put(x.addressable_data(0), device), params)
+
+
+def stop_code(received, stopped: bool) -> int:
+    """What this process says at `agree`: 128 + n after signal n, 1 when it stops otherwise, 0 to go on."""
+    return 128 + received[0] if received else int(stopped)
+
+
+def agree(code: int, episodes: list):
+    """Once per update, in lockstep (a collective): (the largest stop code of all processes, the
+    (env, return, length) of the games that every process finished). One process: as given."""
+    if jax.process_count() == 1:
+        return code, episodes
+    counts = multihost_utils.process_allgather(np.array([code, len(episodes)]))
+    table = np.zeros((max(1, counts[:, 1].max()), 3))
+    table[: len(episodes)] = np.reshape(episodes, (-1, 3))
+    tables = multihost_utils.process_allgather(table)
+    return int(counts[:, 0].max()), [(int(e), float(r), int(n)) for t, k in zip(tables, counts[:, 1]) for e, r, n in t[:k]]
+
+
+def agreed_stop(mine: int, code: int, received: list) -> bool:
+    """Whether every process stops now (`code` from `agree`). Another process's signal becomes this
+    one's (the same exit code, a checkpoint); another process's error raises here too."""
+    if code == 1 and mine == 0:
+        raise RuntimeError("another process stopped with an error; its log has the traceback")
+    if code > 1 and not received:
+        received.append(code - 128)
+    return code > 0
+
+
+# ---------------------------------------------------------------------------------------------
 # Logging and checkpoints
 # ---------------------------------------------------------------------------------------------
 
@@ -811,7 +943,10 @@ def make_update(network, optimizer, args: Args, continuous: bool):
 class Logger:
     """TensorBoard events + metrics.jsonl ({"step", "wall_time", "tag", "value"} a line) + wandb."""
 
-    def __init__(self, run_dir: str, args: Args):
+    def __init__(self, run_dir: Optional[str], args: Args):
+        self.run_dir = run_dir  # None: a process other than 0, which logs nothing
+        if run_dir is None:
+            return
         self.writer = SummaryWriter(run_dir)
         self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
         self.wandb = None
@@ -821,6 +956,8 @@ class Logger:
             self.wandb = wandb.init(project=args.wandb_project, config=vars(args), dir=run_dir, resume="allow")
 
     def log(self, step: int, scalars: dict):
+        if self.run_dir is None:
+            return
         now = time.time()
         for tag, value in scalars.items():
             value = float(value)
@@ -830,6 +967,8 @@ class Logger:
             self.wandb.log(dict(scalars, global_step=step))
 
     def close(self):
+        if self.run_dir is None:
+            return
         self.writer.close()
         self.jsonl.close()
         if self.wandb is not None:
@@ -909,7 +1048,10 @@ class Signals:
 
 
 def save_checkpoint(path: str, state: dict, args: Args, normalizer: Normalizer):
-    """Atomic write (temporary file, fsync, rename): a crash mid-write keeps the old checkpoint."""
+    """Atomic write (temporary file, fsync, rename): a crash mid-write keeps the old checkpoint.
+    Process 0 alone writes; the others' calls do nothing."""
+    if jax.process_index():
+        return
     payload = {
         "state": flax.serialization.to_state_dict(jax.device_get(dict(state, **normalizer.state()))),
         "config": json.dumps(dataclasses.asdict(args)),
@@ -968,6 +1110,7 @@ def load_checkpoint(payload: dict, template: dict, path: str) -> dict:
 
 
 # What the network and its inputs were trained on: a resumed run cannot change these.
+LAUNCH = ("distributed", "coordinator_address", "num_processes", "process_id")  # this launch's: never restored
 FIXED_ON_RESUME = ("env_id", "norm_obs", "norm_reward", "lstm", "lstm_size")
 
 
@@ -979,7 +1122,7 @@ def resume_args(args: Args, given):
         return args, None, {}
     path = checkpoint_path(args.resume)
     payload, defaults = read_checkpoint(path), Args()
-    fields = [f.name for f in dataclasses.fields(Args) if f.name not in ("resume", "run_dir")]
+    fields = [f.name for f in dataclasses.fields(Args) if f.name not in ("resume", "run_dir", *LAUNCH)]
     if given is None:
         given = {name for name in fields if getattr(args, name) != getattr(defaults, name)}
     given = {name for name in given if getattr(args, name) is not None}  # None (the preset): the run's own
@@ -994,11 +1137,12 @@ def resume_args(args: Args, given):
     return dataclasses.replace(args, **{name: stored[name] for name in fields if name not in given}), payload, changed
 
 
-def write_config(run_dir: str, args: Args, changed: dict, global_step: int):
-    """config.json: the run's flags as first resolved, never overwritten; each resume appends the
-    flags it changed, and the step it resumed from, under "resumes"."""
+def write_config(run_dir: str, args: Args, changed: dict, global_step: int, batch: str):
+    """config.json: the run's flags as first resolved, with the update's global `batch` in words,
+    never overwritten; each resume appends the flags it changed, and the step it resumed from,
+    under "resumes"."""
     path = os.path.join(run_dir, "config.json")
-    config = dataclasses.asdict(args)
+    config = dict(dataclasses.asdict(args), global_batch=batch)
     if args.resume and os.path.isfile(path):
         try:
             with open(path) as f:
@@ -1014,7 +1158,10 @@ def write_config(run_dir: str, args: Args, changed: dict, global_step: int):
 
 
 def check_run_dir(args: Args, resumed: bool):
-    """UsageError if --run-dir names a file, or a folder that holds another run (overwritten otherwise)."""
+    """UsageError if --run-dir names a file, or a folder that holds another run (overwritten otherwise).
+    Process 0's to check: it alone writes the folder."""
+    if jax.process_index():
+        return
     own = resumed and os.path.abspath(args.run_dir or "") == os.path.dirname(os.path.abspath(checkpoint_path(args.resume)))
     if not args.run_dir or own:
         return
@@ -1049,6 +1196,21 @@ def make_run_dir(args: Args, resumed: bool):
             continue
 
 
+def checkpoint_file(run_dir: Optional[str]) -> str:
+    """The run's checkpoint (named in messages); `run_dir` None: another process's, which says so."""
+    return os.path.join(run_dir, "checkpoint.msgpack") if run_dir else "process 0's"
+
+
+def open_run_dir(args: Args, resumed: bool, changed: dict, global_step: int, signals) -> Optional[str]:
+    """The run folder, made or resumed, with its config.json; None in the processes other than 0."""
+    if jax.process_index():
+        return None
+    run_dir, created = make_run_dir(args, resumed)
+    signals.new_run_dir = run_dir if created and not resumed else None  # removed if stopped before an update
+    write_config(run_dir, args, changed, global_step, describe_batch(args))
+    return run_dir
+
+
 def build(args: Args, key):
     """(network, optimizer, continuous, normalizer, initial state) of a run with these flags; a
     checkpoint restores into `dict(state, **normalizer.state())` (utils/evaluate.py does too)."""
@@ -1058,7 +1220,7 @@ def build(args: Args, key):
     network = ActorCritic(action_dim, continuous, encoders(obs_space), args.lstm_size if args.lstm else 0)
     params = network.init(key, zeros_like_space(obs_space, 1), zero_core(network.lstm_size, 1))
     optimizer = make_optimizer(args)
-    normalizer = Normalizer(zeros_like_space(obs_space), args.num_envs, args.norm_obs, args.norm_reward, args.gamma)
+    normalizer = Normalizer(zeros_like_space(obs_space), local_envs(args), args.norm_obs, args.norm_reward, args.gamma)
     state = {"params": params, "opt_state": optimizer.init(params), "global_step": 0, "policy_version": 0}
     return network, optimizer, continuous, normalizer, state
 
@@ -1130,14 +1292,14 @@ def evaluate(
 
 def finish(state, network, args: Args, continuous, normalizer, run_dir, logger, progress, received) -> int:
     """After training (checkpoint written): the closing lines, the final evaluation, the exit code."""
-    ckpt_file = os.path.join(run_dir, "checkpoint.msgpack")
+    ckpt_file = checkpoint_file(run_dir)
     if received:
         print(f"stopped by signal {received[0]} at step {int(state['global_step'])}; checkpoint: {ckpt_file}", file=sys.stderr)
         logger.close()
         return 128 + received[0]
     if progress.returns:
         print(f"final: mean return over the last {len(progress.returns)} episodes {np.mean(progress.returns):.2f}")
-    if args.eval_episodes:
+    if args.eval_episodes and run_dir:  # process 0's
         video_dir = os.path.join(run_dir, "videos") if args.capture_video else None
         print(f"eval: playing {args.eval_episodes} episodes with the final policy", flush=True)
         scores = evaluate(
@@ -1154,6 +1316,24 @@ def finish(state, network, args: Args, continuous, normalizer, run_dir, logger, 
         print(f"eval: {len(scores)} episodes, return {np.mean(scores):.2f} +- {np.std(scores):.2f}")
     logger.close()
     return 0
+
+
+def report_errors(errors, ckpt_file: str, global_step: int) -> bool:
+    """Print the threads' errors (traceback, or one line for a non-finite loss); True if the
+    learner stopped on a non-finite loss, so that the last good checkpoint must stay."""
+    for name, error, trace in errors:
+        if isinstance(error, FloatingPointError):
+            print(
+                f"error: {error} (step {global_step}); "
+                f"{'the last good checkpoint is kept: ' + ckpt_file if os.path.exists(ckpt_file) else 'no checkpoint written'}. "
+                "Try a lower --learning-rate or --max-grad-norm.",
+                file=sys.stderr,
+            )
+            return True
+        print(f"error in the {name} thread:\n{trace}", file=sys.stderr)
+    if errors:
+        print(f"stopped by an error at step {global_step}; checkpoint: {ckpt_file}", file=sys.stderr)
+    return False
 
 
 def use_compile_cache(path: str):
@@ -1184,9 +1364,11 @@ def main(args: Args, given=None) -> int:
 
 def train(args: Args, given, signals: Signals) -> int:
     args, payload, changed = resume_args(args, given)
+    start_processes(args)
     args = resolve_args(args)
     use_compile_cache(args.compile_cache)
-    batch_size = args.num_envs * args.num_steps
+    actor_devices, mesh = make_mesh(args)
+    batch_size = global_envs(args) * args.num_steps
     global_step = int(payload["state"]["global_step"]) if payload else 0
     if payload and global_step + batch_size > args.total_timesteps:
         print(f"{args.resume}: finished, {global_step} of --total-timesteps {args.total_timesteps} steps trained; "
@@ -1200,14 +1382,13 @@ def train(args: Args, given, signals: Signals) -> int:
     if payload:
         state = load_checkpoint(payload, dict(state, **normalizer.state()), checkpoint_path(args.resume))
         normalizer.load(state)
-    run_dir, created = make_run_dir(args, payload is not None)
-    signals.new_run_dir = run_dir if created and not payload else None  # removed if stopped before an update
-    write_config(run_dir, args, changed, global_step)
-    ckpt_file = os.path.join(run_dir, "checkpoint.msgpack")
+    state = dict(state, params=replicated(mesh, state["params"]), opt_state=replicated(mesh, state["opt_state"]))
+    run_dir = open_run_dir(args, payload is not None, changed, global_step, signals)
+    ckpt_file = checkpoint_file(run_dir)
     start_update = int(state["policy_version"])
     num_updates = start_update + (args.total_timesteps - global_step) // batch_size  # the version at the end
 
-    envs = make_env(args.env_id, args.num_envs, seed, args.num_threads, train=True)
+    envs = make_env(args.env_id, args.num_envs, seed + jax.process_index() * args.num_envs, args.num_threads, train=True)
     policy_step = make_policy_step(network, continuous)
     update = make_update(network, optimizer, args, continuous)
     logger = Logger(run_dir, args)
@@ -1215,57 +1396,68 @@ def train(args: Args, given, signals: Signals) -> int:
     obs, dones = normalizer.observe(envs.reset()[0]), np.zeros(args.num_envs, bool)
     core = zero_core(network.lstm_size, args.num_envs)  # --lstm: every env starts from zeros, also on resume
     print(f"{os.path.basename(__file__)}: {args.env_id} (preset {preset_name(args.env_id)}), "
-          f"{num_updates - start_update} updates of {batch_size} steps -> {run_dir}", flush=True)
+          f"{num_updates - start_update} updates of {describe_batch(args)} -> {run_dir}", flush=True)
     sampled = start_step = global_step
     progress = Progress(args.total_timesteps, lambda: (sampled, global_step))
     start_time, pending = time.time(), None
     timing = {"env": 0.0, "inference": 0.0, "update": 0.0}
     try:
         for update_idx in range(start_update, num_updates):
-            if signals.stop.is_set():
+            mine = stop_code(signals.received, False)
+            code, episodes = agree(mine, stats.pop())  # with many processes: in lockstep, the games of all
+            log_episodes(logger, progress, global_step, episodes)
+            if agreed_stop(mine, code, signals.received):
                 break
-            rollout, obs, dones, core, key = collect_rollout(
-                envs, policy_step, state["params"], obs, dones, core, key, stats, normalizer, args, timing
+            rollout, obs, dones, core, key = collect_rollout(  # with the parameters copied to the actor device
+                envs, policy_step, to_actor(actor_devices[0], state["params"]), obs, dones, core, key, stats,
+                normalizer, args, timing,
             )
             sampled += batch_size
             start = time.perf_counter()
             update_key, subkey = jax.random.split(update_key)
-            new_state, diagnostics = update(state, rollout, subkey)
+            new_state, diagnostics = update(state, to_learner(mesh, rollout), subkey)
             diagnostics = jax.device_get(diagnostics)
             timing["update"] += time.perf_counter() - start
-            if not diagnostics["finite"]:
-                print(
-                    f"error: non-finite loss or parameters at update {update_idx} (step {sampled}); "
-                    f"{'the last good checkpoint is kept: ' + ckpt_file if os.path.exists(ckpt_file) else 'no checkpoint written'}. "
-                    "Try a lower --learning-rate or --max-grad-norm.",
-                    file=sys.stderr,
-                )
+            if not diagnostics["finite"]:  # the last good checkpoint stays
+                report_errors([("learner", FloatingPointError(f"non-finite loss or parameters at update {update_idx}"), "")],
+                              ckpt_file, sampled)
                 logger.close()
                 return 1
             global_step = sampled
             state = dict(new_state, global_step=global_step)
             signals.started.set()
-            for _, ret, length in stats.pop():
-                progress.returns.append(ret)
-                logger.log(global_step, {"charts/episodic_return": ret, "charts/episodic_length": length})
-            scalars = {f"losses/{k}": v for k, v in diagnostics.items() if k not in ("finite", "learning_rate")}
-            scalars["charts/learning_rate"] = diagnostics["learning_rate"]
-            scalars["charts/SPS"] = (global_step - start_step) / (time.time() - start_time)
-            scalars.update({f"timing/{k}_seconds": v for k, v in timing.items()})
-            pending = (global_step, scalars)  # logged at the first update, every --log-frequency, the last
+            pending = (global_step, update_scalars(diagnostics, timing, global_step - start_step, time.time() - start_time))
             if update_idx == start_update or (update_idx + 1) % args.log_frequency == 0 or update_idx + 1 == num_updates:
-                logger.log(*pending)
+                logger.log(*pending)  # at the first update, every --log-frequency, the last
                 pending = None
             if args.save_interval and (update_idx + 1) % args.save_interval == 0:
                 save_checkpoint(ckpt_file, state, args, normalizer)
     finally:
         progress.close()
         envs.close()
+    log_episodes(logger, progress, global_step, agree(0, stats.pop())[1])
     if pending:
         logger.log(*pending)
     save_checkpoint(ckpt_file, state, args, normalizer)
     print(progress.line(), flush=True)
+    state = dict(state, params=to_actor(actor_devices[0], state["params"]))  # evaluated on the actor device
     return finish(state, network, args, continuous, normalizer, run_dir, logger, progress, signals.received)
+
+
+def log_episodes(logger, progress, step: int, episodes):
+    """The (env, return, length) of finished games, to the logs and the progress line."""
+    for _, ret, length in episodes:
+        progress.returns.append(ret)
+        logger.log(step, {"charts/episodic_return": ret, "charts/episodic_length": length})
+
+
+def update_scalars(diagnostics, timing, steps: int, seconds: float) -> dict:
+    """An update's scalars for the logs: losses, learning rate, SPS since the start, timings."""
+    scalars = {f"losses/{k}": v for k, v in diagnostics.items() if k not in ("finite", "learning_rate")}
+    scalars["charts/learning_rate"] = diagnostics["learning_rate"]
+    scalars["charts/SPS"] = steps / seconds
+    scalars.update({f"timing/{k}_seconds": v for k, v in timing.items()})
+    return scalars
 
 
 def flags_given(argv) -> set:

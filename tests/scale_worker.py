@@ -1,0 +1,79 @@
+"""One learner update on a fixed global batch, for tests/test_scale.py, which runs this file in
+subprocesses with XLA_FLAGS=--xla_force_host_platform_device_count=N:
+
+    python tests/scale_worker.py SCRIPT OUT.npz IDS [IDS ...] [--distributed ADDRESS PROCESSES ID]
+
+IDS is a comma-separated list of learner device ids ("0,1"); one update runs for each, from the
+same state on the same batch of 8 envs x 8 CartPole-v1 steps, and OUT.npz gets the parameters
+after each update (key "0,1": the flattened leaves). With --distributed, this process joins the
+others (jax.distributed, gloo) and passes its share of the batch's envs (process p: envs p x 8/P
+to (p+1) x 8/P - 1); process 0 writes OUT.npz.
+"""
+
+import dataclasses
+import sys
+
+import jax
+import numpy as np
+
+from helpers import load_script
+
+T, B = 8, 8
+
+
+def global_batch(sync: bool) -> dict:
+    """A fixed rollout of B envs x T steps: CartPole-shaped observations, episode ends, a time limit."""
+    rng = np.random.default_rng(0)
+    dones = (rng.uniform(size=(T, B)) < 0.1).astype(np.float32)
+    rollout = {
+        "obs": rng.normal(size=(T, B, 4)).astype(np.float32),
+        "actions": rng.integers(0, 2, size=(T, B)).astype(np.int32),
+        "logprobs": np.log(rng.uniform(0.3, 0.7, size=(T, B))).astype(np.float32),
+        "rewards": rng.normal(size=(T, B)).astype(np.float32),
+        "dones": dones,
+        "truncated": dones * (rng.uniform(size=(T, B)) < 0.5),
+        "valid": np.concatenate([np.ones((1, B)), 1.0 - dones[:-1]]).astype(np.float32),
+        "policy_version": np.zeros((T, B), np.int32),
+        "bootstrap_obs": rng.normal(size=(B, 4)).astype(np.float32),
+    }
+    if sync:
+        rollout["values"] = rng.normal(size=(T, B)).astype(np.float32)
+    return rollout
+
+
+def main(argv):
+    script, out, *rest = argv
+    launch = {}
+    if "--distributed" in rest:
+        at = rest.index("--distributed")
+        address, processes, process_id = rest[at + 1 : at + 4]
+        launch = dict(distributed=True, coordinator_address=address, num_processes=int(processes), process_id=int(process_id))
+        rest = rest[:at]
+    module = load_script(script)
+    num_processes = launch.get("num_processes", 1)
+    flags = dict(env_id="CartPole-v1", num_envs=B // num_processes, num_steps=T, total_timesteps=100 * T * B, **launch)
+    if "num_splits" in {f.name for f in dataclasses.fields(module.Args)}:
+        flags["num_splits"] = 1
+    module.start_processes(module.Args(**flags))
+    results = {}
+    for ids in rest:
+        args = module.resolve_args(module.Args(**flags, learner_device_ids=[int(i) for i in ids.split(",")]))
+        _, mesh = module.make_mesh(args)
+        network, optimizer, continuous, _, state = module.build(args, jax.random.PRNGKey(0))
+        state = dict(state, params=module.replicated(mesh, state["params"]),
+                     opt_state=module.replicated(mesh, state["opt_state"]))
+        share = B // num_processes
+        envs = slice(jax.process_index() * share, (jax.process_index() + 1) * share)
+        local = jax.tree_util.tree_map_with_path(
+            lambda path, x: x[envs] if module.env_axis(path) == 0 else x[:, envs], global_batch("sync" in script))
+        update = module.make_update(network, optimizer, args, continuous)
+        new_state, diagnostics = update(state, module.to_learner(mesh, local), jax.random.PRNGKey(1))
+        assert bool(jax.device_get(diagnostics["finite"]))
+        leaves = jax.tree.leaves(jax.device_get(new_state["params"]))
+        results[ids] = np.concatenate([np.ravel(x) for x in leaves])
+    if jax.process_index() == 0:
+        np.savez(out, **results)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,310 @@
+"""Many devices, actor threads and processes, on the CPU: XLA_FLAGS forces 4 host devices, and
+jax.distributed with gloo collectives runs 2 local processes. The update's numerics against the
+1-device update, bad flags, learning CartPole, and faults across threads and processes."""
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from helpers import (
+    ASYNC_SCRIPTS,
+    CHECKPOINT,
+    REPO_ROOT,
+    assert_ok,
+    assert_usage_error,
+    cli,
+    count_complete_lines,
+    describe,
+    read_metrics,
+    run_script,
+    tag_values,
+    tiny_flags,
+    wait_until,
+)
+
+
+@pytest.fixture
+def devices(monkeypatch):
+    """XLA_FLAGS for the subprocesses: this many CPU devices in each."""
+
+    def force(count):
+        monkeypatch.setenv("XLA_FLAGS", f"--xla_force_host_platform_device_count={count}")
+
+    return force
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_processes(script, argv, tmp_path, count=2):
+    """`count` processes of `script argv --distributed ...` on this machine; their logs in
+    tmp_path/p{i}.out and .err. The list of Popen."""
+    launch = ["--distributed", "--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", str(count)]
+    procs = []
+    for i in range(count):
+        out, err = open(tmp_path / f"p{i}.out", "w"), open(tmp_path / f"p{i}.err", "w")
+        procs.append(subprocess.Popen([sys.executable, script, *map(str, argv), *launch, "--process-id", str(i)],
+                                      cwd=REPO_ROOT, stdout=out, stderr=err))
+    return procs
+
+
+def finish_processes(procs, tmp_path, timeout):
+    """Wait for every process (killing those left after `timeout` s); [(exit code, stdout, stderr)]."""
+    deadline = time.monotonic() + timeout
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return [(p.returncode, (tmp_path / f"p{i}.out").read_text(), (tmp_path / f"p{i}.err").read_text())
+            for i, p in enumerate(procs)]
+
+
+def describe_all(results):
+    return "\n".join(f"=== process {i}: exit {code}\n{out[-2000:]}\n--- stderr ---\n{err[-3000:]}"
+                     for i, (code, out, err) in enumerate(results))
+
+
+# ---------------------------------------------------------------------------------------------
+# The update: the same parameters on 1, 2 and 4 learner devices, and on 2 processes x 2 devices
+# ---------------------------------------------------------------------------------------------
+
+# float32 sums of the gradient taken in another order (per device, then all-reduced): measured
+# differences up to 6e-8 on parameters of size up to 0.65.
+RTOL, ATOL = 1e-5, 1e-6
+
+
+@pytest.mark.timeout(300)
+def test_update_matches_one_device(script, tmp_path, devices):
+    """One update (tests/scale_worker.py) from the same state on the same global batch of 8 envs:
+    on 1, 2 and 4 learner devices of one process, and on 2 processes x 2 devices, each process
+    passing its 4 envs, the parameters agree with the 1-device update to RTOL, ATOL."""
+    worker = str(REPO_ROOT / "tests" / "scale_worker.py")
+    devices(4)
+    one = tmp_path / "one.npz"
+    result = subprocess.run([sys.executable, worker, script, one, "0", "0,1", "0,1,2,3"],
+                            cwd=REPO_ROOT / "tests", capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, describe(result)
+    devices(2)
+    two, address = tmp_path / "two.npz", f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, worker, script, two, "0,1", "--distributed", address, "2", str(i)],
+                              cwd=REPO_ROOT / "tests", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    outputs = [p.communicate(timeout=240) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outputs
+    reference, params = np.load(one)["0"], {**np.load(one), "2 processes x 0,1": np.load(two)["0,1"]}
+    assert set(params) == {"0", "0,1", "0,1,2,3", "2 processes x 0,1"}
+    for ids, values in params.items():
+        np.testing.assert_allclose(values, reference, rtol=RTOL, atol=ATOL, err_msg=f"learner devices {ids}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Flags
+# ---------------------------------------------------------------------------------------------
+
+BAD_FLAGS = {
+    "learner-id-out-of-range": (["--learner-device-ids", "4"], ["--learner-device-ids 4", "4 cpu devices"]),
+    "learner-id-twice": (["--learner-device-ids", "1", "1"], ["--learner-device-ids 1 1", "at most once"]),
+    "actor-id-out-of-range": (["--actor-device-ids", "-1"], ["--actor-device-ids -1", "4 cpu devices"]),
+    "batch-over-learners": (["--num-envs", "6", "--learner-device-ids", "0", "1", "2", "3"],
+                            ["6 envs", "4 learner devices"]),
+    "processes-without-distributed": (["--num-processes", "2"], ["--num-processes", "--distributed"]),
+    "processes-without-coordinator": (["--distributed", "--num-processes", "2", "--process-id", "0"],
+                                      ["--coordinator-address"]),
+    "process-id-out-of-range": (["--distributed", "--coordinator-address", "127.0.0.1:1", "--num-processes", "2",
+                                 "--process-id", "2"], ["--process-id 2"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FLAGS))
+def test_bad_scaling_flags_exit_2(script, case, tmp_path, devices):
+    devices(4)
+    argv, fragments = BAD_FLAGS[case]
+    result = run_script(script, [*cli(script, run_dir=tmp_path / "run"), *argv], timeout=120)
+    assert_usage_error(result, *fragments)
+    assert not (tmp_path / "run").exists()
+
+
+def test_bad_actor_flags_exit_2(script, tmp_path, devices):
+    devices(4)
+    if script in ASYNC_SCRIPTS:
+        argv, fragments = ["--num-actor-threads", "0"], ["--num-actor-threads"]
+    else:  # the synchronous loop has one actor
+        argv, fragments = ["--actor-device-ids", "0", "1"], ["--actor-device-ids", "one device"]
+    assert_usage_error(run_script(script, [*cli(script, run_dir=tmp_path / "run"), *argv], timeout=120), *fragments)
+
+
+@pytest.mark.parametrize("script_name", ASYNC_SCRIPTS)
+def test_config_records_the_global_batch(script_name, tmp_path, devices):
+    """2 actor devices x 2 threads x 4 envs, the learner on 2 devices: a tiny run finishes, and
+    config.json names the global batch; every update learned 4 rollouts' steps."""
+    devices(4)
+    argv = cli(script_name, run_dir=tmp_path / "run", total_timesteps=512)
+    argv += ["--actor-device-ids", "2", "3", "--num-actor-threads", "2", "--learner-device-ids", "0", "1"]
+    assert_ok(run_script(script_name, argv, timeout=240))
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["global_batch"] == "1 processes x 4 actor threads x 4 envs x 16 steps = 256 env steps"
+    steps = sorted({r["step"] for r in read_metrics(tmp_path / "run") if r["tag"].startswith("losses/")})
+    assert steps == [256, 512]
+
+
+# ---------------------------------------------------------------------------------------------
+# Learning
+# ---------------------------------------------------------------------------------------------
+
+# CartPole-v1 at default flags; budgets measured (see the closing note of the scaling issue).
+LEARNING = {
+    "appo_envpool.py": 200_000,
+    "ppo_sync_baseline.py": 150_000,
+}
+
+
+def assert_learned(returns, what):
+    windows = np.convolve(returns, np.ones(20) / 20, "valid")
+    curve = json.dumps([round(float(w)) for w in windows[:: max(1, len(windows) // 40)]])
+    assert windows.max() >= 475, f"{what}: best 20-episode mean {windows.max():.1f}; along the run: {curve}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("script_name", list(LEARNING))
+def test_learns_cartpole_on_2_learner_devices(script_name, tmp_path, devices):
+    """The learner on 2 devices; APPO with 2 actor threads, each with its own 8 envs."""
+    devices(4)
+    argv = ["--env-id", "CartPole-v1", "--eval-episodes", 0, "--run-dir", tmp_path / "run",
+            "--total-timesteps", LEARNING[script_name], "--learner-device-ids", 0, 1]
+    if script_name in ASYNC_SCRIPTS:
+        argv += ["--num-actor-threads", 2]
+    assert_ok(run_script(script_name, argv, timeout=550))
+    assert_learned(tag_values(read_metrics(tmp_path / "run"), "charts/episodic_return"), script_name)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("script_name", list(LEARNING))
+def test_learns_cartpole_on_2_processes(script_name, tmp_path, devices):
+    """2 processes x 1 device, each with its own 8 envs; process 0 alone writes the run folder,
+    and its logs hold the games of both (twice as many as one process plays)."""
+    devices(1)
+    argv = ["--env-id", "CartPole-v1", "--eval-episodes", 0, "--run-dir", tmp_path / "run",
+            "--total-timesteps", LEARNING[script_name]]
+    results = finish_processes(start_processes(script_name, argv, tmp_path), tmp_path, timeout=550)
+    assert [code for code, _, _ in results] == [0, 0], describe_all(results)
+    assert "Traceback" not in results[0][2] + results[1][2], describe_all(results)
+    returns = tag_values(read_metrics(tmp_path / "run"), "charts/episodic_return")
+    assert_learned(returns, script_name)
+    # Both processes' games: short early episodes, summed over 2 x 8 envs.
+    lengths = tag_values(read_metrics(tmp_path / "run"), "charts/episodic_length")
+    assert sum(lengths) > 0.9 * LEARNING[script_name] - 16 * 500
+
+
+# ---------------------------------------------------------------------------------------------
+# Faults
+# ---------------------------------------------------------------------------------------------
+
+
+def first_update(run_dir):
+    return lambda: count_complete_lines(run_dir / "metrics.jsonl", '"losses/') > 0
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("script_name", ["appo_envpool.py", "ppo_sync_baseline.py"])
+def test_sigterm_to_one_process_stops_both_with_a_checkpoint(script_name, tmp_path, devices):
+    """SIGTERM to process 1 of 2: both exit 128 + 15, process 0 writes a checkpoint, and both
+    resume from it (every process reads the same checkpoint) to the end of a larger budget."""
+    devices(1)
+    run_dir = tmp_path / "run"
+    argv = [*cli(script_name, run_dir=run_dir, total_timesteps=10_000_000), "--save-interval", 0]
+    procs = start_processes(script_name, argv, tmp_path)
+    try:
+        wait_until(first_update(run_dir), procs[0], 240)
+    except AssertionError:
+        raise AssertionError(describe_all(finish_processes(procs, tmp_path, 1)))
+    procs[1].send_signal(signal.SIGTERM)
+    start = time.monotonic()
+    results = finish_processes(procs, tmp_path, timeout=60)
+    assert [code for code, _, _ in results] == [128 + signal.SIGTERM] * 2, describe_all(results)
+    assert time.monotonic() - start < 30
+    assert all("Traceback" not in err for _, _, err in results), describe_all(results)
+    assert f"checkpoint: {run_dir / CHECKPOINT}" in results[0][2]
+    step = max(r["step"] for r in read_metrics(run_dir) if r["tag"].startswith("losses/"))
+    batch = 2 * tiny_flags(script_name)["num_envs"] * tiny_flags(script_name)["num_steps"]
+    (tmp_path / "first").mkdir()
+    for i in range(2):
+        (tmp_path / f"p{i}.out").rename(tmp_path / "first" / f"p{i}.out")
+    resumed = start_processes(script_name, ["--resume", run_dir, "--total-timesteps", step + 2 * batch], tmp_path)
+    results = finish_processes(resumed, tmp_path, timeout=200)
+    assert [code for code, _, _ in results] == [0, 0], describe_all(results)
+    config = json.loads((run_dir / "config.json").read_text())
+    assert [r["step"] for r in config["resumes"]] == [step]
+    assert max(r["step"] for r in read_metrics(run_dir) if r["tag"].startswith("losses/")) == step + 2 * batch
+
+
+@pytest.mark.timeout(300)
+def test_sigkill_of_one_process_stops_the_other(tmp_path, devices):
+    """SIGKILL of process 1: process 0 exits non-zero within 60 s instead of waiting in a
+    collective forever (jax.distributed's heartbeats)."""
+    devices(1)
+    run_dir = tmp_path / "run"
+    procs = start_processes("appo_envpool.py", cli("appo_envpool.py", run_dir=run_dir, total_timesteps=10_000_000),
+                            tmp_path)
+    try:
+        wait_until(first_update(run_dir), procs[0], 240)
+    except AssertionError:
+        raise AssertionError(describe_all(finish_processes(procs, tmp_path, 1)))
+    procs[1].kill()
+    start = time.monotonic()
+    results = finish_processes(procs, tmp_path, timeout=90)
+    assert time.monotonic() - start < 60, describe_all(results)
+    assert results[0][0] not in (0, None), describe_all(results)
+
+
+FAULT_PROGRAM = """
+import dataclasses, sys, threading
+sys.path.insert(0, {tests_dir!r})
+from helpers import load_script, tiny_flags
+module = load_script({script!r})
+make_policy_step = module.make_policy_step
+
+def patched_make_policy_step(*args, **kwargs):
+    policy_step, calls = make_policy_step(*args, **kwargs), []
+
+    def faulty_policy_step(*a):
+        if threading.current_thread().name == "actor 1":
+            calls.append(1)
+            if len(calls) == 50:
+                raise RuntimeError("injected fault in actor 1")
+        return policy_step(*a)
+
+    return faulty_policy_step
+
+module.make_policy_step = patched_make_policy_step
+flags = dict(tiny_flags({script!r}), env_id="CartPole-v1", total_timesteps=10_000_000, run_dir={run_dir!r},
+             num_actor_threads=2)
+sys.exit(module.main(dataclasses.replace(module.Args(), **flags)))
+"""
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("script_name", ASYNC_SCRIPTS)
+def test_fault_in_one_actor_thread_of_2_stops_the_run(script_name, tmp_path):
+    """Actor thread 1 of 2 raises at its 50th inference call: the run exits non-zero within the
+    join deadline, with that thread's traceback, and leaves no thread behind (the process ends)."""
+    program = FAULT_PROGRAM.format(tests_dir=str(REPO_ROOT / "tests"), script=script_name, run_dir=str(tmp_path / "run"))
+    result = run_script("-c", [program], timeout=150)
+    assert result.returncode == 1, describe(result)
+    assert "error in the actor 1 thread:" in result.stderr, describe(result)
+    assert "RuntimeError: injected fault in actor 1" in result.stderr, describe(result)
+    assert "in faulty_policy_step" in result.stderr, describe(result)
