@@ -65,7 +65,8 @@ class Args:
     total_timesteps: int = 10_000_000
     """training budget in environment (agent) steps, summed over all environments"""
     num_envs: int = 8
-    """number of parallel environments"""
+    """number of parallel environments of this process; an update's global batch is processes x
+    num_envs x num_steps env steps (config.json records it)"""
     num_steps: Annotated[Optional[int], PRESET] = None
     """rollout length: steps per environment between two updates"""
     learning_rate: Annotated[Optional[float], PRESET] = None
@@ -858,10 +859,14 @@ def start_processes(args: Args):
         raise UsageError("--num-processes and --process-id need --coordinator-address HOST:PORT (process 0's)")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # collectives between CPU processes
     jax.config.update("jax_enable_preemption_service", False)  # it would take SIGTERM from Signals
-    jax.distributed.initialize(
-        args.coordinator_address or None, args.num_processes or None, None if args.process_id < 0 else args.process_id,
-        heartbeat_timeout_seconds=30,
-    )
+    try:
+        jax.distributed.initialize(
+            args.coordinator_address or None, args.num_processes or None, None if args.process_id < 0 else args.process_id,
+            heartbeat_timeout_seconds=30,
+        )
+    except ValueError as e:  # no cluster detected, and no --coordinator-address
+        raise UsageError(f"--distributed: {e} Pass --coordinator-address, --num-processes and --process-id, "
+                         "or launch under a cluster manager JAX detects (SLURM, Open MPI, ...)")
 
 
 def make_mesh(args: Args):
@@ -889,11 +894,11 @@ def env_axis(path) -> int:
 def to_learner(mesh, rollout):
     """The one transfer of a rollout to the learner devices: this process's share of the global
     batch, split along the env axis over its learner devices."""
-    def put(path, x):
-        spec = jax.sharding.PartitionSpec(*[None] * env_axis(path), "env")
-        return jax.make_array_from_process_local_data(jax.sharding.NamedSharding(mesh, spec), x)
-
-    return jax.tree_util.tree_map_with_path(put, rollout)
+    by_axis = [jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*[None] * axis, "env")) for axis in (0, 1)]
+    shardings = jax.tree_util.tree_map_with_path(lambda path, _: by_axis[env_axis(path)], rollout)
+    if jax.process_count() == 1:
+        return jax.device_put(rollout, shardings)  # one call for all leaves
+    return jax.tree.map(jax.make_array_from_process_local_data, shardings, rollout)
 
 
 def replicated(mesh, tree):
@@ -908,31 +913,25 @@ def to_actor(device, params):
     return jax.tree.map(lambda x: jax.device_put(x.addressable_data(0), device), params)
 
 
-def stop_code(received, stopped: bool) -> int:
-    """What this process says at `agree`: 128 + n after signal n, 1 when it stops otherwise, 0 to go on."""
-    return 128 + received[0] if received else int(stopped)
-
-
-def agree(code: int, episodes: list):
-    """Once per update, in lockstep (a collective): (the largest stop code of all processes, the
-    (env, return, length) of the games that every process finished). One process: as given."""
+def agree(received: list, stopped: bool, episodes: list):
+    """Once per update, in lockstep (a collective): (whether every process stops now, the (env,
+    return, length) of the games that every process finished). A process says 128 + n after
+    signal n (`received`), 1 when it stops otherwise, 0 to go on, and all stop if one does:
+    another's signal becomes this one's (the same exit code, a checkpoint), and another's error
+    raises here. One process: (whether it stops, its own games)."""
+    mine = 128 + received[0] if received else int(stopped)
     if jax.process_count() == 1:
-        return code, episodes
-    counts = multihost_utils.process_allgather(np.array([code, len(episodes)]))
+        return mine > 0, episodes
+    counts = multihost_utils.process_allgather(np.array([mine, len(episodes)]))
     table = np.zeros((max(1, counts[:, 1].max()), 3))
     table[: len(episodes)] = np.reshape(episodes, (-1, 3))
     tables = multihost_utils.process_allgather(table)
-    return int(counts[:, 0].max()), [(int(e), float(r), int(n)) for t, k in zip(tables, counts[:, 1]) for e, r, n in t[:k]]
-
-
-def agreed_stop(mine: int, code: int, received: list) -> bool:
-    """Whether every process stops now (`code` from `agree`). Another process's signal becomes this
-    one's (the same exit code, a checkpoint); another process's error raises here too."""
+    code = int(counts[:, 0].max())
     if code == 1 and mine == 0:
         raise RuntimeError("another process stopped with an error; its log has the traceback")
     if code > 1 and not received:
         received.append(code - 128)
-    return code > 0
+    return code > 0, [(int(e), float(r), int(n)) for t, k in zip(tables, counts[:, 1]) for e, r, n in t[:k]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1403,10 +1402,9 @@ def train(args: Args, given, signals: Signals) -> int:
     timing = {"env": 0.0, "inference": 0.0, "update": 0.0}
     try:
         for update_idx in range(start_update, num_updates):
-            mine = stop_code(signals.received, False)
-            code, episodes = agree(mine, stats.pop())  # with many processes: in lockstep, the games of all
+            stop, episodes = agree(signals.received, False, stats.pop())  # many processes: in lockstep, the games of all
             log_episodes(logger, progress, global_step, episodes)
-            if agreed_stop(mine, code, signals.received):
+            if stop:
                 break
             rollout, obs, dones, core, key = collect_rollout(  # with the parameters copied to the actor device
                 envs, policy_step, to_actor(actor_devices[0], state["params"]), obs, dones, core, key, stats,
@@ -1435,7 +1433,7 @@ def train(args: Args, given, signals: Signals) -> int:
     finally:
         progress.close()
         envs.close()
-    log_episodes(logger, progress, global_step, agree(0, stats.pop())[1])
+    log_episodes(logger, progress, global_step, agree([], False, stats.pop())[1])
     if pending:
         logger.log(*pending)
     save_checkpoint(ckpt_file, state, args, normalizer)

@@ -2,6 +2,7 @@
 jax.distributed with gloo collectives runs 2 local processes. The update's numerics against the
 1-device update, bad flags, learning CartPole, and faults across threads and processes."""
 
+import inspect
 import json
 import signal
 import socket
@@ -16,11 +17,13 @@ from helpers import (
     ASYNC_SCRIPTS,
     CHECKPOINT,
     REPO_ROOT,
+    SCRIPT_TABLE,
     assert_ok,
     assert_usage_error,
     cli,
     count_complete_lines,
     describe,
+    load_script,
     read_metrics,
     run_script,
     tag_values,
@@ -123,6 +126,7 @@ BAD_FLAGS = {
     "processes-without-distributed": (["--num-processes", "2"], ["--num-processes", "--distributed"]),
     "processes-without-coordinator": (["--distributed", "--num-processes", "2", "--process-id", "0"],
                                       ["--coordinator-address"]),
+    "distributed-without-a-cluster": (["--distributed"], ["--distributed", "--coordinator-address"]),
     "process-id-out-of-range": (["--distributed", "--coordinator-address", "127.0.0.1:1", "--num-processes", "2",
                                  "--process-id", "2"], ["--process-id 2"]),
 }
@@ -164,10 +168,12 @@ def test_config_records_the_global_batch(script_name, tmp_path, devices):
 # Learning
 # ---------------------------------------------------------------------------------------------
 
-# CartPole-v1 at default flags; budgets measured (see the closing note of the scaling issue).
+# CartPole-v1 at default flags. Measured, seeds 1 and 2: the first 20-episode mean >= 475 came at
+# 14k and 18k steps (APPO, 2 learner devices, 2 actor threads), 37k and 31k (sync, 2 learner
+# devices), 31k and 36k (APPO, 2 processes), 35k and 59k (sync, 2 processes); all ended at 500.
 LEARNING = {
-    "appo_envpool.py": 200_000,
-    "ppo_sync_baseline.py": 150_000,
+    "appo_envpool.py": 100_000,
+    "ppo_sync_baseline.py": 100_000,
 }
 
 
@@ -308,3 +314,20 @@ def test_fault_in_one_actor_thread_of_2_stops_the_run(script_name, tmp_path):
     assert "error in the actor 1 thread:" in result.stderr, describe(result)
     assert "RuntimeError: injected fault in actor 1" in result.stderr, describe(result)
     assert "in faulty_policy_step" in result.stderr, describe(result)
+
+
+# ---------------------------------------------------------------------------------------------
+# The same text
+# ---------------------------------------------------------------------------------------------
+
+SHARED = ["start_processes", "make_mesh", "env_axis", "to_learner", "replicated", "to_actor", "agree", "checkpoint_file", "open_run_dir", "save_checkpoint", "report_errors", "Logger", "Normalizer"]
+ASYNC_SHARED = ["Shared", "actor_loop", "learner_loop", "joined", "join_threads", "train"]
+
+
+def test_scaling_code_is_the_same_text_in_every_script():
+    """The devices-and-processes block and what it touches are shared blocks: one text in all
+    three scripts (the asynchronous pipeline's in both asynchronous ones)."""
+    for names, scripts in [(SHARED, list(SCRIPT_TABLE)), (ASYNC_SHARED, ASYNC_SCRIPTS)]:
+        modules = [load_script(s) for s in scripts]
+        for name in names:
+            assert len({inspect.getsource(getattr(m, name)) for m in modules}) == 1, name

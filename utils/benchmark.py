@@ -5,12 +5,17 @@
                --num-splits 1 and 2 at the same --num-envs and one env thread (double buffering),
                and with --lstm at 2 splits (the recurrent actor's cost against the feed-forward one);
 3. end_to_end: training throughput of the three scripts with matching flags over a sweep of
-               --num-envs, with the fraction of wall time each stage is busy.
+               --num-envs, with the fraction of wall time each stage is busy;
+4. scaling:    (with --parts ... scaling) appo_envpool.py end to end on 1, 2 and 4 learner
+               devices x 1 and 2 actor threads: SPS and the update's time per global batch. On a
+               CPU, XLA_FLAGS gives each run 4 host devices, which share the cores: the figures
+               show the overhead of sharding, not a speed-up. A machine with 4 GPUs runs the same.
 
 Writes results.json, results.md and PNG plots into runs/benchmark__<timestamp>/ (or --out).
 SPS counts agent steps; FPS counts environment frames (agent steps x frame skip).
 
 Usage: python utils/benchmark.py [--quick] [--env-id Pong-v5]
+       python utils/benchmark.py --env-id CartPole-v1 --parts scaling     (the scaling sweep alone)
 """
 
 import dataclasses
@@ -61,6 +66,12 @@ class Args:
     """seconds each end-to-end run trains after its first update (compilation excluded; default 60; --quick 25)"""
     scripts: tuple[str, ...] = SCRIPTS
     """training scripts of the end-to-end part (empty: skip it)"""
+    parts: tuple[str, ...] = ("ceiling", "sampler", "end_to_end")
+    """which measurements to run, of ceiling, sampler, end_to_end and scaling"""
+    scaling_learners: tuple[int, ...] = (1, 2, 4)
+    """scaling: learner device counts (--learner-device-ids 0 .. n-1)"""
+    scaling_actor_threads: tuple[int, ...] = (1, 2)
+    """scaling: --num-actor-threads values (each thread with --num-envs 8 of its own, on device 0)"""
     out: Optional[str] = None
     """output folder (default: runs/benchmark__<timestamp>)"""
 
@@ -247,20 +258,21 @@ def logged_update(metrics_file) -> bool:
         return False
 
 
-def measure_end_to_end(script, env_id, num_envs, num_steps, seconds, out_dir):
-    """Run `script` until its first update is logged (start-up and compilation, however long a
-    busy machine makes them), then `seconds` more; stop it with SIGINT, and read its throughput
-    from metrics.jsonl between its first and last update (compilation excluded)."""
-    run_dir = os.path.join(out_dir, "e2e", f"{script[:-3]}__{num_envs}")
+def measure_end_to_end(script, env_id, num_envs, num_steps, seconds, out_dir, extra=(), env=None, name=""):
+    """Run `script` (with `extra` flags, environment `env`) until its first update is logged
+    (start-up and compilation, however long a busy machine makes them), then `seconds` more; stop
+    it with SIGINT, and read its throughput from metrics.jsonl between its first and last update
+    (compilation excluded): (SPS, busy fraction per stage, updates, update seconds per update)."""
+    run_dir = os.path.join(out_dir, "e2e", f"{script[:-3]}__{num_envs}{name}")
     cmd = [
         sys.executable, os.path.join(ROOT, script), "--env-id", env_id, "--num-envs", str(num_envs),
         "--num-steps", str(num_steps), "--total-timesteps", str(10**9), "--eval-episodes", "0",
-        "--save-interval", "0", "--log-frequency", "1", "--run-dir", run_dir,
+        "--save-interval", "0", "--log-frequency", "1", "--run-dir", run_dir, *extra,
     ]
     if script != "impala_envpool.py" and num_envs * num_steps % 4:
         cmd += ["--num-minibatches", "1"]
     shutil.rmtree(run_dir, ignore_errors=True)  # a previous benchmark's, in the same --out
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     metrics_file = os.path.join(run_dir, METRICS)
     deadline = time.time() + 900  # the first update: minutes for the Atari CNN's compile on a busy CPU
     while time.time() < deadline and proc.poll() is None and not logged_update(metrics_file):
@@ -289,7 +301,18 @@ def measure_end_to_end(script, env_id, num_envs, num_steps, seconds, out_dir):
         if r["tag"].startswith("timing/") and r["step"] in (first["step"], last["step"]):
             timing.setdefault(r["tag"][len("timing/"): -len("_seconds")], []).append(r["value"])
     busy = {stage: round((v[-1] - v[0]) / wall, 3) for stage, v in timing.items()}
-    return sps, busy, len(updates)
+    return sps, busy, len(updates), busy.get("update", 0.0) * wall / (len(updates) - 1)
+
+
+def measure_scaling(appo, env_id, num_steps, seconds, out_dir, learners, threads):
+    """appo_envpool.py end to end on `learners` learner devices with `threads` actor threads of 8
+    envs each (all on device 0); on a CPU, 4 forced host devices. (SPS, busy, updates, update s)."""
+    env = dict(os.environ)
+    if appo.jax.default_backend() == "cpu":
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
+    extra = ["--learner-device-ids", *map(str, range(learners)), "--num-actor-threads", str(threads)]
+    return measure_end_to_end("appo_envpool.py", env_id, 8, num_steps, seconds, out_dir, extra, env,
+                              name=f"__learners{learners}__threads{threads}")
 
 
 def write_report(out_dir, results, quick):
@@ -339,6 +362,17 @@ def write_report(out_dir, results, quick):
         for r in e2e:
             busy = ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["busy"].items()))
             lines.append(f"| {r['script']} | {r['num_envs']} | {r['num_steps']} | {r['sps']:.0f} | {r['fps']:.0f} | {r['updates']} | {busy} |")
+    scaling = [r for r in rows if r["kind"] == "scaling"]
+    if scaling:
+        lines += ["", "## Scaling (appo_envpool.py)", "",
+                  "| learner devices | actor threads | global batch | SPS | update ms per global batch | updates |",
+                  "|---|---|---|---|---|---|"]
+        for r in scaling:
+            lines.append(f"| {r['learner_devices']} | {r['actor_threads']} | {r['num_envs']} x {r['num_steps']} | "
+                         f"{r['sps']:.0f} | {1000 * r['update_seconds']:.1f} | {r['updates']} |")
+        if machine["jax_backend"] == "cpu":
+            lines += ["", f"On this CPU the learner devices are {machine['cpu_count']} cores split 4 ways "
+                          "(XLA_FLAGS): these figures show the cost of sharding and threads, not a speed-up."]
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -377,6 +411,9 @@ def main(args: Args) -> int:
             raise UsageError(f"--{name.replace('_', '-')} must be positive")
     if args.num_envs % 2:
         raise UsageError("--num-envs must be even (the sampler compares 1 and 2 splits)")
+    wrong = [p for p in args.parts if p not in ("ceiling", "sampler", "end_to_end", "scaling")]
+    if wrong:
+        raise UsageError(f"--parts: unknown {wrong}; choose from ceiling, sampler, end_to_end, scaling")
     unknown = [s for s in args.scripts if s not in SCRIPTS]
     if unknown:
         raise UsageError(f"--scripts: unknown {unknown}; choose from {list(SCRIPTS)}")
@@ -389,8 +426,12 @@ def main(args: Args) -> int:
     appo = load_script("appo_envpool.py")
     skip = frame_skip(args.env_id)
     results = {"env_id": args.env_id, "frame_skip": skip, "config": dataclasses.asdict(args), "machine": machine_info(), "measurements": []}
-    tasks = [("ceiling", t) for t in args.ceiling_threads] + [("sampler", (1, False)), ("sampler", (2, False)), ("sampler", (2, True))]
-    tasks += [("end_to_end", (script, n)) for n in sweep for script in args.scripts]
+    tasks = [("ceiling", t) for t in args.ceiling_threads] * ("ceiling" in args.parts)
+    tasks += [("sampler", (1, False)), ("sampler", (2, False)), ("sampler", (2, True))] * ("sampler" in args.parts)
+    tasks += [("end_to_end", (script, n)) for n in sweep for script in args.scripts] * ("end_to_end" in args.parts)
+    devices = len(appo.jax.devices()) if appo.jax.default_backend() != "cpu" else 4
+    tasks += [("scaling", (n, t)) for n in args.scaling_learners if n <= devices
+              for t in args.scaling_actor_threads] * ("scaling" in args.parts)
     start = time.time()
     for i, (kind, param) in enumerate(tasks):
         print(f"[{i + 1}/{len(tasks)}] {kind} {param}  ({time.time() - start:.0f}s elapsed)", flush=True)
@@ -407,15 +448,20 @@ def main(args: Args) -> int:
                        busy={k: round(v, 3) for k, v in busy.items()}, cores=layout,
                        fraction_of_ceiling=sps / ceiling[0] if ceiling else None)
         else:
-            script, num_envs = param
-            measured = measure_end_to_end(script, args.env_id, num_envs, args.num_steps, e2e_seconds, out_dir)
+            script, num_envs = param if kind == "end_to_end" else ("appo_envpool.py", 8 * param[1])
+            if kind == "end_to_end":
+                measured = measure_end_to_end(script, args.env_id, num_envs, args.num_steps, e2e_seconds, out_dir)
+            else:
+                measured = measure_scaling(appo, args.env_id, args.num_steps, e2e_seconds, out_dir, *param)
             if measured is None:
                 print(f"    {script} finished fewer than 2 updates in {e2e_seconds:.0f}s after its first; raise --e2e-seconds", flush=True)
                 continue
-            sps, busy, updates = measured
+            sps, busy, updates, update_seconds = measured
             row.update(script=script, num_envs=num_envs, num_splits=None if script == SCRIPTS[0] else 2,
                        num_threads=min(os.cpu_count() or 1, num_envs), num_steps=args.num_steps, sps=sps, busy=busy,
-                       updates=updates)
+                       updates=updates, update_seconds=update_seconds)
+            if kind == "scaling":
+                row.update(learner_devices=param[0], actor_threads=param[1])
         row["fps"] = row["sps"] * skip
         results["measurements"].append(row)
         print(f"    SPS {row['sps']:.0f}  FPS {row['fps']:.0f}", flush=True)
