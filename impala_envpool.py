@@ -1526,7 +1526,7 @@ def train(args: Args, given, signals: Signals) -> int:
     if payload:
         state = load_checkpoint(payload, dict(state, **normalizer.state()), checkpoint_path(args.resume))
         normalizer.load(state)
-    state = dict(state, params=replicated(mesh, state["params"]), opt_state=replicated(mesh, state["opt_state"]))
+    state = dict(replicated(mesh, state), global_step=global_step)  # as every update returns it: no recompile
     run_dir = open_run_dir(args, payload is not None, changed, global_step, signals)
     ckpt_file = checkpoint_file(run_dir)
     start_update = int(state["policy_version"])
