@@ -933,10 +933,13 @@ def rollout_forward(network, params, rollout, continuous: bool):
         pi, values, _ = network.apply(params, obs, (rollout["state"], first))
         logprobs, entropy = log_prob_entropy(pi[:-1], rollout["actions"], continuous)
         return logprobs, entropy, values[:-1], values[-1]
-    pi, values, _ = network.apply(params, jax.tree.map(lambda x: x.reshape(T * B, *x.shape[2:]), rollout["obs"]))
-    logprobs, entropy = log_prob_entropy(pi, rollout["actions"].reshape(T * B, *rollout["actions"].shape[2:]), continuous)
+    def rows(x):  # [T, B, ...] -> [B x T, ...], env-major: rows stay on the learner device that holds their env
+        return jnp.swapaxes(x, 0, 1).reshape(B * T, *x.shape[2:])
+
+    pi, values, _ = network.apply(params, jax.tree.map(rows, rollout["obs"]))
+    logprobs, entropy = log_prob_entropy(pi, rows(rollout["actions"]), continuous)
     _, bootstrap_value, _ = network.apply(params, rollout["bootstrap_obs"])
-    return logprobs.reshape(T, B), entropy.reshape(T, B), values.reshape(T, B), bootstrap_value
+    return *(x.reshape(B, T).T for x in (logprobs, entropy, values)), bootstrap_value
 
 
 def minibatches(key, data, num_minibatches: int):
@@ -957,7 +960,7 @@ def minibatches(key, data, num_minibatches: int):
     return dict(sequences, state=state)
 
 
-def make_update(network, optimizer, args: Args, continuous: bool):
+def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
     """The jitted learner step: V-trace (or GAE) from the current parameters, lag masking, then
     epochs x minibatches of PPO-clip against the behaviour policy (Sample Factory's APPO)."""
 
@@ -1015,6 +1018,9 @@ def make_update(network, optimizer, args: Args, continuous: bool):
 
         def epoch(carry, key):
             epoch_data = minibatches(key, data, args.num_minibatches)
+            if mesh is not None:  # each learner device takes its share of every minibatch: data parallel
+                epoch_data = jax.tree_util.tree_map_with_path(lambda path, x: jax.lax.with_sharding_constraint(
+                    x, split_envs(mesh, 1 + (env_axis(path) if "state" in data else 0))), epoch_data)
             return jax.lax.scan(functools.partial(minibatch_step, learning_rate), carry, epoch_data, unroll=unroll)
 
         (params, opt_state), diagnostics = jax.lax.scan(
@@ -1140,10 +1146,15 @@ def env_axis(path) -> int:
     return 0 if path[0].key in ("bootstrap_obs", "state") else 1
 
 
+def split_envs(mesh, axis: int):
+    """The sharding of arrays whose axis `axis` (their envs) is split over the learner devices."""
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*[None] * axis, "env"))
+
+
 def to_learner(mesh, rollout):
     """The one transfer of a rollout to the learner devices: this process's share of the global
     batch, split along the env axis over its learner devices."""
-    by_axis = [jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*[None] * axis, "env")) for axis in (0, 1)]
+    by_axis = [split_envs(mesh, 0), split_envs(mesh, 1)]
     shardings = jax.tree_util.tree_map_with_path(lambda path, _: by_axis[env_axis(path)], rollout)
     if jax.process_count() == 1:
         return jax.device_put(rollout, shardings)  # one call for all leaves
@@ -1641,7 +1652,7 @@ def train(args: Args, given, signals: Signals) -> int:
     envs = [make_env(args.env_id, args.num_envs, seed + first_env + i * args.num_envs, args.num_threads, train=True,
                      batch_size=args.num_envs // args.num_splits) for i in range(len(actors))]
     policy_step = make_policy_step(network, continuous, values=False)  # the actor needs no values
-    update = make_update(network, optimizer, args, continuous)
+    update = make_update(network, optimizer, args, continuous, mesh)
     logger = Logger(run_dir, args)
     shared = Shared(state, normalizer, signals.stop, signals.started, signals.received, len(actors))
     print(f"{os.path.basename(__file__)}: {args.env_id} (preset {preset_name(args.env_id)}), "

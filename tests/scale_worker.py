@@ -66,7 +66,7 @@ def main(argv):
         envs = slice(jax.process_index() * share, (jax.process_index() + 1) * share)
         local = jax.tree_util.tree_map_with_path(
             lambda path, x: x[envs] if module.env_axis(path) == 0 else x[:, envs], global_batch("sync" in script))
-        update = module.make_update(network, optimizer, args, continuous)
+        update = module.make_update(network, optimizer, args, continuous, mesh)
         new_state, diagnostics = update(state, module.to_learner(mesh, local), jax.random.PRNGKey(1))
         assert bool(jax.device_get(diagnostics["finite"]))
         leaves = jax.tree.leaves(jax.device_get(new_state["params"]))
