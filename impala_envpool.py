@@ -17,6 +17,7 @@ Usage: python impala_envpool.py --env-id Pong-v5     (--help lists every flag)
 import dataclasses
 import difflib
 import functools
+import hashlib
 import importlib.util
 import inspect
 import itertools
@@ -111,7 +112,8 @@ class Args:
     lstm_size: int = 128
     """hidden units of the LSTM, the size of its h and of its c (CleanRL's ppo_atari_lstm.py: 128)"""
     num_threads: int = 0
-    """envpool worker threads stepping the environments (0: one per CPU core, at most num_envs)"""
+    """envpool worker threads of each actor thread (0: the CPU cores shared among the actor threads,
+    at most num_envs)"""
     num_actor_threads: int = 1
     """actor threads on each actor device, each with its own --num-envs envs and splits; an update
     takes one rollout from each, so its global batch is processes x actor devices x actor threads x
@@ -245,8 +247,9 @@ def global_envs(args: Args) -> int:
 
 def describe_batch(args: Args) -> str:
     """An update's batch, in words: processes x actor threads x num_envs x num_steps."""
-    threads = len(args.actor_device_ids) * args.num_actor_threads
-    return (f"{jax.process_count()} processes x {threads} actor threads x {args.num_envs} envs x {args.num_steps} steps "
+    threads, processes = len(args.actor_device_ids) * args.num_actor_threads, jax.process_count()
+    return (f"{processes} process{'es' * (processes > 1)} x {threads} actor thread{'s' * (threads > 1)} x "
+            f"{args.num_envs} envs x {args.num_steps} steps "
             f"= {global_envs(args) * args.num_steps} env steps")
 
 
@@ -846,7 +849,7 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
         while pushed < num_rollouts and buffers and bootstrapped.get(min(buffers)) == B:
             del bootstrapped[min(buffers)]
             rollout = buffers.pop(min(buffers))
-            shared.report_episodes(start_step + int(steps.sum()), stats.pop())
+            shared.report_episodes(start_step + int(shared.sampled.sum()), stats.pop())
             start = time.perf_counter()
             if not put(rollout_queue, rollout, shared.stop):
                 return
@@ -1001,7 +1004,9 @@ def start_processes(args: Args):
         if given:
             raise UsageError(f"{given[0]} is for a run of many processes: pass --distributed too")
         return
-    if args.num_processes < 0 or args.process_id < -1 or (args.num_processes and not -1 < args.process_id < args.num_processes):
+    if args.num_processes < 0:
+        raise UsageError(f"--num-processes must be >= 0 (0: detected), got {args.num_processes}")
+    if args.process_id < -1 or (args.num_processes and not -1 < args.process_id < args.num_processes):
         raise UsageError(f"--process-id {args.process_id} must be in 0 to --num-processes - 1 ({args.num_processes - 1})")
     if (args.num_processes or args.process_id >= 0) and not args.coordinator_address:
         raise UsageError("--num-processes and --process-id need --coordinator-address HOST:PORT (process 0's)")
@@ -1010,11 +1015,41 @@ def start_processes(args: Args):
     try:
         jax.distributed.initialize(
             args.coordinator_address or None, args.num_processes or None, None if args.process_id < 0 else args.process_id,
-            heartbeat_timeout_seconds=30,
+            heartbeat_timeout_seconds=30, shutdown_timeout_seconds=3600,  # the others wait at exit for process 0's evaluation
         )
     except ValueError as e:  # no cluster detected, and no --coordinator-address
         raise UsageError(f"--distributed: {e} Pass --coordinator-address, --num-processes and --process-id, "
                          "or launch under a cluster manager JAX detects (SLURM, Open MPI, ...)")
+
+
+def prepare(args: Args, resumed: bool):
+    """Resolve and check the flags and pick the devices: (args, actor devices, the learner's mesh).
+    UsageError for a bad flag; with many processes, in every process if one has one, or if
+    their flags differ (all but --process-id must match). A collective, once."""
+    error = actor_devices = mesh = None
+    try:
+        args = resolve_args(args)
+        use_compile_cache(args.compile_cache)
+        actor_devices, mesh = make_mesh(args)
+        check_run_dir(args, resumed)
+    except UsageError as e:
+        error = e
+    if jax.process_count() > 1:
+        flags = json.dumps({k: v for k, v in dataclasses.asdict(args).items() if k != "process_id"}, sort_keys=True)
+        digest = int(hashlib.sha256(flags.encode()).hexdigest()[:7], 16)
+        table = multihost_utils.process_allgather(np.array([error is not None, digest]))
+        if error is None and table[:, 0].any():
+            error = UsageError("another process stopped on a bad flag (its log names it)")
+        elif error is None and len(set(table[:, 1])) > 1:
+            error = UsageError("the processes were given different flags: give each the same, but --process-id")
+    if error is not None:
+        raise error
+    return args, actor_devices, mesh
+
+
+def actor_key(key, index: int):
+    """The action-sampling key of actor `index`, counted over all processes; actor 0 keeps `key`."""
+    return jax.random.fold_in(key, index) if index else key
 
 
 def make_mesh(args: Args):
@@ -1262,7 +1297,8 @@ def load_checkpoint(payload: dict, template: dict, path: str) -> dict:
 
 
 # What the network and its inputs were trained on: a resumed run cannot change these.
-LAUNCH = ("distributed", "coordinator_address", "num_processes", "process_id")  # this launch's: never restored
+# This launch's (the machine's devices, the processes): never restored from the run on --resume.
+LAUNCH = ("distributed", "coordinator_address", "num_processes", "process_id", "actor_device_ids", "learner_device_ids")
 FIXED_ON_RESUME = ("env_id", "norm_obs", "norm_reward", "lstm", "lstm_size")
 
 
@@ -1302,7 +1338,8 @@ def write_config(run_dir: str, args: Args, changed: dict, global_step: int, batc
         except ValueError:  # unreadable: start its record afresh from the resumed flags
             pass
     if args.resume:
-        resume = {"step": global_step, "wall_time": time.time(), "from": os.path.abspath(args.resume), "changed": changed}
+        resume = {"step": global_step, "wall_time": time.time(), "from": os.path.abspath(args.resume), "changed": changed,
+                  "global_batch": batch}
         config["resumes"] = [*config.get("resumes", []), resume]
     with open(f"{path}.tmp", "w") as f:
         json.dump(config, f, indent=2)
@@ -1517,16 +1554,13 @@ def main(args: Args, given=None) -> int:
 def train(args: Args, given, signals: Signals) -> int:
     args, payload, changed = resume_args(args, given)
     start_processes(args)
-    args = resolve_args(args)
-    use_compile_cache(args.compile_cache)
-    actor_devices, mesh = make_mesh(args)
+    args, actor_devices, mesh = prepare(args, payload is not None)
     batch_size = global_envs(args) * args.num_steps
     global_step = int(payload["state"]["global_step"]) if payload else 0
     if payload and global_step + batch_size > args.total_timesteps:
         print(f"{args.resume}: finished, {global_step} of --total-timesteps {args.total_timesteps} steps trained; "
               "pass a larger --total-timesteps to train on")
         return 0
-    check_run_dir(args, payload is not None)
     print(f"jax {jax.__version__} on {jax.default_backend()}: {', '.join(map(str, jax.local_devices()))}", flush=True)
     seed = (args.seed + global_step) % 2**31  # a resumed run draws new env seeds and noise, not the first part's
     key, init_key, update_key = jax.random.split(jax.random.PRNGKey(seed), 3)
@@ -1542,14 +1576,15 @@ def train(args: Args, given, signals: Signals) -> int:
 
     actors = [(device, thread) for device in actor_devices for thread in range(args.num_actor_threads)]
     first_env = jax.process_index() * len(actors) * args.num_envs  # each actor thread's envs draw their own seeds
-    envs = [make_env(args.env_id, args.num_envs, seed + first_env + i * args.num_envs, args.num_threads, train=True,
+    env_threads = args.num_threads or min(max(1, (os.cpu_count() or 1) // len(actors)), args.num_envs)  # the cores shared
+    envs = [make_env(args.env_id, args.num_envs, seed + first_env + i * args.num_envs, env_threads, train=True,
                      batch_size=args.num_envs // args.num_splits) for i in range(len(actors))]
     policy_step = make_policy_step(network, continuous, values=False)  # the actor needs no values
     update = make_update(network, optimizer, args, continuous, mesh)
     logger = Logger(run_dir, args)
     shared = Shared(state, normalizer, signals.stop, signals.started, signals.received, len(actors))
     print(f"{os.path.basename(__file__)}: {args.env_id} (preset {preset_name(args.env_id)}), "
-          f"{num_updates - start_update} updates of {describe_batch(args)} -> {run_dir}", flush=True)
+          f"{num_updates - start_update} updates of {describe_batch(args)} -> {run_dir or 'the run folder of process 0'}", flush=True)
     start_step = global_step
     progress = Progress(args.total_timesteps,  # sampled: as if every process sampled at this one's pace
                         lambda: (start_step + int(shared.sampled.sum()) * jax.process_count(), int(shared.state["global_step"])))
@@ -1567,7 +1602,7 @@ def train(args: Args, given, signals: Signals) -> int:
     queues = [queue.Queue(maxsize=args.queue_size) for _ in actors]
     threads = [
         start_thread(f"actor {i}" if i else "actor", actor_loop, shared, envs[i], policy_step, shared, queues[i],
-                     jax.random.fold_in(key, i), args, num_updates - start_update, global_step, device, i)
+                     actor_key(key, jax.process_index() * len(actors) + i), args, num_updates - start_update, global_step, device, i)
         for i, (device, _) in enumerate(actors)
     ]
     threads.append(start_thread("learner", learner_loop, shared, update, shared, queues, update_key, args, num_updates,

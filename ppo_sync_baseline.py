@@ -14,6 +14,7 @@ Usage: python ppo_sync_baseline.py --env-id Pong-v5     (--help lists every flag
 import dataclasses
 import difflib
 import functools
+import hashlib
 import importlib.util
 import inspect
 import itertools
@@ -78,8 +79,9 @@ class Args:
     gae_lambda: Annotated[Optional[float], PRESET] = None
     """lambda of generalised advantage estimation"""
     num_minibatches: Annotated[Optional[int], PRESET] = None
-    """minibatches per epoch; must divide num_envs * num_steps (with --lstm, num_envs: whole env
-    sequences; a preset's count then becomes its greatest common divisor with num_envs)"""
+    """minibatches per epoch; must divide the global batch (envs of all actors x num_steps; with
+    --lstm, the envs of all actors: whole env sequences, and a preset's count then becomes its
+    greatest common divisor with them)"""
     update_epochs: Annotated[Optional[int], PRESET] = None
     """passes over each rollout"""
     norm_adv: bool = True
@@ -238,7 +240,7 @@ def resolve_args(args: Args) -> Args:
         raise UsageError(f"--num-minibatches {args.num_minibatches} must divide the global batch {describe_batch(args)}")
     if args.lstm and global_envs(args) % args.num_minibatches:
         raise UsageError(f"--num-minibatches {args.num_minibatches} must divide the {global_envs(args)} envs of an update "
-                         "with --lstm (a minibatch holds whole env sequences); pass a divisor of them")
+                         "(--num-envs of every actor) with --lstm (a minibatch holds whole env sequences); pass a divisor")
     if args.total_timesteps < global_envs(args) * args.num_steps:
         raise UsageError(f"--total-timesteps {args.total_timesteps} is less than one update ({describe_batch(args)})")
     return args
@@ -255,7 +257,8 @@ def global_envs(args: Args) -> int:
 
 def describe_batch(args: Args) -> str:
     """An update's batch, in words: processes x num_envs x num_steps."""
-    return (f"{jax.process_count()} processes x {args.num_envs} envs x {args.num_steps} steps "
+    processes = jax.process_count()
+    return (f"{processes} process{'es' * (processes > 1)} x {args.num_envs} envs x {args.num_steps} steps "
             f"= {global_envs(args) * args.num_steps} env steps")
 
 
@@ -859,7 +862,9 @@ def start_processes(args: Args):
         if given:
             raise UsageError(f"{given[0]} is for a run of many processes: pass --distributed too")
         return
-    if args.num_processes < 0 or args.process_id < -1 or (args.num_processes and not -1 < args.process_id < args.num_processes):
+    if args.num_processes < 0:
+        raise UsageError(f"--num-processes must be >= 0 (0: detected), got {args.num_processes}")
+    if args.process_id < -1 or (args.num_processes and not -1 < args.process_id < args.num_processes):
         raise UsageError(f"--process-id {args.process_id} must be in 0 to --num-processes - 1 ({args.num_processes - 1})")
     if (args.num_processes or args.process_id >= 0) and not args.coordinator_address:
         raise UsageError("--num-processes and --process-id need --coordinator-address HOST:PORT (process 0's)")
@@ -868,11 +873,41 @@ def start_processes(args: Args):
     try:
         jax.distributed.initialize(
             args.coordinator_address or None, args.num_processes or None, None if args.process_id < 0 else args.process_id,
-            heartbeat_timeout_seconds=30,
+            heartbeat_timeout_seconds=30, shutdown_timeout_seconds=3600,  # the others wait at exit for process 0's evaluation
         )
     except ValueError as e:  # no cluster detected, and no --coordinator-address
         raise UsageError(f"--distributed: {e} Pass --coordinator-address, --num-processes and --process-id, "
                          "or launch under a cluster manager JAX detects (SLURM, Open MPI, ...)")
+
+
+def prepare(args: Args, resumed: bool):
+    """Resolve and check the flags and pick the devices: (args, actor devices, the learner's mesh).
+    UsageError for a bad flag; with many processes, in every process if one has one, or if
+    their flags differ (all but --process-id must match). A collective, once."""
+    error = actor_devices = mesh = None
+    try:
+        args = resolve_args(args)
+        use_compile_cache(args.compile_cache)
+        actor_devices, mesh = make_mesh(args)
+        check_run_dir(args, resumed)
+    except UsageError as e:
+        error = e
+    if jax.process_count() > 1:
+        flags = json.dumps({k: v for k, v in dataclasses.asdict(args).items() if k != "process_id"}, sort_keys=True)
+        digest = int(hashlib.sha256(flags.encode()).hexdigest()[:7], 16)
+        table = multihost_utils.process_allgather(np.array([error is not None, digest]))
+        if error is None and table[:, 0].any():
+            error = UsageError("another process stopped on a bad flag (its log names it)")
+        elif error is None and len(set(table[:, 1])) > 1:
+            error = UsageError("the processes were given different flags: give each the same, but --process-id")
+    if error is not None:
+        raise error
+    return args, actor_devices, mesh
+
+
+def actor_key(key, index: int):
+    """The action-sampling key of actor `index`, counted over all processes; actor 0 keeps `key`."""
+    return jax.random.fold_in(key, index) if index else key
 
 
 def make_mesh(args: Args):
@@ -1120,7 +1155,8 @@ def load_checkpoint(payload: dict, template: dict, path: str) -> dict:
 
 
 # What the network and its inputs were trained on: a resumed run cannot change these.
-LAUNCH = ("distributed", "coordinator_address", "num_processes", "process_id")  # this launch's: never restored
+# This launch's (the machine's devices, the processes): never restored from the run on --resume.
+LAUNCH = ("distributed", "coordinator_address", "num_processes", "process_id", "actor_device_ids", "learner_device_ids")
 FIXED_ON_RESUME = ("env_id", "norm_obs", "norm_reward", "lstm", "lstm_size")
 
 
@@ -1160,7 +1196,8 @@ def write_config(run_dir: str, args: Args, changed: dict, global_step: int, batc
         except ValueError:  # unreadable: start its record afresh from the resumed flags
             pass
     if args.resume:
-        resume = {"step": global_step, "wall_time": time.time(), "from": os.path.abspath(args.resume), "changed": changed}
+        resume = {"step": global_step, "wall_time": time.time(), "from": os.path.abspath(args.resume), "changed": changed,
+                  "global_batch": batch}
         config["resumes"] = [*config.get("resumes", []), resume]
     with open(f"{path}.tmp", "w") as f:
         json.dump(config, f, indent=2)
@@ -1375,16 +1412,13 @@ def main(args: Args, given=None) -> int:
 def train(args: Args, given, signals: Signals) -> int:
     args, payload, changed = resume_args(args, given)
     start_processes(args)
-    args = resolve_args(args)
-    use_compile_cache(args.compile_cache)
-    actor_devices, mesh = make_mesh(args)
+    args, actor_devices, mesh = prepare(args, payload is not None)
     batch_size = global_envs(args) * args.num_steps
     global_step = int(payload["state"]["global_step"]) if payload else 0
     if payload and global_step + batch_size > args.total_timesteps:
         print(f"{args.resume}: finished, {global_step} of --total-timesteps {args.total_timesteps} steps trained; "
               "pass a larger --total-timesteps to train on")
         return 0
-    check_run_dir(args, payload is not None)
     print(f"jax {jax.__version__} on {jax.default_backend()}: {', '.join(map(str, jax.local_devices()))}", flush=True)
     seed = (args.seed + global_step) % 2**31  # a resumed run draws new env seeds and noise, not the first part's
     key, init_key, update_key = jax.random.split(jax.random.PRNGKey(seed), 3)
@@ -1405,8 +1439,9 @@ def train(args: Args, given, signals: Signals) -> int:
     stats = EpisodeStats(args.num_envs)
     obs, dones = normalizer.observe(envs.reset()[0]), np.zeros(args.num_envs, bool)
     core = zero_core(network.lstm_size, args.num_envs)  # --lstm: every env starts from zeros, also on resume
+    key = actor_key(key, jax.process_index())
     print(f"{os.path.basename(__file__)}: {args.env_id} (preset {preset_name(args.env_id)}), "
-          f"{num_updates - start_update} updates of {describe_batch(args)} -> {run_dir}", flush=True)
+          f"{num_updates - start_update} updates of {describe_batch(args)} -> {run_dir or 'the run folder of process 0'}", flush=True)
     sampled = start_step = global_step
     progress = Progress(args.total_timesteps, lambda: (sampled, global_step))
     start_time, pending = time.time(), None

@@ -49,14 +49,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_processes(script, argv, tmp_path, count=2):
-    """`count` processes of `script argv --distributed ...` on this machine; their logs in
-    tmp_path/p{i}.out and .err. The list of Popen."""
+def start_processes(script, argv, tmp_path, count=2, extra=None):
+    """`count` processes of `script argv --distributed ...` on this machine (process i with
+    `extra[i]` flags too); their logs in tmp_path/p{i}.out and .err. The list of Popen."""
     launch = ["--distributed", "--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", str(count)]
     procs = []
     for i in range(count):
         out, err = open(tmp_path / f"p{i}.out", "w"), open(tmp_path / f"p{i}.err", "w")
-        procs.append(subprocess.Popen([sys.executable, script, *map(str, argv), *launch, "--process-id", str(i)],
+        own = (extra or {}).get(i, [])
+        procs.append(subprocess.Popen([sys.executable, script, *map(str, argv), *own, *launch, "--process-id", str(i)],
                                       cwd=REPO_ROOT, stdout=out, stderr=err))
     return procs
 
@@ -193,6 +194,29 @@ def test_bad_scaling_flags_exit_2(script, case, tmp_path, devices):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("case", ["run-dir-holds-a-run", "different-seeds"])
+def test_a_bad_flag_in_one_process_stops_all(case, tmp_path, devices):
+    """Process 0 alone checks the run folder; a run folder that holds another run stops both
+    processes with exit 2 and one line. So do flags that differ between the processes."""
+    devices(1)
+    run_dir, extra = tmp_path / "run", {}
+    if case == "run-dir-holds-a-run":
+        run_dir.mkdir()
+        (run_dir / CHECKPOINT).write_bytes(b"")
+    else:
+        extra = {1: ["--seed", "2"]}
+    procs = start_processes("appo_envpool.py", cli("appo_envpool.py", run_dir=run_dir), tmp_path, extra=extra)
+    results = finish_processes(procs, tmp_path, timeout=150)
+    assert [code for code, _, _ in results] == [2, 2], describe_all(results)
+    lines = [[line for line in err.splitlines() if line.strip()] for _, _, err in results]
+    assert all(len(line) == 1 and line[0].startswith("error: ") for line in lines), describe_all(results)
+    if case == "run-dir-holds-a-run":
+        assert "already holds a run" in lines[0][0] and "another process" in lines[1][0], lines
+    else:
+        assert all("different flags" in line[0] for line in lines), lines
+
+
 def test_bad_actor_flags_exit_2(script, tmp_path, devices):
     devices(4)
     if script in ASYNC_SCRIPTS:
@@ -211,7 +235,7 @@ def test_config_records_the_global_batch(script_name, tmp_path, devices):
     argv += ["--actor-device-ids", "2", "3", "--num-actor-threads", "2", "--learner-device-ids", "0", "1"]
     assert_ok(run_script(script_name, argv, timeout=240))
     config = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert config["global_batch"] == "1 processes x 4 actor threads x 4 envs x 16 steps = 256 env steps"
+    assert config["global_batch"] == "1 process x 4 actor threads x 4 envs x 16 steps = 256 env steps"
     steps = sorted({r["step"] for r in read_metrics(tmp_path / "run") if r["tag"].startswith("losses/")})
     assert steps == [256, 512]
 

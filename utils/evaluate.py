@@ -89,6 +89,11 @@ def rebuild_args(module, config: dict, path: str):
         )
     # Written before normalisation existed: nothing was normalised (not today's preset).
     config = {"norm_obs": False, "norm_reward": False, **config, "track": False, "resume": None}
+    # Evaluation plays with one actor in one process and learns nothing: the training run's
+    # processes, devices and minibatch split (checked against them) need not fit here.
+    launch = dict(distributed=False, coordinator_address="", num_processes=0, process_id=-1, actor_device_ids=[0],
+                  learner_device_ids=[0], num_actor_threads=1, num_minibatches=1)
+    config.update({k: v for k, v in launch.items() if k in fields})
     try:
         return module.resolve_args(dataclasses.replace(module.Args(), **config))
     except module.UsageError as e:
