@@ -364,17 +364,17 @@ def patched_make_policy_step(*args, **kwargs):
     policy_step, calls = make_policy_step(*args, **kwargs), []
 
     def faulty_policy_step(*a):
-        if threading.current_thread().name == "actor 1":
+        if threading.current_thread().name == {thread!r}:
             calls.append(1)
             if len(calls) == 50:
-                raise RuntimeError("injected fault in actor 1")
+                raise RuntimeError("injected fault in " + {thread!r})
         return policy_step(*a)
 
     return faulty_policy_step
 
 module.make_policy_step = patched_make_policy_step
 flags = dict(tiny_flags({script!r}), env_id="CartPole-v1", total_timesteps=10_000_000, run_dir={run_dir!r},
-             num_actor_threads=2)
+             num_actor_threads=2, **{launch!r})
 sys.exit(module.main(dataclasses.replace(module.Args(), **flags)))
 """
 
@@ -384,7 +384,8 @@ sys.exit(module.main(dataclasses.replace(module.Args(), **flags)))
 def test_fault_in_one_actor_thread_of_2_stops_the_run(script_name, tmp_path):
     """Actor thread 1 of 2 raises at its 50th inference call: the run exits non-zero within the
     join deadline, with that thread's traceback, and leaves no thread behind (the process ends)."""
-    program = FAULT_PROGRAM.format(tests_dir=str(REPO_ROOT / "tests"), script=script_name, run_dir=str(tmp_path / "run"))
+    program = FAULT_PROGRAM.format(tests_dir=str(REPO_ROOT / "tests"), script=script_name, run_dir=str(tmp_path / "run"),
+                                   thread="actor 1", launch={})
     result = run_script("-c", [program], timeout=150)
     assert result.returncode == 1, describe(result)
     assert "error in the actor 1 thread:" in result.stderr, describe(result)
@@ -407,3 +408,22 @@ def test_scaling_code_is_the_same_text_in_every_script():
         modules = [load_script(s) for s in scripts]
         for name in names:
             assert len({inspect.getsource(getattr(m, name)) for m in modules}) == 1, name
+
+
+@pytest.mark.timeout(300)
+def test_an_error_in_one_process_stops_the_other(tmp_path, devices):
+    """Process 1's first actor thread raises at its 50th inference call: process 1 exits 1 with
+    the traceback, and process 0, told at the next update, exits 1 saying so."""
+    devices(1)
+    address = f"127.0.0.1:{free_port()}"
+    procs = []
+    for i in range(2):
+        launch = dict(distributed=True, coordinator_address=address, num_processes=2, process_id=i)
+        program = FAULT_PROGRAM.format(tests_dir=str(REPO_ROOT / "tests"), script="appo_envpool.py",
+                                       run_dir=str(tmp_path / "run"), thread="actor" if i else "none", launch=launch)
+        out, err = open(tmp_path / f"p{i}.out", "w"), open(tmp_path / f"p{i}.err", "w")
+        procs.append(subprocess.Popen([sys.executable, "-c", program], cwd=REPO_ROOT, stdout=out, stderr=err))
+    results = finish_processes(procs, tmp_path, timeout=240)
+    assert [code for code, _, _ in results] == [1, 1], describe_all(results)
+    assert "RuntimeError: injected fault in actor" in results[1][2], describe_all(results)
+    assert "another process stopped with an error" in results[0][2], describe_all(results)
