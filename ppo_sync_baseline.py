@@ -512,7 +512,9 @@ class ActorCritic(nn.Module):
             state, first = core
             shape = first.shape  # [T, B], or [B] for one step
             first = first.reshape(-1, shape[-1])
-            obs = jax.tree.map(lambda x: x.reshape(-1, *x.shape[len(shape):]), obs)
+            # Rows env-major [B x T, ...]: with the envs split over learner devices, each keeps its own.
+            obs = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(*first.shape, *x.shape[len(shape):]), 0, 1).reshape(
+                -1, *x.shape[len(shape):]), obs)
 
         def conv(x, size, kernel, stride=1):
             return nn.relu(nn.Conv(size, (kernel, kernel), (stride, stride), "VALID", kernel_init=orth(np.sqrt(2)))(x))
@@ -534,8 +536,8 @@ class ActorCritic(nn.Module):
         if nature:
             x = nn.relu(nn.Dense(512, kernel_init=orth(np.sqrt(2)))(x))
         if self.lstm_size:
-            state, x = LSTMCore(self.lstm_size)(state, (x.reshape(*first.shape, -1), first))
-            x = x.reshape(-1, self.lstm_size)
+            state, x = LSTMCore(self.lstm_size)(state, (jnp.swapaxes(x.reshape(*first.shape[::-1], -1), 0, 1), first))
+            x = jnp.swapaxes(x, 0, 1).reshape(-1, self.lstm_size)
         if nature:
             actor_hidden = critic_hidden = x
         else:
@@ -548,7 +550,8 @@ class ActorCritic(nn.Module):
             log_std = self.param("log_std", nn.initializers.zeros, (self.action_dim,))
             pi = jnp.concatenate([pi, jnp.broadcast_to(log_std, pi.shape)], axis=-1)
         value = nn.Dense(1, kernel_init=orth(1.0))(critic_hidden)[:, 0]
-        if self.lstm_size:
+        if self.lstm_size:  # back to time-major
+            pi, value = (jnp.swapaxes(y.reshape(*first.shape[::-1], *y.shape[1:]), 0, 1) for y in (pi, value))
             return pi.reshape(*shape, -1), value.reshape(shape), state
         return pi, value, None
 

@@ -123,7 +123,7 @@ import scale_worker
 from helpers import load_script
 scale_worker.T = 12  # 96 rows: 48 a device
 module = load_script({script!r})
-flags = dict(env_id="CartPole-v1", num_envs=8, num_steps=12, total_timesteps=9600, learner_device_ids=[0, 1])
+flags = dict(env_id="CartPole-v1", num_envs=8, num_steps=12, total_timesteps=9600, learner_device_ids=[0, 1], lstm={lstm})
 if "num_splits" in {{f.name for f in dataclasses.fields(module.Args)}}:
     flags["num_splits"] = 1
 args = module.resolve_args(module.Args(**flags))
@@ -131,7 +131,10 @@ _, mesh = module.make_mesh(args)
 network, optimizer, continuous, _, state = module.build(args, jax.random.PRNGKey(0))
 state = dict(module.replicated(mesh, state), global_step=0)
 update = module.make_update(network, optimizer, args, continuous, mesh)
-rollout = module.to_learner(mesh, scale_worker.global_batch("sync" in {script!r}))
+batch = scale_worker.global_batch("sync" in {script!r})
+if {lstm}:
+    batch.update(state=module.zero_core(args.lstm_size, 8)[0], first=batch["valid"] * 0)
+rollout = module.to_learner(mesh, batch)
 text = update.lower(state, rollout, jax.random.PRNGKey(1)).compile().as_text()
 print("ROWS", sorted({{int(n) for n in re.findall(r"= f32\[(\d+),64\]\{{[^}}]*\}} dot\(", text)}}))
 print("ALL-REDUCES", text.count("all-reduce("))
@@ -139,15 +142,17 @@ print("ALL-REDUCES", text.count("all-reduce("))
 
 
 @pytest.mark.timeout(300)
-def test_the_update_is_split_over_the_learner_devices(script, devices):
+@pytest.mark.parametrize("lstm", [False, True])
+def test_the_update_is_split_over_the_learner_devices(script, lstm, devices):
     """Data parallel, not just the same numbers: compiled for 2 learner devices, the first hidden
-    layer's matmuls take 48 of the batch's 96 rows on each device (none takes all 96), and the
-    gradient is all-reduced."""
+    layer's matmuls take 48 of the batch's 96 rows on each device (with --lstm, 52 of the 104 with
+    the bootstrap step; none takes all), and the gradient is all-reduced."""
     devices(2)
-    result = run_script("-c", [SPLIT_PROGRAM.format(tests_dir=str(REPO_ROOT / "tests"), script=script)], timeout=240)
+    program = SPLIT_PROGRAM.format(tests_dir=str(REPO_ROOT / "tests"), script=script, lstm=lstm)
+    result = run_script("-c", [program], timeout=240)
     assert result.returncode == 0, describe(result)
     rows = json.loads(result.stdout.split("ROWS ")[1].splitlines()[0])
-    assert 48 in rows and 96 not in rows, rows
+    assert (52 if lstm and "impala" in script else 48) in rows and not {96, 104} & set(rows), rows
     assert int(result.stdout.split("ALL-REDUCES ")[1].split()[0]) > 0
 
 
