@@ -94,9 +94,9 @@ class Args:
     gae_lambda: Annotated[Optional[float], PRESET] = None
     """lambda of generalised advantage estimation"""
     num_minibatches: Annotated[Optional[int], PRESET] = None
-    """minibatches per epoch; must divide the global batch (envs of all actors x num_steps; with
-    --lstm, the envs of all actors: whole env sequences, and a preset's count then becomes its
-    greatest common divisor with them)"""
+    """minibatches per epoch; must divide the global batch, the envs of all actors x num_steps
+    (with an LSTM: the envs of all actors, as minibatches hold whole env sequences, and a preset's
+    count then becomes its greatest common divisor with them)"""
     update_epochs: Annotated[Optional[int], PRESET] = None
     """passes over each rollout"""
     norm_adv: bool = True
