@@ -115,7 +115,7 @@ class Args:
     """envpool worker threads of each actor thread (0: the CPU cores shared among the actor threads,
     at most num_envs)"""
     num_actor_threads: int = 1
-    """actor threads on each actor device, each with its own --num-envs envs and splits; an update
+    """actor threads on each actor device, each with num_envs envs and splits of its own; an update
     takes one rollout from each, so its global batch is processes x actor devices x actor threads x
     num_envs x num_steps env steps (config.json records it)"""
     actor_device_ids: list[int] = dataclasses.field(default_factory=lambda: [0])
