@@ -342,6 +342,19 @@ def test_family_presets():
             assert {k: getattr(args, k) for k in flags} == flags, (script, env_id)
 
 
+@pytest.mark.parametrize("script", ["appo_envpool.py", "impala_envpool.py"])
+def test_double_buffering_by_default_for_images_only(script):
+    """--num-splits left out: 2 where the Nature CNN reads images (either layout), 1 for vector
+    tasks and small grids, whose envs step faster than one inference call (issue 12); an explicit
+    value wins either way."""
+    module = load_script(script)
+    ids = ["Pong-v5", "CarRacing-v3", "CartPole-v1", "HalfCheetah-v4", "CheetahRun-v1", "MiniGrid-Empty-5x5-v0"]
+    resolved = [module.resolve_args(module.Args(env_id=env_id)).num_splits for env_id in ids]
+    assert resolved == [2, 2, 1, 1, 1, 1]
+    assert module.resolve_args(module.Args(env_id="CartPole-v1", num_splits=2)).num_splits == 2
+    assert module.resolve_args(module.Args(env_id="Pong-v5", num_splits=1)).num_splits == 1
+
+
 NOT_SERVED = [
     ("IntersectionMultiAgent-v0", ["2-player task", "one agent"]),
     ("Go9x9-v1", ["2-player task"]),
