@@ -50,8 +50,11 @@ def test_benchmark_quick_writes_valid_results(tmp_path):
     for r in rows:
         if r["kind"] == "end_to_end":
             assert r["updates"] >= 2 and 0 <= r["busy"]["update"] <= 1.05
+            assert r["num_splits"] == (None if r["script"] == "ppo_sync_baseline.py" else 1)  # CartPole: 1 split by default
     table = (out / "results.md").read_text()
     assert "Double buffering" in table and "| end_to_end" not in table  # tables, not raw rows
+    e2e_sps = {r["script"]: r["sps"] for r in rows if r["kind"] == "end_to_end"}
+    assert f"| {e2e_sps['appo_envpool.py'] / e2e_sps['ppo_sync_baseline.py']:.2f}x |" in table  # of sync
     lstm_ratio = samplers[2]["sps"] / samplers[1]["sps"]
     assert f"Recurrent actor: the --lstm sampler / the feed-forward one (2 splits) = **{lstm_ratio:.2f}x**" in table
     for png in ["sampler.png", "end_to_end.png"]:

@@ -357,11 +357,14 @@ def write_report(out_dir, results, quick):
     e2e = [r for r in rows if r["kind"] == "end_to_end"]
     if e2e:
         lines += ["", "## End to end (training)", "",
-                  "| script | num_envs | num_steps | SPS | FPS | updates | busy fraction of wall time per stage |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| script | num_envs | num_splits | num_steps | SPS | FPS | of sync | updates | busy fraction of wall time per stage |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        sync = {r["num_envs"]: r["sps"] for r in e2e if r["script"] == SCRIPTS[0]}
         for r in e2e:
             busy = ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["busy"].items()))
-            lines.append(f"| {r['script']} | {r['num_envs']} | {r['num_steps']} | {r['sps']:.0f} | {r['fps']:.0f} | {r['updates']} | {busy} |")
+            ratio = f"{r['sps'] / sync[r['num_envs']]:.2f}x" if r["num_envs"] in sync else ""
+            lines.append(f"| {r['script']} | {r['num_envs']} | {r.get('num_splits') or ''} | {r['num_steps']} | {r['sps']:.0f} | "
+                         f"{r['fps']:.0f} | {ratio} | {r['updates']} | {busy} |")
     scaling = [r for r in rows if r["kind"] == "scaling"]
     if scaling:
         lines += ["", "## Scaling (appo_envpool.py)", "",
@@ -457,7 +460,8 @@ def main(args: Args) -> int:
                 print(f"    {script} finished fewer than 2 updates in {e2e_seconds:.0f}s after its first; raise --e2e-seconds", flush=True)
                 continue
             sps, busy, updates, update_seconds = measured
-            row.update(script=script, num_envs=num_envs, num_splits=None if script == SCRIPTS[0] else 2,
+            splits = None if script == SCRIPTS[0] else appo.resolve_args(appo.Args(env_id=args.env_id)).num_splits  # the default
+            row.update(script=script, num_envs=num_envs, num_splits=splits,
                        num_threads=min(os.cpu_count() or 1, num_envs), num_steps=args.num_steps, sps=sps, busy=busy,
                        updates=updates, update_seconds=update_seconds)
             if kind == "scaling":
