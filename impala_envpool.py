@@ -235,7 +235,8 @@ def resolve_args(args: Args) -> Args:
         if not 0.0 <= getattr(args, name) <= 1.0:
             raise UsageError(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
     if args.num_envs % args.num_splits:
-        raise UsageError(f"--num-splits {args.num_splits} must divide --num-envs {args.num_envs}")
+        raise UsageError(f"--num-splits {args.num_splits} must divide --num-envs {args.num_envs} "
+                         "(left out, --num-splits is 2 with image observations, else 1)")
     if args.total_timesteps < global_envs(args) * args.num_steps:
         raise UsageError(f"--total-timesteps {args.total_timesteps} is less than one update ({describe_batch(args)})")
     return args
@@ -1593,7 +1594,8 @@ def train(args: Args, given, signals: Signals) -> int:
     update = make_update(network, optimizer, args, continuous, mesh)
     logger = Logger(run_dir, args)
     shared = Shared(state, normalizer, signals.stop, signals.started, signals.received, len(actors))
-    print(f"{os.path.basename(__file__)}: {args.env_id} (preset {preset_name(args.env_id)}), "
+    print(f"{os.path.basename(__file__)}: {args.env_id} (preset {preset_name(args.env_id)}, "
+          f"{args.num_splits} split{'s' * (args.num_splits > 1)}), "
           f"{num_updates - start_update} updates of {describe_batch(args)} -> {run_dir or 'the run folder of process 0'}", flush=True)
     start_step = global_step
     progress = Progress(args.total_timesteps,  # sampled: as if every process sampled at this one's pace

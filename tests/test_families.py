@@ -355,6 +355,16 @@ def test_double_buffering_by_default_for_images_only(script):
     assert module.resolve_args(module.Args(env_id="Pong-v5", num_splits=1)).num_splits == 1
 
 
+@pytest.mark.parametrize("script", ["appo_envpool.py", "impala_envpool.py"])
+def test_the_header_line_names_the_split_count(script, tmp_path, capsys):
+    """A user sees the --num-splits a run took by default in its header line."""
+    module = load_script(script)
+    flags = dict(TINY_FLAGS, **{k: v for k, v in SCRIPT_TABLE[script]["tiny"].items() if k != "num_splits"})
+    assert module.main(module.Args(env_id="CartPole-v1", run_dir=str(tmp_path / "run"), **flags)) == 0
+    header = next(line for line in capsys.readouterr().out.splitlines() if "updates of" in line)
+    assert f"{script}: CartPole-v1 (preset CartPole, 1 split), " in header, header
+
+
 NOT_SERVED = [
     ("IntersectionMultiAgent-v0", ["2-player task", "one agent"]),
     ("Go9x9-v1", ["2-player task"]),

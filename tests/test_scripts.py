@@ -467,6 +467,8 @@ def test_progress_lines_while_the_update_compiles(script_name, tmp_path):
 
     try:
         wait_until(watch, proc, 240)  # the first rollout is under way
+        header = (logs / "stdout.txt").read_text().split("\n")[1]
+        assert f"{script_name}: Pong-v5 (preset atari, 2 splits), " in header, header  # images: double buffering
         sampling = time.monotonic()
         wait_until(lambda: watch() and len([t for t, _ in seen if t > sampling]) >= 2, proc, 20)
     finally:
