@@ -388,10 +388,10 @@ class Normalizer:
         (mean, var, count), (leaves, tree) = stats, jax.tree.flatten(x)
         n = len(leaves[0])
         total, means, variances = count + n, [], []
-        for x, m, v in zip(leaves, jax.tree.leaves(mean), jax.tree.leaves(var), strict=True):
-            batch_mean = x.mean(0)
+        for leaf, m, v in zip(leaves, jax.tree.leaves(mean), jax.tree.leaves(var), strict=True):
+            batch_mean = leaf.mean(0)
             delta = batch_mean - m
-            batch_var = np.square(x - batch_mean).mean(0)
+            batch_var = np.square(leaf - batch_mean).mean(0)
             means.append(m + delta * n / total)
             variances.append((v * count + batch_var * n + delta**2 * count * n / total) / total)
         return jax.tree.unflatten(tree, means), jax.tree.unflatten(tree, variances), total
