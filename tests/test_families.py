@@ -345,8 +345,8 @@ def test_family_presets():
 @pytest.mark.parametrize("script", ["appo_envpool.py", "impala_envpool.py"])
 def test_double_buffering_by_default_for_images_only(script):
     """--num-splits left out: 2 where the Nature CNN reads images (either layout), 1 for vector
-    tasks and small grids, whose envs step faster than one inference call (issue 12); an explicit
-    value wins either way."""
+    tasks and small grids, where the actor's per-call cost outweighs what a second split hides
+    (issue 12); an explicit value wins either way."""
     module = load_script(script)
     ids = ["Pong-v5", "CarRacing-v3", "CartPole-v1", "HalfCheetah-v4", "CheetahRun-v1", "MiniGrid-Empty-5x5-v0"]
     resolved = [module.resolve_args(module.Args(env_id=env_id)).num_splits for env_id in ids]
