@@ -121,6 +121,10 @@ class Args:
     """actor threads on each actor device, each with num_envs envs and splits of its own; an update
     takes one rollout from each, so its global batch is processes x actor devices x actor threads x
     num_envs x num_steps env steps (config.json records it)"""
+    xla_actor: bool = False
+    """the actor's rollout as one jitted loop over envpool's XLA interface (recv, policy, the writes
+    into the rollout, send): no Python per env step; the parameters are taken once per rollout, not
+    per step. Not with --lstm. Tested on the CPU (README: benchmark)"""
     actor_device_ids: list[int] = dataclasses.field(default_factory=lambda: [0])
     """this process's devices that run the policy for the envs (indices into jax.local_devices())"""
     learner_device_ids: list[int] = dataclasses.field(default_factory=lambda: [0])
@@ -234,6 +238,8 @@ def resolve_args(args: Args) -> Args:
     for name in ["gamma", "rmsprop_alpha", "rmsprop_momentum"]:
         if not 0.0 <= getattr(args, name) <= 1.0:
             raise UsageError(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
+    if args.xla_actor and args.lstm:
+        raise UsageError("--xla-actor does not carry an LSTM's state yet: pass one of --xla-actor, --lstm")
     if args.num_envs % args.num_splits:
         raise UsageError(f"--num-splits {args.num_splits} must divide --num-envs {args.num_envs} "
                          "(left out, --num-splits is 2 with image observations, else 1)")
@@ -866,6 +872,154 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
                 return
             timing["queue_put"] += time.perf_counter() - start
             pushed += 1
+
+
+def make_xla_rollout(envs, policy_step, args):
+    """--xla-actor: `collect(carry, params, version)` runs recv, the policy, the writes into the
+    rollout and send as one jitted loop over envpool's XLA interface (`envs.xla()`, as CleanRL's
+    envpool-XLA PPO), with no Python per env step, until the oldest rollout is complete; it
+    returns (carry, that rollout, whether it is complete, its games). Env e's n-th step goes to
+    row n % T of rollout n // T, as actor_loop places it, in a ring of 2: an env that has finished
+    its rollout is still sent actions (recv waits for a full split), into the next rollout. Only if
+    an env runs 2 rollouts ahead of another does `collect` stop short (complete False).
+    `init(key)` gives the first carry; its "norm": see xla_normalize."""
+    T, B, R, E = args.num_steps, args.num_envs, 2, 2 * args.num_steps * args.num_envs  # E: games a call can end
+    handle, recv, send, _ = envs.xla()
+    space, first = envs.action_space, jax.tree.map(lambda x: x[:1], zeros_like_space(envs.observation_space, 1))
+    ring = {"bootstrapped": np.zeros((R, B), bool), **jax.tree.map(lambda x: np.stack([x] * R), new_rollout(T, B, first, space))}
+    games = {"env": np.zeros(E, np.int32), "return": np.zeros(E, np.float32), "length": np.zeros(E, np.int32)}
+
+    def init(key):
+        return {"handle": handle, "key": key, "steps": np.zeros(B, np.int32), "prev_dones": np.zeros(B, bool),
+                "returns": np.zeros(B, np.float32), "ring": ring, "games": games, "count": np.int32(0),
+                "oldest": np.int32(0), "norm": None, "norm_returns": np.zeros(B, np.float32)}
+
+    def body(params, version, c):
+        c, ring = dict(c), dict(c["ring"])
+        c["handle"], (obs, reward, terminated, truncated, info) = recv(c["handle"])
+        ids, n = info["env_id"], c["steps"][info["env_id"]]
+        reward = jnp.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's reward is undefined
+        over = info.get("terminated", terminated).astype(bool) | truncated  # game scores, as EpisodeStats
+        returns = c["returns"].at[ids].add(info.get("reward", reward))
+        at = jnp.where(over, c["count"] + jnp.cumsum(over) - 1, E)  # E: dropped
+        for name, x in zip(games, (ids, returns[ids], info["elapsed_step"])):
+            c["games"] = dict(c["games"], **{name: c["games"][name].at[at].set(x, mode="drop")})
+        c["count"], c["returns"] = c["count"] + over.sum(), returns.at[ids].multiply(1.0 - over)
+        done = terminated | truncated
+        c, obs, reward = xla_normalize(c, obs, reward, done, ids, args)
+        ended = n > 0  # the observation ends env step n - 1: its reward and dones
+        c["prev_dones"] = c["prev_dones"].at[ids].set(jnp.where(ended, done, c["prev_dones"][ids]))
+        slot, row = jnp.where(ended, (n - 1) // T % R, R), (n - 1) % T  # R: dropped
+        for name, x in (("rewards", reward), ("truncated", truncated), ("dones", done)):
+            ring[name] = ring[name].at[slot, row, ids].set(x, mode="drop")
+        slot = jnp.where(ended & (n % T == 0), slot, R)  # ... and is the bootstrap_obs of its rollout
+        ring["bootstrap_obs"] = jax.tree.map(lambda b, x: b.at[slot, ids].set(x, mode="drop"), ring["bootstrap_obs"], obs)
+        ring["bootstrapped"] = ring["bootstrapped"].at[slot, ids].set(True, mode="drop")
+        action, logprob, _, _, c["key"] = policy_step(params, obs, None, c["key"])
+        slot, row = n // T % R, n % T  # env step n
+        ring["obs"] = jax.tree.map(lambda b, x: b.at[slot, row, ids].set(x), ring["obs"], obs)
+        for name, x in (("valid", 1.0 - c["prev_dones"][ids]), ("policy_version", version), ("actions", action), ("logprobs", logprob)):
+            ring[name] = ring[name].at[slot, row, ids].set(x)
+        action = action if hasattr(space, "n") else jnp.clip(action, space.low, space.high)
+        c["handle"], c["steps"] = send(c["handle"], action, ids), c["steps"].at[ids].add(1)
+        return dict(c, ring=ring)
+
+    def running(c):  # the oldest rollout lacks a bootstrap_obs, and no env would write 2 rollouts ahead
+        return ~c["ring"]["bootstrapped"][c["oldest"] % R].all() & (c["steps"].max() < (c["oldest"] + R) * T)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def collect(carry, params, version):
+        carry = jax.lax.while_loop(running, functools.partial(body, params, version), dict(carry, count=0))
+        slot, ring = carry["oldest"] % R, dict(carry["ring"])
+        rollout = {k: jax.tree.map(lambda x: x[slot], v) for k, v in ring.items() if k != "bootstrapped"}
+        complete, ring["bootstrapped"] = ring["bootstrapped"][slot].all(), ring["bootstrapped"].at[slot].set(False)
+        return dict(carry, ring=ring, oldest=carry["oldest"] + 1), rollout, complete, carry["games"], carry["count"]
+
+    return init, collect
+
+
+def xla_actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts, start_step, device=None, thread=0):
+    """actor_loop's rollouts from one jitted call each (make_xla_rollout, --xla-actor): the same
+    rows, columns, `valid`, bootstrap observations and version stamps, but the parameters are
+    taken once per rollout, not per recv(). Timing: the call counts as "env"."""
+    init, collect = make_xla_rollout(envs, policy_step, args)
+    envs.async_reset()
+    carry, held, timing = jax.device_put(init(key), device), None, shared.timing
+    for _ in range(num_rollouts):
+        if shared.stop.is_set():
+            return
+        latest, version = shared.latest
+        if version != held:
+            held, params = version, to_actor(device, latest)
+        start = time.perf_counter()
+        carry = xla_norm_from(shared.normalizer, carry)
+        carry, rollout, complete, games, count = collect(carry, params, np.int32(version))
+        rollout, complete, games, count, steps = jax.device_get((rollout, complete, games, count, carry["steps"]))
+        timing["env"] += (now := time.perf_counter()) - start
+        if not complete:
+            raise RuntimeError("an env ran 2 rollouts ahead of another (an env step that takes longer than 2 x "
+                               "--num-steps of the others'); run without --xla-actor")
+        xla_norm_to(shared.normalizer, carry)
+        shared.sampled[thread] = int(steps.sum())
+        shared.report_episodes(start_step + int(shared.sampled.sum()), list(zip(*(games[k][:count].tolist() for k in games))))
+        timing["bookkeeping"] += (start := time.perf_counter()) - now
+        if not put(rollout_queue, rollout, shared.stop):
+            return
+        timing["queue_put"] += time.perf_counter() - start
+
+
+def combined(a, b):
+    """The (mean, variance, count) of two sets of samples from theirs (Chan et al.), leaf by leaf:
+    numpy on the host, jax.numpy in the jitted loop."""
+    (mean_a, var_a, n_a), (mean_b, var_b, n_b) = a, b
+    n = n_a + n_b
+    mean = jax.tree.map(lambda m, d: m + d * n_b / n, mean_a, jax.tree.map(lambda x, y: y - x, mean_a, mean_b))
+    var = jax.tree.map(lambda ma, va, mb, vb: (va * n_a + vb * n_b + (mb - ma) ** 2 * n_a * n_b / n) / n, mean_a, var_a, mean_b, var_b)
+    return mean, var, n
+
+
+def xla_normalize(c, obs, reward, done, ids, args):
+    """Normalizer.observe and .reward inside the jitted loop of --xla-actor. c["norm"] holds
+    {"stats": the statistics (obs, return) as the host had them when the call began, then updated,
+    "new": those of this call's samples alone}; xla_norm_to merges "new" into the host's after the
+    call, so actor threads lose none of each other's. c["norm_returns"]: the envs' discounted returns."""
+    if c["norm"] is None:
+        return c, obs, reward
+    (obs_stats, return_stats), (new_obs, new_return) = c["norm"]["stats"], c["norm"]["new"]
+    if args.norm_obs:
+        batch = jax.tree.map(lambda x: x.astype(jnp.float32), obs)
+        batch = jax.tree.map(lambda x: x.mean(0), batch), jax.tree.map(lambda x: x.var(0), batch), len(ids)
+        obs_stats, new_obs = combined(obs_stats, batch), combined(new_obs, batch)
+        obs = jax.tree.map(lambda x, m, v: jnp.clip((x - m) / jnp.sqrt(v + 1e-8), -10, 10).astype(jnp.float32)
+                           if jnp.issubdtype(x.dtype, jnp.floating) else x, obs, obs_stats[0], obs_stats[1])
+    if args.norm_reward:
+        returns = c["norm_returns"].at[ids].set(c["norm_returns"][ids] * args.gamma + reward)
+        batch = returns[ids].mean(), returns[ids].var(), len(ids)
+        return_stats, new_return = combined(return_stats, batch), combined(new_return, batch)
+        c = dict(c, norm_returns=returns.at[ids].multiply(1.0 - done))
+        reward = jnp.clip(reward / jnp.sqrt(return_stats[1] + 1e-8), -10, 10)
+    return dict(c, norm={"stats": (obs_stats, return_stats), "new": (new_obs, new_return)}), obs, reward
+
+
+def xla_norm_from(normalizer, carry):
+    """The carry of a call, with the host's statistics and none of its own yet (see xla_normalize)."""
+    if not (normalizer.norm_obs or normalizer.norm_reward):
+        return carry
+    with normalizer.lock:
+        stats = normalizer.obs_stats, normalizer.return_stats
+    return dict(carry, norm={"stats": stats, "new": jax.tree.map(np.zeros_like, stats)})
+
+
+def xla_norm_to(normalizer, carry):
+    """Merge a call's own statistics into the host's (which checkpoints save)."""
+    if carry["norm"] is None:
+        return
+    new_obs, new_return = jax.device_get(carry["norm"]["new"])
+    with normalizer.lock:
+        if normalizer.norm_obs:
+            normalizer.obs_stats = combined(normalizer.obs_stats, new_obs)
+        if normalizer.norm_reward:
+            normalizer.return_stats = combined(normalizer.return_stats, new_return)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1613,7 +1767,7 @@ def train(args: Args, given, signals: Signals) -> int:
 
     queues = [queue.Queue(maxsize=args.queue_size) for _ in actors]
     threads = [
-        start_thread(f"actor {i}" if i else "actor", actor_loop, shared, envs[i], policy_step, shared, queues[i],
+        start_thread(f"actor {i}" if i else "actor", xla_actor_loop if args.xla_actor else actor_loop, shared, envs[i], policy_step, shared, queues[i],
                      actor_key(key, jax.process_index() * len(actors) + i), args, num_updates - start_update, global_step, device, i)
         for i, (device, _) in enumerate(actors)
     ]
