@@ -3,9 +3,11 @@
 1. ceiling:    raw envpool stepping with random actions (no policy), per thread count;
 2. sampler:    appo_envpool.py's actor loop with the jitted policy and no learning, with
                --num-splits 1 and 2 at the same --num-envs and one env thread (double buffering),
-               and with --lstm at 2 splits (the recurrent actor's cost against the feed-forward one);
+               with --lstm at 2 splits (the recurrent actor's cost against the feed-forward one),
+               and the --xla-actor loop at 1 and 2 splits;
 3. end_to_end: training throughput of the three scripts with matching flags over a sweep of
-               --num-envs, with the fraction of wall time each stage is busy;
+               --num-envs, with the fraction of wall time each stage is busy (and of the
+               asynchronous two with --xla-actor);
 4. scaling:    (with --parts ... scaling) appo_envpool.py end to end on 1, 2 and 4 learner
                devices x 1 and 2 actor threads: SPS and the update's time per global batch. On a
                CPU, XLA_FLAGS gives each run 4 host devices, which share the cores: the figures
@@ -72,6 +74,9 @@ class Args:
     """scaling: learner device counts (--learner-device-ids 0 .. n-1)"""
     scaling_actor_threads: tuple[int, ...] = (1, 2)
     """scaling: --num-actor-threads values (each thread with --num-envs 8 of its own, on device 0)"""
+    xla_actor: bool = True
+    """also measure the --xla-actor sampler (1 and 2 splits) and the asynchronous scripts with
+    --xla-actor end to end"""
     out: Optional[str] = None
     """output folder (default: runs/benchmark__<timestamp>)"""
 
@@ -141,7 +146,7 @@ def core_layout():
     return (cores[0], cores[1:]) if len(cores) > 1 else None
 
 
-def measure_sampler(env_id, num_envs, num_splits, num_steps, seconds, pin=True, lstm=False):
+def measure_sampler(env_id, num_envs, num_splits, num_steps, seconds, pin=True, lstm=False, xla=False):
     """Sampler throughput, measured in a fresh process (pinning and XLA flags must not leak into
     this one or its later runs): (agent steps per second, busy fraction per stage, layout)."""
     import multiprocessing
@@ -149,7 +154,7 @@ def measure_sampler(env_id, num_envs, num_splits, num_steps, seconds, pin=True, 
     layout = core_layout() if pin else None
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    child = ctx.Process(target=sampler_process, args=(env_id, num_envs, num_splits, num_steps, seconds, layout, results, lstm),
+    child = ctx.Process(target=sampler_process, args=(env_id, num_envs, num_splits, num_steps, seconds, layout, results, lstm, xla),
                         daemon=True)
     child.start()
     deadline = time.monotonic() + seconds + 300
@@ -173,7 +178,7 @@ def measure_sampler(env_id, num_envs, num_splits, num_steps, seconds, pin=True, 
     return sps, busy, {"env_core": layout[0], "actor_cores": layout[1], "threads_on_env_core": threads_on_env_core}
 
 
-def sampler_process(env_id, num_envs, num_splits, num_steps, seconds, layout, results, lstm):
+def sampler_process(env_id, num_envs, num_splits, num_steps, seconds, layout, results, lstm, xla):
     """Child process of measure_sampler: pin, then run the actor loop; report through `results`."""
     try:
         if layout:
@@ -181,7 +186,7 @@ def sampler_process(env_id, num_envs, num_splits, num_steps, seconds, layout, re
             os.sched_setaffinity(0, layout[1])  # this thread and every thread it starts, not envpool's
         appo = load_script("appo_envpool.py")
         env_core = layout[0] if layout else None
-        results.put(("ok", run_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds, env_core, lstm)))
+        results.put(("ok", run_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds, env_core, lstm, xla)))
     except BaseException:
         results.put(("error", traceback.format_exc()))
 
@@ -191,15 +196,17 @@ def sampler_process(env_id, num_envs, num_splits, num_steps, seconds, layout, re
 ACTOR_STAGES = ["env", "inference", "bookkeeping", "device_get", "queue_put"]
 
 
-def run_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds, env_core=None, lstm=False):
+def run_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds, env_core=None, lstm=False, xla=False):
     """Agent steps per second of appo_envpool.actor_loop (jitted policy, with an LSTM if `lstm`;
+    xla_actor_loop if `xla`;
     one env thread, pinned to `env_core` if given), with a consumer that drops rollouts: sampling
     alone, no learning.
     Returns (SPS, busy fraction of each actor stage (ACTOR_STAGES), threads found pinned to env_core)."""
     import jax
 
     args = appo.resolve_args(
-        appo.Args(env_id=env_id, num_envs=num_envs, num_splits=num_splits, num_steps=num_steps, num_threads=1, lstm=lstm)
+        appo.Args(env_id=env_id, num_envs=num_envs, num_splits=num_splits, num_steps=num_steps, num_threads=1, lstm=lstm,
+                  xla_actor=xla)
     )
     pin = {} if env_core is None else {"thread_affinity_offset": env_core}
     envs = appo.make_env(env_id, num_envs, 1, 1, train=True, batch_size=num_envs // num_splits, **pin)
@@ -219,7 +226,7 @@ def run_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds, env_core
     shared = appo.Shared({"params": params, "policy_version": 0})
     rollouts = queue.Queue(maxsize=2)
     actor = appo.start_thread(
-        "actor", appo.actor_loop, shared, envs, policy_step, shared, rollouts, jax.random.PRNGKey(1), args, 10**9, 0
+        "actor", appo.xla_actor_loop if xla else appo.actor_loop, shared, envs, policy_step, shared, rollouts, jax.random.PRNGKey(1), args, 10**9, 0
     )
     # Count whole rollouts between the first arrival and the last: steps / time between arrivals
     # has no partial rollout at either end (a rollout can take a second or more).
@@ -337,13 +344,19 @@ def write_report(out_dir, results, quick):
                 per_step = [r["busy"].get(k, 0.0) * 1e6 / r["sps"] for k in ACTOR_STAGES]
                 us = f"{1e6 / r['sps']:.1f} ({', '.join(f'{x:.1f}' for x in per_step)})"
             lines.append(
-                f"| {r['kind']}{' --lstm' * r.get('lstm', False)} | {r['num_envs']} | {r['num_splits'] or ''} | {r['num_threads']} | {r['sps']:.0f} | "
+                f"| {r['kind']}{' --lstm' * r.get('lstm', False)}{' --xla-actor' * r.get('xla_actor', False)} | {r['num_envs']} | {r['num_splits'] or ''} | {r['num_threads']} | {r['sps']:.0f} | "
                 f"{r['fps']:.0f} | {frac} | {us} |"
             )
-    samplers = {r["num_splits"]: r for r in rows if r["kind"] == "sampler" and not r.get("lstm")}
+    samplers = {r["num_splits"]: r for r in rows if r["kind"] == "sampler" and not r.get("lstm") and not r.get("xla_actor")}
+    xla = {r["num_splits"]: r for r in rows if r["kind"] == "sampler" and r.get("xla_actor")}
     lstm = [r for r in rows if r["kind"] == "sampler" and r.get("lstm")]
     if 1 in samplers and 2 in samplers:
         lines += ["", f"Double buffering: 2 splits / 1 split = **{samplers[2]['sps'] / samplers[1]['sps']:.2f}x**."]
+    if 1 in xla and 2 in xla:
+        lines += ["", f"Double buffering with --xla-actor: 2 splits / 1 split = **{xla[2]['sps'] / xla[1]['sps']:.2f}x**."]
+        if 1 in samplers and 2 in samplers:
+            lines[-1] += (f" --xla-actor / the Python actor: {xla[1]['sps'] / samplers[1]['sps']:.2f}x at 1 split, "
+                          f"{xla[2]['sps'] / samplers[2]['sps']:.2f}x at 2 splits.")
     if lstm and 2 in samplers:
         lines += ["", f"Recurrent actor: the --lstm sampler / the feed-forward one (2 splits) = "
                       f"**{lstm[0]['sps'] / samplers[2]['sps']:.2f}x**."]
@@ -363,7 +376,7 @@ def write_report(out_dir, results, quick):
         for r in e2e:
             busy = ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["busy"].items()))
             ratio = f"{r['sps'] / sync[r['num_envs']]:.2f}x" if r["num_envs"] in sync else ""
-            lines.append(f"| {r['script']} | {r['num_envs']} | {r.get('num_splits') or ''} | {r['num_steps']} | {r['sps']:.0f} | "
+            lines.append(f"| {r['script']}{' --xla-actor' * r.get('xla_actor', False)} | {r['num_envs']} | {r.get('num_splits') or ''} | {r['num_steps']} | {r['sps']:.0f} | "
                          f"{r['fps']:.0f} | {ratio} | {r['updates']} | {busy} |")
     scaling = [r for r in rows if r["kind"] == "scaling"]
     if scaling:
@@ -381,7 +394,7 @@ def write_report(out_dir, results, quick):
 
     fig, ax = plt.subplots(figsize=(6, 4))
     bars = [(f"ceiling\n{r['num_threads']} thr", r["fps"]) for r in rows if r["kind"] == "ceiling"]
-    bars += [(f"sampler{' lstm' * r['lstm']}\n{r['num_splits']} split{'s' * (r['num_splits'] > 1)}", r["fps"])
+    bars += [(f"sampler{' lstm' * r['lstm']}{' xla' * r.get('xla_actor', False)}\n{r['num_splits']} split{'s' * (r['num_splits'] > 1)}", r["fps"])
              for r in rows if r["kind"] == "sampler"]
     ax.bar([b[0] for b in bars], [b[1] for b in bars], color="tab:blue")
     ax.set_ylabel("FPS (frames / s)")
@@ -391,9 +404,9 @@ def write_report(out_dir, results, quick):
     plt.close(fig)
     if e2e:
         fig, ax = plt.subplots(figsize=(6, 4))
-        for script in sorted({r["script"] for r in e2e}):
-            points = sorted((r["num_envs"], r["fps"]) for r in e2e if r["script"] == script)
-            ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=script)
+        for script, xla_actor in sorted({(r["script"], r.get("xla_actor", False)) for r in e2e}):
+            points = sorted((r["num_envs"], r["fps"]) for r in e2e if (r["script"], r.get("xla_actor", False)) == (script, xla_actor))
+            ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=script + " --xla-actor" * xla_actor)
         ax.set_xlabel("num_envs")
         ax.set_ylabel("training FPS (frames / s)")
         ax.set_xscale("log", base=2)
@@ -430,8 +443,11 @@ def main(args: Args) -> int:
     skip = frame_skip(args.env_id)
     results = {"env_id": args.env_id, "frame_skip": skip, "config": dataclasses.asdict(args), "machine": machine_info(), "measurements": []}
     tasks = [("ceiling", t) for t in args.ceiling_threads] * ("ceiling" in args.parts)
-    tasks += [("sampler", (1, False)), ("sampler", (2, False)), ("sampler", (2, True))] * ("sampler" in args.parts)
-    tasks += [("end_to_end", (script, n)) for n in sweep for script in args.scripts] * ("end_to_end" in args.parts)
+    tasks += [("sampler", (1, False, False)), ("sampler", (2, False, False)), ("sampler", (2, True, False))] * ("sampler" in args.parts)
+    tasks += [("sampler", (1, False, True)), ("sampler", (2, False, True))] * ("sampler" in args.parts and args.xla_actor)
+    xla = [False, True] if args.xla_actor else [False]
+    tasks += [("end_to_end", (script, n, x)) for n in sweep for script in args.scripts for x in xla
+              if not (x and script == SCRIPTS[0])] * ("end_to_end" in args.parts)
     devices = len(appo.jax.devices()) if appo.jax.default_backend() != "cpu" else 4
     tasks += [("scaling", (n, t)) for n in args.scaling_learners if n <= devices
               for t in args.scaling_actor_threads] * ("scaling" in args.parts)
@@ -439,21 +455,22 @@ def main(args: Args) -> int:
     for i, (kind, param) in enumerate(tasks):
         print(f"[{i + 1}/{len(tasks)}] {kind} {param}  ({time.time() - start:.0f}s elapsed)", flush=True)
         row = {"kind": kind, "script": None, "env_id": args.env_id, "num_envs": args.num_envs, "num_splits": None,
-               "num_threads": None, "num_steps": None, "lstm": False}
+               "num_threads": None, "num_steps": None, "lstm": False, "xla_actor": False}
         if kind == "ceiling":
             threads = param or min(os.cpu_count() or 1, args.num_envs)
             row.update(num_threads=threads, sps=measure_ceiling(appo, args.env_id, args.num_envs, threads, seconds))
         elif kind == "sampler":
-            num_splits, lstm = param
-            sps, busy, layout = measure_sampler(args.env_id, args.num_envs, num_splits, args.num_steps, seconds, args.pin, lstm)
+            num_splits, lstm, xla = param
+            sps, busy, layout = measure_sampler(args.env_id, args.num_envs, num_splits, args.num_steps, seconds, args.pin, lstm, xla)
             ceiling = [r["sps"] for r in results["measurements"] if r["kind"] == "ceiling" and r["num_threads"] == 1]
-            row.update(script="appo_envpool.py", num_splits=num_splits, lstm=lstm, num_threads=1, num_steps=args.num_steps, sps=sps,
+            row.update(script="appo_envpool.py", num_splits=num_splits, lstm=lstm, xla_actor=xla, num_threads=1, num_steps=args.num_steps, sps=sps,
                        busy={k: round(v, 3) for k, v in busy.items()}, cores=layout,
                        fraction_of_ceiling=sps / ceiling[0] if ceiling else None)
         else:
-            script, num_envs = param if kind == "end_to_end" else ("appo_envpool.py", 8 * param[1])
+            script, num_envs, xla = param if kind == "end_to_end" else ("appo_envpool.py", 8 * param[1], False)
             if kind == "end_to_end":
-                measured = measure_end_to_end(script, args.env_id, num_envs, args.num_steps, e2e_seconds, out_dir)
+                extra, name = (["--xla-actor"], "__xla") if xla else ((), "")
+                measured = measure_end_to_end(script, args.env_id, num_envs, args.num_steps, e2e_seconds, out_dir, extra, name=name)
             else:
                 measured = measure_scaling(appo, args.env_id, args.num_steps, e2e_seconds, out_dir, *param)
             if measured is None:
@@ -461,7 +478,7 @@ def main(args: Args) -> int:
                 continue
             sps, busy, updates, update_seconds = measured
             splits = None if script == SCRIPTS[0] else appo.resolve_args(appo.Args(env_id=args.env_id)).num_splits  # the default
-            row.update(script=script, num_envs=num_envs, num_splits=splits,
+            row.update(script=script, num_envs=num_envs, num_splits=splits, xla_actor=xla,
                        num_threads=min(os.cpu_count() or 1, num_envs), num_steps=args.num_steps, sps=sps, busy=busy,
                        updates=updates, update_seconds=update_seconds)
             if kind == "scaling":
