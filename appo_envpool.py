@@ -932,27 +932,31 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
             pushed += 1
 
 
+XLA_RING = 2  # --xla-actor: rollouts in the first ring (it doubles when an env runs further ahead)
+
+
 def make_xla_rollout(envs, policy_step, args):
-    """--xla-actor: `collect(carry, params, version)` runs recv, the policy, the writes into the
+    """--xla-actor: `collect(R)(carry, params, version)` runs recv, the policy, the writes into the
     rollout and send as one jitted loop over envpool's XLA interface (`envs.xla()`, as CleanRL's
-    envpool-XLA PPO), with no Python per env step, until the oldest rollout is complete; it
-    returns (carry, that rollout, whether it is complete, its games). Env e's n-th step goes to
-    row n % T of rollout n // T, as actor_loop places it, in a ring of 2: an env that has finished
-    its rollout is still sent actions (recv waits for a full split), into the next rollout. Only if
-    an env runs 2 rollouts ahead of another does `collect` stop short (complete False).
-    `init(key)` gives the first carry; its "norm": see xla_normalize."""
-    T, B, R, E = args.num_steps, args.num_envs, 2, 2 * args.num_steps * args.num_envs  # E: games a call can end
+    envpool-XLA PPO), with no Python per env step, until the oldest rollout is complete. It
+    returns (carry, that rollout, whether it is complete, the games ended, their count). Env e's
+    n-th step goes to row n % T of rollout n // T, as actor_loop places it, in a ring of R
+    rollouts: an env that has finished its rollout is still sent actions (recv waits for a full
+    split), into the next ones. The loop stops short (complete False) before an env would write R
+    rollouts ahead of the oldest; `grown` then doubles R. `init(key, R)`: the first carry; its
+    "norm": see xla_normalize."""
+    T, B, E = args.num_steps, args.num_envs, 2 * args.num_steps * args.num_envs  # E: games a call can end
     handle, recv, send, _ = envs.xla()
-    space, first = envs.action_space, jax.tree.map(lambda x: x[:1], zeros_like_space(envs.observation_space, 1))
-    ring = {"bootstrapped": np.zeros((R, B), bool), **jax.tree.map(lambda x: np.stack([x] * R), new_rollout(T, B, first, space))}
+    space, first = envs.action_space, zeros_like_space(envs.observation_space, 1)
     games = {"env": np.zeros(E, np.int32), "return": np.zeros(E, np.float32), "length": np.zeros(E, np.int32)}
 
-    def init(key):
+    def init(key, R):
+        ring = {"bootstrapped": np.zeros((B,), bool), **new_rollout(T, B, first, space)}
         return {"handle": handle, "key": key, "steps": np.zeros(B, np.int32), "prev_dones": np.zeros(B, bool),
-                "returns": np.zeros(B, np.float32), "ring": ring, "games": games, "count": np.int32(0),
-                "oldest": np.int32(0), "norm": None, "norm_returns": np.zeros(B, np.float32)}
+                "returns": np.zeros(B, np.float32), "ring": jax.tree.map(lambda x: np.stack([x] * R), ring),
+                "games": games, "count": np.int32(0), "oldest": np.int32(0), "norm": None, "norm_returns": np.zeros(B, np.float32)}
 
-    def body(params, version, c):
+    def body(R, params, version, c):
         c, ring = dict(c), dict(c["ring"])
         c["handle"], (obs, reward, terminated, truncated, info) = recv(c["handle"])
         ids, n = info["env_id"], c["steps"][info["env_id"]]
@@ -982,48 +986,67 @@ def make_xla_rollout(envs, policy_step, args):
         c["handle"], c["steps"] = send(c["handle"], action, ids), c["steps"].at[ids].add(1)
         return dict(c, ring=ring)
 
-    def running(c):  # the oldest rollout lacks a bootstrap_obs, and no env would write 2 rollouts ahead
-        return ~c["ring"]["bootstrapped"][c["oldest"] % R].all() & (c["steps"].max() < (c["oldest"] + R) * T)
+    @functools.cache
+    def collect(R):
+        def running(c):  # the oldest rollout lacks a bootstrap_obs, and no env's next step would leave the ring
+            return ~c["ring"]["bootstrapped"][c["oldest"] % R].all() & (c["steps"].max() < (c["oldest"] + R) * T)
 
-    @functools.partial(jax.jit, donate_argnums=0)
-    def collect(carry, params, version):
-        carry = jax.lax.while_loop(running, functools.partial(body, params, version), dict(carry, count=0))
-        slot, ring = carry["oldest"] % R, dict(carry["ring"])
-        rollout = {k: jax.tree.map(lambda x: x[slot], v) for k, v in ring.items() if k != "bootstrapped"}
-        complete, ring["bootstrapped"] = ring["bootstrapped"][slot].all(), ring["bootstrapped"].at[slot].set(False)
-        return dict(carry, ring=ring, oldest=carry["oldest"] + 1), rollout, complete, carry["games"], carry["count"]
+        @functools.partial(jax.jit, donate_argnums=0)
+        def call(carry, params, version):
+            carry = jax.lax.while_loop(running, functools.partial(body, R, params, version), dict(carry, count=0))
+            slot, ring = carry["oldest"] % R, dict(carry["ring"])
+            rollout = {k: jax.tree.map(lambda x: x[slot], v) for k, v in ring.items() if k != "bootstrapped"}
+            complete = ring["bootstrapped"][slot].all()  # then the slot starts the next rollout R on
+            ring["bootstrapped"] = ring["bootstrapped"].at[slot].set(ring["bootstrapped"][slot] & ~complete)
+            return dict(carry, ring=ring, oldest=carry["oldest"] + complete), rollout, complete, carry["games"], carry["count"]
+
+        return call
 
     return init, collect
+
+
+def grown(carry, R: int):
+    """The carry of an R-rollout ring, with 2R (rollout j sits in slot j % R, so slots move)."""
+    carry = jax.device_get(carry)
+    oldest = int(carry["oldest"])
+
+    def grow(x):
+        ring = np.zeros((2 * R, *x.shape[1:]), x.dtype)
+        for j in range(oldest, oldest + R):
+            ring[j % (2 * R)] = x[j % R]
+        return ring
+
+    return dict(carry, ring=jax.tree.map(grow, carry["ring"]))
 
 
 def xla_actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts, start_step, device=None, thread=0):
     """actor_loop's rollouts from one jitted call each (make_xla_rollout, --xla-actor): the same
     rows, columns, `valid`, bootstrap observations and version stamps, but the parameters are
-    taken once per rollout, not per recv(). Timing: the call counts as "env"."""
+    taken once per call, not per recv(). Timing: the call counts as "env"."""
     init, collect = make_xla_rollout(envs, policy_step, args)
     envs.async_reset()
-    carry, held, timing = jax.device_put(init(key), device), None, shared.timing
-    for _ in range(num_rollouts):
-        if shared.stop.is_set():
-            return
+    R, pushed, held, timing = XLA_RING, 0, None, shared.timing
+    carry = jax.device_put(init(key, R), device)
+    while pushed < num_rollouts and not shared.stop.is_set():
         latest, version = shared.latest
         if version != held:
             held, params = version, to_actor(device, latest)
         start = time.perf_counter()
         carry = xla_norm_from(shared.normalizer, carry)
-        carry, rollout, complete, games, count = collect(carry, params, np.int32(version))
+        carry, rollout, complete, games, count = collect(R)(carry, params, np.int32(version))
         rollout, complete, games, count, steps = jax.device_get((rollout, complete, games, count, carry["steps"]))
         timing["env"] += (now := time.perf_counter()) - start
-        if not complete:
-            raise RuntimeError("an env ran 2 rollouts ahead of another (an env step that takes longer than 2 x "
-                               "--num-steps of the others'); run without --xla-actor")
         xla_norm_to(shared.normalizer, carry)
         shared.sampled[thread] = int(steps.sum())
         shared.report_episodes(start_step + int(shared.sampled.sum()), list(zip(*(games[k][:count].tolist() for k in games))))
+        if not complete:  # an env ran R rollouts ahead of another (one env's step took that long)
+            carry, R = jax.device_put(grown(carry, R), device), 2 * R
+            continue
         timing["bookkeeping"] += (start := time.perf_counter()) - now
         if not put(rollout_queue, rollout, shared.stop):
             return
         timing["queue_put"] += time.perf_counter() - start
+        pushed += 1
 
 
 def combined(a, b):

@@ -55,14 +55,20 @@ def replay(env_id, num_envs, rollouts):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("num_splits", [1, 2])
+@pytest.mark.parametrize("num_splits, ring", [(1, 2), (2, 2), (2, 1)])
 @pytest.mark.parametrize("script", ASYNC_SCRIPTS)
-def test_xla_rollouts_match_a_replay_of_their_actions(script, num_splits):
+def test_xla_rollouts_match_a_replay_of_their_actions(script, num_splits, ring, monkeypatch):
+    """Ring 1: the first call stops short when envs finish the first rollout (their next step would
+    leave the ring), and the ring grows (`grown`): the path an env that runs ahead takes."""
     module = load_script(script)
+    monkeypatch.setattr(module, "XLA_RING", ring)
+    grown, sizes = module.grown, []
+    monkeypatch.setattr(module, "grown", lambda carry, R: sizes.append(R) or grown(carry, R))
     B, T, K = 8, 16, 5
     rollouts, games, shared = collect(module, "CartPole-v1", B, num_splits, K)
     obs, rewards, dones, truncs, replay_games = replay("CartPole-v1", B, rollouts)
     assert dones.any() and shared.sampled[0] >= K * T * B
+    assert (sizes[:1] == [1]) == (ring == 1), sizes
     for k, rollout in enumerate(rollouts):
         rows = slice(k * T, (k + 1) * T)
         np.testing.assert_allclose(rollout["obs"], obs[rows], rtol=1e-6, err_msg=f"rollout {k}")
