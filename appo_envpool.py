@@ -268,6 +268,9 @@ def resolve_args(args: Args) -> Args:
             raise UsageError(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
     if args.xla_actor and args.lstm:
         raise UsageError("--xla-actor does not carry an LSTM's state yet: pass one of --xla-actor, --lstm")
+    if args.xla_actor and np.float64 in [s.dtype for s in jax.tree.leaves(space_tree(obs_space)) + [spaces(args.env_id)[1]]]:
+        raise UsageError(f"--xla-actor: {args.env_id} has float64 observations or actions, which envpool's XLA interface "
+                         "passes as is and JAX (without jax_enable_x64) cannot; run it without --xla-actor")
     if args.num_envs % args.num_splits:
         raise UsageError(f"--num-splits {args.num_splits} must divide --num-envs {args.num_envs} "
                          "(left out, --num-splits is 2 with image observations, else 1)")

@@ -59,6 +59,7 @@ ASYNC_BAD_INPUTS = {
     "splits-do-not-divide": (dict(num_splits=3), ["--num-splits", "--num-envs"]),
     "zero-queue-size": (dict(queue_size=0), ["--queue-size"]),
     "negative-policy-lag": (dict(max_policy_lag=-1), ["--max-policy-lag"]),
+    "xla-actor-with-lstm": (dict(xla_actor=True, lstm=True), ["--xla-actor", "--lstm"]),
 }
 PPO_BAD_INPUTS = {
     "minibatches-do-not-divide": (dict(num_minibatches=3), ["--num-minibatches"]),
@@ -108,7 +109,7 @@ SCRIPT_TABLE = {
         diverge=dict(learning_rate=1e30, max_grad_norm=1e30, update_epochs=2),
         bad_inputs=dict(PPO_BAD_INPUTS, **ASYNC_BAD_INPUTS),
         variants={"num-splits-1": dict(num_splits=1), "no-vtrace": dict(vtrace=False), "lstm": dict(lstm=True),
-                  "lstm-num-splits-1": dict(lstm=True, num_splits=1)},
+                  "lstm-num-splits-1": dict(lstm=True, num_splits=1), "xla-actor": dict(xla_actor=True)},
         extra_tags=ASYNC_TAGS,
         # Measured at 150k: seeds 1-20 reached a 20-episode mean >= 475 at 19k-53k steps; all 25
         # runs (seeds 1-20, seed 1 five more times) ended at 500, but one CI run ended at 388.
@@ -122,7 +123,7 @@ SCRIPT_TABLE = {
         # first update's parameters overflow float32.
         diverge=dict(learning_rate=1e38, max_grad_norm=1e30),
         bad_inputs=dict(ASYNC_BAD_INPUTS),
-        variants={"num-splits-1": dict(num_splits=1), "lstm": dict(lstm=True)},
+        variants={"num-splits-1": dict(num_splits=1), "lstm": dict(lstm=True), "xla-actor": dict(xla_actor=True)},
         extra_tags=ASYNC_TAGS,
         # The budget. Measured with the classic preset (5-step unrolls, RMSProp 7e-4):
         # seeds 1 and 2 passed at 1M twice each (500 from 200k-300k steps on); at 500k, 3 runs

@@ -6,7 +6,6 @@ rewards, dones, bootstrap observations and games. envpool steps each env from it
 env's trajectory depends only on its actions, not on which split it was stepped in.
 """
 
-import dataclasses
 import queue
 
 import envpool
@@ -16,10 +15,10 @@ import pytest
 from helpers import ASYNC_SCRIPTS, load_script
 
 
-def collect(module, env_id, num_envs, num_splits, num_rollouts, version=7, **flags):
-    """`num_rollouts` rollouts and the games reported, from module.xla_actor_loop."""
-    args = module.resolve_args(dataclasses.replace(
-        module.Args(env_id=env_id, num_envs=num_envs, num_steps=16, num_splits=num_splits, xla_actor=True), **flags))
+def collect(module, env_id, num_envs, num_splits, num_rollouts, version=7, num_steps=16, **flags):
+    """`num_rollouts` rollouts, the games reported and `Shared`, from module.xla_actor_loop."""
+    args = module.resolve_args(module.Args(
+        env_id=env_id, num_envs=num_envs, num_steps=num_steps, num_splits=num_splits, xla_actor=True, **flags))
     network, _, continuous, normalizer, state = module.build(args, jax.random.PRNGKey(0))
     shared = module.Shared(dict(state, policy_version=version), normalizer)
     envs = module.make_env(env_id, num_envs, 3, 1, train=True, batch_size=num_envs // num_splits)
@@ -55,9 +54,10 @@ def replay(env_id, num_envs, rollouts):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("num_splits, ring", [(1, 2), (2, 2), (2, 1)])
+@pytest.mark.parametrize("env_id, num_splits, ring", [
+    ("CartPole-v1", 1, 2), ("CartPole-v1", 2, 2), ("CartPole-v1", 2, 1), ("Pendulum-v1", 2, 2)])
 @pytest.mark.parametrize("script", ASYNC_SCRIPTS)
-def test_xla_rollouts_match_a_replay_of_their_actions(script, num_splits, ring, monkeypatch):
+def test_xla_rollouts_match_a_replay_of_their_actions(script, env_id, num_splits, ring, monkeypatch):
     """Ring 1: the first call stops short when envs finish the first rollout (their next step would
     leave the ring), and the ring grows (`grown`): the path an env that runs ahead takes."""
     module = load_script(script)
@@ -65,26 +65,56 @@ def test_xla_rollouts_match_a_replay_of_their_actions(script, num_splits, ring, 
     grown, sizes = module.grown, []
     monkeypatch.setattr(module, "grown", lambda carry, R: sizes.append(R) or grown(carry, R))
     B, T, K = 8, 16, 5
-    rollouts, games, shared = collect(module, "CartPole-v1", B, num_splits, K)
-    obs, rewards, dones, truncs, replay_games = replay("CartPole-v1", B, rollouts)
-    assert dones.any() and shared.sampled[0] >= K * T * B
+    rollouts, games, shared = collect(module, env_id, B, num_splits, K, norm_obs=False, norm_reward=False)  # raw
+    obs, rewards, dones, truncs, replay_games = replay(env_id, B, rollouts)
+    assert shared.sampled[0] >= K * T * B and (dones.any() or env_id == "Pendulum-v1")  # 200-step games
     assert (sizes[:1] == [1]) == (ring == 1), sizes
     for k, rollout in enumerate(rollouts):
         rows = slice(k * T, (k + 1) * T)
         np.testing.assert_allclose(rollout["obs"], obs[rows], rtol=1e-6, err_msg=f"rollout {k}")
         np.testing.assert_allclose(rollout["bootstrap_obs"], obs[(k + 1) * T], rtol=1e-6, err_msg=f"rollout {k}")
-        np.testing.assert_array_equal(rollout["rewards"], rewards[rows])
+        np.testing.assert_allclose(rollout["rewards"], rewards[rows], rtol=1e-6)
         np.testing.assert_array_equal(rollout["dones"], dones[rows])
         np.testing.assert_array_equal(rollout["truncated"], truncs[rows])
         # The step after an episode's end only resets the env: valid 0 (and its action is ignored).
         previous = np.concatenate([np.zeros((1, B), bool), dones])[rows]
         np.testing.assert_array_equal(rollout["valid"], 1.0 - previous)
         assert (rollout["policy_version"] == 7).all()
-        assert rollout["logprobs"].shape == (T, B) and (rollout["logprobs"] < 0).all()
+        assert rollout["logprobs"].shape == (T, B) and np.isfinite(rollout["logprobs"]).all()
     # Every game that ended within the rollouts' steps was reported, in order, with its score and
     # length (the actor also ends games in the steps it took beyond the last rollout).
-    assert replay_games
+    assert replay_games or env_id == "Pendulum-v1"
     for e in range(B):
         ours = [(r, n) for env, r, n in games if env == e]
         theirs = [(float(r), int(n)) for env, r, n in replay_games if env == e]
         assert ours[:len(theirs)] == theirs, f"env {e}"
+
+
+@pytest.mark.timeout(300)
+def test_xla_normaliser_counts_every_observation(monkeypatch):
+    """Acrobot's preset normalises observations and rewards: the host statistics (which
+    checkpoints save) gain every observation the jitted loop saw, once, and the rollout holds
+    observations normalised by them."""
+    module = load_script("appo_envpool.py")
+    B, K = 4, 3
+    rollouts, _, shared = collect(module, "Acrobot-v1", B, 2, K, num_steps=16)
+    obs_mean, obs_var, count = shared.normalizer.obs_stats
+    _, return_var, return_count = shared.normalizer.return_stats
+    sampled = int(shared.sampled[0])  # one observation per action sent (the first ones: resets)
+    assert count == pytest.approx(1e-4 + sampled) and return_count == pytest.approx(1e-4 + sampled)
+    raw = replay("Acrobot-v1", B, rollouts)[0]
+    # Most of what the actor saw is replayed (it steps up to 2 rollouts beyond the last one queued).
+    np.testing.assert_allclose(obs_mean, raw.reshape(-1, raw.shape[-1]).mean(0), atol=0.2 * np.sqrt(obs_var).max())
+    normalised = np.concatenate([r["obs"] for r in rollouts])
+    assert np.abs(normalised).max() <= 10.0 and 0.3 < normalised.std() < 3.0
+    assert np.abs(np.concatenate([r["rewards"] for r in rollouts])).max() <= 10.0 and return_var > 0
+
+
+def test_xla_actor_refuses_float64_tasks():
+    """envpool's XLA interface passes MuJoCo's float64 observations and actions as they are; JAX
+    without x64 would read them as float32. The scripts say so before anything starts."""
+    for script in ASYNC_SCRIPTS:
+        module = load_script(script)
+        with pytest.raises(module.UsageError, match="float64.*without --xla-actor"):
+            module.resolve_args(module.Args(env_id="HalfCheetah-v4", xla_actor=True))
+        assert module.resolve_args(module.Args(env_id="HalfCheetah-v4")).num_splits == 1
