@@ -12,7 +12,7 @@ import envpool
 import jax
 import numpy as np
 import pytest
-from helpers import ASYNC_SCRIPTS, load_script
+from helpers import ASYNC_SCRIPTS, SCRIPT_TABLE, assert_ok, load_script, read_metrics, run_script, tag_values
 
 
 def collect(module, env_id, num_envs, num_splits, num_rollouts, version=7, num_steps=16, **flags):
@@ -118,3 +118,18 @@ def test_xla_actor_refuses_float64_tasks():
         with pytest.raises(module.UsageError, match="float64.*without --xla-actor"):
             module.resolve_args(module.Args(env_id="HalfCheetah-v4", xla_actor=True))
         assert module.resolve_args(module.Args(env_id="HalfCheetah-v4")).num_splits == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("script", ASYNC_SCRIPTS)
+def test_learns_cartpole_with_the_xla_actor(script, tmp_path):
+    """The same criteria and budget as test_scripts.py's test_learns_cartpole (seed 1)."""
+    run_dir = tmp_path / "run"
+    argv = ["--env-id", "CartPole-v1", "--seed", 1, "--eval-episodes", 0, "--run-dir", run_dir, "--xla-actor",
+            "--total-timesteps", SCRIPT_TABLE[script]["learning_timesteps"]]
+    assert_ok(run_script(script, argv, timeout=850))
+    returns = tag_values(read_metrics(run_dir), "charts/episodic_return")
+    windows = np.convolve(returns, np.ones(20) / 20, "valid")
+    assert windows.max() >= 475, f"best 20-episode mean {windows.max():.1f}"
+    assert np.mean(returns[-20:]) >= 200, f"last 20 episodes: {returns[-20:]}"
