@@ -131,7 +131,7 @@ class Args:
     xla_actor: bool = False
     """the actor's rollout as one jitted loop over envpool's XLA interface (recv, policy, the writes
     into the rollout, send): no Python per env step; the parameters are taken once per rollout, not
-    per step. Not with --lstm. Tested on the CPU (README: benchmark)"""
+    per step. Tested on the CPU (README: benchmark)"""
     actor_device_ids: list[int] = dataclasses.field(default_factory=lambda: [0])
     """this process's devices that run the policy for the envs (indices into jax.local_devices())"""
     learner_device_ids: list[int] = dataclasses.field(default_factory=lambda: [0])
@@ -266,8 +266,6 @@ def resolve_args(args: Args) -> Args:
     for name in ["gamma", "gae_lambda"]:
         if not 0.0 <= getattr(args, name) <= 1.0:
             raise UsageError(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
-    if args.xla_actor and args.lstm:
-        raise UsageError("--xla-actor does not carry an LSTM's state yet: pass one of --xla-actor, --lstm")
     if args.xla_actor and np.float64 in [s.dtype for s in jax.tree.leaves(space_tree(obs_space)) + [spaces(args.env_id)[1]]]:
         raise UsageError(f"--xla-actor: {args.env_id} has float64 observations or actions, which envpool's XLA interface "
                          "passes as is and JAX (without jax_enable_x64) cannot; run it without --xla-actor")
@@ -952,12 +950,14 @@ def make_xla_rollout(envs, policy_step, args):
     handle, recv, send, _ = envs.xla()
     space, first = envs.action_space, zeros_like_space(envs.observation_space, 1)
     games = {"env": np.zeros(E, np.int32), "return": np.zeros(E, np.float32), "length": np.zeros(E, np.int32)}
+    memory = zero_core(args.lstm_size, B)[0] if args.lstm else None  # (c, h) [B, lstm_size], by env id
 
     def init(key, R):
-        ring = {"bootstrapped": np.zeros((B,), bool), **new_rollout(T, B, first, space)}
+        ring = {"bootstrapped": np.zeros((B,), bool), **new_rollout(T, B, first, space, memory)}
         return {"handle": handle, "key": key, "steps": np.zeros(B, np.int32), "prev_dones": np.zeros(B, bool),
                 "returns": np.zeros(B, np.float32), "ring": jax.tree.map(lambda x: np.stack([x] * R), ring),
-                "games": games, "count": np.int32(0), "oldest": np.int32(0), "norm": None, "norm_returns": np.zeros(B, np.float32)}
+                "games": games, "count": np.int32(0), "oldest": np.int32(0), "norm": None,
+                "norm_returns": np.zeros(B, np.float32), "memory": memory}
 
     def body(R, params, version, c):
         c, ring = dict(c), dict(c["ring"])
@@ -972,6 +972,8 @@ def make_xla_rollout(envs, policy_step, args):
         c["count"], c["returns"] = c["count"] + over.sum(), returns.at[ids].multiply(1.0 - over)
         done = terminated | truncated
         c, obs, reward = xla_normalize(c, obs, reward, done, ids, args)
+        core = None if memory is None else (  # --lstm: the envs' states; which observations start an episode
+            jax.tree.map(lambda m: m[ids], c["memory"]), c["prev_dones"][ids] | (n == 0))
         ended = n > 0  # the observation ends env step n - 1: its reward and dones
         c["prev_dones"] = c["prev_dones"].at[ids].set(jnp.where(ended, done, c["prev_dones"][ids]))
         slot, row = jnp.where(ended, (n - 1) // T % R, R), (n - 1) % T  # R: dropped
@@ -980,11 +982,16 @@ def make_xla_rollout(envs, policy_step, args):
         slot = jnp.where(ended & (n % T == 0), slot, R)  # ... and is the bootstrap_obs of its rollout
         ring["bootstrap_obs"] = jax.tree.map(lambda b, x: b.at[slot, ids].set(x, mode="drop"), ring["bootstrap_obs"], obs)
         ring["bootstrapped"] = ring["bootstrapped"].at[slot, ids].set(True, mode="drop")
-        action, logprob, _, _, c["key"] = policy_step(params, obs, None, c["key"])
+        action, logprob, _, state, c["key"] = policy_step(params, obs, core, c["key"])
         slot, row = n // T % R, n % T  # env step n
         ring["obs"] = jax.tree.map(lambda b, x: b.at[slot, row, ids].set(x), ring["obs"], obs)
-        for name, x in (("valid", 1.0 - c["prev_dones"][ids]), ("policy_version", version), ("actions", action), ("logprobs", logprob)):
+        stamps = {"valid": 1.0 - c["prev_dones"][ids], "policy_version": version, "actions": action, "logprobs": logprob}
+        for name, x in dict(stamps, **({} if core is None else {"first": core[1]})).items():
             ring[name] = ring[name].at[slot, row, ids].set(x)
+        if core is not None:  # a rollout records the states before its row 0 (as actor_loop)
+            start = jnp.where(row == 0, slot, R)
+            ring["state"] = jax.tree.map(lambda b, x: b.at[start, ids].set(x, mode="drop"), ring["state"], core[0])
+            c["memory"] = jax.tree.map(lambda m, x: m.at[ids].set(x), c["memory"], state)
         action = action if hasattr(space, "n") else jnp.clip(action, space.low, space.high)
         c["handle"], c["steps"] = send(c["handle"], action, ids), c["steps"].at[ids].add(1)
         return dict(c, ring=ring)
@@ -1041,7 +1048,8 @@ def xla_actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_roll
         timing["env"] += (now := time.perf_counter()) - start
         xla_norm_to(shared.normalizer, carry)
         shared.sampled[thread] = int(steps.sum())
-        shared.report_episodes(start_step + int(shared.sampled.sum()), list(zip(*(games[k][:count].tolist() for k in games))))
+        games = list(zip(*(games[k][:count].tolist() for k in games)))  # [(env, return, length)]
+        shared.report_episodes(start_step + int(shared.sampled.sum()), games)
         if not complete:  # an env ran R rollouts ahead of another (one env's step took that long)
             carry, R = jax.device_put(grown(carry, R), device), 2 * R
             continue
@@ -1057,8 +1065,9 @@ def combined(a, b):
     numpy on the host, jax.numpy in the jitted loop."""
     (mean_a, var_a, n_a), (mean_b, var_b, n_b) = a, b
     n = n_a + n_b
-    mean = jax.tree.map(lambda m, d: m + d * n_b / n, mean_a, jax.tree.map(lambda x, y: y - x, mean_a, mean_b))
-    var = jax.tree.map(lambda ma, va, mb, vb: (va * n_a + vb * n_b + (mb - ma) ** 2 * n_a * n_b / n) / n, mean_a, var_a, mean_b, var_b)
+    mean = jax.tree.map(lambda ma, mb: ma + (mb - ma) * n_b / n, mean_a, mean_b)
+    var = jax.tree.map(lambda ma, va, mb, vb: (va * n_a + vb * n_b + (mb - ma) ** 2 * n_a * n_b / n) / n,
+                       mean_a, var_a, mean_b, var_b)
     return mean, var, n
 
 
@@ -1901,8 +1910,9 @@ def train(args: Args, given, signals: Signals) -> int:
 
     queues = [queue.Queue(maxsize=args.queue_size) for _ in actors]
     threads = [
-        start_thread(f"actor {i}" if i else "actor", xla_actor_loop if args.xla_actor else actor_loop, shared, envs[i], policy_step, shared, queues[i],
-                     actor_key(key, jax.process_index() * len(actors) + i), args, num_updates - start_update, global_step, device, i)
+        start_thread(f"actor {i}" if i else "actor", xla_actor_loop if args.xla_actor else actor_loop, shared, envs[i],
+                     policy_step, shared, queues[i], actor_key(key, jax.process_index() * len(actors) + i), args,
+                     num_updates - start_update, global_step, device, i)
         for i, (device, _) in enumerate(actors)
     ]
     threads.append(start_thread("learner", learner_loop, shared, update, shared, queues, update_key, args, num_updates,

@@ -10,6 +10,7 @@ import queue
 
 import envpool
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import ASYNC_SCRIPTS, SCRIPT_TABLE, assert_ok, load_script, read_metrics, run_script, tag_values
@@ -29,6 +30,7 @@ def collect(module, env_id, num_envs, num_splits, num_rollouts, version=7, num_s
     games = []
     while not shared.reports.empty():
         games += shared.reports.get()[1]["episodes"]
+    shared.network, shared.continuous = network, continuous
     return [rollouts.get_nowait() for _ in range(num_rollouts)], games, shared
 
 
@@ -54,18 +56,21 @@ def replay(env_id, num_envs, rollouts):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("env_id, num_splits, ring", [
-    ("CartPole-v1", 1, 2), ("CartPole-v1", 2, 2), ("CartPole-v1", 2, 1), ("Pendulum-v1", 2, 2)])
+@pytest.mark.parametrize("env_id, num_splits, ring, lstm", [
+    ("CartPole-v1", 1, 2, False), ("CartPole-v1", 2, 2, False), ("CartPole-v1", 2, 1, False),
+    ("Pendulum-v1", 2, 2, False), ("CartPole-v1", 2, 1, True)])
 @pytest.mark.parametrize("script", ASYNC_SCRIPTS)
-def test_xla_rollouts_match_a_replay_of_their_actions(script, env_id, num_splits, ring, monkeypatch):
+def test_xla_rollouts_match_a_replay_of_their_actions(script, env_id, num_splits, ring, lstm, monkeypatch):
     """Ring 1: the first call stops short when envs finish the first rollout (their next step would
-    leave the ring), and the ring grows (`grown`): the path an env that runs ahead takes."""
+    leave the ring), and the ring grows (`grown`): the path an env that runs ahead takes. The
+    log-probabilities are recomputed by the learner's forward pass (with --lstm, from the state
+    the rollout recorded), and with --lstm that state from the replayed observations."""
     module = load_script(script)
     monkeypatch.setattr(module, "XLA_RING", ring)
     grown, sizes = module.grown, []
     monkeypatch.setattr(module, "grown", lambda carry, R: sizes.append(R) or grown(carry, R))
     B, T, K = 8, 16, 5
-    rollouts, games, shared = collect(module, env_id, B, num_splits, K, norm_obs=False, norm_reward=False)  # raw
+    rollouts, games, shared = collect(module, env_id, B, num_splits, K, norm_obs=False, norm_reward=False, lstm=lstm)
     obs, rewards, dones, truncs, replay_games = replay(env_id, B, rollouts)
     assert shared.sampled[0] >= K * T * B and (dones.any() or env_id == "Pendulum-v1")  # 200-step games
     assert (sizes[:1] == [1]) == (ring == 1), sizes
@@ -80,7 +85,17 @@ def test_xla_rollouts_match_a_replay_of_their_actions(script, env_id, num_splits
         previous = np.concatenate([np.zeros((1, B), bool), dones])[rows]
         np.testing.assert_array_equal(rollout["valid"], 1.0 - previous)
         assert (rollout["policy_version"] == 7).all()
-        assert rollout["logprobs"].shape == (T, B) and np.isfinite(rollout["logprobs"]).all()
+        params = shared.latest[0]
+        logprobs = module.rollout_forward(shared.network, params, jax.tree.map(jnp.asarray, rollout), shared.continuous)[0]
+        np.testing.assert_allclose(rollout["logprobs"], logprobs, atol=1e-4, err_msg=f"rollout {k}")
+        if lstm:  # episodes start at step 0 and 2 steps after an end (the step between: the reset);
+            # the state before row 0: from those starts, fed every observation before it
+            starts = np.concatenate([np.ones((1, B), bool), np.zeros((1, B), bool), dones[:-2]])
+            np.testing.assert_array_equal(rollout["first"], starts[rows])
+            core = module.zero_core(shared.network.lstm_size, B)
+            if k:
+                _, _, core = shared.network.apply(params, obs[:k * T], (core[0], starts[:k * T]))
+            np.testing.assert_allclose(rollout["state"], core[0] if not k else core, atol=1e-5, err_msg=f"rollout {k}")
     # Every game that ended within the rollouts' steps was reported, in order, with its score and
     # length (the actor also ends games in the steps it took beyond the last rollout).
     assert replay_games or env_id == "Pendulum-v1"
