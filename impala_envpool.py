@@ -238,9 +238,6 @@ def resolve_args(args: Args) -> Args:
     for name in ["gamma", "rmsprop_alpha", "rmsprop_momentum"]:
         if not 0.0 <= getattr(args, name) <= 1.0:
             raise UsageError(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
-    if args.xla_actor and np.float64 in [s.dtype for s in jax.tree.leaves(space_tree(obs_space)) + [spaces(args.env_id)[1]]]:
-        raise UsageError(f"--xla-actor: {args.env_id} has float64 observations or actions, which envpool's XLA interface "
-                         "passes as is and JAX (without jax_enable_x64) cannot; run it without --xla-actor")
     if args.num_envs % args.num_splits:
         raise UsageError(f"--num-splits {args.num_splits} must divide --num-envs {args.num_envs} "
                          "(left out, --num-splits is 2 with image observations, else 1)")
@@ -889,8 +886,11 @@ def make_xla_rollout(envs, policy_step, args):
     rollouts ahead of the oldest; `grown` then doubles R. `init(key, R)`: the first carry; its
     "norm": see xla_normalize."""
     T, B, E = args.num_steps, args.num_envs, 2 * args.num_steps * args.num_envs  # E: games a call can end
-    handle, recv, send, _ = envs.xla()
-    space, first = envs.action_space, zeros_like_space(envs.observation_space, 1)
+    space = envs.action_space
+    x64 = np.float64 in [s.dtype for s in jax.tree.leaves(space_tree(envs.observation_space)) + [space]]
+    with jax.enable_x64(x64):  # envpool's XLA interface passes float64 (MuJoCo) as it is: so must JAX, in this thread
+        handle, recv, send, _ = envs.xla()
+    first = f32(zeros_like_space(envs.observation_space, 1))
     games = {"env": np.zeros(E, np.int32), "return": np.zeros(E, np.float32), "length": np.zeros(E, np.int32)}
     memory = zero_core(args.lstm_size, B)[0] if args.lstm else None  # (c, h) [B, lstm_size], by env id
 
@@ -904,14 +904,14 @@ def make_xla_rollout(envs, policy_step, args):
     def body(R, params, version, c):
         c, ring = dict(c), dict(c["ring"])
         c["handle"], (obs, reward, terminated, truncated, info) = recv(c["handle"])
-        ids, n = info["env_id"], c["steps"][info["env_id"]]
+        obs, ids, n = f32(obs), info["env_id"], c["steps"][info["env_id"]]
         reward = jnp.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's reward is undefined
         over = info.get("terminated", terminated).astype(bool) | truncated  # game scores, as EpisodeStats
         returns = c["returns"].at[ids].add(info.get("reward", reward))
         at = jnp.where(over, c["count"] + jnp.cumsum(over) - 1, E)  # E: dropped
         for name, x in zip(games, (ids, returns[ids], info["elapsed_step"])):
             c["games"] = dict(c["games"], **{name: c["games"][name].at[at].set(x, mode="drop")})
-        c["count"], c["returns"] = c["count"] + over.sum(), returns.at[ids].multiply(1.0 - over)
+        c["count"], c["returns"] = c["count"] + over.sum(dtype=jnp.int32), returns.at[ids].multiply(1.0 - over)
         done = terminated | truncated
         c, obs, reward = xla_normalize(c, obs, reward, done, ids, args)
         core = None if memory is None else (  # --lstm: the envs' states; which observations start an episode
@@ -920,21 +920,22 @@ def make_xla_rollout(envs, policy_step, args):
         c["prev_dones"] = c["prev_dones"].at[ids].set(jnp.where(ended, done, c["prev_dones"][ids]))
         slot, row = jnp.where(ended, (n - 1) // T % R, R), (n - 1) % T  # R: dropped
         for name, x in (("rewards", reward), ("truncated", truncated), ("dones", done)):
-            ring[name] = ring[name].at[slot, row, ids].set(x, mode="drop")
+            ring[name] = ring[name].at[slot, row, ids].set(x.astype(ring[name].dtype), mode="drop")
         slot = jnp.where(ended & (n % T == 0), slot, R)  # ... and is the bootstrap_obs of its rollout
         ring["bootstrap_obs"] = jax.tree.map(lambda b, x: b.at[slot, ids].set(x, mode="drop"), ring["bootstrap_obs"], obs)
         ring["bootstrapped"] = ring["bootstrapped"].at[slot, ids].set(True, mode="drop")
         action, logprob, _, state, c["key"] = policy_step(params, obs, core, c["key"])
+        action = f32(action)  # as the env gets it (the policy samples float64 under x64)
         slot, row = n // T % R, n % T  # env step n
         ring["obs"] = jax.tree.map(lambda b, x: b.at[slot, row, ids].set(x), ring["obs"], obs)
         stamps = {"valid": 1.0 - c["prev_dones"][ids], "policy_version": version, "actions": action, "logprobs": logprob}
         for name, x in dict(stamps, **({} if core is None else {"first": core[1]})).items():
-            ring[name] = ring[name].at[slot, row, ids].set(x)
+            ring[name] = ring[name].at[slot, row, ids].set(jnp.asarray(x, ring[name].dtype))
         if core is not None:  # a rollout records the states before its row 0 (as actor_loop)
             start = jnp.where(row == 0, slot, R)
             ring["state"] = jax.tree.map(lambda b, x: b.at[start, ids].set(x, mode="drop"), ring["state"], core[0])
             c["memory"] = jax.tree.map(lambda m, x: m.at[ids].set(x), c["memory"], state)
-        action = action if hasattr(space, "n") else jnp.clip(action, space.low, space.high)
+        action = action.astype(jnp.int32) if hasattr(space, "n") else jnp.clip(action, space.low, space.high).astype(space.dtype)
         c["handle"], c["steps"] = send(c["handle"], action, ids), c["steps"].at[ids].add(1)
         return dict(c, ring=ring)
 
@@ -952,9 +953,18 @@ def make_xla_rollout(envs, policy_step, args):
             ring["bootstrapped"] = ring["bootstrapped"].at[slot].set(ring["bootstrapped"][slot] & ~complete)
             return dict(carry, ring=ring, oldest=carry["oldest"] + complete), rollout, complete, carry["games"], carry["count"]
 
-        return call
+        def call_x64(carry, params, version):
+            with jax.enable_x64(x64):
+                return call(carry, params, version)
+
+        return call_x64
 
     return init, collect
+
+
+def f32(tree):
+    """float64 leaves as float32 (envpool's MuJoCo observations, under --xla-actor)."""
+    return jax.tree.map(lambda x: x.astype(np.float32) if x.dtype == np.float64 else x, tree)
 
 
 def grown(carry, R: int):
@@ -990,7 +1000,7 @@ def xla_actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_roll
         timing["env"] += (now := time.perf_counter()) - start
         xla_norm_to(shared.normalizer, carry)
         shared.sampled[thread] = int(steps.sum())
-        games = list(zip(*(games[k][:count].tolist() for k in games)))  # [(env, return, length)]
+        games = list(zip(*(games[k][:count].tolist() for k in ("env", "return", "length"))))  # (jit sorts dict keys)
         shared.report_episodes(start_step + int(shared.sampled.sum()), games)
         if not complete:  # an env ran R rollouts ahead of another (one env's step took that long)
             carry, R = jax.device_put(grown(carry, R), device), 2 * R
