@@ -906,13 +906,7 @@ def make_xla_rollout(envs, policy_step, args):
         c["handle"], (obs, reward, terminated, truncated, info) = recv(c["handle"])
         obs, ids, n = f32(obs), info["env_id"], c["steps"][info["env_id"]]
         reward = jnp.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's reward is undefined
-        over = info.get("terminated", terminated).astype(bool) | truncated  # game scores, as EpisodeStats
-        returns = c["returns"].at[ids].add(info.get("reward", reward))
-        at = jnp.where(over, c["count"] + jnp.cumsum(over) - 1, E)  # E: dropped
-        for name, x in zip(games, (ids, returns[ids], info["elapsed_step"])):
-            c["games"] = dict(c["games"], **{name: c["games"][name].at[at].set(x, mode="drop")})
-        c["count"], c["returns"] = c["count"] + over.sum(dtype=jnp.int32), returns.at[ids].multiply(1.0 - over)
-        done = terminated | truncated
+        c, done = xla_games(c, ids, reward, terminated, truncated, info), terminated | truncated
         c, obs, reward = xla_normalize(c, obs, reward, done, ids, args)
         core = None if memory is None else (  # --lstm: the envs' states; which observations start an episode
             jax.tree.map(lambda m: m[ids], c["memory"]), c["prev_dones"][ids] | (n == 0))
@@ -960,6 +954,17 @@ def make_xla_rollout(envs, policy_step, args):
         return call_x64
 
     return init, collect
+
+
+def xla_games(c, ids, reward, terminated, truncated, info):
+    """EpisodeStats.update in the jitted loop of --xla-actor: each game that ends (all of Atari's
+    lives) goes into c["games"] as (env, raw score, length), c["count"] of them in this call."""
+    over = info.get("terminated", terminated).astype(bool) | truncated
+    returns = c["returns"].at[ids].add(info.get("reward", reward))
+    at = jnp.where(over, c["count"] + jnp.cumsum(over) - 1, len(c["games"]["env"]))  # past the end: dropped
+    values = {"env": ids, "return": returns[ids], "length": info["elapsed_step"]}
+    games = {name: c["games"][name].at[at].set(x, mode="drop") for name, x in values.items()}
+    return dict(c, games=games, count=c["count"] + over.sum(dtype=jnp.int32), returns=returns.at[ids].multiply(1.0 - over))
 
 
 def f32(tree):
