@@ -885,20 +885,19 @@ def make_xla_rollout(envs, policy_step, args):
     split), into the next ones. The loop stops short (complete False) before an env would write R
     rollouts ahead of the oldest; `grown` then doubles R. `init(key, R)`: the first carry; its
     "norm": see xla_normalize."""
-    T, B, E = args.num_steps, args.num_envs, 2 * args.num_steps * args.num_envs  # E: games a call can end
+    T, B = args.num_steps, args.num_envs
     space = envs.action_space
     x64 = np.float64 in [s.dtype for s in jax.tree.leaves(space_tree(envs.observation_space)) + [space]]
     with jax.enable_x64(x64):  # envpool's XLA interface passes float64 (MuJoCo) as it is: so must JAX, in this thread
         handle, recv, send, _ = envs.xla()
     first = f32(zeros_like_space(envs.observation_space, 1))
-    games = {"env": np.zeros(E, np.int32), "return": np.zeros(E, np.float32), "length": np.zeros(E, np.int32)}
     memory = zero_core(args.lstm_size, B)[0] if args.lstm else None  # (c, h) [B, lstm_size], by env id
 
     def init(key, R):
         ring = {"bootstrapped": np.zeros((B,), bool), **new_rollout(T, B, first, space, memory)}
         return {"handle": handle, "key": key, "steps": np.zeros(B, np.int32), "prev_dones": np.zeros(B, bool),
                 "returns": np.zeros(B, np.float32), "ring": jax.tree.map(lambda x: np.stack([x] * R), ring),
-                "games": games, "count": np.int32(0), "oldest": np.int32(0), "norm": None,
+                "count": np.int32(0), "oldest": np.int32(0), "norm": None,
                 "norm_returns": np.zeros(B, np.float32), "memory": memory}
 
     def body(R, params, version, c):
@@ -940,12 +939,13 @@ def make_xla_rollout(envs, policy_step, args):
 
         @functools.partial(jax.jit, donate_argnums=0)
         def call(carry, params, version):
-            carry = jax.lax.while_loop(running, functools.partial(body, R, params, version), dict(carry, count=0))
-            slot, ring = carry["oldest"] % R, dict(carry["ring"])
+            games = {k: jnp.zeros(R * T * B, dtype) for k, dtype in [("env", int), ("return", float), ("length", int)]}
+            carry = jax.lax.while_loop(running, functools.partial(body, R, params, version), dict(carry, count=0, games=games))
+            slot, ring, games = carry["oldest"] % R, dict(carry["ring"]), carry.pop("games")  # a call ends < R T B games
             rollout = {k: jax.tree.map(lambda x: x[slot], v) for k, v in ring.items() if k != "bootstrapped"}
             complete = ring["bootstrapped"][slot].all()  # then the slot starts the next rollout R on
             ring["bootstrapped"] = ring["bootstrapped"].at[slot].set(ring["bootstrapped"][slot] & ~complete)
-            return dict(carry, ring=ring, oldest=carry["oldest"] + complete), rollout, complete, carry["games"], carry["count"]
+            return dict(carry, ring=ring, oldest=carry["oldest"] + complete), rollout, complete, games, carry["count"]
 
         def call_x64(carry, params, version):
             with jax.enable_x64(x64):

@@ -31,11 +31,12 @@ def test_benchmark_quick_writes_valid_results(tmp_path):
         assert math.isfinite(row["sps"]) and row["sps"] > 0
         assert row["fps"] == row["sps"]  # CartPole has no frame skip: frames = agent steps
     kinds = [r["kind"] for r in rows]
-    assert kinds.count("ceiling") == 2 and kinds.count("sampler") == 3
+    assert kinds.count("ceiling") == 2 and kinds.count("sampler") == 5
     ceilings = [r for r in rows if r["kind"] == "ceiling"]
     assert all(r["script"] is None for r in ceilings)
-    samplers = sorted((r for r in rows if r["kind"] == "sampler"), key=lambda r: (r["lstm"], r["num_splits"]))
-    assert [(r["num_splits"], r["lstm"]) for r in samplers] == [(1, False), (2, False), (2, True)]
+    samplers = sorted((r for r in rows if r["kind"] == "sampler"), key=lambda r: (r["xla_actor"], r["lstm"], r["num_splits"]))
+    assert [(r["num_splits"], r["lstm"], r["xla_actor"]) for r in samplers] == [
+        (1, False, False), (2, False, False), (2, True, False), (1, False, True), (2, False, True)]
     assert all(r["num_threads"] == 1 for r in samplers)
     for r in samplers:  # envpool's thread and the actor on separate cores, where there are two
         if len(os.sched_getaffinity(0)) > 1:
@@ -45,16 +46,22 @@ def test_benchmark_quick_writes_valid_results(tmp_path):
     one_thread = next(r for r in ceilings if r["num_threads"] == 1)
     for r in samplers:
         assert abs(r["fraction_of_ceiling"] - r["sps"] / one_thread["sps"]) < 1e-9
-    e2e = {r["script"] for r in rows if r["kind"] == "end_to_end"}
-    assert e2e == set(SCRIPTS), e2e
+    e2e = {(r["script"], r["xla_actor"]) for r in rows if r["kind"] == "end_to_end"}
+    assert e2e == {(script, False) for script in SCRIPTS} | {(script, True) for script in SCRIPTS[1:]}, e2e
     for r in rows:
         if r["kind"] == "end_to_end":
             assert r["updates"] >= 2 and 0 <= r["busy"]["update"] <= 1.05
             assert r["num_splits"] == (None if r["script"] == "ppo_sync_baseline.py" else 1)  # CartPole: 1 split by default
     table = (out / "results.md").read_text()
     assert "Double buffering" in table and "| end_to_end" not in table  # tables, not raw rows
-    e2e_sps = {r["script"]: r["sps"] for r in rows if r["kind"] == "end_to_end"}
-    assert f"| {e2e_sps['appo_envpool.py'] / e2e_sps['ppo_sync_baseline.py']:.2f}x |" in table  # of sync
+    e2e_sps = {(r["script"], r["xla_actor"]): r["sps"] for r in rows if r["kind"] == "end_to_end"}
+    sync = e2e_sps["ppo_sync_baseline.py", False]
+    for script in SCRIPTS[1:]:  # of sync, with either actor
+        for xla in (False, True):
+            assert f"| {script}{' --xla-actor' * xla} | 8 | 1 | 64 | {e2e_sps[script, xla]:.0f} |" in table
+            assert f"| {e2e_sps[script, xla] / sync:.2f}x |" in table
+    xla_ratio = samplers[4]["sps"] / samplers[3]["sps"]
+    assert f"Double buffering with --xla-actor: 2 splits / 1 split = **{xla_ratio:.2f}x**." in table
     lstm_ratio = samplers[2]["sps"] / samplers[1]["sps"]
     assert f"Recurrent actor: the --lstm sampler / the feed-forward one (2 splits) = **{lstm_ratio:.2f}x**" in table
     for png in ["sampler.png", "end_to_end.png"]:
