@@ -49,7 +49,7 @@ class Args:
     env_id: str = "Pong-v5"
     """envpool task to measure"""
     quick: bool = False
-    """about 2 minutes instead of about 10: shorter measurements, a smaller sweep"""
+    """about 5 minutes instead of about 20: shorter measurements, a smaller sweep"""
     num_envs: int = 64
     """environments for the ceiling and sampler measurements (2 splits of 32, as Cleanba's Atari
     runs: a large batch spreads each inference call's fixed cost; see README for 8 to 64)"""
