@@ -34,10 +34,11 @@ def collect(module, env_id, num_envs, num_splits, num_rollouts, version=7, num_s
     return [rollouts.get_nowait() for _ in range(num_rollouts)], games, shared
 
 
-def replay(env_id, num_envs, rollouts):
-    """Step a synchronous envpool with the recorded actions: (obs, rewards, dones, truncated)
-    [n + 1, B] and the games [(env, return, length)]."""
-    envs = envpool.make(env_id, env_type="gymnasium", num_envs=num_envs, seed=3, num_threads=1)
+def replay(env_id, num_envs, rollouts, module=None):
+    """Step a synchronous envpool (as `module` makes it for training, else envpool's defaults) with
+    the recorded actions: (obs, rewards, dones, truncated) [n + 1, B] and the games [(env, return, length)]."""
+    envs = module.make_env(env_id, num_envs, 3, 1, train=True) if module else \
+        envpool.make(env_id, env_type="gymnasium", num_envs=num_envs, seed=3, num_threads=1)
     obs, _ = envs.reset()
     seen, rewards, dones, truncs, games = [obs], [], [], [], []
     returns = np.zeros(num_envs)
@@ -59,7 +60,8 @@ def replay(env_id, num_envs, rollouts):
 @pytest.mark.parametrize("env_id, num_splits, ring, lstm", [
     ("CartPole-v1", 1, 2, False), ("CartPole-v1", 2, 2, False), ("CartPole-v1", 2, 1, False),
     ("Pendulum-v1", 2, 2, False), ("HalfCheetah-v4", 2, 2, False), ("CartPole-v1", 2, 1, True),
-    ("MountainCar-v0", 2, 2, False)])  # 200-step games of return -200: a return is not a length
+    ("MountainCar-v0", 2, 2, False),  # 200-step games of return -200: a return is not a length
+    ("Pong-v5", 2, 2, False)])  # uint8 images, the game score in info (training: lives end episodes)
 @pytest.mark.parametrize("script", ASYNC_SCRIPTS)
 def test_xla_rollouts_match_a_replay_of_their_actions(script, env_id, num_splits, ring, lstm, monkeypatch):
     """Ring 1: the first call stops short when envs finish the first rollout (their next step would
@@ -70,10 +72,11 @@ def test_xla_rollouts_match_a_replay_of_their_actions(script, env_id, num_splits
     monkeypatch.setattr(module, "XLA_RING", ring)
     grown, sizes = module.grown, []
     monkeypatch.setattr(module, "grown", lambda carry, R: sizes.append(R) or grown(carry, R))
-    B, T, K = 8, 16, 14 if env_id == "MountainCar-v0" else 5
+    B, T, K = 8, 16, {"MountainCar-v0": 14, "Pong-v5": 12}.get(env_id, 5)
     rollouts, games, shared = collect(module, env_id, B, num_splits, K, norm_obs=False, norm_reward=False, lstm=lstm)
-    obs, rewards, dones, truncs, replay_games = replay(env_id, B, rollouts)
+    obs, rewards, dones, truncs, replay_games = replay(env_id, B, rollouts, module)
     assert shared.sampled[0] >= K * T * B and (dones.any() or env_id not in ("CartPole-v1", "MountainCar-v0"))
+    assert (rewards != 0).any() or env_id != "Pong-v5"  # points were scored
     assert (sizes[:1] == [1]) == (ring == 1), sizes
     for k, rollout in enumerate(rollouts):
         rows = slice(k * T, (k + 1) * T)
