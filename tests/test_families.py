@@ -363,6 +363,9 @@ def test_the_header_line_names_the_split_count(script, tmp_path, capsys):
     assert module.main(module.Args(env_id="CartPole-v1", run_dir=str(tmp_path / "run"), **flags)) == 0
     header = next(line for line in capsys.readouterr().out.splitlines() if "updates of" in line)
     assert f"{script}: CartPole-v1 (preset CartPole, 1 split), " in header, header
+    assert module.main(module.Args(env_id="CartPole-v1", run_dir=str(tmp_path / "xla"), xla_actor=True, **flags)) == 0
+    header = next(line for line in capsys.readouterr().out.splitlines() if "updates of" in line)
+    assert f"{script}: CartPole-v1 (preset CartPole, 1 split, XLA actor), " in header, header
 
 
 NOT_SERVED = [
