@@ -602,12 +602,15 @@ def test_learns_halfcheetah_with_normalisation(script_name, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("seed", [1, 2])
-def test_learns_cartpole(script, seed, tmp_path):
+@pytest.mark.parametrize("seed, xla_actor", [(1, False), (2, False), (1, True)])
+def test_learns_cartpole(script, seed, xla_actor, tmp_path):
+    """At default flags; the asynchronous scripts also with --xla-actor (tests/test_xla_actor.py)."""
+    if xla_actor and not SCRIPT_TABLE[script]["asynchronous"]:
+        pytest.skip("--xla-actor is an asynchronous script's flag")
     run_dir = tmp_path / "run"
     argv = [
         "--env-id", "CartPole-v1", "--seed", seed, "--eval-episodes", 0, "--run-dir", run_dir,
-        "--total-timesteps", SCRIPT_TABLE[script]["learning_timesteps"],
+        "--total-timesteps", SCRIPT_TABLE[script]["learning_timesteps"], *["--xla-actor"] * xla_actor,
     ]
     result = run_script(script, argv, timeout=850)
     assert_ok(result)
