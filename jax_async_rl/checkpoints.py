@@ -1,0 +1,173 @@
+"""Checkpoints and what else a run wrote: saving one atomically, reading and checking one,
+restoring a state from it, continuing a run with its own flags (--resume), and importing the
+training script that wrote it (the tools in utils/ do).
+
+A checkpoint is flax's msgpack of {"state": params, optimiser state, global step, policy
+version and the normaliser's statistics; "config": the flags as JSON; "script": the training
+script's file name; "script_path": where it was}.
+"""
+
+import dataclasses
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import flax.serialization
+import jax
+import numpy as np
+
+from jax_async_rl.flags import UsageError
+
+CHECKPOINT = "checkpoint.msgpack"
+CONFIG = "config.json"
+METRICS = "metrics.jsonl"
+# This launch's (the machine's devices, the processes): never restored from the run on --resume.
+LAUNCH = ("distributed", "coordinator_address", "num_processes", "process_id", "actor_device_ids", "learner_device_ids")
+# What the network and its inputs were trained on: a resumed run cannot change these.
+FIXED_ON_RESUME = ("env_id", "norm_obs", "norm_reward", "lstm", "lstm_size")
+
+
+def checkpoint_path(path: str) -> str:
+    """A run folder or a checkpoint file -> the checkpoint file (which may not exist)."""
+    return os.path.join(path, CHECKPOINT) if os.path.isdir(path) else path
+
+
+def write_atomically(path: str, data: bytes):
+    """Write `data` to `path` through a temporary file, fsync and rename (then fsync the folder):
+    a crash mid-write keeps the old file."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def save_checkpoint(path: str, state: dict, args, normalizer, script: str):
+    """The state, the normaliser's statistics and the flags of `script`'s run, written atomically.
+    Process 0 alone writes; the others' calls do nothing."""
+    if jax.process_index():
+        return
+    payload = {
+        "state": flax.serialization.to_state_dict(jax.device_get(dict(state, **normalizer.state()))),
+        "config": json.dumps(dataclasses.asdict(args)),
+        "script": os.path.basename(script),
+        "script_path": os.path.abspath(script),
+    }
+    write_atomically(path, flax.serialization.msgpack_serialize(payload))
+
+
+def read_checkpoint(path: str) -> dict:
+    """The payload of a checkpoint written by a training script (or a user's copy of one):
+    {"state", "config" (a dict), "script" (its file name), maybe "script_path"}. UsageError if
+    the file is missing, unreadable (corrupt, truncated) or not one of this project's."""
+    if not os.path.isfile(path):
+        raise UsageError(f"no checkpoint at {path}; pass a run folder holding {CHECKPOINT}, or the file itself")
+    try:
+        with open(path, "rb") as f:
+            payload = flax.serialization.msgpack_restore(f.read())
+    except Exception as e:
+        raise UsageError(f"{path} is not a readable checkpoint ({type(e).__name__}); it may be corrupt or truncated")
+    missing = [key for key in ("state", "config", "script") if not isinstance(payload, dict) or key not in payload]
+    if missing:
+        raise UsageError(f"{path} is not a checkpoint of this project (no {', '.join(repr(k) for k in missing)} entry)")
+    script = payload["script"]
+    if not isinstance(script, str) or os.path.basename(script) != script or not script.endswith(".py"):
+        raise UsageError(f"{path} names its script as {script!r}, which is not a script's file name")
+    try:
+        config = json.loads(payload["config"])
+    except (TypeError, ValueError):
+        config = None
+    if not isinstance(config, dict) or not isinstance(config.get("env_id"), str) or not isinstance(payload["state"], dict):
+        raise UsageError(f"{path} has no readable config (with an env_id) or state; it is not a checkpoint of this project")
+    return dict(payload, config=config)
+
+
+def load_checkpoint(payload: dict, template: dict, path: str) -> dict:
+    """The checkpoint's state in the structure of `template`; UsageError if it does not fit."""
+    try:
+        state = flax.serialization.from_state_dict(template, payload["state"])
+        shapes_match = jax.tree.map(lambda a, b: np.shape(a) == np.shape(b), template, state)
+    except Exception as e:
+        raise UsageError(
+            f"--resume: {path} does not match this network/optimiser ({e}); it needs the run's flags and the "
+            "version of the script that wrote it"
+        )
+    if not all(jax.tree.leaves(shapes_match)):
+        raise UsageError(f"--resume: {path} has parameters of other shapes; use the flags of the run that wrote it")
+    return state
+
+
+def resume_args(args, given, script: str):
+    """With --resume: (the run's flags, those named in `given` replacing them; its checkpoint; the
+    flags changed). `given`: the flags named on the command line (None: those that differ from
+    Args' defaults). UsageError for a checkpoint of another script, or a flag that cannot change
+    mid-run. Without --resume: (args, None, {})."""
+    if not args.resume:
+        return args, None, {}
+    path = checkpoint_path(args.resume)
+    try:
+        payload = read_checkpoint(path)
+    except UsageError as e:
+        raise UsageError(f"--resume: {e}")
+    if payload["script"] != os.path.basename(script):
+        raise UsageError(f"--resume: {path} was written by {payload['script']}, not {os.path.basename(script)}")
+    defaults = type(args)()
+    fields = [f.name for f in dataclasses.fields(args) if f.name not in ("resume", "run_dir", *LAUNCH)]
+    if given is None:
+        given = {name for name in fields if getattr(args, name) != getattr(defaults, name)}
+    given = {name for name in given if getattr(args, name) is not None}  # None (the preset): the run's own
+    stored = {name: payload["config"].get(name, getattr(defaults, name)) for name in fields}
+    changed = {name: getattr(args, name) for name in fields if name in given and getattr(args, name) != stored[name]}
+    for name in FIXED_ON_RESUME:
+        if name in changed:
+            raise UsageError(
+                f"--resume: --{name.replace('_', '-')} cannot change mid-run ({path} has {stored[name]!r}); "
+                "start a new run to change it"
+            )
+    return dataclasses.replace(args, **{name: stored[name] for name in fields if name not in given}), payload, changed
+
+
+def load_script(path):
+    """Import a training script (one in the repository or a user's copy) from its file; nothing
+    runs at import. UsageError if it cannot be imported."""
+    path = Path(path).resolve()
+    module_name = path.stem
+    module = sys.modules.get(module_name)
+    if module is not None and Path(getattr(module, "__file__", "")).resolve() == path:
+        return module
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[module_name]
+        raise UsageError(f"{path} cannot be imported ({type(e).__name__}: {e}); is it a training script?")
+    return module
+
+
+def run_identity(run_dir: str) -> dict:
+    """{"script", "env_id", "seed"} of a run: from config.json (script = its exp_name, which
+    defaults to the script's name), else from the checkpoint (the script's file name)."""
+    config_file = os.path.join(run_dir, CONFIG)
+    if os.path.isfile(config_file):
+        try:
+            with open(config_file) as f:
+                config = json.load(f)
+            return {"script": str(config["exp_name"]), "env_id": str(config["env_id"]), "seed": config.get("seed")}
+        except (ValueError, KeyError, TypeError) as e:
+            raise UsageError(f"{config_file} is not a run's config ({type(e).__name__}: {e})")
+    ckpt = os.path.join(run_dir, CHECKPOINT)
+    if not os.path.isfile(ckpt):
+        raise UsageError(f"{run_dir} has neither {CONFIG} nor {CHECKPOINT}: which script and env wrote it is unknown")
+    payload = read_checkpoint(ckpt)
+    script = payload["script"][: -len(".py")]
+    return {"script": script, "env_id": str(payload["config"].get("env_id")), "seed": payload["config"].get("seed")}

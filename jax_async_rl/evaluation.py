@@ -1,0 +1,63 @@
+"""Scoring a policy: full games (no life-loss ends, unclipped rewards) with the script's own
+policy, as `cleanrl_utils.evals` plays a script's `Model`; optionally a video of one game.
+"""
+
+import os
+import sys
+import warnings
+
+import jax
+import numpy as np
+
+from jax_async_rl.tasks import EpisodeStats, env_action, env_kind, make_env
+
+
+def evaluate(policy, params, initial_core, args, normalizer, num_episodes: int, video_dir=None, signals=()):
+    """Play `num_episodes` full games; return the scores (game scores: all lives, raw rewards).
+
+    `policy(params, obs, core, key)` -> (actions, their log-probs, values, the core's state, key):
+    the script's jitted policy step; `initial_core(n)` the recurrent core of n envs before their
+    first step (None without one). Each env plays at most its share of the episodes, so that short
+    games are not favoured. With `video_dir`, the first episode of the first env is written to an
+    mp4 there. Stops early, with the scores so far and no video, once `signals` (the main thread's
+    received signals) fills.
+    """
+    num_envs = min(num_episodes, 8)
+    quota = np.full(num_envs, -(-num_episodes // num_envs))
+    render = video_dir is not None and env_kind(args.env_id) not in ("mujoco", "dm_control")
+    envs = make_env(
+        args.env_id, num_envs, args.seed + 10_000, 1, train=False, **({"render_mode": "rgb_array"} if render else {})
+    )
+    key = jax.random.PRNGKey(args.seed + 10_000)
+    stats = EpisodeStats(num_envs)
+    obs, info = envs.reset()
+    core, done, lives = initial_core(num_envs), np.zeros(num_envs, bool), info.get("lives")
+    scores, frames = [], []
+    while len(scores) < num_episodes and not signals:
+        if render and quota[0] == -(-num_episodes // num_envs):
+            frames.append(envs.render()[0])
+        action, _, _, state, key = policy(params, normalizer.observe(obs, train=False), core, key)
+        core = None if core is None else (state, done)  # --lstm: after an episode's end, one starts
+        obs, reward, terminated, truncated, info = envs.step(env_action(np.asarray(action), envs.action_space))
+        done = terminated | truncated
+        if lives is not None:  # Atari: as in training (episodic life), each life lost resets the LSTM
+            done, lives = done | (info["lives"] < lives), info["lives"]
+        reward = np.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's reward is undefined (dm_control: NaN at times)
+        stats.update(np.arange(num_envs), reward, terminated, truncated, info)
+        for env, ret, _ in stats.pop():
+            if quota[env] > 0:
+                scores.append(ret)
+                quota[env] -= 1
+    envs.close()
+    if signals:
+        return scores
+    if render and frames:
+        import imageio
+
+        os.makedirs(video_dir, exist_ok=True)
+        with warnings.catch_warnings():  # JAX warns of any fork; ffmpeg's fork + exec is safe
+            warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
+            imageio.mimsave(os.path.join(video_dir, "eval_episode_0.mp4"), frames, fps=30, macro_block_size=1)
+    elif video_dir is not None:
+        print("warning: MuJoCo rendering needs an OpenGL backend (set MUJOCO_GL); no video written", file=sys.stderr)
+    return scores[:num_episodes]

@@ -1,0 +1,175 @@
+"""Flags: the run flags every script shares (`RunArgs`, which a script's `Args` inherits), the
+checks of a flag's range declared next to it, presets, and the command line itself.
+
+A script declares a checked flag as `lr: Annotated[Optional[float], PRESET, POSITIVE] = None`:
+`PRESET` fills it from the task's preset when left out, `POSITIVE` rejects 0, negative and
+non-finite values with one line. `command_line(main, Args, PRESETS)` is the script's entry point:
+parse, run, and turn a `UsageError` into one `error: ...` line on stderr and exit code 2.
+"""
+
+import dataclasses
+import difflib
+import inspect
+import math
+import os
+import sys
+import threading
+import typing
+from dataclasses import dataclass
+from typing import Annotated, Optional
+
+import tyro
+
+
+class UsageError(Exception):
+    """A user's mistake: printed as one line, exit code 2, no traceback."""
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A flag's allowed range, declared in its annotation: `test(value)` must hold."""
+
+    test: typing.Callable
+    says: str  # "must be positive", ...
+
+    def check(self, name: str, value):
+        if value is None:
+            return
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"--{flag_name(name)} must be a finite number, got {value}")
+        if not self.test(value):
+            raise UsageError(f"--{flag_name(name)} {self.says}, got {value}")
+
+
+POSITIVE = Bound(lambda v: v > 0, "must be positive")
+NON_NEGATIVE = Bound(lambda v: v >= 0, "must be >= 0")
+UNIT = Bound(lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]")
+# Flags left at None take the value of the task's preset (the script's PRESETS).
+PRESET = tyro.conf.arg(help_behavior_hint="(default: preset)")
+# Flags that no longer exist, and where their job went: one line instead of tyro's box.
+RETIRED = {
+    "xla_actor": "the XLA actor is a script of its own now: python appo_envpool_xla.py (APPO; "
+                 "IMPALA's is gone: port it from `diff appo_envpool.py appo_envpool_xla.py`)",
+}
+
+
+def flag_name(field: str) -> str:
+    return field.replace("_", "-")
+
+
+@dataclass
+class RunArgs:
+    """The flags of a run that no algorithm changes: task, budget, devices, folder, logs."""
+
+    env_id: str = "Pong-v5"
+    """envpool task id of any single-agent family with Discrete or continuous actions: Atari `*-v5`,
+    classic control, Box2D (CarRacing-v3), MuJoCo, dm_control (CheetahRun-v1), MiniGrid and BabyAI,
+    MetaWorld, MyoSuite, Gymnasium-Robotics (FetchReach-v1), highway-env, gfootball, toy text, ..."""
+    seed: int = 1
+    """seed of the environments, the network initialisation and action sampling"""
+    total_timesteps: Annotated[int, POSITIVE] = 10_000_000
+    """training budget in environment (agent) steps, summed over all environments"""
+    actor_device_ids: list[int] = dataclasses.field(default_factory=lambda: [0])
+    """this process's devices that run the policy for the envs (indices into jax.local_devices())"""
+    learner_device_ids: list[int] = dataclasses.field(default_factory=lambda: [0])
+    """this process's devices that hold the parameters, replicated, and share each update's batch
+    along the env axis: the gradient is the mean over the global batch (XLA all-reduces it)"""
+    distributed: bool = False
+    """join the run's other processes through jax.distributed; each runs this command with its own
+    envs; all update in lockstep and process 0 alone writes the run folder"""
+    coordinator_address: str = ""
+    """with --distributed: host:port of process 0 (empty: detected from the cluster, e.g. SLURM)"""
+    num_processes: int = 0
+    """with --distributed: the number of processes (0: detected from the cluster)"""
+    process_id: int = -1
+    """with --distributed: this process's index, 0 to num_processes - 1 (-1: detected)"""
+    compile_cache: str = os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "jax-async-rl")
+    """folder of JAX's persistent compilation cache: a later run of the same configuration skips most
+    of XLA's compile (the Atari update's takes minutes on a CPU); '' turns it off"""
+    exp_name: Annotated[Optional[str], tyro.conf.arg(help_behavior_hint="(default: the script's file name)")] = None
+    """experiment name, part of the run folder's name"""
+    run_dir: Annotated[Optional[str], tyro.conf.arg(help_behavior_hint="(default: runs/{env_id}__{exp_name}__{seed}__{time})")] = None
+    """output folder; one that holds another run is refused (continue that one with --resume)"""
+    resume: Optional[str] = None
+    """continue this run folder (or checkpoint file) with its own flags; flags given here replace
+    them, except --env-id, --norm-obs and --norm-reward, which cannot change mid-run"""
+    save_interval: Annotated[int, NON_NEGATIVE] = 50
+    """write a checkpoint every this many updates (0: only at the end)"""
+    log_frequency: Annotated[int, POSITIVE] = 10
+    """log losses, timings and SPS every this many updates and after the last (returns: always)"""
+    eval_episodes: Annotated[int, NON_NEGATIVE] = 10
+    """episodes played with the final policy at the end of training (0: no evaluation)"""
+    capture_video: bool = False
+    """record an mp4 of one evaluation episode into {run_dir}/videos/"""
+    track: bool = False
+    """also log to Weights & Biases (needs `pip install wandb`, or the project's `wandb` extra)"""
+    wandb_project: str = "jax-async-rl"
+    """Weights & Biases project, with --track"""
+
+
+def with_preset(args, values: dict):
+    """`args` with the flags left at None set from `values` (a preset); an explicit flag wins."""
+    return dataclasses.replace(args, **{k: v for k, v in values.items() if getattr(args, k) is None})
+
+
+def check_bounds(args):
+    """UsageError (one line naming the flag) for the first flag outside the range its annotation
+    declares (POSITIVE, NON_NEGATIVE, UNIT) or a non-finite float flag."""
+    hints = typing.get_type_hints(type(args), include_extras=True)
+    for field in dataclasses.fields(args):
+        value = getattr(args, field.name)
+        for bound in getattr(hints[field.name], "__metadata__", ()):
+            if isinstance(bound, Bound):
+                bound.check(field.name, value)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"--{flag_name(field.name)} must be a finite number, got {value}")
+
+
+def describe_presets(args_class, presets: dict) -> str:
+    """--help's description: the Args docstring and the values each preset gives."""
+    lines = [f"  {name}: " + ", ".join(f"{k}={v}" for k, v in values.items()) for name, values in presets.items()]
+    return "\n".join([inspect.cleandoc(args_class.__doc__), "", "Presets:", *lines])
+
+
+def flags_given(argv, args_class) -> set:
+    """The Args fields named on a command line (`--flag value`, `--flag=value`, `--no-flag`)."""
+    fields = {f.name for f in dataclasses.fields(args_class)}
+    names = {token[2:].split("=")[0].replace("-", "_") for token in argv if token.startswith("--")}
+    return {name for name in names if name in fields} | {name[3:] for name in names if name.startswith("no_") and name[3:] in fields}
+
+
+def check_names(argv, args_class):
+    """UsageError for a flag this script does not have: where a retired flag's job went, or the
+    nearest names (tyro's own message is a box of many lines)."""
+    fields = [f.name for f in dataclasses.fields(args_class)]
+    for token in argv:
+        if token == "--" or not token.startswith("--") or token in ("--help",):
+            continue
+        name = token[2:].split("=")[0].replace("-", "_")
+        if name in fields or name.startswith("no_") and name[3:] in fields:
+            continue
+        if name in RETIRED or name.startswith("no_") and name[3:] in RETIRED:
+            raise UsageError(f"{token.split('=')[0]}: {RETIRED[name.removeprefix('no_')]}")
+        close = difflib.get_close_matches(name, fields, n=2, cutoff=0.6)
+        hint = f"; did you mean {' or '.join('--' + flag_name(c) for c in close)}?" if close else ""
+        raise UsageError(f"unknown flag {token.split('=')[0]}{hint} (--help lists them)")
+
+
+def command_line(main, args_class, presets: dict):
+    """A script's entry point: parse its flags, run `main(args, given)`, exit with its code; a
+    UsageError is one line on stderr and exit code 2. A thread still inside an XLA call would
+    abort interpreter shutdown, so then the process ends with os._exit."""
+    argv = sys.argv[1:]
+    try:
+        if not {"-h", "--help"} & set(argv):
+            check_names(argv, args_class)
+        exit_code = main(tyro.cli(args_class, args=argv, description=describe_presets(args_class, presets)),
+                         flags_given(argv, args_class))
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        exit_code = 2
+    if any(t.name.startswith(("actor", "learner")) and t.is_alive() for t in threading.enumerate()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)
+    sys.exit(exit_code)

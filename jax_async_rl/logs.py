@@ -1,0 +1,90 @@
+"""What a run reports: scalars to TensorBoard, metrics.jsonl and wandb (`Logger`), and the
+terminal's progress line (`Progress`). Both may be called from any thread.
+"""
+
+import json
+import os
+import threading
+import time
+from collections import deque
+from typing import Optional
+
+import numpy as np
+from tensorboardX import SummaryWriter
+
+from jax_async_rl.checkpoints import METRICS
+
+
+class Logger:
+    """TensorBoard events + metrics.jsonl ({"step", "wall_time", "tag", "value"} a line) + wandb.
+    `run_dir` None: a process other than 0, which logs nothing."""
+
+    def __init__(self, run_dir: Optional[str], args):
+        self.run_dir, self.lock = run_dir, threading.Lock()
+        if run_dir is None:
+            return
+        self.writer = SummaryWriter(run_dir)
+        self.jsonl = open(os.path.join(run_dir, METRICS), "a", buffering=1)
+        self.wandb = None
+        if args.track:
+            import wandb
+
+            self.wandb = wandb.init(project=args.wandb_project, config=vars(args), dir=run_dir, resume="allow")
+
+    def log(self, step: int, scalars: dict):
+        if self.run_dir is None:
+            return
+        with self.lock:
+            now = time.time()
+            for tag, value in scalars.items():
+                value = float(value)
+                self.writer.add_scalar(tag, value, step, walltime=now)
+                self.jsonl.write(json.dumps({"step": int(step), "wall_time": now, "tag": tag, "value": value}) + "\n")
+            if self.wandb is not None:
+                self.wandb.log(dict(scalars, global_step=step))
+
+    def close(self):
+        if self.run_dir is None:
+            return
+        with self.lock:
+            self.writer.close()
+            self.jsonl.close()
+            if self.wandb is not None:
+                self.wandb.finish()
+            self.run_dir = None
+
+
+class Progress:
+    """The terminal line, every `interval` s from a thread of its own, so that it never waits for a
+    compile or an update: env steps sampled and learned, SPS (sampled) over the last 30 s, the
+    mean game score of the last 20 episodes, and the time left at the learner's pace over the
+    same 30 s (n/a until the first update)."""
+
+    def __init__(self, total: int, counts, interval: float = 5.0):
+        self.total, self.counts, self.interval = total, counts, interval  # counts() -> (sampled, learned)
+        self.returns = deque(maxlen=20)
+        self.window = deque([(time.time(), *counts())], maxlen=7)
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="progress", daemon=True)
+        self.thread.start()
+
+    def line(self) -> str:
+        sampled, learned = self.counts()
+        self.window.append((time.time(), sampled, learned))
+        (then, sampled_then, learned_then), now = self.window[0], self.window[-1][0]
+        sps = (sampled - sampled_then) / max(now - then, 1e-9)
+        pace = (learned - learned_then) / max(now - then, 1e-9)
+        left = (self.total - learned) / pace if pace > 0 else None
+        eta = f"{int(left // 3600)}:{int(left % 3600 // 60):02d}:{int(left % 60):02d}" if left is not None else "n/a"
+        returns = list(self.returns)
+        mean_ret = f"{np.mean(returns):.1f}" if returns else "n/a"
+        return (f"step {sampled:>10d} sampled {learned:>10d} learned of {self.total}  SPS {sps:7.0f}  "
+                f"return(last 20) {mean_ret}  ETA {eta}")
+
+    def run(self):
+        while not self.done.wait(self.interval):
+            print(self.line(), flush=True)
+
+    def close(self):
+        self.done.set()
+        self.thread.join()
