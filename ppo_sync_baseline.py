@@ -8,91 +8,67 @@ References: Schulman et al. 2017 (PPO); Schulman et al. 2016 (GAE); Huang et al.
 "The 37 implementation details of PPO" (CleanRL), whose names and Atari defaults are used here;
 Petrenko et al. 2020, Sample Factory §4 (this is their synchronous PPO baseline).
 
-Usage: python ppo_sync_baseline.py --env-id Pong-v5     (--help lists every flag)
+The run itself (flags, folders, checkpoints, logs, devices) is the installed package
+`jax_async_rl`: this file holds the algorithm. Usage: python ppo_sync_baseline.py --env-id Pong-v5
 """
 
 import dataclasses
-import difflib
 import functools
-import hashlib
-import importlib.util
-import inspect
-import itertools
-import json
-import os
-import shutil
 import signal
-import sys
-import threading
 import time
-import warnings
-from collections import deque
 from dataclasses import dataclass
 from typing import Annotated, Optional
 
 if __name__ == "__main__":  # Ctrl-C while the libraries below import (seconds): exit 130, no traceback
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
-import envpool
-import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import tyro
-from jax.experimental import multihost_utils
-from tensorboardX import SummaryWriter
 
-
-# Flags left at None take the value of the task's preset (PRESETS below).
-PRESET = tyro.conf.arg(help_behavior_hint="(default: preset)")
+from jax_async_rl import devices, flags, runs, tasks
+from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, PRESET, UNIT, UsageError
+from jax_async_rl.normalize import Normalizer
 
 
 @dataclass
-class Args:
+class Args(flags.RunArgs):
     """Synchronous PPO (collect, then update). Every size is in agent steps unless it says frames.
 
     Flags shown with "(default: preset)" take the value of the task's preset (listed below; the
     PRESETS table in this file); an explicit flag wins, and config.json records the values used.
     """
 
-    env_id: str = "Pong-v5"
-    """envpool task id of any single-agent family with Discrete or continuous actions: Atari `*-v5`,
-    classic control, Box2D (CarRacing-v3), MuJoCo, dm_control (CheetahRun-v1), MiniGrid and BabyAI,
-    MetaWorld, MyoSuite, Gymnasium-Robotics (FetchReach-v1), highway-env, gfootball, toy text, ..."""
-    seed: int = 1
-    """seed of the environments, the network initialisation and action sampling"""
-    total_timesteps: int = 10_000_000
-    """training budget in environment (agent) steps, summed over all environments"""
-    num_envs: int = 8
+    num_envs: Annotated[int, POSITIVE] = 8
     """number of parallel environments of this process; an update's global batch is processes x
     num_envs x num_steps env steps (config.json records it)"""
-    num_steps: Annotated[Optional[int], PRESET] = None
+    num_steps: Annotated[Optional[int], PRESET, POSITIVE] = None
     """rollout length: steps per environment between two updates"""
-    learning_rate: Annotated[Optional[float], PRESET] = None
+    learning_rate: Annotated[Optional[float], PRESET, POSITIVE] = None
     """Adam learning rate, the start of the schedule when --anneal-lr"""
     anneal_lr: bool = True
     """decay the learning rate linearly to 0 over the run"""
-    gamma: Annotated[Optional[float], PRESET] = None
+    gamma: Annotated[Optional[float], PRESET, UNIT] = None
     """discount factor"""
-    gae_lambda: Annotated[Optional[float], PRESET] = None
+    gae_lambda: Annotated[Optional[float], PRESET, UNIT] = None
     """lambda of generalised advantage estimation"""
-    num_minibatches: Annotated[Optional[int], PRESET] = None
-    """minibatches per epoch; must divide the global batch, the envs of all actors x num_steps
-    (with an LSTM: the envs of all actors, as minibatches hold whole env sequences, and a preset's
-    count then becomes its greatest common divisor with them)"""
-    update_epochs: Annotated[Optional[int], PRESET] = None
+    num_minibatches: Annotated[Optional[int], PRESET, POSITIVE] = None
+    """minibatches per epoch; must divide the global batch, the envs of all processes x num_steps
+    (with an LSTM: the envs, as minibatches hold whole env sequences, and a preset's count then
+    becomes its greatest common divisor with them)"""
+    update_epochs: Annotated[Optional[int], PRESET, POSITIVE] = None
     """passes over each rollout"""
     norm_adv: bool = True
     """normalise advantages within each minibatch"""
-    clip_coef: Annotated[Optional[float], PRESET] = None
+    clip_coef: Annotated[Optional[float], PRESET, POSITIVE] = None
     """PPO ratio clipping epsilon"""
-    ent_coef: Annotated[Optional[float], PRESET] = None
+    ent_coef: Annotated[Optional[float], PRESET, NON_NEGATIVE] = None
     """weight of the entropy bonus"""
-    vf_coef: float = 0.5
+    vf_coef: Annotated[float, NON_NEGATIVE] = 0.5
     """weight of the value loss"""
-    max_grad_norm: float = 0.5
+    max_grad_norm: Annotated[float, POSITIVE] = 0.5
     """global gradient-norm clipping threshold"""
     norm_obs: Annotated[Optional[bool], PRESET] = None
     """True: normalise observations by a running mean and std, clipped to [-10, 10] (CleanRL, MuJoCo)"""
@@ -101,50 +77,14 @@ class Args:
     lstm: bool = False
     """an LSTM core between the encoder and the policy/value heads (TorchBeast's --use_lstm, Sample
     Factory's --use_rnn), its state carried per env and reset where an episode starts"""
-    lstm_size: int = 128
+    lstm_size: Annotated[int, POSITIVE] = 128
     """hidden units of the LSTM, the size of its h and of its c (CleanRL's ppo_atari_lstm.py: 128)"""
-    num_threads: int = 0
+    num_threads: Annotated[int, NON_NEGATIVE] = 0
     """envpool worker threads stepping the environments (0: one per CPU core, at most num_envs)"""
-    actor_device_ids: list[int] = dataclasses.field(default_factory=lambda: [0])
-    """this process's devices that run the policy for the envs (indices into jax.local_devices())"""
-    learner_device_ids: list[int] = dataclasses.field(default_factory=lambda: [0])
-    """this process's devices that hold the parameters, replicated, and share each update's batch
-    along the env axis: the gradient is the mean over the global batch (XLA all-reduces it)"""
-    distributed: bool = False
-    """join the run's other processes through jax.distributed; each runs this command with its own
-    envs; all update in lockstep and process 0 alone writes the run folder"""
-    coordinator_address: str = ""
-    """with --distributed: host:port of process 0 (empty: detected from the cluster, e.g. SLURM)"""
-    num_processes: int = 0
-    """with --distributed: the number of processes (0: detected from the cluster)"""
-    process_id: int = -1
-    """with --distributed: this process's index, 0 to num_processes - 1 (-1: detected)"""
-    compile_cache: str = os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "jax-async-rl")
-    """folder of JAX's persistent compilation cache: a later run of the same configuration skips most
-    of XLA's compile (the Atari update's takes minutes on a CPU); '' turns it off"""
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """experiment name, part of the run folder's name"""
-    run_dir: Annotated[Optional[str], tyro.conf.arg(help_behavior_hint="(default: runs/{env_id}__{exp_name}__{seed}__{time})")] = None
-    """output folder; one that holds another run is refused (continue that one with --resume)"""
-    resume: Optional[str] = None
-    """continue this run folder (or checkpoint file) with its own flags; flags given here replace
-    them, except --env-id, --norm-obs and --norm-reward, which cannot change mid-run"""
-    save_interval: int = 50
-    """write a checkpoint every this many updates (0: only at the end)"""
-    log_frequency: int = 10
-    """log losses, timings and SPS every this many updates and after the last (returns: always)"""
-    eval_episodes: int = 10
-    """episodes played with the final policy at the end of training (0: no evaluation)"""
-    capture_video: bool = False
-    """record an mp4 of one evaluation episode into {run_dir}/videos/"""
-    track: bool = False
-    """also log to Weights & Biases (needs `pip install wandb`, or the project's `wandb` extra)"""
-    wandb_project: str = "jax-async-rl"
-    """Weights & Biases project, with --track"""
 
 
 # Defaults of the flags left at None: a task's own preset (by name, without its version), else its
-# family's (env_kind); an explicit flag always wins. rl-baselines3-zoo's batch sizes become
+# family's (tasks.env_kind); an explicit flag always wins. rl-baselines3-zoo's batch sizes become
 # minibatch counts at 8 envs; its gSDE exploration (Pendulum) is not reproduced.
 NO_NORM = dict(norm_obs=False, norm_reward=False)
 PRESETS = {
@@ -187,287 +127,26 @@ PRESETS = {
 }
 
 
-def describe_presets() -> str:
-    """--help's description: the Args docstring and the values each preset gives."""
-    lines = [f"  {name}: " + ", ".join(f"{k}={v}" for k, v in values.items()) for name, values in PRESETS.items()]
-    return "\n".join([inspect.cleandoc(Args.__doc__), "", "Presets:", *lines])
-
-
-# ---------------------------------------------------------------------------------------------
-# Errors, validation, environment
-# ---------------------------------------------------------------------------------------------
-
-
-class UsageError(Exception):
-    """A user's mistake: printed as one line, exit code 2, no traceback."""
-
-
 def resolve_args(args: Args) -> Args:
-    """Check the env id, fill the flags left at None from its preset, validate all.
-
-    Raises UsageError before any environment or thread starts.
-    """
-    known = envpool.list_all_envs()
-    if args.env_id not in known:
-        close = difflib.get_close_matches(args.env_id, known, n=3, cutoff=0.5)
-        hint = f"; did you mean {', '.join(close)}?" if close else "; see envpool.list_all_envs()"
-        raise UsageError(f"--env-id {args.env_id!r} is not an envpool task{hint}")
-    obs_space = check_task(args.env_id)
-    preset = PRESETS[preset_name(args.env_id)]
-    fill = {k: v for k, v in preset.items() if getattr(args, k) is None}
+    """The flags left at None filled from the task's preset, and all checked: UsageError, one
+    line, before anything starts (runs.checked holds the checks every script's flags take)."""
+    fill = tasks.preset_values(args, PRESETS)
     if args.lstm and "num_minibatches" in fill:  # whole env sequences: a preset's count that divides num_envs
-        fill["num_minibatches"] = int(np.gcd(fill["num_minibatches"], global_envs(args)))
-    args = dataclasses.replace(args, **fill)
-    if args.norm_obs and not any(np.issubdtype(s.dtype, np.floating) for s in jax.tree.leaves(space_tree(obs_space))):
-        raise UsageError(f"--norm-obs is for float observations; {args.env_id} has none: pass --norm-obs False")
-    if args.track and importlib.util.find_spec("wandb") is None:
-        raise UsageError("--track logs to Weights & Biases, which is not installed: pip install wandb")
-    for name in ["total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs", "log_frequency", "lstm_size"]:
-        if getattr(args, name) <= 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    for name in ["learning_rate", "clip_coef", "max_grad_norm"]:
-        if not getattr(args, name) > 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    for name in ["num_threads", "save_interval", "eval_episodes", "ent_coef", "vf_coef"]:
-        if getattr(args, name) < 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    for name in ["gamma", "gae_lambda"]:
-        if not 0.0 <= getattr(args, name) <= 1.0:
-            raise UsageError(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
+        fill["num_minibatches"] = int(np.gcd(fill["num_minibatches"], devices.global_envs(args)))
+    args = runs.checked(dataclasses.replace(args, **fill))
     if len(args.actor_device_ids) != 1:
         raise UsageError("--actor-device-ids: the synchronous loop acts on one device; give one id")
-    if global_envs(args) * args.num_steps % args.num_minibatches:
-        raise UsageError(f"--num-minibatches {args.num_minibatches} must divide the global batch {describe_batch(args)}")
-    if args.lstm and global_envs(args) % args.num_minibatches:
-        raise UsageError(f"--num-minibatches {args.num_minibatches} must divide the {global_envs(args)} envs of an update "
-                         "(--num-envs of every actor) with --lstm (a minibatch holds whole env sequences); pass a divisor")
-    if args.total_timesteps < global_envs(args) * args.num_steps:
-        raise UsageError(f"--total-timesteps {args.total_timesteps} is less than one update ({describe_batch(args)})")
+    if devices.global_envs(args) * args.num_steps % args.num_minibatches:
+        raise UsageError(f"--num-minibatches {args.num_minibatches} must divide the global batch {devices.describe_batch(args)}")
+    if args.lstm and devices.global_envs(args) % args.num_minibatches:
+        raise UsageError(f"--num-minibatches {args.num_minibatches} must divide the {devices.global_envs(args)} envs of an "
+                         "update with --lstm (a minibatch holds whole env sequences); pass a divisor")
     return args
-
-
-def local_envs(args: Args) -> int:
-    """The envs of this process, its share of every update's batch."""
-    return args.num_envs
-
-
-def global_envs(args: Args) -> int:
-    return jax.process_count() * local_envs(args)
-
-
-def describe_batch(args: Args) -> str:
-    """An update's batch, in words: processes x num_envs x num_steps."""
-    processes = jax.process_count()
-    return (f"{processes} process{'es' * (processes > 1)} x {args.num_envs} envs x {args.num_steps} steps "
-            f"= {global_envs(args) * args.num_steps} env steps")
-
-
-def check_task(env_id: str):
-    """The observation space of a task these scripts can train on; else UsageError, one line."""
-    try:
-        spec = envpool.make_spec(env_id)
-        obs_space, action_space = spaces(env_id)
-    except Exception as e:  # e.g. Procgen without the system Qt 5 runtime: envpool's line gives the install command
-        raise UsageError(f"--env-id {env_id} cannot be made here: {(str(e) or type(e).__name__).splitlines()[0]}")
-    if spec.config.max_num_players > 1:
-        raise UsageError(f"--env-id {env_id} is a {spec.config.max_num_players}-player task; these scripts train one agent")
-    kind = type(action_space).__name__
-    if not (kind == "Discrete" or kind == "Box" and np.issubdtype(action_space.dtype, np.floating)):
-        raise UsageError(
-            f"--env-id {env_id} has {action_space} actions (one discrete choice per dimension, as MultiDiscrete); "
-            "these scripts take Discrete or continuous (float Box) actions"
-        )
-    for leaf in jax.tree.leaves(space_tree(obs_space)):
-        if type(leaf).__name__ not in ("Box", "Discrete", "MultiBinary"):
-            raise UsageError(f"--env-id {env_id} has {type(leaf).__name__} observations; these scripts take Box, "
-                             "Discrete and MultiBinary observations and Dicts of them")
-    return obs_space
-
-
-# envpool's module of a task (envpool.mujoco.dmc, ...) -> the PRESETS family it takes.
-FAMILIES = {"atari": "atari", "mujoco.dmc": "dm_control", "minigrid": "minigrid", "highway": "highway", "gfootball": "gfootball",
-            "vizdoom": "vizdoom"}
-# VizDoom's buttons as one Discrete action: envpool's default is a float Box over [DBL_MIN, DBL_MAX].
-VIZDOOM = dict(use_combined_action=True)
-
-
-def env_kind(env_id: str) -> str:
-    """A task's family, from the envpool module that registers it: 'atari', 'dm_control',
-    'minigrid' (and BabyAI), 'highway', 'gfootball', 'vizdoom', 'mujoco' (Gym MuJoCo, MetaWorld, MyoSuite,
-    Gymnasium-Robotics, MuJoCo Playground) or 'classic' (any other: classic control, Box2D, ...)."""
-    family = envpool.registration.registry.specs[env_id][0].removeprefix("envpool.")
-    return FAMILIES.get(family, "mujoco" if family.startswith("mujoco") else "classic")
-
-
-@functools.lru_cache(maxsize=None)
-def spaces(env_id: str):
-    """(observation space, action space) of a task, gymnasium's, from its spec without starting it."""
-    spec = envpool.make_spec(env_id, **(VIZDOOM if env_kind(env_id) == "vizdoom" else {}))
-    if hasattr(spec, "gymnasium_observation_space"):
-        return spec.gymnasium_observation_space, spec.gymnasium_action_space
-    return spec.observation_space, spec.action_space
-
-
-def space_tree(space):
-    """The observation pytree's structure with spaces as leaves: a Dict space becomes a dict (nested
-    as envpool returns it), any other space is one leaf."""
-    if type(space).__name__ == "Dict":
-        return {key: space_tree(value) for key, value in space.spaces.items()}
-    return space
-
-
-def zeros_like_space(space, *batch):
-    """An observation of zeros with leading dimensions `batch` (templates, network init)."""
-    return jax.tree.map(lambda s: np.zeros((*batch, *s.shape), s.dtype), space_tree(space))
-
-
-def preset_name(env_id: str) -> str:
-    """The PRESETS entry of a task: its own (CartPole-v1 -> "CartPole"), else its family's, else classic."""
-    name, kind = env_id.rsplit("-v", 1)[0], env_kind(env_id)
-    return name if name in PRESETS else kind if kind in PRESETS else "classic"
-
-
-def make_env(env_id: str, num_envs: int, seed: int, num_threads: int, train: bool, **kwargs):
-    """An envpool of `num_envs` environments (gymnasium API, auto-reset).
-
-    For training, Atari games end an episode at each life lost and clip rewards to [-1, 1]
-    (Mnih et al. 2015); the game score stays available in info["reward"] / info["terminated"].
-    """
-    kind = env_kind(env_id)
-    kwargs.update(dict(episodic_life=train, reward_clip=train, noop_max=30) if kind == "atari" else {})
-    kwargs.update(VIZDOOM if kind == "vizdoom" else {})
-    num_threads = num_threads or min(os.cpu_count() or 1, num_envs)
-    return envpool.make(
-        env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, num_threads=num_threads, **kwargs
-    )
-
-
-class EpisodeStats:
-    """Game scores per environment: unclipped rewards over the whole game (all lives)."""
-
-    def __init__(self, num_envs: int):
-        self.returns = np.zeros(num_envs, np.float64)
-        self.finished = []  # (env, return, length) of games that ended since the last `pop`
-
-    def update(self, env_ids, rewards, terminated, truncated, info):
-        """Add one step of envs `env_ids`; a game ends at info["terminated"] (Atari) or term|trunc."""
-        self.returns[env_ids] += info.get("reward", rewards)
-        game_over = info.get("terminated", terminated) | truncated
-        for i in np.flatnonzero(game_over):
-            env = env_ids[i]
-            self.finished.append((int(env), float(self.returns[env]), int(info["elapsed_step"][i])))
-            self.returns[env] = 0.0
-
-    def pop(self):
-        finished, self.finished = self.finished, []
-        return finished
-
-
-class Normalizer:
-    """Running normalisation of observations and rewards, as CleanRL's continuous-control PPO
-    does it with gym's wrappers (Huang et al. 2022, continuous-action details 5-8): observations
-    become (obs - mean) / sqrt(var + 1e-8), clipped to [-10, 10]; rewards are divided by the std
-    of each env's discounted return, clipped to [-10, 10]. The statistics live on the host, move
-    with training steps only and are checkpointed with the state; each is replaced whole, so
-    another thread reads a consistent one, and actor threads update them one at a time. With both
-    switches off it passes everything through.
-    """
-
-    def __init__(self, obs, num_envs: int, norm_obs: bool, norm_reward: bool, gamma: float):
-        self.norm_obs, self.norm_reward, self.gamma = norm_obs, norm_reward, gamma
-        zeros = jax.tree.map(lambda x: np.zeros(np.shape(x)), obs)  # `obs`: one observation (a pytree)
-        self.obs_stats = (zeros, jax.tree.map(np.ones_like, zeros), 1e-4)  # mean, variance, count
-        self.return_stats = (np.zeros(()), np.ones(()), 1e-4)
-        self.returns = np.zeros(num_envs)  # discounted return of each env's episode so far
-        self.lock = threading.Lock()
-
-    @staticmethod
-    def updated(stats, x):
-        """(mean, variance, count) after adding the batch x [N, ...], a pytree (Chan et al.'s parallel
-        update); one pass per leaf, plain ufuncs (np.var's wrapper cost the actor 10 µs a call)."""
-        (mean, var, count), (leaves, tree) = stats, jax.tree.flatten(x)
-        n = len(leaves[0])
-        total, means, variances = count + n, [], []
-        for leaf, m, v in zip(leaves, jax.tree.leaves(mean), jax.tree.leaves(var), strict=True):
-            batch_mean = leaf.mean(0)
-            delta = batch_mean - m
-            batch_var = np.square(leaf - batch_mean).mean(0)
-            means.append(m + delta * n / total)
-            variances.append((v * count + batch_var * n + delta**2 * count * n / total) / total)
-        return jax.tree.unflatten(tree, means), jax.tree.unflatten(tree, variances), total
-
-    def observe(self, obs, train: bool = True):
-        """Normalised observations [N, ...] (the float leaves; others pass); `train` also adds them to the statistics."""
-        if not self.norm_obs:
-            return obs
-        if train:
-            with self.lock:
-                self.obs_stats = self.updated(self.obs_stats, obs)
-        mean, var, _ = self.obs_stats
-        return jax.tree.map(
-            lambda x, m, v: np.minimum(np.maximum((x - m) / np.sqrt(v + 1e-8), -10), 10).astype(np.float32)
-            if np.issubdtype(x.dtype, np.floating) else x, obs, mean, var,
-        )
-
-    def reward(self, reward, done, env_ids):
-        """Scaled rewards [N] of envs `env_ids`; `done` ends their discounted returns."""
-        if not self.norm_reward:
-            return reward
-        with self.lock:
-            self.returns[env_ids] = self.returns[env_ids] * self.gamma + reward
-            self.return_stats = self.updated(self.return_stats, self.returns[env_ids])
-            self.returns[env_ids[done]] = 0.0
-        return np.minimum(np.maximum(reward / np.sqrt(self.return_stats[1] + 1e-8), -10), 10).astype(np.float32)
-
-    def state(self) -> dict:
-        """{"norm": the statistics} to checkpoint with the state; {} when nothing is normalised."""
-        if not (self.norm_obs or self.norm_reward):
-            return {}
-        names = ("mean", "var", "count")
-        stats = {f"obs_{k}": jax.tree.map(np.asarray, v) for k, v in zip(names, self.obs_stats)}
-        stats.update({f"return_{k}": np.asarray(v) for k, v in zip(names, self.return_stats)})
-        return {"norm": stats}
-
-    def load(self, state: dict):
-        """Take the statistics out of a restored state (see `state`)."""
-        stats = state.pop("norm", None)
-        if stats is not None:
-            self.obs_stats = tuple(jax.tree.map(np.asarray, stats[f"obs_{k}"]) for k in ("mean", "var", "count"))
-            self.return_stats = tuple(np.asarray(stats[f"return_{k}"]) for k in ("mean", "var", "count"))
 
 
 # ---------------------------------------------------------------------------------------------
 # Network
 # ---------------------------------------------------------------------------------------------
-
-
-def leaf_encoder(space) -> tuple:
-    """How the network encodes one observation leaf, read from its space (no per-family tables).
-
-    A rank-3 uint8 Box is an image. Its channels are the smaller of its first and last axes:
-    Atari and VizDoom stack frames first, [C, H, W]; CarRacing, gfootball, MiniGrid and Procgen
-    are [H, W, C] (a tie reads channels-last); either way the conv sees [B, H, W, C]. Images of at
-    least 36x36 take the Nature CNN on pixels / 255 ("nature"); smaller grids, the MiniGrid
-    literature's small conv on their raw symbolic codes ("grid"; from 7x7 up). A Discrete leaf is
-    one-hot ("onehot", (n, start)). Anything else (float or integer Boxes of any rank, MultiBinary, smaller
-    grids) is flattened to floats, uint8 scaled by 1/255 ("flat", scale).
-    """
-    name, shape = type(space).__name__, getattr(space, "shape", ())
-    if name == "Discrete":
-        return ("onehot", (int(space.n), int(space.start)))
-    if name == "Box" and space.dtype == np.uint8 and len(shape) == 3:
-        layout = "chw" if shape[0] < shape[-1] else "hwc"
-        height, width = shape[1:] if layout == "chw" else shape[:2]
-        if min(height, width) >= 36:
-            return ("nature", layout)
-        if min(height, width) >= 7:
-            return ("grid", layout)
-    return ("flat", 1 / 255 if space.dtype == np.uint8 else 1.0)
-
-
-def encoders(obs_space) -> tuple:
-    """leaf_encoder of every observation leaf, in the order of jax.tree.leaves(observation)."""
-    return tuple(leaf_encoder(s) for s in jax.tree.leaves(space_tree(obs_space)))
 
 
 class LSTMCore(nn.Module):
@@ -493,9 +172,9 @@ def zero_core(lstm_size: int, num_envs: int):
 
 
 class ActorCritic(nn.Module):
-    """One encoder per observation leaf (`encoders`), concatenated into the trunk: with a Nature
-    CNN leaf, a shared 512 ReLU layer (CleanRL's Atari network); otherwise separate 64-64 tanh
-    MLPs for the policy and the value (CleanRL's vector network). A Box image or vector alone
+    """One encoder per observation leaf (`tasks.leaf_encoder`), concatenated into the trunk: with
+    a Nature CNN leaf, a shared 512 ReLU layer (CleanRL's Atari network); otherwise separate 64-64
+    tanh MLPs for the policy and the value (CleanRL's vector network). A Box image or vector alone
     gives exactly those networks. With `lstm_size`, an LSTM (LSTMCore) sits between the encoders
     (and the 512 layer) and the heads.
 
@@ -507,7 +186,7 @@ class ActorCritic(nn.Module):
 
     action_dim: int
     continuous: bool
-    encoders: tuple  # leaf_encoder of each observation leaf
+    encoders: tuple  # tasks.leaf_encoder of each observation leaf
     lstm_size: int = 0  # 0: no LSTM
 
     @nn.compact
@@ -566,12 +245,13 @@ class ActorCritic(nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 
-def sample_action(pi, key, continuous: bool):
-    """Sample actions [B] (discrete) or [B, A] (Gaussian, unclipped) from `pi`."""
+def sample_action(pi, key, continuous: bool, greedy: bool = False):
+    """Sample actions [B] (discrete) or [B, A] (Gaussian, unclipped) from `pi`; `greedy`: the most
+    likely ones (the mean) instead."""
     if continuous:
         mean, log_std = jnp.split(pi, 2, axis=-1)
-        return mean + jnp.exp(log_std) * jax.random.normal(key, mean.shape)
-    return jax.random.categorical(key, pi)
+        return mean if greedy else mean + jnp.exp(log_std) * jax.random.normal(key, mean.shape)
+    return jnp.argmax(pi, -1) if greedy else jax.random.categorical(key, pi)
 
 
 def log_prob_entropy(pi, actions, continuous: bool):
@@ -631,12 +311,16 @@ def masked_mean(x, mask):
     return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def ppo_loss(logprobs, old_logprobs, advantages, values, returns, entropy, mask, clip_coef, vf_coef, ent_coef):
-    """PPO-clip surrogate (Schulman et al. 2017, eq. 7) + value regression - entropy bonus.
+def ppo_loss(logprobs, old_logprobs, advantages, values, returns, entropy, mask, clip_coef, vf_coef, ent_coef, norm_adv):
+    """PPO-clip surrogate (Schulman et al. 2017, eq. 7) + value regression - entropy bonus, on
+    advantages normalised over the minibatch when `norm_adv` (CleanRL's detail 7).
 
     All inputs have one shape ([N], or [T, N] with --lstm); transitions with mask 0 do not count.
     Returns (loss, diagnostics).
     """
+    if norm_adv:
+        mean = masked_mean(advantages, mask)
+        advantages = (advantages - mean) / (jnp.sqrt(masked_mean((advantages - mean) ** 2, mask)) + 1e-8)
     log_ratio = logprobs - old_logprobs
     ratio = jnp.exp(log_ratio)
     pg_loss = masked_mean(jnp.maximum(-advantages * ratio, -advantages * jnp.clip(ratio, 1 - clip_coef, 1 + clip_coef)), mask)
@@ -658,16 +342,17 @@ def ppo_loss(logprobs, old_logprobs, advantages, values, returns, entropy, mask,
 # ---------------------------------------------------------------------------------------------
 
 
-def make_policy_step(network, continuous: bool, values: bool = True):
+def make_policy_step(network, continuous: bool, values: bool = True, greedy: bool = False):
     """One jitted call per environment step: actions, their log-probabilities, values (None with
     `values` False: XLA then skips the critic, a third of a small MLP's acting time), the recurrent
-    state after the step (`core`: see ActorCritic; None without --lstm) and the key."""
+    state after the step (`core`: see ActorCritic; None without --lstm) and the key. `greedy`:
+    the most likely actions (evaluation's option)."""
 
     @jax.jit
     def policy_step(params, obs, core, key):
         key, subkey = jax.random.split(key)
         pi, value, state = network.apply(params, obs, core)
-        action = sample_action(pi, subkey, continuous)
+        action = sample_action(pi, subkey, continuous, greedy)
         logprob, _ = log_prob_entropy(pi, action, continuous)
         return action, logprob, value if values else None, state, key
 
@@ -678,13 +363,6 @@ def write(tree, index, values, rows=...):
     """tree[index] = values[rows], leaf by leaf: observations are pytrees of host arrays."""
     for buffer, value in zip(jax.tree.leaves(tree), jax.tree.leaves(values), strict=True):
         buffer[index] = value[rows]
-
-
-def env_action(action, action_space):
-    """Gaussian actions are clipped to the action bounds before they reach the environment."""
-    if hasattr(action_space, "n"):
-        return action
-    return np.clip(action, action_space.low, action_space.high)
 
 
 def collect_rollout(envs, policy_step, params, obs, prev_dones, core, key, stats, normalizer, args, timing):
@@ -723,7 +401,7 @@ def collect_rollout(envs, policy_step, params, obs, prev_dones, core, key, stats
         if core is not None:
             rollout["first"][t] = core[1]
         start = time.perf_counter()
-        obs, reward, terminated, truncated, info = envs.step(env_action(action, envs.action_space))
+        obs, reward, terminated, truncated, info = envs.step(tasks.env_action(action, envs.action_space))
         reward = np.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's reward is undefined (dm_control: NaN at times)
         timing["env"] += time.perf_counter() - start
         stats.update(env_ids, reward, terminated, truncated, info)
@@ -784,20 +462,27 @@ def minibatches(key, data, num_minibatches: int):
     return dict(sequences, state=state)
 
 
+def targets(network, state, rollout, args: Args, continuous: bool):
+    """What the loss learns from a rollout [T, B]: (advantages, returns, the mask of transitions
+    that count, diagnostics): GAE on the values the rollout recorded."""
+    values = rollout["values"]
+    # With --lstm the bootstrap value needs the state after the last step: an unroll. Feed-forward,
+    # XLA drops the unused pass over the rollout and computes V(bootstrap_obs) alone.
+    _, _, _, bootstrap_value = rollout_forward(network, state["params"], rollout, continuous)
+    rewards = time_limit_bootstrap(rollout["rewards"], values, bootstrap_value, rollout["truncated"], args.gamma)
+    discounts = args.gamma * (1.0 - rollout["dones"])
+    advantages = compute_gae(rewards, values, bootstrap_value, discounts, args.gae_lambda)
+    return advantages, advantages + values, rollout["valid"], {}
+
+
 def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
-    """The jitted learner step: GAE on the rollout, then epochs x minibatches of PPO-clip."""
+    """The jitted learner step: the targets (GAE), then epochs x minibatches of PPO-clip."""
 
     def loss_fn(params, mb):
         pi, values, _ = network.apply(params, mb["obs"], (mb["state"], mb["first"]) if "state" in mb else None)
         logprobs, entropy = log_prob_entropy(pi, mb["actions"], continuous)
-        advantages, mask = mb["advantages"], mb["valid"]
-        if args.norm_adv:
-            mean = masked_mean(advantages, mask)
-            advantages = (advantages - mean) / (jnp.sqrt(masked_mean((advantages - mean) ** 2, mask)) + 1e-8)
-        return ppo_loss(
-            logprobs, mb["logprobs"], advantages, values, mb["returns"], entropy, mask,
-            args.clip_coef, args.vf_coef, args.ent_coef,
-        )
+        return ppo_loss(logprobs, mb["logprobs"], mb["advantages"], values, mb["returns"], entropy, mb["valid"],
+                        args.clip_coef, args.vf_coef, args.ent_coef, args.norm_adv)
 
     def minibatch_step(learning_rate, carry, mb):
         params, opt_state = carry
@@ -813,20 +498,14 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
         # images unroll up to 16 minibatch steps (Atari's 4 x 4; CarRacing's 10 x 32: 9 GiB, 5+ min).
         images = any(kind in ("nature", "grid") for kind, _ in network.encoders)
         unroll = jax.default_backend() == "cpu" and images and args.update_epochs * args.num_minibatches <= 16
-        values = rollout["values"]
-        # With --lstm the bootstrap value needs the state after the last step: an unroll. Feed-forward,
-        # XLA drops the unused pass over the rollout and computes V(bootstrap_obs) alone.
-        _, _, _, bootstrap_value = rollout_forward(network, params, rollout, continuous)
-        rewards = time_limit_bootstrap(rollout["rewards"], values, bootstrap_value, rollout["truncated"], args.gamma)
-        discounts = args.gamma * (1.0 - rollout["dones"])
-        advantages = compute_gae(rewards, values, bootstrap_value, discounts, args.gae_lambda)
+        advantages, returns, valid, diagnostics = targets(network, state, rollout, args, continuous)
         data = {
             "obs": rollout["obs"],
             "actions": rollout["actions"],
             "logprobs": rollout["logprobs"],
-            "valid": rollout["valid"],
+            "valid": valid,
             "advantages": advantages,
-            "returns": advantages + rollout["values"],
+            "returns": returns,
         }
         if network.lstm_size:
             data.update(state=rollout["state"], first=rollout["first"])
@@ -836,14 +515,13 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
             epoch_data = minibatches(key, data, args.num_minibatches)
             if mesh is not None:  # each learner device takes its share of every minibatch: data parallel
                 epoch_data = jax.tree_util.tree_map_with_path(lambda path, x: jax.lax.with_sharding_constraint(
-                    x, split_envs(mesh, 1 + (env_axis(path) if "state" in data else 0))), epoch_data)
+                    x, devices.split_envs(mesh, 1 + (devices.env_axis(path) if "state" in data else 0))), epoch_data)
             return jax.lax.scan(functools.partial(minibatch_step, learning_rate), carry, epoch_data, unroll=unroll)
 
-        (params, opt_state), diagnostics = jax.lax.scan(
+        (params, opt_state), losses = jax.lax.scan(
             epoch, (params, opt_state), jax.random.split(key, args.update_epochs), unroll=unroll
         )
-        diagnostics = jax.tree.map(jnp.mean, diagnostics)
-        diagnostics["learning_rate"] = learning_rate
+        diagnostics.update(jax.tree.map(jnp.mean, losses), learning_rate=learning_rate)
         leaves = jax.tree.leaves(params)
         diagnostics["finite"] = jnp.isfinite(diagnostics["loss"]) & jnp.all(
             jnp.array([jnp.all(jnp.isfinite(x)) for x in leaves])
@@ -854,490 +532,27 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
     return update
 
 
-# ---------------------------------------------------------------------------------------------
-# Devices and processes
-# ---------------------------------------------------------------------------------------------
-
-
-def start_processes(args: Args):
-    """--distributed: join the run's other processes (jax.distributed), before anything uses a
-    device. The coordinator's address, the process count and this process's id come from the
-    flags, or else from the cluster (SLURM, Open MPI, ...). A process that dies stops the others:
-    its heartbeats stop, and within 30 s they abort instead of waiting in a collective forever."""
-    given = [f"--{name.replace('_', '-')}" for name, unset in
-             [("coordinator_address", ""), ("num_processes", 0), ("process_id", -1)] if getattr(args, name) != unset]
-    if not args.distributed:
-        if given:
-            raise UsageError(f"{given[0]} is for a run of many processes: pass --distributed too")
-        return
-    if args.num_processes < 0:
-        raise UsageError(f"--num-processes must be >= 0 (0: detected), got {args.num_processes}")
-    if args.process_id < -1 or (args.num_processes and not -1 < args.process_id < args.num_processes):
-        raise UsageError(f"--process-id {args.process_id} must be in 0 to --num-processes - 1 ({args.num_processes - 1})")
-    if (args.num_processes or args.process_id >= 0) and not args.coordinator_address:
-        raise UsageError("--num-processes and --process-id need --coordinator-address HOST:PORT (process 0's)")
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # collectives between CPU processes
-    jax.config.update("jax_enable_preemption_service", False)  # it would take SIGTERM from Signals
-    try:
-        jax.distributed.initialize(
-            args.coordinator_address or None, args.num_processes or None, None if args.process_id < 0 else args.process_id,
-            heartbeat_timeout_seconds=30, shutdown_timeout_seconds=3600,  # the others wait at exit for process 0's evaluation
+def train_loop(run, envs, policy_step, update, normalizer, key, device):
+    """Collect a rollout with the current parameters (copied to the actor `device`), update on it,
+    repeat: from run.start_update to run.num_updates, or until the run stops. Once per update,
+    every process agrees to go on (runs.Run.agree), in lockstep, and logs the games of all."""
+    args, state, update_key = run.args, run.state, run.update_key
+    stats, timing = tasks.EpisodeStats(args.num_envs), {"env": 0.0, "inference": 0.0, "update": 0.0}
+    obs, dones = normalizer.observe(envs.reset()[0]), np.zeros(args.num_envs, bool)
+    core = zero_core(args.lstm_size if args.lstm else 0, args.num_envs)  # --lstm: every env starts from zeros, also on resume
+    for _ in range(run.start_update, run.num_updates):
+        if run.agree(False, stats.pop()):
+            break
+        rollout, obs, dones, core, key = collect_rollout(
+            envs, policy_step, devices.to_actor(device, state["params"]), obs, dones, core, key, stats, normalizer, args, timing,
         )
-    except ValueError as e:  # no cluster detected, and no --coordinator-address
-        raise UsageError(f"--distributed: {e} Pass --coordinator-address, --num-processes and --process-id, "
-                         "or launch under a cluster manager JAX detects (SLURM, Open MPI, ...)")
-
-
-def prepare(args: Args, resumed: bool):
-    """Resolve and check the flags and pick the devices: (args, actor devices, the learner's mesh).
-    UsageError for a bad flag; with many processes, in every process if one has one, or if
-    their flags differ (all but --process-id must match). A collective, once."""
-    error = actor_devices = mesh = None
-    try:
-        args = resolve_args(args)
-        use_compile_cache(args.compile_cache)
-        actor_devices, mesh = make_mesh(args)
-        check_run_dir(args, resumed)
-    except UsageError as e:
-        error = e
-    if jax.process_count() > 1:
-        flags = json.dumps({k: v for k, v in dataclasses.asdict(args).items() if k != "process_id"}, sort_keys=True)
-        digest = int(hashlib.sha256(flags.encode()).hexdigest()[:7], 16)
-        table = multihost_utils.process_allgather(np.array([error is not None, digest]))
-        if error is None and table[:, 0].any():
-            error = UsageError("another process stopped on a bad flag (its log names it)")
-        elif error is None and len(set(table[:, 1])) > 1:
-            error = UsageError("the processes were given different flags: give each the same, but --process-id")
-    if error is not None:
-        raise error
-    return args, actor_devices, mesh
-
-
-def actor_key(key, index: int):
-    """The action-sampling key of actor `index`, counted over all processes; actor 0 keeps `key`."""
-    return jax.random.fold_in(key, index) if index else key
-
-
-def make_mesh(args: Args):
-    """(actor devices, the learner's mesh). The device ids index this process's devices; the mesh
-    lines up the learner devices of every process along one axis, "env", over which each update's
-    batch is split (jit with NamedSharding: XLA partitions the update and all-reduces gradients)."""
-    local = [d for d in jax.devices() if d.process_index == jax.process_index()]
-    for flag, ids in [("--actor-device-ids", args.actor_device_ids), ("--learner-device-ids", args.learner_device_ids)]:
-        if not ids or min(ids) < 0 or max(ids) >= len(local) or len(set(ids)) < len(ids):
-            raise UsageError(f"{flag} {' '.join(map(str, ids))}: this process has {len(local)} {jax.default_backend()} "
-                             f"devices, 0 to {len(local) - 1}; give each at most once")
-    if local_envs(args) % len(args.learner_device_ids):
-        raise UsageError(f"the {local_envs(args)} envs of this process do not divide over its "
-                         f"{len(args.learner_device_ids)} learner devices (--learner-device-ids)")
-    learners = [d for p in range(jax.process_count()) for d in
-                np.array([d for d in jax.devices() if d.process_index == p])[args.learner_device_ids]]
-    return [local[i] for i in args.actor_device_ids], jax.sharding.Mesh(np.array(learners), ("env",))
-
-
-def env_axis(path) -> int:
-    """The env axis of a rollout's leaf: 0 in bootstrap_obs and state ([B, ...]), else 1 ([T, B, ...])."""
-    return 0 if path[0].key in ("bootstrap_obs", "state") else 1
-
-
-def split_envs(mesh, axis: int):
-    """The sharding of arrays whose axis `axis` (their envs) is split over the learner devices."""
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*[None] * axis, "env"))
-
-
-def to_learner(mesh, rollout):
-    """The one transfer of a rollout to the learner devices: this process's share of the global
-    batch, split along the env axis over its learner devices."""
-    by_axis = [split_envs(mesh, 0), split_envs(mesh, 1)]
-    shardings = jax.tree_util.tree_map_with_path(lambda path, _: by_axis[env_axis(path)], rollout)
-    if jax.process_count() == 1:
-        return jax.device_put(rollout, shardings)  # one call for all leaves
-    return jax.tree.map(jax.make_array_from_process_local_data, shardings, rollout)
-
-
-def replicated(mesh, tree):
-    """`tree` (the same values in every process) on every learner device."""
-    return jax.device_put(jax.device_get(tree), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-
-
-def to_actor(device, params):
-    """The learner's parameters copied to an actor's device from a local replica (None: as they are)."""
-    if device is None:
-        return params
-    return jax.tree.map(lambda x: jax.device_put(x.addressable_data(0), device), params)
-
-
-def agree(received: list, stopped: bool, episodes: list):
-    """Once per update, in lockstep (a collective): (whether every process stops now, the (env,
-    return, length) of the games that every process finished). A process says 128 + n after
-    signal n (`received`), 1 when it stops otherwise, 0 to go on, and all stop if one does:
-    another's signal becomes this one's (the same exit code, a checkpoint), and another's error
-    raises here. One process: (whether it stops, its own games)."""
-    mine = 128 + received[0] if received else int(stopped)
-    if jax.process_count() == 1:
-        return mine > 0, episodes
-    counts = multihost_utils.process_allgather(np.array([mine, len(episodes)]))
-    table = np.zeros((max(1, counts[:, 1].max()), 3))
-    table[: len(episodes)] = np.reshape(episodes, (-1, 3))
-    tables = multihost_utils.process_allgather(table)
-    code = int(counts[:, 0].max())
-    if code == 1 and mine == 0:
-        raise RuntimeError("another process stopped with an error; its log has the traceback")
-    if code > 1 and not received:
-        received.append(code - 128)
-    return code > 0, [(int(e), float(r), int(n)) for t, k in zip(tables, counts[:, 1]) for e, r, n in t[:k]]
-
-
-# ---------------------------------------------------------------------------------------------
-# Logging and checkpoints
-# ---------------------------------------------------------------------------------------------
-
-
-class Logger:
-    """TensorBoard events + metrics.jsonl ({"step", "wall_time", "tag", "value"} a line) + wandb."""
-
-    def __init__(self, run_dir: Optional[str], args: Args):
-        self.run_dir = run_dir  # None: a process other than 0, which logs nothing
-        if run_dir is None:
-            return
-        self.writer = SummaryWriter(run_dir)
-        self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
-        self.wandb = None
-        if args.track:
-            import wandb
-
-            self.wandb = wandb.init(project=args.wandb_project, config=vars(args), dir=run_dir, resume="allow")
-
-    def log(self, step: int, scalars: dict):
-        if self.run_dir is None:
-            return
-        now = time.time()
-        for tag, value in scalars.items():
-            value = float(value)
-            self.writer.add_scalar(tag, value, step, walltime=now)
-            self.jsonl.write(json.dumps({"step": int(step), "wall_time": now, "tag": tag, "value": value}) + "\n")
-        if self.wandb is not None:
-            self.wandb.log(dict(scalars, global_step=step))
-
-    def close(self):
-        if self.run_dir is None:
-            return
-        self.writer.close()
-        self.jsonl.close()
-        if self.wandb is not None:
-            self.wandb.finish()
-
-
-class Progress:
-    """The terminal line, every `interval` s from a thread of its own, so that it never waits for a
-    compile or an update: env steps sampled and learned, SPS (sampled) over the last 30 s, the
-    mean game score of the last 20 episodes, and the time left at the learner's pace over the
-    same 30 s (n/a until the first update)."""
-
-    def __init__(self, total: int, counts, interval: float = 5.0):
-        self.total, self.counts, self.interval = total, counts, interval  # counts() -> (sampled, learned)
-        self.returns = deque(maxlen=20)  # appended by the main thread
-        self.window = deque([(time.time(), *counts())], maxlen=7)
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self.run, name="progress", daemon=True)
-        self.thread.start()
-
-    def line(self) -> str:
-        sampled, learned = self.counts()
-        self.window.append((time.time(), sampled, learned))
-        (then, sampled_then, learned_then), now = self.window[0], self.window[-1][0]
-        sps = (sampled - sampled_then) / max(now - then, 1e-9)
-        pace = (learned - learned_then) / max(now - then, 1e-9)
-        left = (self.total - learned) / pace if pace > 0 else None
-        eta = f"{int(left // 3600)}:{int(left % 3600 // 60):02d}:{int(left % 60):02d}" if left is not None else "n/a"
-        returns = list(self.returns)
-        mean_ret = f"{np.mean(returns):.1f}" if returns else "n/a"
-        return (f"step {sampled:>10d} sampled {learned:>10d} learned of {self.total}  SPS {sps:7.0f}  "
-                f"return(last 20) {mean_ret}  ETA {eta}")
-
-    def run(self):
-        while not self.done.wait(self.interval):
-            print(self.line(), flush=True)
-
-    def close(self):
-        self.done.set()
-        self.thread.join()
-
-
-class Signals:
-    """Ctrl-C and SIGTERM. The handler records the signal and sets `stop`: the run stops cleanly,
-    writes a checkpoint and exits 128 + signal. Before `started` (the first update) there is
-    nothing to save, and the main thread may be inside an XLA compile that Python cannot
-    interrupt: a thread woken through `signal.set_wakeup_fd` then exits at once, no traceback,
-    removing the folder of a new run (`new_run_dir`), which holds nothing to resume from."""
-
-    def __init__(self):
-        self.received, self.stop, self.started, self.new_run_dir = [], threading.Event(), threading.Event(), None
-        self.handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        self.read_fd, write_fd = os.pipe()
-        os.set_blocking(write_fd, False)
-        self.previous_fd = signal.set_wakeup_fd(write_fd)
-        self.watcher = threading.Thread(target=self.watch, name="signals", daemon=True)
-        self.watcher.start()
-
-    def on_signal(self, signum, frame):
-        self.received.append(signum)
-        self.stop.set()
-
-    def watch(self):
-        while data := os.read(self.read_fd, 1):  # one byte per signal; b"" once `close` runs
-            if not self.started.is_set():
-                if self.new_run_dir:
-                    shutil.rmtree(self.new_run_dir, ignore_errors=True)
-                print(f"stopped by signal {data[0]} during start-up: nothing to save", file=sys.stderr, flush=True)
-                os._exit(128 + data[0])
-
-    def close(self):
-        os.close(signal.set_wakeup_fd(self.previous_fd))
-        self.watcher.join()
-        os.close(self.read_fd)
-        for signum, handler in self.handlers.items():
-            signal.signal(signum, handler)
-
-
-def save_checkpoint(path: str, state: dict, args: Args, normalizer: Normalizer):
-    """Atomic write (temporary file, fsync, rename): a crash mid-write keeps the old checkpoint.
-    Process 0 alone writes; the others' calls do nothing."""
-    if jax.process_index():
-        return
-    payload = {
-        "state": flax.serialization.to_state_dict(jax.device_get(dict(state, **normalizer.state()))),
-        "config": json.dumps(dataclasses.asdict(args)),
-        "script": os.path.basename(__file__),
-        "script_path": os.path.abspath(__file__),
-    }
-    data = flax.serialization.msgpack_serialize(payload)
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def checkpoint_path(resume: str) -> str:
-    """`--resume` accepts a run folder or the checkpoint file itself."""
-    return os.path.join(resume, "checkpoint.msgpack") if os.path.isdir(resume) else resume
-
-
-def read_checkpoint(path: str) -> dict:
-    """A checkpoint of this script: {"state", "config" (a dict), "script"}; UsageError if it is
-    missing, unreadable or another script's."""
-    if not os.path.isfile(path):
-        raise UsageError(f"--resume: no checkpoint at {path}; pass a run folder or its checkpoint.msgpack")
-    try:
-        with open(path, "rb") as f:
-            payload = flax.serialization.msgpack_restore(f.read())
-        payload["config"] = json.loads(payload["config"])
-        script, payload["config"]["env_id"] = payload["script"], str(payload["config"]["env_id"])
-    except Exception as e:
-        raise UsageError(f"--resume: {path} is not a readable checkpoint ({type(e).__name__}); it may be corrupt")
-    if script != os.path.basename(__file__):
-        raise UsageError(f"--resume: {path} was written by {script}, not {os.path.basename(__file__)}")
-    return payload
-
-
-def load_checkpoint(payload: dict, template: dict, path: str) -> dict:
-    """The checkpoint's state in the structure of `template`; UsageError if it does not fit."""
-    try:
-        state = flax.serialization.from_state_dict(template, payload["state"])
-        shapes_match = jax.tree.map(lambda a, b: np.shape(a) == np.shape(b), template, state)
-    except Exception as e:
-        raise UsageError(
-            f"--resume: {path} does not match this network/optimiser ({e}); it needs the run's flags and the "
-            "version of the script that wrote it"
-        )
-    if not all(jax.tree.leaves(shapes_match)):
-        raise UsageError(f"--resume: {path} has parameters of other shapes; use the flags of the run that wrote it")
-    return state
-
-
-# What the network and its inputs were trained on: a resumed run cannot change these.
-# This launch's (the machine's devices, the processes): never restored from the run on --resume.
-LAUNCH = ("distributed", "coordinator_address", "num_processes", "process_id", "actor_device_ids", "learner_device_ids")
-FIXED_ON_RESUME = ("env_id", "norm_obs", "norm_reward", "lstm", "lstm_size")
-
-
-def resume_args(args: Args, given):
-    """With --resume: (the run's flags, those named in `given` replacing them; its checkpoint; the
-    flags changed). `given`: the flags named on the command line (None: those that differ from
-    Args' defaults). UsageError for a flag that cannot change mid-run. Without: (args, None, {})."""
-    if not args.resume:
-        return args, None, {}
-    path = checkpoint_path(args.resume)
-    payload, defaults = read_checkpoint(path), Args()
-    fields = [f.name for f in dataclasses.fields(Args) if f.name not in ("resume", "run_dir", *LAUNCH)]
-    if given is None:
-        given = {name for name in fields if getattr(args, name) != getattr(defaults, name)}
-    given = {name for name in given if getattr(args, name) is not None}  # None (the preset): the run's own
-    stored = {name: payload["config"].get(name, getattr(defaults, name)) for name in fields}
-    changed = {name: getattr(args, name) for name in fields if name in given and getattr(args, name) != stored[name]}
-    for name in FIXED_ON_RESUME:
-        if name in changed:
-            raise UsageError(
-                f"--resume: --{name.replace('_', '-')} cannot change mid-run ({path} has {stored[name]!r}); "
-                "start a new run to change it"
-            )
-    return dataclasses.replace(args, **{name: stored[name] for name in fields if name not in given}), payload, changed
-
-
-def write_config(run_dir: str, args: Args, changed: dict, global_step: int, batch: str):
-    """config.json: the run's flags as first resolved, with the update's global `batch` in words,
-    never overwritten; each resume appends the flags it changed, and the step it resumed from,
-    under "resumes"."""
-    path = os.path.join(run_dir, "config.json")
-    config = dict(dataclasses.asdict(args), global_batch=batch)
-    if args.resume and os.path.isfile(path):
-        try:
-            with open(path) as f:
-                config = json.load(f)
-        except ValueError:  # unreadable: start its record afresh from the resumed flags
-            pass
-    if args.resume:
-        resume = {"step": global_step, "wall_time": time.time(), "from": os.path.abspath(args.resume), "changed": changed,
-                  "global_batch": batch}
-        config["resumes"] = [*config.get("resumes", []), resume]
-    with open(f"{path}.tmp", "w") as f:
-        json.dump(config, f, indent=2)
-    os.replace(f"{path}.tmp", path)
-
-
-def check_run_dir(args: Args, resumed: bool):
-    """UsageError if --run-dir names a file, or a folder that holds another run (overwritten otherwise).
-    Process 0's to check: it alone writes the folder."""
-    if jax.process_index():
-        return
-    own = resumed and os.path.abspath(args.run_dir or "") == os.path.dirname(os.path.abspath(checkpoint_path(args.resume)))
-    if not args.run_dir or own:
-        return
-    if os.path.exists(args.run_dir) and not os.path.isdir(args.run_dir):
-        raise UsageError(f"--run-dir {args.run_dir} is a file, not a folder")
-    if os.path.exists(os.path.join(args.run_dir, "checkpoint.msgpack")):
-        raise UsageError(
-            f"--run-dir {args.run_dir} already holds a run; continue it with --resume {args.run_dir}, or pick another folder"
-        )
-    if os.path.exists(os.path.join(args.run_dir, "config.json")):
-        raise UsageError(f"--run-dir {args.run_dir} holds a run that saved no checkpoint; remove it or pick another folder")
-
-
-def make_run_dir(args: Args, resumed: bool):
-    """Create the run folder: --run-dir, else a resumed run's own, else a new
-    runs/{env_id}__{exp_name}__{seed}__{time} (with _2, _3, ... if runs start in the same second).
-    Returns (folder, whether this call created it)."""
-    if args.run_dir or resumed:
-        run_dir = args.run_dir or os.path.dirname(os.path.abspath(checkpoint_path(args.resume)))
-        existed = os.path.isdir(run_dir)
-        try:
-            os.makedirs(run_dir, exist_ok=True)
-        except OSError as e:
-            raise UsageError(f"--run-dir {run_dir}: cannot create it ({e.strerror})")
-        return run_dir, not existed
-    base = os.path.join("runs", f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}")
-    for n in itertools.count(1):
-        try:
-            os.makedirs(base if n == 1 else f"{base}_{n}")
-            return (base if n == 1 else f"{base}_{n}"), True
-        except FileExistsError:
-            continue
-
-
-def checkpoint_file(run_dir: Optional[str]) -> str:
-    """The run's checkpoint (named in messages); `run_dir` None: another process's, which says so."""
-    return os.path.join(run_dir, "checkpoint.msgpack") if run_dir else "process 0's"
-
-
-def open_run_dir(args: Args, resumed: bool, changed: dict, global_step: int, signals) -> Optional[str]:
-    """The run folder, made or resumed, with its config.json; None in the processes other than 0."""
-    if jax.process_index():
-        return None
-    run_dir, created = make_run_dir(args, resumed)
-    signals.new_run_dir = run_dir if created and not resumed else None  # removed if stopped before an update
-    write_config(run_dir, args, changed, global_step, describe_batch(args))
-    return run_dir
-
-
-def build(args: Args, key):
-    """(network, optimizer, continuous, normalizer, initial state) of a run with these flags; a
-    checkpoint restores into `dict(state, **normalizer.state())` (utils/evaluate.py does too)."""
-    obs_space, action_space = spaces(args.env_id)
-    continuous = not hasattr(action_space, "n")
-    action_dim = int(np.prod(action_space.shape)) if continuous else int(action_space.n)
-    network = ActorCritic(action_dim, continuous, encoders(obs_space), args.lstm_size if args.lstm else 0)
-    params = network.init(key, zeros_like_space(obs_space, 1), zero_core(network.lstm_size, 1))
-    optimizer = make_optimizer(args)
-    normalizer = Normalizer(zeros_like_space(obs_space), local_envs(args), args.norm_obs, args.norm_reward, args.gamma)
-    state = {"params": params, "opt_state": optimizer.init(params), "global_step": 0, "policy_version": 0}
-    return network, optimizer, continuous, normalizer, state
-
-
-def evaluate(
-    params, network, args: Args, continuous: bool, normalizer: Normalizer, num_episodes: int, video_dir=None,
-    greedy=False, signals=(),
-):
-    """Play `num_episodes` full games (no life loss ends, unclipped rewards); return the scores.
-
-    Each env plays at most its share of the episodes, so that short games are not favoured.
-    With `video_dir`, the first episode of the first env is written to an mp4 there. Stops early,
-    with the scores so far and no video, once `signals` (the main thread's received signals) fills.
-    """
-    num_envs = min(num_episodes, 8)
-    quota = np.full(num_envs, -(-num_episodes // num_envs))
-    render = video_dir is not None and env_kind(args.env_id) not in ("mujoco", "dm_control")
-    envs = make_env(
-        args.env_id, num_envs, args.seed + 10_000, 1, train=False, **({"render_mode": "rgb_array"} if render else {})
-    )
-
-    @jax.jit
-    def act(params, obs, core, key):
-        pi, _, state = network.apply(params, obs, core)
-        if greedy:
-            return (jnp.split(pi, 2, axis=-1)[0] if continuous else jnp.argmax(pi, -1)), state, key
-        key, subkey = jax.random.split(key)
-        return sample_action(pi, subkey, continuous), state, key
-
-    key = jax.random.PRNGKey(args.seed + 10_000)
-    stats = EpisodeStats(num_envs)
-    obs, info = envs.reset()
-    core, done, lives = zero_core(network.lstm_size, num_envs), np.zeros(num_envs, bool), info.get("lives")
-    scores, frames = [], []
-    while len(scores) < num_episodes and not signals:
-        if render and quota[0] == -(-num_episodes // num_envs):
-            frames.append(envs.render()[0])
-        action, state, key = act(params, normalizer.observe(obs, train=False), core, key)
-        core = None if core is None else (state, done)  # --lstm: after an episode's end, one starts
-        obs, reward, terminated, truncated, info = envs.step(env_action(np.asarray(action), envs.action_space))
-        done = terminated | truncated
-        if lives is not None:  # Atari: as in training (episodic life), each life lost resets the LSTM
-            done, lives = done | (info["lives"] < lives), info["lives"]
-        reward = np.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's reward is undefined (dm_control: NaN at times)
-        stats.update(np.arange(num_envs), reward, terminated, truncated, info)
-        for env, ret, _ in stats.pop():
-            if quota[env] > 0:
-                scores.append(ret)
-                quota[env] -= 1
-    envs.close()
-    if signals:
-        return scores
-    if render and frames:
-        import imageio
-
-        os.makedirs(video_dir, exist_ok=True)
-        with warnings.catch_warnings():  # JAX warns of any fork; ffmpeg's fork + exec is safe
-            warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
-            imageio.mimsave(os.path.join(video_dir, "eval_episode_0.mp4"), frames, fps=30, macro_block_size=1)
-    elif video_dir is not None:
-        print("warning: MuJoCo rendering needs an OpenGL backend (set MUJOCO_GL); no video written", file=sys.stderr)
-    return scores[:num_episodes]
+        start = time.perf_counter()
+        update_key, subkey = jax.random.split(update_key)
+        state, diagnostics = update(state, devices.to_learner(run.mesh, rollout), subkey)
+        diagnostics = jax.device_get(diagnostics)
+        timing["update"] += time.perf_counter() - start
+        state = run.learned(state, diagnostics, timing)
+    run.agree(False, stats.pop())  # the last rollout's games
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1345,184 +560,42 @@ def evaluate(
 # ---------------------------------------------------------------------------------------------
 
 
-def finish(state, network, args: Args, continuous, normalizer, run_dir, logger, progress, received) -> int:
-    """After training (checkpoint written): the closing lines, the final evaluation, the exit code."""
-    ckpt_file = checkpoint_file(run_dir)
-    if received:
-        print(f"stopped by signal {received[0]} at step {int(state['global_step'])}; checkpoint: {ckpt_file}", file=sys.stderr)
-        logger.close()
-        return 128 + received[0]
-    if progress.returns:
-        print(f"final: mean return over the last {len(progress.returns)} episodes {np.mean(progress.returns):.2f}")
-    if args.eval_episodes and run_dir:  # process 0's
-        video_dir = os.path.join(run_dir, "videos") if args.capture_video else None
-        print(f"eval: playing {args.eval_episodes} episodes with the final policy", flush=True)
-        scores = evaluate(
-            state["params"], network, args, continuous, normalizer, args.eval_episodes, video_dir, signals=received
-        )
-        if received:
-            print(
-                f"evaluation stopped by signal {received[0]} after {len(scores)} episodes; checkpoint: {ckpt_file}",
-                file=sys.stderr,
-            )
-            logger.close()
-            return 128 + received[0]
-        logger.log(int(state["global_step"]), {"eval/episodic_return": np.mean(scores)})
-        print(f"eval: {len(scores)} episodes, return {np.mean(scores):.2f} +- {np.std(scores):.2f}")
-    logger.close()
-    return 0
-
-
-def report_errors(errors, ckpt_file: str, global_step: int) -> bool:
-    """Print the threads' errors (traceback, or one line for a non-finite loss); True if the
-    learner stopped on a non-finite loss, so that the last good checkpoint must stay."""
-    for name, error, trace in errors:
-        if isinstance(error, FloatingPointError):
-            print(
-                f"error: {error} (step {global_step}); "
-                f"{'the last good checkpoint is kept: ' + ckpt_file if os.path.exists(ckpt_file) else 'no checkpoint written'}. "
-                "Try a lower --learning-rate or --max-grad-norm.",
-                file=sys.stderr,
-            )
-            return True
-        print(f"error in the {name} thread:\n{trace}", file=sys.stderr)
-    if errors:
-        print(f"stopped by an error at step {global_step}; checkpoint: {ckpt_file}", file=sys.stderr)
-    return False
-
-
-def use_compile_cache(path: str):
-    """JAX's persistent compilation cache in `path` ('': off), set before anything compiles (JAX
-    reads it once per process). UsageError if the folder cannot be created or written."""
-    if not path:
-        return
-    path = os.path.expanduser(path)
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"--compile-cache {path}: cannot create it ({e.strerror}); pass another folder, or '' for none")
-    if not os.access(path, os.W_OK):
-        raise UsageError(f"--compile-cache {path} is not writable; pass another folder, or '' for none")
-    jax.config.update("jax_compilation_cache_dir", path)
+def build(args: Args, key):
+    """(network, optimizer, continuous, normalizer, initial state) of a run with these flags; a
+    checkpoint restores into `dict(state, **normalizer.state())` (utils/evaluate.py does too)."""
+    obs_space, action_space = tasks.spaces(args.env_id)
+    continuous = not hasattr(action_space, "n")
+    action_dim = int(np.prod(action_space.shape)) if continuous else int(action_space.n)
+    network = ActorCritic(action_dim, continuous, tasks.encoders(obs_space), args.lstm_size if args.lstm else 0)
+    params = network.init(key, tasks.zeros_like_space(obs_space, 1), zero_core(network.lstm_size, 1))
+    optimizer = make_optimizer(args)
+    normalizer = Normalizer(tasks.zeros_like_space(obs_space), devices.local_envs(args), args.norm_obs, args.norm_reward,
+                            args.gamma)
+    state = {"params": params, "opt_state": optimizer.init(params), "global_step": 0, "policy_version": 0}
+    return network, optimizer, continuous, normalizer, state
 
 
 def main(args: Args, given=None) -> int:
     """Train; return the exit code. `given`: the flags named on the command line, which replace a
     resumed run's own (None: those that differ from Args' defaults)."""
-    warnings.filterwarnings("ignore", message=".*precision lowered.*")  # gymnasium's Box casts
-    signals = Signals()
-    try:
-        return train(args, given, signals)
-    finally:
-        signals.close()
-
-
-def train(args: Args, given, signals: Signals) -> int:
-    args, payload, changed = resume_args(args, given)
-    start_processes(args)
-    args, actor_devices, mesh = prepare(args, payload is not None)
-    batch_size = global_envs(args) * args.num_steps
-    global_step = int(payload["state"]["global_step"]) if payload else 0
-    if payload and global_step + batch_size > args.total_timesteps:
-        print(f"{args.resume}: finished, {global_step} of --total-timesteps {args.total_timesteps} steps trained; "
-              "pass a larger --total-timesteps to train on")
-        return 0
-    print(f"jax {jax.__version__} on {jax.default_backend()}: {', '.join(map(str, jax.local_devices()))}", flush=True)
-    seed = (args.seed + global_step) % 2**31  # a resumed run draws new env seeds and noise, not the first part's
-    key, init_key, update_key = jax.random.split(jax.random.PRNGKey(seed), 3)
-    network, optimizer, continuous, normalizer, state = build(args, init_key)
-    if payload:
-        state = load_checkpoint(payload, dict(state, **normalizer.state()), checkpoint_path(args.resume))
-        normalizer.load(state)
-    state = dict(replicated(mesh, state), global_step=global_step)  # as every update returns it: no recompile
-    run_dir = open_run_dir(args, payload is not None, changed, global_step, signals)
-    ckpt_file = checkpoint_file(run_dir)
-    start_update = int(state["policy_version"])
-    num_updates = start_update + (args.total_timesteps - global_step) // batch_size  # the version at the end
-
-    envs = make_env(args.env_id, args.num_envs, seed + jax.process_index() * args.num_envs, args.num_threads, train=True)
-    policy_step = make_policy_step(network, continuous)
-    update = make_update(network, optimizer, args, continuous, mesh)
-    logger = Logger(run_dir, args)
-    stats = EpisodeStats(args.num_envs)
-    obs, dones = normalizer.observe(envs.reset()[0]), np.zeros(args.num_envs, bool)
-    core = zero_core(network.lstm_size, args.num_envs)  # --lstm: every env starts from zeros, also on resume
-    key = actor_key(key, jax.process_index())
-    print(f"{os.path.basename(__file__)}: {args.env_id} (preset {preset_name(args.env_id)}), "
-          f"{num_updates - start_update} updates of {describe_batch(args)} -> {run_dir or 'the run folder of process 0'}", flush=True)
-    sampled = start_step = global_step
-    progress = Progress(args.total_timesteps, lambda: (sampled, global_step))
-    start_time, pending = time.time(), None
-    timing = {"env": 0.0, "inference": 0.0, "update": 0.0}
-    try:
-        for update_idx in range(start_update, num_updates):
-            stop, episodes = agree(signals.received, False, stats.pop())  # many processes: in lockstep, the games of all
-            log_episodes(logger, progress, global_step, episodes)
-            if stop:
-                break
-            rollout, obs, dones, core, key = collect_rollout(  # with the parameters copied to the actor device
-                envs, policy_step, to_actor(actor_devices[0], state["params"]), obs, dones, core, key, stats,
-                normalizer, args, timing,
-            )
-            sampled += batch_size
-            start = time.perf_counter()
-            update_key, subkey = jax.random.split(update_key)
-            new_state, diagnostics = update(state, to_learner(mesh, rollout), subkey)
-            diagnostics = jax.device_get(diagnostics)
-            timing["update"] += time.perf_counter() - start
-            if not diagnostics["finite"]:  # the last good checkpoint stays
-                report_errors([("learner", FloatingPointError(f"non-finite loss or parameters at update {update_idx}"), "")],
-                              ckpt_file, sampled)
-                logger.close()
-                return 1
-            global_step = sampled
-            state = dict(new_state, global_step=global_step)
-            signals.started.set()
-            pending = (global_step, update_scalars(diagnostics, timing, global_step - start_step, time.time() - start_time))
-            if update_idx == start_update or (update_idx + 1) % args.log_frequency == 0 or update_idx + 1 == num_updates:
-                logger.log(*pending)  # at the first update, every --log-frequency, the last
-                pending = None
-            if args.save_interval and (update_idx + 1) % args.save_interval == 0:
-                save_checkpoint(ckpt_file, state, args, normalizer)
-    finally:
-        progress.close()
-        envs.close()
-    log_episodes(logger, progress, global_step, agree([], False, stats.pop())[1])
-    if pending:
-        logger.log(*pending)
-    save_checkpoint(ckpt_file, state, args, normalizer)
-    print(progress.line(), flush=True)
-    state = dict(state, params=to_actor(actor_devices[0], state["params"]))  # evaluated on the actor device
-    return finish(state, network, args, continuous, normalizer, run_dir, logger, progress, signals.received)
-
-
-def log_episodes(logger, progress, step: int, episodes):
-    """The (env, return, length) of finished games, to the logs and the progress line."""
-    for _, ret, length in episodes:
-        progress.returns.append(ret)
-        logger.log(step, {"charts/episodic_return": ret, "charts/episodic_length": length})
-
-
-def update_scalars(diagnostics, timing, steps: int, seconds: float) -> dict:
-    """An update's scalars for the logs: losses, learning rate, SPS since the start, timings."""
-    scalars = {f"losses/{k}": v for k, v in diagnostics.items() if k not in ("finite", "learning_rate")}
-    scalars["charts/learning_rate"] = diagnostics["learning_rate"]
-    scalars["charts/SPS"] = steps / seconds
-    scalars.update({f"timing/{k}_seconds": v for k, v in timing.items()})
-    return scalars
-
-
-def flags_given(argv) -> set:
-    """The Args fields named on a command line (`--flag value`, `--flag=value`, `--no-flag`)."""
-    fields = {f.name for f in dataclasses.fields(Args)}
-    names = {token[2:].split("=")[0].replace("-", "_") for token in argv if token.startswith("--")}
-    return {name for name in names if name in fields} | {name[3:] for name in names if name.startswith("no_") and name[3:] in fields}
+    with runs.Run(args, given, __file__, resolve_args) as run:
+        if run.finished:
+            return 0
+        args = run.args
+        network, optimizer, continuous, normalizer, state = build(args, run.init_key)
+        run.restore(state, normalizer)
+        envs = tasks.make_env(args.env_id, args.num_envs, run.seed + jax.process_index() * args.num_envs, args.num_threads,
+                              train=True)
+        policy_step = make_policy_step(network, continuous)
+        update = make_update(network, optimizer, args, continuous, run.mesh)
+        run.begin(f"preset {tasks.preset_name(args.env_id, PRESETS)}")
+        try:
+            run.threads.run("learner", train_loop, run, envs, policy_step, update, normalizer,
+                            devices.actor_key(run.key, jax.process_index()), run.actor_devices[0])
+        finally:
+            envs.close()
+        return run.finish(make_policy_step(network, continuous, values=False), functools.partial(zero_core, network.lstm_size))
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(tyro.cli(Args, description=describe_presets()), flags_given(sys.argv[1:])))
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-
+    flags.command_line(main, Args, PRESETS)

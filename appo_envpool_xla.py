@@ -1,0 +1,837 @@
+"""Asynchronous PPO (APPO) on envpool, in JAX, with an actor whose rollout is one jitted loop.
+
+The pipeline of `appo_envpool.py` (Sample Factory, Petrenko et al. 2020), but the actor makes each
+rollout with one jitted call: a `lax.while_loop` over envpool's XLA interface (recv, the policy,
+the writes into the rollout, send; CleanRL's `ppo_atari_envpool_xla_jax.py`), with no Python per
+env step, while the learner trains meanwhile:
+- double-buffered sampling (§3.2) as there: one envpool of `num_splits` x `split_size` envs;
+- the actor takes the newest published parameters once per rollout (not once per step) and stamps
+  every transition with their policy version (§3.4); an actor that outruns the learner keeps the
+  queue full, so the policy lag is about --queue-size + 1 updates;
+- a learner thread takes rollouts from a bounded queue and runs PPO-clip on V-trace targets
+  (Espeholt et al. 2018), masking out transitions older than `max_policy_lag` versions (§3.4).
+
+`diff appo_envpool.py appo_envpool_xla.py` shows the XLA actor and nothing else.
+
+The run itself (flags, folders, checkpoints, logs, devices) is the installed package
+`jax_async_rl`: this file holds the algorithm. Usage: python appo_envpool_xla.py --env-id CartPole-v1
+"""
+
+import dataclasses
+import functools
+import os
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Annotated, Optional
+
+if __name__ == "__main__":  # Ctrl-C while the libraries below import (seconds): exit 130, no traceback
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import tyro
+
+from jax_async_rl import devices, flags, normalize, runs, tasks, threads
+from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, PRESET, UNIT, UsageError
+from jax_async_rl.normalize import Normalizer
+
+SPLITS = tyro.conf.arg(help_behavior_hint="(default: 2 with image observations, else 1)")
+
+
+@dataclass
+class Args(flags.RunArgs):
+    """Asynchronous PPO with an XLA actor (actor and learner threads). Every size is in agent steps unless it says frames.
+
+    Flags shown with "(default: preset)" take the value of the task's preset (listed below; the
+    PRESETS table in this file); an explicit flag wins, and config.json records the values used.
+    """
+
+    num_envs: Annotated[int, POSITIVE] = 8
+    """number of parallel environments of each actor thread (see --num-actor-threads)"""
+    num_splits: Annotated[Optional[int], SPLITS, POSITIVE] = None
+    """envpool splits for double-buffered sampling (Sample Factory §3.2); 1 disables it. It pays where
+    stepping a split costs about one inference call and a core is free for it: images, not vectors"""
+    num_steps: Annotated[Optional[int], PRESET, POSITIVE] = None
+    """rollout length: steps per environment in each rollout"""
+    queue_size: Annotated[int, POSITIVE] = 2
+    """rollouts the actor may queue ahead of the learner before it blocks (backpressure)"""
+    max_policy_lag: Annotated[int, NON_NEGATIVE] = 25
+    """transitions chosen by a policy more than this many updates old are masked out of the loss"""
+    vtrace: bool = True
+    """V-trace targets and advantages (Espeholt et al. 2018); GAE on current values when off"""
+    vtrace_rho_bar: Annotated[float, POSITIVE] = 1.0
+    """V-trace clipping threshold of the importance ratio in the targets (rho bar)"""
+    vtrace_c_bar: Annotated[float, POSITIVE] = 1.0
+    """V-trace clipping threshold of the trace-cutting coefficients (c bar)"""
+    learning_rate: Annotated[Optional[float], PRESET, POSITIVE] = None
+    """Adam learning rate, the start of the schedule when --anneal-lr"""
+    anneal_lr: bool = True
+    """decay the learning rate linearly to 0 over the run"""
+    gamma: Annotated[Optional[float], PRESET, UNIT] = None
+    """discount factor"""
+    gae_lambda: Annotated[Optional[float], PRESET, UNIT] = None
+    """lambda of generalised advantage estimation"""
+    num_minibatches: Annotated[Optional[int], PRESET, POSITIVE] = None
+    """minibatches per epoch; must divide the global batch, the envs of all actors x num_steps
+    (with an LSTM: the envs, as minibatches hold whole env sequences, and a preset's count then
+    becomes its greatest common divisor with them)"""
+    update_epochs: Annotated[Optional[int], PRESET, POSITIVE] = None
+    """passes over each rollout"""
+    norm_adv: bool = True
+    """normalise advantages within each minibatch"""
+    clip_coef: Annotated[Optional[float], PRESET, POSITIVE] = None
+    """PPO ratio clipping epsilon"""
+    ent_coef: Annotated[Optional[float], PRESET, NON_NEGATIVE] = None
+    """weight of the entropy bonus"""
+    vf_coef: Annotated[float, NON_NEGATIVE] = 0.5
+    """weight of the value loss"""
+    max_grad_norm: Annotated[float, POSITIVE] = 0.5
+    """global gradient-norm clipping threshold"""
+    norm_obs: Annotated[Optional[bool], PRESET] = None
+    """True: normalise observations by a running mean and std, clipped to [-10, 10] (CleanRL, MuJoCo)"""
+    norm_reward: Annotated[Optional[bool], PRESET] = None
+    """True: divide rewards by the running std of the discounted return, clipped to [-10, 10]"""
+    lstm: bool = False
+    """an LSTM core between the encoder and the policy/value heads (TorchBeast's --use_lstm, Sample
+    Factory's --use_rnn), its state carried per env and reset where an episode starts"""
+    lstm_size: Annotated[int, POSITIVE] = 128
+    """hidden units of the LSTM, the size of its h and of its c (CleanRL's ppo_atari_lstm.py: 128)"""
+    num_threads: Annotated[int, NON_NEGATIVE] = 0
+    """envpool worker threads of each actor thread (0: the CPU cores shared among the actor threads,
+    at most num_envs)"""
+    num_actor_threads: Annotated[int, POSITIVE] = 1
+    """actor threads on each actor device, each with num_envs envs and splits of its own; an update
+    takes one rollout from each, so its global batch is processes x actor devices x actor threads x
+    num_envs x num_steps env steps (config.json records it)"""
+
+
+# Defaults of the flags left at None: a task's own preset (by name, without its version), else its
+# family's (tasks.env_kind); an explicit flag always wins. rl-baselines3-zoo's batch sizes become
+# minibatch counts at 8 envs; its gSDE exploration (Pendulum) is not reproduced.
+NO_NORM = dict(norm_obs=False, norm_reward=False)
+PRESETS = {
+    # CleanRL's ppo_atari_envpool.py (Huang et al. 2022).
+    "atari": dict(num_steps=128, learning_rate=2.5e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=4,
+                  update_epochs=4, clip_coef=0.1, ent_coef=0.01, **NO_NORM),
+    # CleanRL's ppo_continuous_action.py (2048 steps a rollout, minibatches of 64 at 8 envs), with
+    # its observation and reward normalisation.
+    "mujoco": dict(num_steps=256, learning_rate=3e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=32,
+                   update_epochs=10, clip_coef=0.2, ent_coef=0.0, norm_obs=True, norm_reward=True),
+    # Any other vector task: CleanRL's ppo.py defaults, a general starting point, not a tuned one.
+    "classic": dict(num_steps=128, learning_rate=2.5e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=4,
+                    update_epochs=4, clip_coef=0.2, ent_coef=0.01, **NO_NORM),
+    # rl-baselines3-zoo's tuned PPO (hyperparams/ppo.yml): CartPole solves within 100k steps.
+    "CartPole": dict(num_steps=32, learning_rate=1e-3, gamma=0.98, gae_lambda=0.8, num_minibatches=1,
+                     update_epochs=20, clip_coef=0.2, ent_coef=0.0, **NO_NORM),
+    "Acrobot": dict(num_steps=256, learning_rate=3e-4, gamma=0.99, gae_lambda=0.94, num_minibatches=32,
+                    update_epochs=4, clip_coef=0.2, ent_coef=0.0, norm_obs=True, norm_reward=True),
+    "MountainCar": dict(num_steps=16, learning_rate=3e-4, gamma=0.99, gae_lambda=0.98, num_minibatches=2,
+                        update_epochs=4, clip_coef=0.2, ent_coef=0.0, norm_obs=True, norm_reward=True),
+    "Pendulum": dict(num_steps=1024, learning_rate=1e-3, gamma=0.9, gae_lambda=0.95, num_minibatches=128,
+                     update_epochs=10, clip_coef=0.2, ent_coef=0.0, **NO_NORM),
+    "LunarLander": dict(num_steps=1024, learning_rate=3e-4, gamma=0.999, gae_lambda=0.98, num_minibatches=128,
+                        update_epochs=4, clip_coef=0.2, ent_coef=0.01, **NO_NORM),
+    # rl-baselines3-zoo's CarRacing (512 steps, minibatches of 128 at 8 envs, reward normalisation).
+    "CarRacing": dict(num_steps=512, learning_rate=1e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=32,
+                      update_epochs=10, clip_coef=0.2, ent_coef=0.0, norm_obs=False, norm_reward=True),
+    # The Control Suite: CleanRL's ppo_continuous_action.py, which CleanRL also benchmarks on dm_control.
+    "dm_control": dict(num_steps=256, learning_rate=3e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=32,
+                       update_epochs=10, clip_coef=0.2, ent_coef=0.0, norm_obs=True, norm_reward=True),
+    # MiniGrid and BabyAI: rl-starter-files' PPO (torch-ac): 128 steps an env, minibatches of 256, lr 1e-3.
+    "minigrid": dict(num_steps=128, learning_rate=1e-3, gamma=0.99, gae_lambda=0.95, num_minibatches=4,
+                     update_epochs=4, clip_coef=0.2, ent_coef=0.01, **NO_NORM),
+    # highway-env's scripts/sb3_highway_ppo.py: gamma 0.8, 10 epochs of minibatches of 64, lr 5e-4.
+    "highway": dict(num_steps=128, learning_rate=5e-4, gamma=0.8, gae_lambda=0.95, num_minibatches=16,
+                    update_epochs=10, clip_coef=0.2, ent_coef=0.0, **NO_NORM),
+    # Google Research Football's PPO reproduction (Kurach et al. 2020, 11_vs_11_easy_stochastic).
+    "gfootball": dict(num_steps=512, learning_rate=3.43e-4, gamma=0.993, gae_lambda=0.95, num_minibatches=8,
+                      update_epochs=2, clip_coef=0.08, ent_coef=0.003, **NO_NORM),
+}
+
+
+def resolve_args(args: Args) -> Args:
+    """The flags left at None filled from the task's preset, and all checked: UsageError, one
+    line, before anything starts (runs.checked holds the checks every script's flags take)."""
+    fill = tasks.preset_values(args, PRESETS)
+    if args.lstm and "num_minibatches" in fill:  # whole env sequences: a preset's count that divides num_envs
+        fill["num_minibatches"] = int(np.gcd(fill["num_minibatches"], devices.global_envs(args)))
+    if args.num_splits is None:  # double buffering for the Nature CNN's images (see --num-splits)
+        fill["num_splits"] = 2 if "nature" in dict(tasks.encoders(tasks.spaces(args.env_id)[0])) else 1
+    args = runs.checked(dataclasses.replace(args, **fill))
+    if args.num_envs % args.num_splits:
+        raise UsageError(f"--num-splits {args.num_splits} must divide --num-envs {args.num_envs} "
+                         "(left out, --num-splits is 2 with image observations, else 1)")
+    if devices.global_envs(args) * args.num_steps % args.num_minibatches:
+        raise UsageError(f"--num-minibatches {args.num_minibatches} must divide the global batch {devices.describe_batch(args)}")
+    if args.lstm and devices.global_envs(args) % args.num_minibatches:
+        raise UsageError(f"--num-minibatches {args.num_minibatches} must divide the {devices.global_envs(args)} envs of an "
+                         "update with --lstm (a minibatch holds whole env sequences); pass a divisor")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# Network
+# ---------------------------------------------------------------------------------------------
+
+
+class LSTMCore(nn.Module):
+    """An LSTM over time-major inputs [T, B, F]; each env's state (c, h) [B, size] is reset to
+    zeros before a step where its episode starts (`first` [T, B])."""
+
+    size: int
+
+    @functools.partial(nn.scan, variable_broadcast="params", split_rngs={"params": False})
+    @nn.compact
+    def __call__(self, state, inputs):
+        x, first = inputs
+        state = jax.tree.map(lambda s: jnp.where(first[:, None] > 0, 0.0, s), state)
+        return nn.OptimizedLSTMCell(self.size)(state, x)
+
+
+def zero_core(lstm_size: int, num_envs: int):
+    """The network's `core` for `num_envs` envs before their first step: (state (c, h) of zeros
+    [N, lstm_size], first [N] all True); None without an LSTM."""
+    if not lstm_size:
+        return None
+    return (np.zeros((num_envs, lstm_size), np.float32), np.zeros((num_envs, lstm_size), np.float32)), np.ones(num_envs, bool)
+
+
+class ActorCritic(nn.Module):
+    """One encoder per observation leaf (`tasks.leaf_encoder`), concatenated into the trunk: with
+    a Nature CNN leaf, a shared 512 ReLU layer (CleanRL's Atari network); otherwise separate 64-64
+    tanh MLPs for the policy and the value (CleanRL's vector network). A Box image or vector alone
+    gives exactly those networks. With `lstm_size`, an LSTM (LSTMCore) sits between the encoders
+    (and the 512 layer) and the heads.
+
+    Feed-forward: obs [B, ...] -> `pi` [B, A] (logits, or mean and log-std concatenated [B, 2A]
+    for Box actions), `value` [B], None. LSTM: `core` = (state, first) and obs [T, B, ...] with
+    first [T, B] (T steps of each env from `state`; first [B] is one step, obs [B, ...]) ->
+    pi [T, B, A], value [T, B] (or [B, A], [B]) and the state after the last step.
+    """
+
+    action_dim: int
+    continuous: bool
+    encoders: tuple  # tasks.leaf_encoder of each observation leaf
+    lstm_size: int = 0  # 0: no LSTM
+
+    @nn.compact
+    def __call__(self, obs, core=None):
+        orth = nn.initializers.orthogonal
+        if self.lstm_size:
+            state, first = core
+            shape = first.shape  # [T, B], or [B] for one step
+            first = first.reshape(-1, shape[-1])
+            # Rows env-major [B x T, ...]: with the envs split over learner devices, each keeps its own.
+            obs = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(*first.shape, *x.shape[len(shape):]), 0, 1).reshape(
+                -1, *x.shape[len(shape):]), obs)
+
+        def conv(x, size, kernel, stride=1):
+            return nn.relu(nn.Conv(size, (kernel, kernel), (stride, stride), "VALID", kernel_init=orth(np.sqrt(2)))(x))
+
+        features = []
+        for x, (kind, arg) in zip(jax.tree.leaves(obs), self.encoders, strict=True):
+            if kind in ("nature", "grid") and arg == "chw":
+                x = jnp.transpose(x, (0, 2, 3, 1))  # [B, C, H, W] -> [B, H, W, C]
+            if kind == "nature":  # Mnih et al. 2015
+                x = conv(conv(conv(x.astype(jnp.float32) / 255.0, 32, 8, 4), 64, 4, 2), 64, 3)
+            elif kind == "grid":  # rl-starter-files' (torch-ac's) MiniGrid network: 2x2 convs, a max-pool
+                x = nn.max_pool(conv(x.astype(jnp.float32), 16, 2), (2, 2), (2, 2))
+                x = conv(conv(x, 32, 2), 64, 2)
+            else:
+                x = jax.nn.one_hot(x - arg[1], arg[0]) if kind == "onehot" else x.astype(jnp.float32) * arg
+            features.append(x.reshape(x.shape[0], -1))
+        x = jnp.concatenate(features, axis=-1)
+        nature = any(kind == "nature" for kind, _ in self.encoders)
+        if nature:
+            x = nn.relu(nn.Dense(512, kernel_init=orth(np.sqrt(2)))(x))
+        if self.lstm_size:
+            state, x = LSTMCore(self.lstm_size)(state, (jnp.swapaxes(x.reshape(*first.shape[::-1], -1), 0, 1), first))
+            x = jnp.swapaxes(x, 0, 1).reshape(-1, self.lstm_size)
+        if nature:
+            actor_hidden = critic_hidden = x
+        else:
+            actor_hidden, critic_hidden = x, x
+            for _ in range(2):
+                actor_hidden = nn.tanh(nn.Dense(64, kernel_init=orth(np.sqrt(2)))(actor_hidden))
+                critic_hidden = nn.tanh(nn.Dense(64, kernel_init=orth(np.sqrt(2)))(critic_hidden))
+        pi = nn.Dense(self.action_dim, kernel_init=orth(0.01))(actor_hidden)
+        if self.continuous:
+            log_std = self.param("log_std", nn.initializers.zeros, (self.action_dim,))
+            pi = jnp.concatenate([pi, jnp.broadcast_to(log_std, pi.shape)], axis=-1)
+        value = nn.Dense(1, kernel_init=orth(1.0))(critic_hidden)[:, 0]
+        if self.lstm_size:  # back to time-major
+            pi, value = (jnp.swapaxes(y.reshape(*first.shape[::-1], *y.shape[1:]), 0, 1) for y in (pi, value))
+            return pi.reshape(*shape, -1), value.reshape(shape), state
+        return pi, value, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Math (pure functions; tests import them)
+# ---------------------------------------------------------------------------------------------
+
+
+def sample_action(pi, key, continuous: bool, greedy: bool = False):
+    """Sample actions [B] (discrete) or [B, A] (Gaussian, unclipped) from `pi`; `greedy`: the most
+    likely ones (the mean) instead."""
+    if continuous:
+        mean, log_std = jnp.split(pi, 2, axis=-1)
+        return mean if greedy else mean + jnp.exp(log_std) * jax.random.normal(key, mean.shape)
+    return jnp.argmax(pi, -1) if greedy else jax.random.categorical(key, pi)
+
+
+def log_prob_entropy(pi, actions, continuous: bool):
+    """Log-probability of `actions` under `pi` and the policy's entropy, both [B]."""
+    if continuous:
+        mean, log_std = jnp.split(pi, 2, axis=-1)
+        z = (actions - mean) / jnp.exp(log_std)
+        logprob = jnp.sum(-0.5 * z**2 - log_std - 0.5 * jnp.log(2 * jnp.pi), axis=-1)
+        entropy = jnp.sum(log_std + 0.5 * (1.0 + jnp.log(2 * jnp.pi)), axis=-1)
+        return logprob, entropy
+    log_p = jax.nn.log_softmax(pi)
+    logprob = jnp.take_along_axis(log_p, actions[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    entropy = -jnp.sum(jnp.exp(log_p) * log_p, axis=-1)
+    return logprob, entropy
+
+
+def compute_gae(rewards, values, bootstrap_value, discounts, gae_lambda):
+    """Generalised advantage estimation (Schulman et al. 2016, eq. 16), time-major.
+
+    rewards, values, discounts: [T, B] with discounts = gamma * (1 - done); bootstrap_value: [B],
+    the value of the observation after the last step. Returns advantages [T, B].
+    """
+    next_values = jnp.concatenate([values[1:], bootstrap_value[None]], axis=0)
+    deltas = rewards + discounts * next_values - values
+
+    def backward(carry, x):
+        delta, discount = x
+        carry = delta + discount * gae_lambda * carry
+        return carry, carry
+
+    _, advantages = jax.lax.scan(backward, jnp.zeros_like(bootstrap_value), (deltas, discounts), reverse=True)
+    return advantages
+
+
+def vtrace(
+    log_rhos, discounts, rewards, values, bootstrap_value,
+    clip_rho_threshold=1.0, clip_c_threshold=1.0, clip_pg_rho_threshold=1.0,
+):
+    """V-trace targets and policy-gradient advantages (Espeholt et al. 2018, eq. 1 and §4.2).
+
+    log_rhos = log pi(a|x) - log mu(a|x), discounts, rewards, values: [T, B]; bootstrap_value: [B].
+    Returns (vs, pg_advantages), both [T, B], with gradients stopped.
+    """
+    rhos = jnp.exp(log_rhos)
+    clipped_rhos = jnp.minimum(clip_rho_threshold, rhos)
+    cs = jnp.minimum(clip_c_threshold, rhos)
+    next_values = jnp.concatenate([values[1:], bootstrap_value[None]], axis=0)
+    deltas = clipped_rhos * (rewards + discounts * next_values - values)
+
+    def backward(carry, x):
+        delta, discount, c = x
+        carry = delta + discount * c * carry
+        return carry, carry
+
+    _, vs_minus_v = jax.lax.scan(backward, jnp.zeros_like(bootstrap_value), (deltas, discounts, cs), reverse=True)
+    vs = vs_minus_v + values
+    next_vs = jnp.concatenate([vs[1:], bootstrap_value[None]], axis=0)
+    pg_advantages = jnp.minimum(clip_pg_rho_threshold, rhos) * (rewards + discounts * next_vs - values)
+    return jax.lax.stop_gradient(vs), jax.lax.stop_gradient(pg_advantages)
+
+
+def time_limit_bootstrap(rewards, values, bootstrap_value, truncated, gamma):
+    """Fold gamma * V(final obs) into the reward of steps cut by a time limit (Pardo et al. 2018).
+
+    envpool shows the final observation of an episode on the following (reset) step, so its
+    value is the next entry of `values` (or `bootstrap_value` after the last step). With this
+    reward, `discounts = gamma * (1 - done)` may cut every episode end. Shapes as compute_gae.
+    """
+    next_values = jnp.concatenate([values[1:], bootstrap_value[None]], axis=0)
+    return rewards + gamma * truncated * next_values
+
+
+def learning_rate_at(args: Args, global_step):
+    """Learning rate of the update that starts at env step `global_step`: with --anneal-lr it falls
+    linearly to 0 at --total-timesteps (CleanRL). A function of steps, not of an optimiser count,
+    so a resumed run continues its schedule, also with another budget or batch size."""
+    if not args.anneal_lr:
+        return args.learning_rate
+    return args.learning_rate * jnp.clip(1.0 - global_step / args.total_timesteps, 0.0, 1.0)
+
+
+def masked_mean(x, mask):
+    """Mean of `x` over the entries where `mask` is 1."""
+    return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def ppo_loss(logprobs, old_logprobs, advantages, values, returns, entropy, mask, clip_coef, vf_coef, ent_coef, norm_adv):
+    """PPO-clip surrogate (Schulman et al. 2017, eq. 7) + value regression - entropy bonus, on
+    advantages normalised over the minibatch when `norm_adv` (CleanRL's detail 7).
+
+    All inputs have one shape ([N], or [T, N] with --lstm); transitions with mask 0 do not count.
+    Returns (loss, diagnostics).
+    """
+    if norm_adv:
+        mean = masked_mean(advantages, mask)
+        advantages = (advantages - mean) / (jnp.sqrt(masked_mean((advantages - mean) ** 2, mask)) + 1e-8)
+    log_ratio = logprobs - old_logprobs
+    ratio = jnp.exp(log_ratio)
+    pg_loss = masked_mean(jnp.maximum(-advantages * ratio, -advantages * jnp.clip(ratio, 1 - clip_coef, 1 + clip_coef)), mask)
+    value_loss = 0.5 * masked_mean((values - returns) ** 2, mask)
+    entropy_loss = masked_mean(entropy, mask)
+    loss = pg_loss + vf_coef * value_loss - ent_coef * entropy_loss
+    diagnostics = {
+        "policy_loss": pg_loss,
+        "value_loss": value_loss,
+        "entropy": entropy_loss,
+        "approx_kl": masked_mean((ratio - 1) - log_ratio, mask),
+        "clipfrac": masked_mean((jnp.abs(ratio - 1) > clip_coef).astype(jnp.float32), mask),
+    }
+    return loss, diagnostics
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling
+# ---------------------------------------------------------------------------------------------
+
+
+def make_policy_step(network, continuous: bool, values: bool = True, greedy: bool = False):
+    """One jitted call per environment step: actions, their log-probabilities, values (None with
+    `values` False: XLA then skips the critic, a third of a small MLP's acting time), the recurrent
+    state after the step (`core`: see ActorCritic; None without --lstm) and the key. `greedy`:
+    the most likely actions (evaluation's option)."""
+
+    @jax.jit
+    def policy_step(params, obs, core, key):
+        key, subkey = jax.random.split(key)
+        pi, value, state = network.apply(params, obs, core)
+        action = sample_action(pi, subkey, continuous, greedy)
+        logprob, _ = log_prob_entropy(pi, action, continuous)
+        return action, logprob, value if values else None, state, key
+
+    return policy_step
+
+
+def write(tree, index, values, rows=...):
+    """tree[index] = values[rows], leaf by leaf: observations are pytrees of host arrays."""
+    for buffer, value in zip(jax.tree.leaves(tree), jax.tree.leaves(values), strict=True):
+        buffer[index] = value[rows]
+
+
+class Shared:
+    """What the actor and learner threads share besides the queues: the newest parameters and
+    their version (§3.4; replaced whole, so a reader gets a consistent pair), the actors'
+    normaliser, the env steps each actor thread has sent actions for, the stages' timings, the
+    run's `stop` and `report(step, games)` (runs.Run.report_episodes)."""
+
+    def __init__(self, params, version, normalizer=None, actors=1, stop=None, report=None):
+        self.latest = (params, int(version))
+        self.normalizer = normalizer or Normalizer(np.zeros(()), 0, False, False, 0.0)  # checkpointed by the run
+        self.sampled = np.zeros(actors, np.int64)
+        self.stop = stop or threading.Event()
+        self.report = report or (lambda step, games: None)
+        self.timing = dict.fromkeys(["env", "inference", "bookkeeping", "device_get", "queue_put", "queue_get", "update"], 0.0)
+
+
+def new_rollout(T: int, B: int, obs, action_space, memory=None) -> dict:
+    """Empty host buffers of one rollout, time-major [T, B, ...]; `obs`: a batch of observations;
+    `memory`: with --lstm, the recurrent states of the B envs, recorded at row 0 ("state")."""
+    fields = ["logprobs", "rewards", "dones", "truncated", "valid"] + ["first"] * (memory is not None)
+    rollout = {name: np.zeros((T, B), np.float32) for name in fields}
+    if memory is not None:
+        rollout["state"] = jax.tree.map(np.zeros_like, memory)
+    rollout["actions"] = np.zeros((T, B, *action_space.shape), action_space.dtype)
+    rollout["policy_version"] = np.zeros((T, B), np.int32)
+    rollout["obs"] = jax.tree.map(lambda x: np.zeros((T, B, *x.shape[1:]), x.dtype), obs)
+    rollout["bootstrap_obs"] = jax.tree.map(lambda x: np.zeros((B, *x.shape[1:]), x.dtype), obs)
+    return rollout
+
+
+XLA_RING = 2  # rollouts in the first ring (it doubles when an env runs further ahead)
+
+
+class XlaRollouts:
+    """Rollouts from one jitted loop each over envpool's XLA interface (`envs.xla()`, as CleanRL's
+    envpool-XLA PPO): recv, the policy, the writes into the rollout and send, with no Python per
+    env step. Env e's n-th step goes to row n % T of rollout n // T, as appo_envpool.py's actor
+    places it, in a ring of R rollouts: an env that has finished its rollout is still sent actions
+    (recv waits for a full split), into the next ones. `collect(R)(carry, params, version)` runs
+    until the oldest rollout is complete, or stops short (complete False) before an env would
+    write R rollouts ahead of the oldest (`grown` then doubles R); it returns (carry, that
+    rollout, whether it is complete, the games ended, their count). `init(key, R)`: the first carry."""
+
+    def __init__(self, envs, policy_step, args):
+        self.T, self.B, self.args, self.policy_step, self.space = args.num_steps, args.num_envs, args, policy_step, envs.action_space
+        leaves = jax.tree.leaves(tasks.space_tree(envs.observation_space)) + [self.space]
+        self.x64 = np.float64 in [s.dtype for s in leaves]  # envpool's XLA interface passes float64 (MuJoCo) as it is:
+        with jax.enable_x64(self.x64):  # so must JAX, in this thread only
+            self.handle, self.recv, self.send, _ = envs.xla()
+        self.first = f32(tasks.zeros_like_space(envs.observation_space, 1))
+        self.memory = zero_core(args.lstm_size, self.B)[0] if args.lstm else None  # (c, h) [B, lstm_size], by env id
+
+    def init(self, key, R: int) -> dict:
+        B, ring = self.B, {"bootstrapped": np.zeros((self.B,), bool), **new_rollout(self.T, self.B, self.first, self.space, self.memory)}
+        return {"handle": self.handle, "key": key, "steps": np.zeros(B, np.int32), "prev_dones": np.zeros(B, bool),
+                "returns": np.zeros(B, np.float32), "ring": jax.tree.map(lambda x: np.stack([x] * R), ring),
+                "count": np.int32(0), "oldest": np.int32(0), "norm": None, "norm_returns": np.zeros(B, np.float32),
+                "memory": self.memory}
+
+    def step(self, R: int, params, version, c: dict) -> dict:
+        """One recv, policy, write and send of the loop (what appo_envpool.py's actor_loop does per recv)."""
+        T, space, c, ring = self.T, self.space, dict(c), dict(c["ring"])
+        c["handle"], (obs, reward, terminated, truncated, info) = self.recv(c["handle"])
+        obs, ids, n = f32(obs), info["env_id"], c["steps"][info["env_id"]]
+        reward = jnp.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's reward is undefined
+        c, done = xla_games(c, ids, reward, terminated, truncated, info), terminated | truncated
+        c, obs, reward = xla_normalize(c, obs, reward, done, ids, self.args)
+        core = None if self.memory is None else (  # --lstm: the envs' states; which observations start an episode
+            jax.tree.map(lambda m: m[ids], c["memory"]), c["prev_dones"][ids] | (n == 0))
+        ended = n > 0  # the observation ends env step n - 1: its reward and dones
+        c["prev_dones"] = c["prev_dones"].at[ids].set(jnp.where(ended, done, c["prev_dones"][ids]))
+        slot, row = jnp.where(ended, (n - 1) // T % R, R), (n - 1) % T  # R: dropped
+        for name, x in (("rewards", reward), ("truncated", truncated), ("dones", done)):
+            ring[name] = ring[name].at[slot, row, ids].set(x.astype(ring[name].dtype), mode="drop")
+        slot = jnp.where(ended & (n % T == 0), slot, R)  # ... and is the bootstrap_obs of its rollout
+        ring["bootstrap_obs"] = jax.tree.map(lambda b, x: b.at[slot, ids].set(x, mode="drop"), ring["bootstrap_obs"], obs)
+        ring["bootstrapped"] = ring["bootstrapped"].at[slot, ids].set(True, mode="drop")
+        action, logprob, _, state, c["key"] = self.policy_step(params, obs, core, c["key"])
+        action = f32(action)  # as the env gets it (the policy samples float64 under x64)
+        slot, row = n // T % R, n % T  # env step n
+        ring["obs"] = jax.tree.map(lambda b, x: b.at[slot, row, ids].set(x), ring["obs"], obs)
+        stamps = {"valid": 1.0 - c["prev_dones"][ids], "policy_version": version, "actions": action, "logprobs": logprob}
+        for name, x in dict(stamps, **({} if core is None else {"first": core[1]})).items():
+            ring[name] = ring[name].at[slot, row, ids].set(jnp.asarray(x, ring[name].dtype))
+        if core is not None:  # a rollout records the states before its row 0 (as appo_envpool.py's actor)
+            start = jnp.where(row == 0, slot, R)
+            ring["state"] = jax.tree.map(lambda b, x: b.at[start, ids].set(x, mode="drop"), ring["state"], core[0])
+            c["memory"] = jax.tree.map(lambda m, x: m.at[ids].set(x), c["memory"], state)
+        action = action.astype(jnp.int32) if hasattr(space, "n") else jnp.clip(action, space.low, space.high).astype(space.dtype)
+        c["handle"], c["steps"] = self.send(c["handle"], action, ids), c["steps"].at[ids].add(1)
+        return dict(c, ring=ring)
+
+    @functools.cache
+    def collect(self, R: int):
+        T, B = self.T, self.B
+
+        def running(c):  # the oldest rollout lacks a bootstrap_obs, and no env's next step would leave the ring
+            return ~c["ring"]["bootstrapped"][c["oldest"] % R].all() & (c["steps"].max() < (c["oldest"] + R) * T)
+
+        @functools.partial(jax.jit, donate_argnums=0)
+        def call(carry, params, version):
+            games = {k: jnp.zeros(R * T * B, dtype) for k, dtype in [("env", int), ("return", float), ("length", int)]}
+            carry = jax.lax.while_loop(running, functools.partial(self.step, R, params, version), dict(carry, count=0, games=games))
+            slot, ring, games = carry["oldest"] % R, dict(carry["ring"]), carry.pop("games")  # a call ends < R T B games
+            rollout = {k: jax.tree.map(lambda x: x[slot], v) for k, v in ring.items() if k != "bootstrapped"}
+            complete = ring["bootstrapped"][slot].all()  # then the slot starts the next rollout R on
+            ring["bootstrapped"] = ring["bootstrapped"].at[slot].set(ring["bootstrapped"][slot] & ~complete)
+            return dict(carry, ring=ring, oldest=carry["oldest"] + complete), rollout, complete, games, carry["count"]
+
+        def call_x64(carry, params, version):
+            with jax.enable_x64(self.x64):
+                return call(carry, params, version)
+
+        return call_x64
+
+
+def xla_games(c, ids, reward, terminated, truncated, info):
+    """tasks.EpisodeStats.update in the jitted loop: each game that ends (all of Atari's lives)
+    goes into c["games"] as (env, raw score, length), c["count"] of them in this call."""
+    over = info.get("terminated", terminated).astype(bool) | truncated
+    returns = c["returns"].at[ids].add(info.get("reward", reward))
+    at = jnp.where(over, c["count"] + jnp.cumsum(over) - 1, len(c["games"]["env"]))  # past the end: dropped
+    values = {"env": ids, "return": returns[ids], "length": info["elapsed_step"]}
+    games = {name: c["games"][name].at[at].set(x, mode="drop") for name, x in values.items()}
+    return dict(c, games=games, count=c["count"] + over.sum(dtype=jnp.int32), returns=returns.at[ids].multiply(1.0 - over))
+
+
+def xla_normalize(c, obs, reward, done, ids, args):
+    """Normalizer.observe and .reward in the jitted loop, with the library's arithmetic
+    (jax_async_rl.normalize). c["norm"] holds {"stats": the statistics (obs, return) as the host
+    had them when the call began, then updated, "new": those of this call's samples alone}; the
+    actor merges "new" into the host's after the call (Normalizer.merge), so actor threads lose
+    none of each other's. c["norm_returns"]: the envs' discounted returns."""
+    if c["norm"] is None:
+        return c, obs, reward
+    (obs_stats, return_stats), (new_obs, new_return) = c["norm"]["stats"], c["norm"]["new"]
+    if args.norm_obs:
+        batch = normalize.moments(jax.tree.map(lambda x: x.astype(jnp.float32), obs))
+        obs_stats, new_obs = normalize.combined(obs_stats, batch), normalize.combined(new_obs, batch)
+        obs = jax.tree.map(lambda x, m, v: normalize.scaled_obs(x, m, v, jnp), obs, obs_stats[0], obs_stats[1])
+    if args.norm_reward:
+        returns = c["norm_returns"].at[ids].set(c["norm_returns"][ids] * args.gamma + reward)
+        batch = normalize.moments(returns[ids])
+        return_stats, new_return = normalize.combined(return_stats, batch), normalize.combined(new_return, batch)
+        c = dict(c, norm_returns=returns.at[ids].multiply(1.0 - done))
+        reward = normalize.scaled_reward(reward, return_stats[1], jnp)
+    return dict(c, norm={"stats": (obs_stats, return_stats), "new": (new_obs, new_return)}), obs, reward
+
+
+def f32(tree):
+    """float64 leaves as float32 (envpool's MuJoCo observations)."""
+    return jax.tree.map(lambda x: x.astype(np.float32) if x.dtype == np.float64 else x, tree)
+
+
+def grown(carry, R: int):
+    """The carry of an R-rollout ring, with 2R (rollout j sits in slot j % R, so slots move)."""
+    carry = jax.device_get(carry)
+    oldest = int(carry["oldest"])
+
+    def grow(x):
+        ring = np.zeros((2 * R, *x.shape[1:]), x.dtype)
+        for j in range(oldest, oldest + R):
+            ring[j % (2 * R)] = x[j % R]
+        return ring
+
+    return dict(carry, ring=jax.tree.map(grow, carry["ring"]))
+
+
+def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts, start_step, device=None, thread=0):
+    """Rollouts from one jitted call each (XlaRollouts), queued as appo_envpool.py's actor queues
+    its own: the same rows, columns, `valid`, bootstrap observations and version stamps, but the
+    parameters are taken once per call, not per recv(). Timing: the call counts as "env"."""
+    rollouts = XlaRollouts(envs, policy_step, args)
+    envs.async_reset()
+    R, pushed, held, timing = XLA_RING, 0, None, shared.timing
+    carry = jax.device_put(rollouts.init(key, R), device)
+    while pushed < num_rollouts and not shared.stop.is_set():
+        latest, version = shared.latest
+        if version != held:
+            held, params = version, devices.to_actor(device, latest)
+        start = time.perf_counter()
+        if args.norm_obs or args.norm_reward:  # the host's statistics, and none of this call's own yet
+            stats = shared.normalizer.snapshot()
+            carry = dict(carry, norm={"stats": stats, "new": jax.tree.map(np.zeros_like, stats)})
+        carry, rollout, complete, games, count = rollouts.collect(R)(carry, params, np.int32(version))
+        rollout, complete, games, count, steps = jax.device_get((rollout, complete, games, count, carry["steps"]))
+        timing["env"] += (now := time.perf_counter()) - start
+        if carry["norm"] is not None:
+            shared.normalizer.merge(*jax.device_get(carry["norm"]["new"]))
+        shared.sampled[thread] = int(steps.sum())
+        games = list(zip(*(games[k][:count].tolist() for k in ("env", "return", "length"))))  # (jit sorts dict keys)
+        shared.report(start_step + int(shared.sampled.sum()), games)
+        if not complete:  # an env ran R rollouts ahead of another (one env's step took that long)
+            carry, R = jax.device_put(grown(carry, R), device), 2 * R
+            continue
+        timing["bookkeeping"] += (start := time.perf_counter()) - now
+        if not threads.put(rollout_queue, rollout, shared.stop):
+            return
+        timing["queue_put"] += time.perf_counter() - start
+        pushed += 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Learning
+# ---------------------------------------------------------------------------------------------
+
+
+def make_optimizer(args: Args):
+    """Adam with global-norm clipping; the update scales its step by `learning_rate_at`."""
+    return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.scale_by_adam(eps=1e-5))
+
+
+def rollout_forward(network, params, rollout, continuous: bool):
+    """The network over a rollout: log-probabilities of its actions, entropies, values [T, B], and
+    the value of `bootstrap_obs` [B]. With --lstm, each env's sequence runs from the state the
+    actor recorded before row 0, reset where episodes start (`first`), on into `bootstrap_obs`
+    (which starts an episode when row T-1 is a reset step, `valid` 0)."""
+    T, B = rollout["rewards"].shape
+    if network.lstm_size:
+        obs = jax.tree.map(lambda x, y: jnp.concatenate([x, y[None]]), rollout["obs"], rollout["bootstrap_obs"])
+        first = jnp.concatenate([rollout["first"], 1.0 - rollout["valid"][-1:]])
+        pi, values, _ = network.apply(params, obs, (rollout["state"], first))
+        logprobs, entropy = log_prob_entropy(pi[:-1], rollout["actions"], continuous)
+        return logprobs, entropy, values[:-1], values[-1]
+    def rows(x):  # [T, B, ...] -> [B x T, ...], env-major: rows stay on the learner device that holds their env
+        return jnp.swapaxes(x, 0, 1).reshape(B * T, *x.shape[2:])
+
+    pi, values, _ = network.apply(params, jax.tree.map(rows, rollout["obs"]))
+    logprobs, entropy = log_prob_entropy(pi, rows(rollout["actions"]), continuous)
+    _, bootstrap_value, _ = network.apply(params, rollout["bootstrap_obs"])
+    return *(x.reshape(B, T).T for x in (logprobs, entropy, values)), bootstrap_value
+
+
+def minibatches(key, data, num_minibatches: int):
+    """One epoch's shuffled minibatches [M, ...] of a rollout's `data` (leaves [T, B, ...]).
+    Feed-forward: transitions from all of T x B. With --lstm (`data` holds the recorded "state"
+    [B, ...]): whole env sequences [M, T, B / M, ...], each with its state."""
+    T, B = data["valid"].shape
+    if "state" not in data:
+        order = jax.random.permutation(key, T * B)
+        return jax.tree.map(lambda x: x.reshape(T * B, *x.shape[2:])[order].reshape(num_minibatches, -1, *x.shape[2:]), data)
+    order = jax.random.permutation(key, B)
+
+    def split(x):  # [B, ...] -> [M, B / M, ...] in the shuffled env order
+        return x[order].reshape(num_minibatches, B // num_minibatches, *x.shape[1:])
+
+    state = jax.tree.map(split, data["state"])
+    sequences = jax.tree.map(lambda x: jnp.swapaxes(split(jnp.swapaxes(x, 0, 1)), 1, 2), {**data, "state": None})
+    return dict(sequences, state=state)
+
+
+def targets(network, state, rollout, args: Args, continuous: bool):
+    """What the loss learns from a rollout [T, B]: (advantages, returns, the mask of transitions
+    that count, diagnostics): V-trace (or GAE) from the current parameters, and policy-lag
+    control (Sample Factory §3.4): transitions from too old a policy do not count."""
+    logprobs, _, values, bootstrap_value = rollout_forward(network, state["params"], rollout, continuous)
+    rewards = time_limit_bootstrap(rollout["rewards"], values, bootstrap_value, rollout["truncated"], args.gamma)
+    discounts = args.gamma * (1.0 - rollout["dones"])
+    if args.vtrace:
+        returns, advantages = vtrace(
+            logprobs - rollout["logprobs"], discounts, rewards, values, bootstrap_value, args.vtrace_rho_bar, args.vtrace_c_bar,
+        )
+    else:
+        advantages = compute_gae(rewards, values, bootstrap_value, discounts, args.gae_lambda)
+        returns = advantages + values
+    lag = state["policy_version"] - rollout["policy_version"]
+    fresh = (lag <= args.max_policy_lag).astype(jnp.float32)
+    diagnostics = {
+        "async/policy_lag_mean": masked_mean(lag, rollout["valid"]),
+        "async/policy_lag_max": jnp.max(jnp.where(rollout["valid"] > 0, lag, 0)),
+        "async/stale_fraction": masked_mean(1.0 - fresh, rollout["valid"]),
+    }
+    return advantages, returns, rollout["valid"] * fresh, diagnostics
+
+
+def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
+    """The jitted learner step: the targets (V-trace or GAE, lag masking), then epochs x
+    minibatches of PPO-clip against the behaviour policy (Sample Factory's APPO)."""
+
+    def loss_fn(params, mb):
+        pi, values, _ = network.apply(params, mb["obs"], (mb["state"], mb["first"]) if "state" in mb else None)
+        logprobs, entropy = log_prob_entropy(pi, mb["actions"], continuous)
+        return ppo_loss(logprobs, mb["logprobs"], mb["advantages"], values, mb["returns"], entropy, mb["valid"],
+                        args.clip_coef, args.vf_coef, args.ent_coef, args.norm_adv)
+
+    def minibatch_step(learning_rate, carry, mb):
+        params, opt_state = carry
+        (loss, diagnostics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, jax.tree.map(lambda u: -learning_rate * u, updates))
+        return (params, opt_state), {"loss": loss, **diagnostics}
+
+    @jax.jit
+    def update(state, rollout, key):
+        params, opt_state = state["params"], state["opt_state"]
+        # XLA:CPU runs convs in a loop ~10x slower than unrolled (Nature CNN), so on CPU scans over
+        # images unroll up to 16 minibatch steps (Atari's 4 x 4; CarRacing's 10 x 32: 9 GiB, 5+ min).
+        images = any(kind in ("nature", "grid") for kind, _ in network.encoders)
+        unroll = jax.default_backend() == "cpu" and images and args.update_epochs * args.num_minibatches <= 16
+        advantages, returns, valid, diagnostics = targets(network, state, rollout, args, continuous)
+        data = {
+            "obs": rollout["obs"],
+            "actions": rollout["actions"],
+            "logprobs": rollout["logprobs"],
+            "valid": valid,
+            "advantages": advantages,
+            "returns": returns,
+        }
+        if network.lstm_size:
+            data.update(state=rollout["state"], first=rollout["first"])
+        learning_rate = learning_rate_at(args, state["global_step"])
+
+        def epoch(carry, key):
+            epoch_data = minibatches(key, data, args.num_minibatches)
+            if mesh is not None:  # each learner device takes its share of every minibatch: data parallel
+                epoch_data = jax.tree_util.tree_map_with_path(lambda path, x: jax.lax.with_sharding_constraint(
+                    x, devices.split_envs(mesh, 1 + (devices.env_axis(path) if "state" in data else 0))), epoch_data)
+            return jax.lax.scan(functools.partial(minibatch_step, learning_rate), carry, epoch_data, unroll=unroll)
+
+        (params, opt_state), losses = jax.lax.scan(
+            epoch, (params, opt_state), jax.random.split(key, args.update_epochs), unroll=unroll
+        )
+        diagnostics.update(jax.tree.map(jnp.mean, losses), learning_rate=learning_rate)
+        leaves = jax.tree.leaves(params)
+        diagnostics["finite"] = jnp.isfinite(diagnostics["loss"]) & jnp.all(
+            jnp.array([jnp.all(jnp.isfinite(x)) for x in leaves])
+        )
+        new_state = dict(state, params=params, opt_state=opt_state, policy_version=state["policy_version"] + 1)
+        return new_state, diagnostics
+
+    return update
+
+
+def learner_loop(run, update, shared, queues, key):
+    """Take one rollout from every actor thread's queue, update, publish the parameters and their
+    version after each update (§3.4): from run.start_update to run.num_updates, or until the run
+    stops. Once per update, before it, every process agrees to go on (runs.Run.agree), in
+    lockstep: a stop in any process stops all at the same update."""
+    state, timing = run.state, shared.timing
+    for _ in range(run.start_update, run.num_updates):
+        start = time.perf_counter()
+        rollouts = [threads.get(q, run.stop) for q in queues]
+        timing["queue_get"] += time.perf_counter() - start
+        if run.agree(None in rollouts):
+            break
+        start = time.perf_counter()
+        key, subkey = jax.random.split(key)
+        state, diagnostics = update(state, devices.to_learner(run.mesh, joined(rollouts)), subkey)
+        diagnostics = jax.device_get(diagnostics)
+        timing["update"] += time.perf_counter() - start
+        queued = {"async/queue_size": sum(q.qsize() for q in queues),
+                  "async/learner_busy_fraction": timing["update"] / run.elapsed()}
+        state = run.learned(state, diagnostics, timing, queued)
+        shared.latest = (state["params"], int(state["policy_version"]))
+
+
+def joined(rollouts: list) -> dict:
+    """The actor threads' rollouts side by side along the env axis: this process's share of a batch."""
+    if len(rollouts) == 1:
+        return rollouts[0]
+    return jax.tree_util.tree_map_with_path(lambda path, *xs: np.concatenate(xs, devices.env_axis(path)), *rollouts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------
+
+
+def build(args: Args, key):
+    """(network, optimizer, continuous, normalizer, initial state) of a run with these flags; a
+    checkpoint restores into `dict(state, **normalizer.state())` (utils/evaluate.py does too)."""
+    obs_space, action_space = tasks.spaces(args.env_id)
+    continuous = not hasattr(action_space, "n")
+    action_dim = int(np.prod(action_space.shape)) if continuous else int(action_space.n)
+    network = ActorCritic(action_dim, continuous, tasks.encoders(obs_space), args.lstm_size if args.lstm else 0)
+    params = network.init(key, tasks.zeros_like_space(obs_space, 1), zero_core(network.lstm_size, 1))
+    optimizer = make_optimizer(args)
+    normalizer = Normalizer(tasks.zeros_like_space(obs_space), devices.local_envs(args), args.norm_obs, args.norm_reward,
+                            args.gamma)
+    state = {"params": params, "opt_state": optimizer.init(params), "global_step": 0, "policy_version": 0}
+    return network, optimizer, continuous, normalizer, state
+
+
+def main(args: Args, given=None) -> int:
+    """Train; return the exit code. `given`: the flags named on the command line, which replace a
+    resumed run's own (None: those that differ from Args' defaults)."""
+    with runs.Run(args, given, __file__, resolve_args) as run:
+        if run.finished:
+            return 0
+        args = run.args
+        network, optimizer, continuous, normalizer, state = build(args, run.init_key)
+        state = run.restore(state, normalizer)
+        actors = [(device, thread) for device in run.actor_devices for thread in range(args.num_actor_threads)]
+        first_env = jax.process_index() * len(actors) * args.num_envs  # each actor thread's envs draw their own seeds
+        env_threads = args.num_threads or min(max(1, (os.cpu_count() or 1) // len(actors)), args.num_envs)  # the cores shared
+        envs = [tasks.make_env(args.env_id, args.num_envs, run.seed + first_env + i * args.num_envs, env_threads, train=True,
+                               batch_size=args.num_envs // args.num_splits) for i in range(len(actors))]
+        policy_step = make_policy_step(network, continuous, values=False)  # the actor needs no values
+        update = make_update(network, optimizer, args, continuous, run.mesh)
+        shared = Shared(state["params"], state["policy_version"], normalizer, len(actors), run.stop, run.report_episodes)
+        run.begin(f"preset {tasks.preset_name(args.env_id, PRESETS)}, {args.num_splits} split{'s' * (args.num_splits > 1)}, XLA actor",
+                  lambda: run.start_step + int(shared.sampled.sum()) * jax.process_count())  # as if all sampled at this pace
+        queues = [queue.Queue(maxsize=args.queue_size) for _ in actors]
+        for i, (device, _) in enumerate(actors):
+            run.threads.start(f"actor {i}" if i else "actor", actor_loop, envs[i], policy_step, shared, queues[i],
+                              devices.actor_key(run.key, jax.process_index() * len(actors) + i), args,
+                              run.num_updates - run.start_update, run.global_step, device, i, owns=envs[i])
+        run.wait(run.threads.start("learner", learner_loop, run, update, shared, queues, run.update_key))
+        return run.finish(make_policy_step(network, continuous, values=False), functools.partial(zero_core, network.lstm_size))
+
+
+if __name__ == "__main__":
+    flags.command_line(main, Args, PRESETS)
