@@ -18,7 +18,7 @@ import flax.serialization
 import jax
 import numpy as np
 
-from jax_async_rl.flags import UsageError
+from jax_async_rl.flags import RETIRED, UsageError
 
 CHECKPOINT = "checkpoint.msgpack"
 CONFIG = "config.json"
@@ -27,6 +27,8 @@ METRICS = "metrics.jsonl"
 LAUNCH = ("distributed", "coordinator_address", "num_processes", "process_id", "actor_device_ids", "learner_device_ids")
 # What the network and its inputs were trained on: a resumed run cannot change these.
 FIXED_ON_RESUME = ("env_id", "norm_obs", "norm_reward", "lstm", "lstm_size")
+# (the script that wrote a checkpoint, a retired flag it had on) -> the script whose job that flag was.
+SUCCESSORS = {("appo_envpool.py", "xla_actor"): "appo_envpool_xla.py"}
 
 
 def checkpoint_path(path: str) -> str:
@@ -117,8 +119,13 @@ def resume_args(args, given, script: str):
         payload = read_checkpoint(path)
     except UsageError as e:
         raise UsageError(f"--resume: {e}")
-    if payload["script"] != os.path.basename(script):
+    retired = [name for name in RETIRED if payload["config"].get(name)]
+    heirs = {SUCCESSORS.get((payload["script"], name)) for name in retired}
+    if os.path.basename(script) not in {payload["script"], *heirs}:
         raise UsageError(f"--resume: {path} was written by {payload['script']}, not {os.path.basename(script)}")
+    for name in retired:  # a run of an earlier version: its job moved, or is gone
+        print(f"note: {path} was trained with --{name.replace('_', '-')}, which is {RETIRED[name]}; "
+              f"{os.path.basename(script)} continues it", file=sys.stderr)
     defaults = type(args)()
     fields = [f.name for f in dataclasses.fields(args) if f.name not in ("resume", "run_dir", *LAUNCH)]
     if given is None:

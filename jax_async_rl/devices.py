@@ -91,6 +91,13 @@ def env_axis(path) -> int:
     return 0 if path[0].key in ("bootstrap_obs", "state") else 1
 
 
+def joined(rollouts: list) -> dict:
+    """Actor threads' rollouts side by side along the env axis: this process's share of a batch."""
+    if len(rollouts) == 1:
+        return rollouts[0]
+    return jax.tree_util.tree_map_with_path(lambda path, *xs: np.concatenate(xs, env_axis(path)), *rollouts)
+
+
 def split_envs(mesh, axis: int):
     """The sharding of arrays whose axis `axis` (their envs) is split over the learner devices."""
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*[None] * axis, "env"))

@@ -44,11 +44,18 @@ class Bound:
 POSITIVE = Bound(lambda v: v > 0, "must be positive")
 NON_NEGATIVE = Bound(lambda v: v >= 0, "must be >= 0")
 UNIT = Bound(lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]")
+
+
+def default_is(text: str):
+    """A flag's annotation: --help shows its default as `text` (for a default left at None)."""
+    return tyro.conf.arg(help_behavior_hint=f"(default: {text})")
+
+
 # Flags left at None take the value of the task's preset (the script's PRESETS).
-PRESET = tyro.conf.arg(help_behavior_hint="(default: preset)")
+PRESET = default_is("preset")
 # Flags that no longer exist, and where their job went: one line instead of tyro's box.
 RETIRED = {
-    "xla_actor": "the XLA actor is a script of its own now: python appo_envpool_xla.py (APPO; "
+    "xla_actor": "retired: the XLA actor is the script appo_envpool_xla.py now (APPO, always with that actor; "
                  "IMPALA's is gone: port it from `diff appo_envpool.py appo_envpool_xla.py`)",
 }
 
@@ -83,12 +90,13 @@ class RunArgs:
     """with --distributed: the number of processes (0: detected from the cluster)"""
     process_id: int = -1
     """with --distributed: this process's index, 0 to num_processes - 1 (-1: detected)"""
-    compile_cache: str = os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "jax-async-rl")
+    compile_cache: str = dataclasses.field(
+        default_factory=lambda: os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "jax-async-rl"))
     """folder of JAX's persistent compilation cache: a later run of the same configuration skips most
     of XLA's compile (the Atari update's takes minutes on a CPU); '' turns it off"""
-    exp_name: Annotated[Optional[str], tyro.conf.arg(help_behavior_hint="(default: the script's file name)")] = None
+    exp_name: Annotated[Optional[str], default_is("the script's file name")] = None
     """experiment name, part of the run folder's name"""
-    run_dir: Annotated[Optional[str], tyro.conf.arg(help_behavior_hint="(default: runs/{env_id}__{exp_name}__{seed}__{time})")] = None
+    run_dir: Annotated[Optional[str], default_is("runs/{env_id}__{exp_name}__{seed}__{time}")] = None
     """output folder; one that holds another run is refused (continue that one with --resume)"""
     resume: Optional[str] = None
     """continue this run folder (or checkpoint file) with its own flags; flags given here replace
@@ -143,7 +151,9 @@ def check_names(argv, args_class):
     nearest names (tyro's own message is a box of many lines)."""
     fields = [f.name for f in dataclasses.fields(args_class)]
     for token in argv:
-        if token == "--" or not token.startswith("--") or token in ("--help",):
+        if token == "--":  # what follows is not flags
+            return
+        if not token.startswith("--"):
             continue
         name = token[2:].split("=")[0].replace("-", "_")
         if name in fields or name.startswith("no_") and name[3:] in fields:
@@ -173,3 +183,14 @@ def command_line(main, args_class, presets: dict):
         sys.stderr.flush()
         os._exit(exit_code)
     sys.exit(exit_code)
+
+
+def run_tool(main, config_class):
+    """A tool's entry point (utils/): parse `config_class`, exit with `main(config)`'s code; a
+    UsageError is one line on stderr and exit code 2."""
+    config = tyro.cli(config_class)
+    try:
+        sys.exit(main(config))
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

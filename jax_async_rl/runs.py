@@ -5,13 +5,13 @@ thread errors, the final evaluation. A script's `main` reads:
     with runs.Run(args, given, __file__, resolve_args) as run:
         if run.finished: return 0                          # a resumed run that has nothing left
         network, optimizer, continuous, normalizer, state = build(run.args, run.init_key)
-        state = run.restore(state, normalizer)             # from --resume, onto the learner devices
-        ...                                                # envs, the jitted functions
-        run.begin("preset classic")                        # folder, logs, header line, progress
-        run.threads.run("learner", train_loop, ...)        # or .start() actor and learner threads
+        state = run.open(state, normalizer)                # --resume's state on the learner devices; the folder
+        ...                                                # envs (run.actors()), the jitted functions
+        run.begin("preset classic")                        # header line, clock, progress line
+        run.threads.run("training loop", train_loop, ...)  # or .start() actor and learner threads
         return run.finish(policy, initial_core)            # checkpoint, evaluation, exit code
 
-and once per update the learner calls `run.agree(...)` (stop together, gather games) and
+and once per update the learner calls `run.should_stop(...)` (stop together, gather games) and
 `run.learned(state, diagnostics, timing)` (count, log, checkpoint on schedule).
 """
 
@@ -26,9 +26,8 @@ import sys
 import threading
 import time
 import warnings
+from collections import deque
 from pathlib import Path
-from typing import Optional
-
 import jax
 import numpy as np
 
@@ -47,7 +46,8 @@ class Run:
         self.given, self.script, self.resolve = given, script, resolve
         self.args = args
         self.pending = None  # (step, scalars) of the last update, not logged yet
-        self.episodes = []  # with many processes: games finished here, gathered once per update (`agree`)
+        self.episodes = deque()  # with many processes: games finished here, gathered once per update (`should_stop`)
+        self.saving = threading.Lock()  # one checkpoint write at a time (the learner's and the main thread's)
         self.run_dir = self.logger = self.progress = None
 
     def __enter__(self):
@@ -86,31 +86,51 @@ class Run:
         self.seed = (self.args.seed + self.global_step) % 2**31  # a resumed run draws new env seeds and noise
         self.key, self.init_key, self.update_key = jax.random.split(jax.random.PRNGKey(self.seed), 3)
 
-    def restore(self, state: dict, normalizer) -> dict:
-        """The initial `state` (and the normaliser's statistics), or the resumed checkpoint's in its
-        structure, replicated on the learner devices as every update returns it (no recompile)."""
+    def open(self, state: dict, normalizer) -> dict:
+        """The run's state and folder. `state` (with the normaliser's statistics) is the initial
+        one, or the resumed checkpoint's in its structure, replicated on the learner devices as
+        every update returns it (no recompile). Process 0 makes (or reopens) the run folder,
+        writes config.json and opens the logs, before any env starts."""
         if self.payload:
             path = checkpoints.checkpoint_path(self.args.resume)
             state = checkpoints.load_checkpoint(self.payload, dict(state, **normalizer.state()), path)
             normalizer.load(state)
         self.normalizer = normalizer
         self.state = dict(devices.replicated(self.mesh, state), global_step=self.global_step)
-        self.start_update = int(self.state["policy_version"])
+        self.start_update = self.updates = int(self.state["policy_version"])  # updates: done so far
         self.num_updates = self.start_update + (self.args.total_timesteps - self.global_step) // self.batch_size
-        return self.state
-
-    def begin(self, details: str, sampled=None):
-        """The run folder (made or resumed) with its config.json, the logs, the header line and the
-        progress line; `sampled()`: env steps sampled so far (default: those learned)."""
+        self.sampled = np.zeros(devices.actor_threads(self.args), np.int64)  # env steps each actor sent actions for
         if jax.process_index() == 0:
             self.run_dir, created = make_run_dir(self.args, self.payload is not None)
             self.signals.new_run_dir = self.run_dir if created and self.payload is None else None
             write_config(self.run_dir, self.args, self.changed, self.global_step, devices.describe_batch(self.args))
         self.checkpoint_file = os.path.join(self.run_dir, CHECKPOINT) if self.run_dir else "process 0's"
         self.logger = Logger(self.run_dir, self.args)
+        return self.state
+
+    def actors(self) -> list:
+        """This process's actor threads, [(device, env seed, action key)]: --num-actor-threads on
+        each actor device (one where a script has no such flag), each with --num-envs envs seeded
+        apart from every other actor's, counted over all processes; actor 0 keeps the run's key."""
+        per_device = getattr(self.args, "num_actor_threads", 1)
+        first = jax.process_index() * len(self.actor_devices) * per_device
+        placed = [device for device in self.actor_devices for _ in range(per_device)]
+        return [(device, self.seed + (first + i) * self.args.num_envs, devices.actor_key(self.key, first + i))
+                for i, device in enumerate(placed)]
+
+    @property
+    def env_threads(self) -> int:
+        """envpool worker threads of each actor's envs: --num-threads, else the cores shared among the actors."""
+        actors = devices.actor_threads(self.args)
+        return self.args.num_threads or min(max(1, (os.cpu_count() or 1) // actors), self.args.num_envs)
+
+    def begin(self, details: str):
+        """The header line (`details`: the preset, the splits, ...), the clock and the progress line."""
         print(f"{os.path.basename(self.script)}: {self.args.env_id} ({details}), {self.num_updates - self.start_update} "
               f"updates of {devices.describe_batch(self.args)} -> {self.run_dir or 'the run folder of process 0'}", flush=True)
-        self.progress = Progress(self.args.total_timesteps, lambda: (sampled() if sampled else self.global_step, self.global_step))
+        processes = jax.process_count()  # sampled: as if every process sampled at this one's pace
+        self.progress = Progress(self.args.total_timesteps,
+                                 lambda: (self.start_step + int(self.sampled.sum()) * processes, self.global_step))
         self.start_time = time.time()
 
     @property
@@ -121,21 +141,22 @@ class Run:
         """Seconds since `begin`."""
         return time.time() - self.start_time
 
-    def agree(self, stopped: bool, episodes=()) -> bool:
-        """Once per update, before it, in every process: whether the run stops now (a signal, an
-        error, `stopped` here or in another process). The games of every process are logged."""
-        mine = [*episodes, *[self.episodes.pop(0) for _ in range(len(self.episodes))]]
+    def should_stop(self, stopped: bool, episodes=()) -> bool:
+        """Once per update, before it, in every process (in lockstep: devices.agree): whether the
+        run stops now (a signal, an error, `stopped` here or in another process). The games of
+        every process are logged: `episodes`, and those the actors reported."""
+        mine = [*episodes, *[self.episodes.popleft() for _ in range(len(self.episodes))]]
         stop, games = devices.agree(self.signals.received, stopped, mine)
         self.log_episodes(self.global_step, games)
         return stop
 
-    def report_episodes(self, step: int, episodes: list):
-        """The (env, return, length) of games an actor finished at `step`: logged now, or with many
-        processes gathered by the learner's next `agree`."""
+    def report_episodes(self, episodes: list):
+        """The (env, return, length) of games an actor finished: logged now, at the env steps
+        sampled so far, or with many processes gathered by the learner's next `should_stop`."""
         if jax.process_count() > 1:
             self.episodes.extend(episodes)
         else:
-            self.log_episodes(step, episodes)
+            self.log_episodes(self.start_step + int(self.sampled.sum()), episodes)
 
     def log_episodes(self, step: int, episodes):
         for _, ret, length in episodes:
@@ -146,7 +167,7 @@ class Run:
         """After an update: FloatingPointError for a non-finite loss or parameters; else count the
         batch, keep `state` (with its global step) for checkpoints, log the update's scalars at the
         first update, every --log-frequency and at the last, and checkpoint every --save-interval."""
-        update_idx = int(state["policy_version"]) - 1
+        update_idx, self.updates = self.updates, self.updates + 1
         if not diagnostics["finite"]:
             raise FloatingPointError(f"non-finite loss or parameters at update {update_idx}")
         self.global_step += self.batch_size
@@ -166,7 +187,8 @@ class Run:
         return self.state
 
     def save(self):
-        checkpoints.save_checkpoint(self.checkpoint_file, self.state, self.args, self.normalizer, self.script)
+        with self.saving:
+            checkpoints.save_checkpoint(self.checkpoint_file, self.state, self.args, self.normalizer, self.script)
 
     def wait(self, learner: threading.Thread):
         """The main thread, while the threads train: until the learner ends or the run stops; then
@@ -324,7 +346,7 @@ def write_config(run_dir: str, args, changed: dict, global_step: int, batch: str
 def report_errors(errors, ckpt_file: str, global_step: int) -> bool:
     """Print the threads' errors (traceback, or one line for a non-finite loss); True if the
     learner stopped on a non-finite loss, so that the last good checkpoint must stay."""
-    for name, error, trace in errors:
+    for where, error, trace in errors:
         if isinstance(error, FloatingPointError):
             print(
                 f"error: {error} (step {global_step}); "
@@ -333,7 +355,7 @@ def report_errors(errors, ckpt_file: str, global_step: int) -> bool:
                 file=sys.stderr,
             )
             return True
-        print(f"error in the {name} thread:\n{trace}", file=sys.stderr)
+        print(f"error in {where}:\n{trace}", file=sys.stderr)
     if errors:
         print(f"stopped by an error at step {global_step}; checkpoint: {ckpt_file}", file=sys.stderr)
     return False

@@ -1,12 +1,33 @@
-"""Thread plumbing of the asynchronous scripts: queues that give up when the run stops, and the
-lifetime of a run's threads (an exception in any one stops all, and is reported with its
-traceback). No call here waits forever.
+"""Thread plumbing of the asynchronous scripts: what the actor and learner threads share, queues
+that give up when the run stops, and the lifetime of a run's threads (an exception in any one
+stops all, and is reported with its traceback). No call here waits forever.
 """
 
 import queue
 import threading
 import time
 import traceback
+
+import numpy as np
+
+from jax_async_rl.normalize import Normalizer
+
+
+class Shared:
+    """What an asynchronous script's actor and learner threads share besides the queues: the newest
+    parameters and their version (`latest`, published by the learner after each update, Sample
+    Factory §3.4; replaced whole, so a reader gets a consistent pair), the actors' normaliser, the
+    env steps each actor thread has sent actions for (`sampled`, the run's counter), the stages'
+    timings, the run's `stop` and `report(games)` (runs.Run.report_episodes). Left out (in tests),
+    these are a fresh counter and event, a normaliser that passes everything, and no reports."""
+
+    def __init__(self, params, version, normalizer=None, sampled=None, stop=None, report=None):
+        self.latest = (params, int(version))
+        self.normalizer = normalizer or Normalizer(np.zeros(()), 0, False, False, 0.0)
+        self.sampled = np.zeros(1, np.int64) if sampled is None else sampled
+        self.stop = stop or threading.Event()
+        self.report = report or (lambda games: None)
+        self.timing = dict.fromkeys(["env", "inference", "bookkeeping", "device_get", "queue_put", "queue_get", "update"], 0.0)
 
 
 def put(q, item, stop) -> bool:
@@ -36,7 +57,7 @@ class Threads:
 
     def __init__(self, stop=None):
         self.stop = stop or threading.Event()
-        self.errors = []
+        self.errors = []  # (where: "the actor thread", ..., the exception, its formatted traceback)
         self.threads = []  # (thread, what it owns: closed once it has ended)
 
     def start(self, name: str, fn, *args, owns=None) -> threading.Thread:
@@ -46,7 +67,7 @@ class Threads:
             try:
                 fn(*args)
             except BaseException as e:
-                self.errors.append((name, e, traceback.format_exc()))
+                self.errors.append((f"the {name} thread", e, traceback.format_exc()))
                 self.stop.set()
 
         thread = threading.Thread(target=target, name=name, daemon=True)
@@ -55,11 +76,11 @@ class Threads:
         return thread
 
     def run(self, name: str, fn, *args):
-        """Run fn(*args) in this thread, with a thread's error handling: an exception is recorded."""
+        """Run fn(*args) in this thread (the synchronous loop), an exception recorded as a thread's is."""
         try:
             fn(*args)
         except Exception as e:
-            self.errors.append((name, e, traceback.format_exc()))
+            self.errors.append((f"the {name}", e, traceback.format_exc()))
             self.stop.set()
 
     def join(self, seconds: float):
