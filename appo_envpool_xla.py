@@ -19,10 +19,8 @@ The run itself (flags, folders, checkpoints, logs, devices) is the installed pac
 
 import dataclasses
 import functools
-import os
 import queue
 import signal
-import threading
 import time
 from dataclasses import dataclass
 from typing import Annotated, Optional
@@ -35,13 +33,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import tyro
 
 from jax_async_rl import devices, flags, normalize, runs, tasks, threads
 from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, PRESET, UNIT, UsageError
 from jax_async_rl.normalize import Normalizer
 
-SPLITS = tyro.conf.arg(help_behavior_hint="(default: 2 with image observations, else 1)")
+SPLITS = flags.default_is("2 with image observations, else 1")
 
 
 @dataclass
@@ -55,8 +52,8 @@ class Args(flags.RunArgs):
     num_envs: Annotated[int, POSITIVE] = 8
     """number of parallel environments of each actor thread (see --num-actor-threads)"""
     num_splits: Annotated[Optional[int], SPLITS, POSITIVE] = None
-    """envpool splits for double-buffered sampling (Sample Factory §3.2); 1 disables it. It pays where
-    stepping a split costs about one inference call and a core is free for it: images, not vectors"""
+    """envpool splits for double-buffered sampling (Sample Factory §3.2); 1 disables it. With no Python
+    per step, 2 splits also pay on vector tasks where a core is free for envpool's thread"""
     num_steps: Annotated[Optional[int], PRESET, POSITIVE] = None
     """rollout length: steps per environment in each rollout"""
     queue_size: Annotated[int, POSITIVE] = 2
@@ -171,7 +168,7 @@ def resolve_args(args: Args) -> Args:
         raise UsageError(f"--num-minibatches {args.num_minibatches} must divide the global batch {devices.describe_batch(args)}")
     if args.lstm and devices.global_envs(args) % args.num_minibatches:
         raise UsageError(f"--num-minibatches {args.num_minibatches} must divide the {devices.global_envs(args)} envs of an "
-                         "update with --lstm (a minibatch holds whole env sequences); pass a divisor")
+                         "update (--num-envs, summed over actors and processes) with --lstm (a minibatch holds whole env sequences); pass a divisor")
     return args
 
 
@@ -417,27 +414,6 @@ def make_policy_step(network, continuous: bool, values: bool = True, greedy: boo
     return policy_step
 
 
-def write(tree, index, values, rows=...):
-    """tree[index] = values[rows], leaf by leaf: observations are pytrees of host arrays."""
-    for buffer, value in zip(jax.tree.leaves(tree), jax.tree.leaves(values), strict=True):
-        buffer[index] = value[rows]
-
-
-class Shared:
-    """What the actor and learner threads share besides the queues: the newest parameters and
-    their version (§3.4; replaced whole, so a reader gets a consistent pair), the actors'
-    normaliser, the env steps each actor thread has sent actions for, the stages' timings, the
-    run's `stop` and `report(step, games)` (runs.Run.report_episodes)."""
-
-    def __init__(self, params, version, normalizer=None, actors=1, stop=None, report=None):
-        self.latest = (params, int(version))
-        self.normalizer = normalizer or Normalizer(np.zeros(()), 0, False, False, 0.0)  # checkpointed by the run
-        self.sampled = np.zeros(actors, np.int64)
-        self.stop = stop or threading.Event()
-        self.report = report or (lambda step, games: None)
-        self.timing = dict.fromkeys(["env", "inference", "bookkeeping", "device_get", "queue_put", "queue_get", "update"], 0.0)
-
-
 def new_rollout(T: int, B: int, obs, action_space, memory=None) -> dict:
     """Empty host buffers of one rollout, time-major [T, B, ...]; `obs`: a batch of observations;
     `memory`: with --lstm, the recurrent states of the B envs, recorded at row 0 ("state")."""
@@ -473,6 +449,7 @@ class XlaRollouts:
             self.handle, self.recv, self.send, _ = envs.xla()
         self.first = f32(tasks.zeros_like_space(envs.observation_space, 1))
         self.memory = zero_core(args.lstm_size, self.B)[0] if args.lstm else None  # (c, h) [B, lstm_size], by env id
+        self.calls = {}  # ring size R -> its jitted call (collect)
 
     def init(self, key, R: int) -> dict:
         B, ring = self.B, {"bootstrapped": np.zeros((self.B,), bool), **new_rollout(self.T, self.B, self.first, self.space, self.memory)}
@@ -514,8 +491,10 @@ class XlaRollouts:
         c["handle"], c["steps"] = self.send(c["handle"], action, ids), c["steps"].at[ids].add(1)
         return dict(c, ring=ring)
 
-    @functools.cache
     def collect(self, R: int):
+        """The jitted call over a ring of R rollouts, made once per R (kept by this actor alone)."""
+        if R in self.calls:
+            return self.calls[R]
         T, B = self.T, self.B
 
         def running(c):  # the oldest rollout lacks a bootstrap_obs, and no env's next step would leave the ring
@@ -535,6 +514,7 @@ class XlaRollouts:
             with jax.enable_x64(self.x64):
                 return call(carry, params, version)
 
+        self.calls[R] = call_x64
         return call_x64
 
 
@@ -590,7 +570,7 @@ def grown(carry, R: int):
     return dict(carry, ring=jax.tree.map(grow, carry["ring"]))
 
 
-def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts, start_step, device=None, thread=0):
+def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts, device=None, thread=0):
     """Rollouts from one jitted call each (XlaRollouts), queued as appo_envpool.py's actor queues
     its own: the same rows, columns, `valid`, bootstrap observations and version stamps, but the
     parameters are taken once per call, not per recv(). Timing: the call counts as "env"."""
@@ -613,7 +593,7 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
             shared.normalizer.merge(*jax.device_get(carry["norm"]["new"]))
         shared.sampled[thread] = int(steps.sum())
         games = list(zip(*(games[k][:count].tolist() for k in ("env", "return", "length"))))  # (jit sorts dict keys)
-        shared.report(start_step + int(shared.sampled.sum()), games)
+        shared.report(games)
         if not complete:  # an env ran R rollouts ahead of another (one env's step took that long)
             carry, R = jax.device_put(grown(carry, R), device), 2 * R
             continue
@@ -758,31 +738,24 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
 def learner_loop(run, update, shared, queues, key):
     """Take one rollout from every actor thread's queue, update, publish the parameters and their
     version after each update (§3.4): from run.start_update to run.num_updates, or until the run
-    stops. Once per update, before it, every process agrees to go on (runs.Run.agree), in
+    stops. Once per update, before it, every process agrees to go on (runs.Run.should_stop), in
     lockstep: a stop in any process stops all at the same update."""
     state, timing = run.state, shared.timing
     for _ in range(run.start_update, run.num_updates):
         start = time.perf_counter()
         rollouts = [threads.get(q, run.stop) for q in queues]
         timing["queue_get"] += time.perf_counter() - start
-        if run.agree(None in rollouts):
+        if run.should_stop(None in rollouts):
             break
         start = time.perf_counter()
         key, subkey = jax.random.split(key)
-        state, diagnostics = update(state, devices.to_learner(run.mesh, joined(rollouts)), subkey)
+        state, diagnostics = update(state, devices.to_learner(run.mesh, devices.joined(rollouts)), subkey)
         diagnostics = jax.device_get(diagnostics)
         timing["update"] += time.perf_counter() - start
-        queued = {"async/queue_size": sum(q.qsize() for q in queues),
-                  "async/learner_busy_fraction": timing["update"] / run.elapsed()}
-        state = run.learned(state, diagnostics, timing, queued)
+        pipeline = {"async/queue_size": sum(q.qsize() for q in queues),
+                    "async/learner_busy_fraction": timing["update"] / run.elapsed()}
+        state = run.learned(state, diagnostics, timing, pipeline)
         shared.latest = (state["params"], int(state["policy_version"]))
-
-
-def joined(rollouts: list) -> dict:
-    """The actor threads' rollouts side by side along the env axis: this process's share of a batch."""
-    if len(rollouts) == 1:
-        return rollouts[0]
-    return jax.tree_util.tree_map_with_path(lambda path, *xs: np.concatenate(xs, devices.env_axis(path)), *rollouts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -813,22 +786,19 @@ def main(args: Args, given=None) -> int:
             return 0
         args = run.args
         network, optimizer, continuous, normalizer, state = build(args, run.init_key)
-        state = run.restore(state, normalizer)
-        actors = [(device, thread) for device in run.actor_devices for thread in range(args.num_actor_threads)]
-        first_env = jax.process_index() * len(actors) * args.num_envs  # each actor thread's envs draw their own seeds
-        env_threads = args.num_threads or min(max(1, (os.cpu_count() or 1) // len(actors)), args.num_envs)  # the cores shared
-        envs = [tasks.make_env(args.env_id, args.num_envs, run.seed + first_env + i * args.num_envs, env_threads, train=True,
-                               batch_size=args.num_envs // args.num_splits) for i in range(len(actors))]
+        state = run.open(state, normalizer)
+        actors = run.actors()  # (device, env seed, action key) of each actor thread
+        envs = [tasks.make_env(args.env_id, args.num_envs, seed, run.env_threads, train=True,
+                               batch_size=args.num_envs // args.num_splits) for _, seed, _ in actors]
         policy_step = make_policy_step(network, continuous, values=False)  # the actor needs no values
         update = make_update(network, optimizer, args, continuous, run.mesh)
-        shared = Shared(state["params"], state["policy_version"], normalizer, len(actors), run.stop, run.report_episodes)
-        run.begin(f"preset {tasks.preset_name(args.env_id, PRESETS)}, {args.num_splits} split{'s' * (args.num_splits > 1)}, XLA actor",
-                  lambda: run.start_step + int(shared.sampled.sum()) * jax.process_count())  # as if all sampled at this pace
+        shared = threads.Shared(state["params"], state["policy_version"], normalizer, run.sampled, run.stop,
+                                run.report_episodes)
+        run.begin(f"preset {tasks.preset_name(args.env_id, PRESETS)}, {args.num_splits} split{'s' * (args.num_splits > 1)}, XLA actor")
         queues = [queue.Queue(maxsize=args.queue_size) for _ in actors]
-        for i, (device, _) in enumerate(actors):
-            run.threads.start(f"actor {i}" if i else "actor", actor_loop, envs[i], policy_step, shared, queues[i],
-                              devices.actor_key(run.key, jax.process_index() * len(actors) + i), args,
-                              run.num_updates - run.start_update, run.global_step, device, i, owns=envs[i])
+        for i, (device, _, key) in enumerate(actors):
+            run.threads.start(f"actor {i}" if i else "actor", actor_loop, envs[i], policy_step, shared, queues[i], key, args,
+                              run.num_updates - run.start_update, device, i, owns=envs[i])
         run.wait(run.threads.start("learner", learner_loop, run, update, shared, queues, run.update_key))
         return run.finish(make_policy_step(network, continuous, values=False), functools.partial(zero_core, network.lstm_size))
 

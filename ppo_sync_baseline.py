@@ -140,7 +140,7 @@ def resolve_args(args: Args) -> Args:
         raise UsageError(f"--num-minibatches {args.num_minibatches} must divide the global batch {devices.describe_batch(args)}")
     if args.lstm and devices.global_envs(args) % args.num_minibatches:
         raise UsageError(f"--num-minibatches {args.num_minibatches} must divide the {devices.global_envs(args)} envs of an "
-                         "update with --lstm (a minibatch holds whole env sequences); pass a divisor")
+                         "update (--num-envs of every process) with --lstm (a minibatch holds whole env sequences); pass a divisor")
     return args
 
 
@@ -535,24 +535,25 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
 def train_loop(run, envs, policy_step, update, normalizer, key, device):
     """Collect a rollout with the current parameters (copied to the actor `device`), update on it,
     repeat: from run.start_update to run.num_updates, or until the run stops. Once per update,
-    every process agrees to go on (runs.Run.agree), in lockstep, and logs the games of all."""
+    every process agrees to go on (runs.Run.should_stop), in lockstep, and logs the games of all."""
     args, state, update_key = run.args, run.state, run.update_key
     stats, timing = tasks.EpisodeStats(args.num_envs), {"env": 0.0, "inference": 0.0, "update": 0.0}
     obs, dones = normalizer.observe(envs.reset()[0]), np.zeros(args.num_envs, bool)
     core = zero_core(args.lstm_size if args.lstm else 0, args.num_envs)  # --lstm: every env starts from zeros, also on resume
     for _ in range(run.start_update, run.num_updates):
-        if run.agree(False, stats.pop()):
+        if run.should_stop(False, stats.pop()):
             break
         rollout, obs, dones, core, key = collect_rollout(
             envs, policy_step, devices.to_actor(device, state["params"]), obs, dones, core, key, stats, normalizer, args, timing,
         )
+        run.sampled[0] += args.num_envs * args.num_steps
         start = time.perf_counter()
         update_key, subkey = jax.random.split(update_key)
         state, diagnostics = update(state, devices.to_learner(run.mesh, rollout), subkey)
         diagnostics = jax.device_get(diagnostics)
         timing["update"] += time.perf_counter() - start
         state = run.learned(state, diagnostics, timing)
-    run.agree(False, stats.pop())  # the last rollout's games
+    run.should_stop(False, stats.pop())  # the last rollout's games
 
 
 # ---------------------------------------------------------------------------------------------
@@ -583,15 +584,14 @@ def main(args: Args, given=None) -> int:
             return 0
         args = run.args
         network, optimizer, continuous, normalizer, state = build(args, run.init_key)
-        run.restore(state, normalizer)
-        envs = tasks.make_env(args.env_id, args.num_envs, run.seed + jax.process_index() * args.num_envs, args.num_threads,
-                              train=True)
+        state = run.open(state, normalizer)
+        (device, seed, key), = run.actors()  # (device, env seed, action key): the synchronous loop acts on one device
+        envs = tasks.make_env(args.env_id, args.num_envs, seed, run.env_threads, train=True)
         policy_step = make_policy_step(network, continuous)
         update = make_update(network, optimizer, args, continuous, run.mesh)
         run.begin(f"preset {tasks.preset_name(args.env_id, PRESETS)}")
         try:
-            run.threads.run("learner", train_loop, run, envs, policy_step, update, normalizer,
-                            devices.actor_key(run.key, jax.process_index()), run.actor_devices[0])
+            run.threads.run("training loop", train_loop, run, envs, policy_step, update, normalizer, key, device)
         finally:
             envs.close()
         return run.finish(make_policy_step(network, continuous, values=False), functools.partial(zero_core, network.lstm_size))
