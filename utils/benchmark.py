@@ -4,10 +4,9 @@
 2. sampler:    appo_envpool.py's actor loop with the jitted policy and no learning, with
                --num-splits 1 and 2 at the same --num-envs and one env thread (double buffering),
                with --lstm at 2 splits (the recurrent actor's cost against the feed-forward one),
-               and the --xla-actor loop at 1 and 2 splits;
-3. end_to_end: training throughput of the three scripts with matching flags over a sweep of
-               --num-envs, with the fraction of wall time each stage is busy (and of the
-               asynchronous two with --xla-actor);
+               and appo_envpool_xla.py's actor (one jitted loop a rollout) at 1 and 2 splits;
+3. end_to_end: training throughput of the scripts with matching flags over a sweep of
+               --num-envs, with the fraction of wall time each stage is busy;
 4. scaling:    (with --parts ... scaling) appo_envpool.py end to end on 1, 2 and 4 learner
                devices x 1 and 2 actor threads: SPS and the update's time per global batch. On a
                CPU, XLA_FLAGS gives each run 4 host devices, which share the cores: the figures
@@ -37,9 +36,20 @@ from typing import Optional
 
 import numpy as np
 
-from common import METRICS, REPO_ROOT, SCRIPTS, UsageError, load_script, run_cli
+from pathlib import Path
 
-ROOT = str(REPO_ROOT)
+from jax_async_rl import checkpoints, tasks, threads
+from jax_async_rl.checkpoints import METRICS
+from jax_async_rl.flags import UsageError, run_tool
+
+ROOT = str(Path(__file__).resolve().parent.parent)
+# The training scripts, in the repository root; the first is the baseline the others are compared with.
+SCRIPTS = ("ppo_sync_baseline.py", "appo_envpool.py", "impala_envpool.py", "appo_envpool_xla.py")
+XLA_SCRIPT = "appo_envpool_xla.py"
+
+
+def load_script(name: str):
+    return checkpoints.load_script(os.path.join(ROOT, name))
 
 
 @dataclass
@@ -75,8 +85,7 @@ class Args:
     scaling_actor_threads: tuple[int, ...] = (1, 2)
     """scaling: --num-actor-threads values (each thread with --num-envs 8 of its own, on device 0)"""
     xla_actor: bool = True
-    """also measure the --xla-actor sampler (1 and 2 splits) and the asynchronous scripts with
-    --xla-actor end to end"""
+    """also measure appo_envpool_xla.py's sampler (1 and 2 splits), and end to end when --scripts names it"""
     out: Optional[str] = None
     """output folder (default: runs/benchmark__<timestamp>)"""
 
@@ -109,9 +118,9 @@ def machine_info() -> dict:
     }
 
 
-def measure_ceiling(appo, env_id, num_envs, num_threads, seconds):
+def measure_ceiling(env_id, num_envs, num_threads, seconds):
     """Agent steps per second of envpool alone, synchronous stepping with random actions."""
-    envs = appo.make_env(env_id, num_envs, 1, num_threads, train=True)
+    envs = tasks.make_env(env_id, num_envs, 1, num_threads, train=True)
     space = envs.action_space
     rng = np.random.default_rng(0)
     envs.reset()
@@ -184,32 +193,30 @@ def sampler_process(env_id, num_envs, num_splits, num_steps, seconds, layout, re
         if layout:
             os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {SAMPLER_XLA_FLAGS}".strip()
             os.sched_setaffinity(0, layout[1])  # this thread and every thread it starts, not envpool's
-        appo = load_script("appo_envpool.py")
+        appo = load_script(XLA_SCRIPT if xla else "appo_envpool.py")
         env_core = layout[0] if layout else None
-        results.put(("ok", run_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds, env_core, lstm, xla)))
+        results.put(("ok", run_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds, env_core, lstm)))
     except BaseException:
         results.put(("error", traceback.format_exc()))
 
 
-# The actor's stages (appo_envpool.Shared.timing): waiting in recv(), dispatching inference, the
+# The actor's stages (threads.Shared.timing; appo_envpool_xla.py counts its whole call as env): waiting in recv(), dispatching inference, the
 # rollout bookkeeping, waiting for the actions (device_get), and waiting on a full queue.
 ACTOR_STAGES = ["env", "inference", "bookkeeping", "device_get", "queue_put"]
 
 
-def run_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds, env_core=None, lstm=False, xla=False):
-    """Agent steps per second of appo_envpool.actor_loop (jitted policy, with an LSTM if `lstm`;
-    xla_actor_loop if `xla`;
-    one env thread, pinned to `env_core` if given), with a consumer that drops rollouts: sampling
-    alone, no learning.
+def run_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds, env_core=None, lstm=False):
+    """Agent steps per second of `appo`'s actor_loop (appo_envpool.py's or appo_envpool_xla.py's;
+    jitted policy, with an LSTM if `lstm`; one env thread, pinned to `env_core` if given), with a
+    consumer that drops rollouts: sampling alone, no learning.
     Returns (SPS, busy fraction of each actor stage (ACTOR_STAGES), threads found pinned to env_core)."""
     import jax
 
     args = appo.resolve_args(
-        appo.Args(env_id=env_id, num_envs=num_envs, num_splits=num_splits, num_steps=num_steps, num_threads=1, lstm=lstm,
-                  xla_actor=xla)
+        appo.Args(env_id=env_id, num_envs=num_envs, num_splits=num_splits, num_steps=num_steps, num_threads=1, lstm=lstm)
     )
     pin = {} if env_core is None else {"thread_affinity_offset": env_core}
-    envs = appo.make_env(env_id, num_envs, 1, 1, train=True, batch_size=num_envs // num_splits, **pin)
+    envs = tasks.make_env(env_id, num_envs, 1, 1, train=True, batch_size=num_envs // num_splits, **pin)
     threads_on_env_core = None  # threads allowed on env_core only: 1 (envpool's) if the pin held
     if env_core is not None and os.path.isdir("/proc/self/task"):
         threads_on_env_core = 0
@@ -221,13 +228,11 @@ def run_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds, env_core
     network, _, continuous, _, state = appo.build(args, jax.random.PRNGKey(0))
     params, split_size = state["params"], num_envs // num_splits
     policy_step = appo.make_policy_step(network, continuous, values=False)  # as the actor uses it
-    warm = appo.zeros_like_space(appo.spaces(env_id)[0], split_size), appo.zero_core(network.lstm_size, split_size)
+    warm = tasks.zeros_like_space(tasks.spaces(env_id)[0], split_size), appo.zero_core(network.lstm_size, split_size)
     jax.block_until_ready(policy_step(params, *warm, jax.random.PRNGKey(0)))  # compile outside the clock
-    shared = appo.Shared({"params": params, "policy_version": 0})
-    rollouts = queue.Queue(maxsize=2)
-    actor = appo.start_thread(
-        "actor", appo.xla_actor_loop if xla else appo.actor_loop, shared, envs, policy_step, shared, rollouts, jax.random.PRNGKey(1), args, 10**9, 0
-    )
+    shared = threads.Shared(params, 0)
+    rollouts, actors = queue.Queue(maxsize=2), threads.Threads(shared.stop)
+    actor = actors.start("actor", appo.actor_loop, envs, policy_step, shared, rollouts, jax.random.PRNGKey(1), args, 10**9)
     # Count whole rollouts between the first arrival and the last: steps / time between arrivals
     # has no partial rollout at either end (a rollout can take a second or more).
     arrivals = []  # (time, cumulative stage timings) at each rollout's arrival
@@ -241,8 +246,8 @@ def run_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds, env_core
     shared.stop.set()
     actor.join(timeout=10)
     envs.close()
-    if shared.errors:
-        raise RuntimeError(shared.errors[0][2])
+    if actors.errors:
+        raise RuntimeError(actors.errors[0][2])
     if len(arrivals) < 2:
         raise RuntimeError(f"the sampler delivered fewer than 2 rollouts in {seconds + 60:.0f}s")
     (start, timing0), (end, timing1) = arrivals[0], arrivals[-1]
@@ -311,11 +316,13 @@ def measure_end_to_end(script, env_id, num_envs, num_steps, seconds, out_dir, ex
     return sps, busy, len(updates), busy.get("update", 0.0) * wall / (len(updates) - 1)
 
 
-def measure_scaling(appo, env_id, num_steps, seconds, out_dir, learners, threads):
+def measure_scaling(env_id, num_steps, seconds, out_dir, learners, threads):
     """appo_envpool.py end to end on `learners` learner devices with `threads` actor threads of 8
     envs each (all on device 0); on a CPU, 4 forced host devices. (SPS, busy, updates, update s)."""
+    import jax
+
     env = dict(os.environ)
-    if appo.jax.default_backend() == "cpu":
+    if jax.default_backend() == "cpu":
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
     extra = ["--learner-device-ids", *map(str, range(learners)), "--num-actor-threads", str(threads)]
     return measure_end_to_end("appo_envpool.py", env_id, 8, num_steps, seconds, out_dir, extra, env,
@@ -344,7 +351,7 @@ def write_report(out_dir, results, quick):
                 per_step = [r["busy"].get(k, 0.0) * 1e6 / r["sps"] for k in ACTOR_STAGES]
                 us = f"{1e6 / r['sps']:.1f} ({', '.join(f'{x:.1f}' for x in per_step)})"
             lines.append(
-                f"| {r['kind']}{' --lstm' * r.get('lstm', False)}{' --xla-actor' * r.get('xla_actor', False)} | {r['num_envs']} | {r['num_splits'] or ''} | {r['num_threads']} | {r['sps']:.0f} | "
+                f"| {r['kind']}{' --lstm' * r.get('lstm', False)}{' (XLA actor)' * r.get('xla_actor', False)} | {r['num_envs']} | {r['num_splits'] or ''} | {r['num_threads']} | {r['sps']:.0f} | "
                 f"{r['fps']:.0f} | {frac} | {us} |"
             )
     samplers = {r["num_splits"]: r for r in rows if r["kind"] == "sampler" and not r.get("lstm") and not r.get("xla_actor")}
@@ -353,9 +360,9 @@ def write_report(out_dir, results, quick):
     if 1 in samplers and 2 in samplers:
         lines += ["", f"Double buffering: 2 splits / 1 split = **{samplers[2]['sps'] / samplers[1]['sps']:.2f}x**."]
     if 1 in xla and 2 in xla:
-        lines += ["", f"Double buffering with --xla-actor: 2 splits / 1 split = **{xla[2]['sps'] / xla[1]['sps']:.2f}x**."]
+        lines += ["", f"Double buffering with the XLA actor ({XLA_SCRIPT}): 2 splits / 1 split = **{xla[2]['sps'] / xla[1]['sps']:.2f}x**."]
         if 1 in samplers and 2 in samplers:
-            lines[-1] += (f" --xla-actor / the Python actor: {xla[1]['sps'] / samplers[1]['sps']:.2f}x at 1 split, "
+            lines[-1] += (f" The XLA actor / the Python actor: {xla[1]['sps'] / samplers[1]['sps']:.2f}x at 1 split, "
                           f"{xla[2]['sps'] / samplers[2]['sps']:.2f}x at 2 splits.")
     if lstm and 2 in samplers:
         lines += ["", f"Recurrent actor: the --lstm sampler / the feed-forward one (2 splits) = "
@@ -376,7 +383,7 @@ def write_report(out_dir, results, quick):
         for r in e2e:
             busy = ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["busy"].items()))
             ratio = f"{r['sps'] / sync[r['num_envs']]:.2f}x" if r["num_envs"] in sync else ""
-            lines.append(f"| {r['script']}{' --xla-actor' * r.get('xla_actor', False)} | {r['num_envs']} | {r.get('num_splits') or ''} | {r['num_steps']} | {r['sps']:.0f} | "
+            lines.append(f"| {r['script']} | {r['num_envs']} | {r.get('num_splits') or ''} | {r['num_steps']} | {r['sps']:.0f} | "
                          f"{r['fps']:.0f} | {ratio} | {r['updates']} | {busy} |")
     scaling = [r for r in rows if r["kind"] == "scaling"]
     if scaling:
@@ -404,9 +411,9 @@ def write_report(out_dir, results, quick):
     plt.close(fig)
     if e2e:
         fig, ax = plt.subplots(figsize=(6, 4))
-        for script, xla_actor in sorted({(r["script"], r.get("xla_actor", False)) for r in e2e}):
-            points = sorted((r["num_envs"], r["fps"]) for r in e2e if (r["script"], r.get("xla_actor", False)) == (script, xla_actor))
-            ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=script + " --xla-actor" * xla_actor)
+        for script in sorted({r["script"] for r in e2e}):
+            points = sorted((r["num_envs"], r["fps"]) for r in e2e if r["script"] == script)
+            ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=script)
         ax.set_xlabel("num_envs")
         ax.set_ylabel("training FPS (frames / s)")
         ax.set_xscale("log", base=2)
@@ -439,46 +446,46 @@ def main(args: Args) -> int:
     out_dir = args.out or os.path.join(ROOT, "runs", f"benchmark__{time.strftime('%Y%m%d-%H%M%S')}")
     os.makedirs(out_dir, exist_ok=True)
 
+    import jax
+
     appo = load_script("appo_envpool.py")
     skip = frame_skip(args.env_id)
     results = {"env_id": args.env_id, "frame_skip": skip, "config": dataclasses.asdict(args), "machine": machine_info(), "measurements": []}
-    tasks = [("ceiling", t) for t in args.ceiling_threads] * ("ceiling" in args.parts)
-    tasks += [("sampler", (1, False, False)), ("sampler", (2, False, False)), ("sampler", (2, True, False))] * ("sampler" in args.parts)
-    tasks += [("sampler", (1, False, True)), ("sampler", (2, False, True))] * ("sampler" in args.parts and args.xla_actor)
-    xla = [False, True] if args.xla_actor else [False]
-    tasks += [("end_to_end", (script, n, x)) for n in sweep for script in args.scripts for x in xla
-              if not (x and script == SCRIPTS[0])] * ("end_to_end" in args.parts)
-    devices = len(appo.jax.devices()) if appo.jax.default_backend() != "cpu" else 4
-    tasks += [("scaling", (n, t)) for n in args.scaling_learners if n <= devices
+    jobs = [("ceiling", t) for t in args.ceiling_threads] * ("ceiling" in args.parts)
+    jobs += [("sampler", (1, False, False)), ("sampler", (2, False, False)), ("sampler", (2, True, False))] * ("sampler" in args.parts)
+    jobs += [("sampler", (1, False, True)), ("sampler", (2, False, True))] * ("sampler" in args.parts and args.xla_actor)
+    scripts = [s for s in args.scripts if args.xla_actor or s != XLA_SCRIPT]
+    jobs += [("end_to_end", (script, n)) for n in sweep for script in scripts] * ("end_to_end" in args.parts)
+    devices = len(jax.devices()) if jax.default_backend() != "cpu" else 4
+    jobs += [("scaling", (n, t)) for n in args.scaling_learners if n <= devices
               for t in args.scaling_actor_threads] * ("scaling" in args.parts)
     start = time.time()
-    for i, (kind, param) in enumerate(tasks):
-        print(f"[{i + 1}/{len(tasks)}] {kind} {param}  ({time.time() - start:.0f}s elapsed)", flush=True)
+    for i, (kind, param) in enumerate(jobs):
+        print(f"[{i + 1}/{len(jobs)}] {kind} {param}  ({time.time() - start:.0f}s elapsed)", flush=True)
         row = {"kind": kind, "script": None, "env_id": args.env_id, "num_envs": args.num_envs, "num_splits": None,
                "num_threads": None, "num_steps": None, "lstm": False, "xla_actor": False}
         if kind == "ceiling":
             threads = param or min(os.cpu_count() or 1, args.num_envs)
-            row.update(num_threads=threads, sps=measure_ceiling(appo, args.env_id, args.num_envs, threads, seconds))
+            row.update(num_threads=threads, sps=measure_ceiling(args.env_id, args.num_envs, threads, seconds))
         elif kind == "sampler":
             num_splits, lstm, xla = param
             sps, busy, layout = measure_sampler(args.env_id, args.num_envs, num_splits, args.num_steps, seconds, args.pin, lstm, xla)
             ceiling = [r["sps"] for r in results["measurements"] if r["kind"] == "ceiling" and r["num_threads"] == 1]
-            row.update(script="appo_envpool.py", num_splits=num_splits, lstm=lstm, xla_actor=xla, num_threads=1, num_steps=args.num_steps, sps=sps,
+            row.update(script=XLA_SCRIPT if xla else "appo_envpool.py", num_splits=num_splits, lstm=lstm, xla_actor=xla, num_threads=1, num_steps=args.num_steps, sps=sps,
                        busy={k: round(v, 3) for k, v in busy.items()}, cores=layout,
                        fraction_of_ceiling=sps / ceiling[0] if ceiling else None)
         else:
-            script, num_envs, xla = param if kind == "end_to_end" else ("appo_envpool.py", 8 * param[1], False)
+            script, num_envs = param if kind == "end_to_end" else ("appo_envpool.py", 8 * param[1])
             if kind == "end_to_end":
-                extra, name = (["--xla-actor"], "__xla") if xla else ((), "")
-                measured = measure_end_to_end(script, args.env_id, num_envs, args.num_steps, e2e_seconds, out_dir, extra, name=name)
+                measured = measure_end_to_end(script, args.env_id, num_envs, args.num_steps, e2e_seconds, out_dir)
             else:
-                measured = measure_scaling(appo, args.env_id, args.num_steps, e2e_seconds, out_dir, *param)
+                measured = measure_scaling(args.env_id, args.num_steps, e2e_seconds, out_dir, *param)
             if measured is None:
                 print(f"    {script} finished fewer than 2 updates in {e2e_seconds:.0f}s after its first; raise --e2e-seconds", flush=True)
                 continue
             sps, busy, updates, update_seconds = measured
             splits = None if script == SCRIPTS[0] else appo.resolve_args(appo.Args(env_id=args.env_id)).num_splits  # the default
-            row.update(script=script, num_envs=num_envs, num_splits=splits, xla_actor=xla,
+            row.update(script=script, num_envs=num_envs, num_splits=splits, xla_actor=script == XLA_SCRIPT,
                        num_threads=min(os.cpu_count() or 1, num_envs), num_steps=args.num_steps, sps=sps, busy=busy,
                        updates=updates, update_seconds=update_seconds)
             if kind == "scaling":
@@ -496,4 +503,4 @@ def main(args: Args) -> int:
 
 
 if __name__ == "__main__":
-    run_cli(main, Args)
+    run_tool(main, Args)

@@ -1,11 +1,12 @@
 """Score a checkpoint: play N full games with the policy a run saved, with the script that wrote it.
 
 The checkpoint names its script and where it was (`ppo_sync_baseline.py`, `appo_envpool.py`,
-`impala_envpool.py`, or a user's copy of one, renamed and edited). This tool imports that script
-(from the path it recorded, else a file of its name in the run folder, in the folder above it,
-or in the repository root; or `--script`), rebuilds its `Args` from the stored config, builds the network, normaliser and
-state template with the script's `build`, restores them with its `load_checkpoint` and plays
-with its own `evaluate`: game scores (unclipped rewards over all lives), as at the end of training.
+`impala_envpool.py`, `appo_envpool_xla.py`, or a user's copy of one, renamed and edited). This
+tool imports that script (from the path it recorded, else a file of its name in the run folder,
+in the folder above it, or in the repository root; or `--script`), rebuilds its `Args` from the
+stored config, builds the network, normaliser and state template with the script's `build`,
+restores them, and plays with the script's own policy (`make_policy_step`) through the run
+library's evaluation: game scores (unclipped rewards over all lives), as at the end of training.
 
 Usage:
     python utils/evaluate.py runs/<run>/                     # 10 sampled episodes -> <run>/eval.json
@@ -13,6 +14,7 @@ Usage:
 """
 
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -25,10 +27,15 @@ import jax
 import numpy as np
 import tyro
 
-from common import CHECKPOINT, REPO_ROOT, UsageError, checkpoint_file, load_script_file, read_checkpoint, run_cli
+from jax_async_rl import checkpoints, evaluation
+from jax_async_rl.checkpoints import CHECKPOINT
+from jax_async_rl.flags import UsageError, run_tool
 
-# What a training script offers that this tool calls (the three scripts' shared interface).
-INTERFACE = ("Args", "UsageError", "resolve_args", "build", "load_checkpoint", "evaluate")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# What a training script offers that this tool calls (the scripts' shared interface).
+INTERFACE = ("Args", "resolve_args", "build", "make_policy_step", "zero_core")
+# Flags that earlier versions of the scripts had and that do not matter for playing.
+RETIRED = ("xla_actor",)
 
 
 @dataclass
@@ -71,7 +78,7 @@ def find_script(payload: dict, path: str, override: Optional[str]) -> Path:
 
 def load_training_script(script: Path):
     """The imported script; UsageError if it lacks the interface this tool calls."""
-    module = load_script_file(script)
+    module = checkpoints.load_script(script)
     missing = [name for name in INTERFACE if not hasattr(module, name)]
     if missing:
         raise UsageError(f"{script} does not follow the training scripts' interface (no {', '.join(missing)})")
@@ -81,6 +88,7 @@ def load_training_script(script: Path):
 def rebuild_args(module, config: dict, path: str):
     """The script's resolved Args: its defaults replaced by every field of the stored config."""
     fields = {f.name for f in dataclasses.fields(module.Args)}
+    config = {k: v for k, v in config.items() if k not in RETIRED}
     unknown = sorted(set(config) - fields)
     if unknown:
         raise UsageError(
@@ -96,7 +104,7 @@ def rebuild_args(module, config: dict, path: str):
     config.update({k: v for k, v in launch.items() if k in fields})
     try:
         return module.resolve_args(dataclasses.replace(module.Args(), **config))
-    except module.UsageError as e:
+    except UsageError as e:
         raise UsageError(f"{path}: its config is not valid for {module.__name__}.py ({e})")
 
 
@@ -108,8 +116,8 @@ def restore(module, args, payload: dict, path: str):
     template = {"params": state["params"], **normalizer.state()}
     stored = {key: payload["state"][key] for key in template if key in payload["state"]}
     try:
-        restored = module.load_checkpoint(dict(payload, state=stored), template, path)
-    except module.UsageError as e:
+        restored = checkpoints.load_checkpoint(dict(payload, state=stored), template, path)
+    except UsageError as e:
         raise UsageError(str(e).removeprefix("--resume: "))
     normalizer.load(restored)
     return network, continuous, normalizer, restored["params"]
@@ -121,8 +129,8 @@ def main(cli: EvalArgs) -> int:
         raise UsageError(f"--episodes must be positive, got {cli.episodes}")
     if not os.path.exists(cli.run):
         raise UsageError(f"{cli.run} does not exist; pass a run folder (runs/<run>/) or its {CHECKPOINT}")
-    path = checkpoint_file(cli.run)
-    payload = read_checkpoint(path)
+    path = checkpoints.checkpoint_path(cli.run)
+    payload = checkpoints.read_checkpoint(path)
     module = load_training_script(find_script(payload, path, cli.script))
     args = rebuild_args(module, payload["config"], path)
     if cli.seed is not None:
@@ -134,9 +142,9 @@ def main(cli: EvalArgs) -> int:
     video_dir = os.path.join(run_dir, "videos", f"evaluate__{int(time.time())}") if cli.video else None
     print(f"{Path(module.__file__).name}: {args.env_id}, step {global_step}, "
           f"{cli.episodes} {'greedy' if cli.greedy else 'sampled'} episodes")
-    scores = module.evaluate(
-        params, network, args, continuous, normalizer, cli.episodes, video_dir, greedy=cli.greedy
-    )
+    policy = module.make_policy_step(network, continuous, values=False, greedy=cli.greedy)
+    initial_core = functools.partial(module.zero_core, network.lstm_size)
+    scores = evaluation.evaluate(policy, params, initial_core, args, normalizer, cli.episodes, video_dir)
     videos = sorted(os.path.join(video_dir, f) for f in os.listdir(video_dir)) if video_dir and os.path.isdir(video_dir) else []
     result = {
         "episodes": len(scores),
@@ -162,4 +170,4 @@ def main(cli: EvalArgs) -> int:
 
 
 if __name__ == "__main__":
-    run_cli(main, EvalArgs)
+    run_tool(main, EvalArgs)

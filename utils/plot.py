@@ -30,7 +30,8 @@ import matplotlib.pyplot as plt  # noqa: E402 (the backend is chosen before pypl
 import numpy as np  # noqa: E402
 import tyro  # noqa: E402
 
-from common import METRICS, UsageError, run_cli, run_identity  # noqa: E402
+from jax_async_rl.checkpoints import METRICS, run_identity  # noqa: E402
+from jax_async_rl.flags import UsageError, run_tool  # noqa: E402
 
 RETURN_TAG = "charts/episodic_return"
 
@@ -246,4 +247,4 @@ def main(args: PlotArgs) -> int:
 
 
 if __name__ == "__main__":
-    run_cli(main, PlotArgs)
+    run_tool(main, PlotArgs)
