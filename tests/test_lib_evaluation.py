@@ -1,0 +1,36 @@
+"""jax_async_rl.evaluation: full games with a script's policy, each env its share, a video of the
+first, and an early stop on a signal."""
+
+import numpy as np
+
+from jax_async_rl import evaluation
+from jax_async_rl.normalize import Normalizer
+
+
+class Args:
+    env_id, seed = "CartPole-v1", 3
+
+
+RNG = np.random.default_rng(0)
+
+
+def random_policy(params, obs, core, key):
+    """A policy as a script's jitted policy_step returns: actions, log-probs, values, state, key."""
+    return RNG.integers(0, 2, len(obs)), None, None, None, key
+
+
+def test_evaluation_plays_whole_games_each_env_its_share_and_records_the_first(tmp_path):
+    passthrough = Normalizer(np.zeros(4), 0, False, False, 0.0)
+    scores = evaluation.evaluate(random_policy, None, lambda n: None, Args(), passthrough, 12, str(tmp_path / "videos"))
+    assert len(scores) == 12 and all(1 <= s <= 500 for s in scores)
+    assert all(s == int(s) for s in scores)  # CartPole's score is its length
+    videos = list((tmp_path / "videos").glob("*.mp4"))
+    assert len(videos) == 1 and videos[0].stat().st_size > 1000
+
+
+def test_evaluation_stops_at_once_on_a_signal_with_the_scores_so_far(tmp_path):
+    passthrough = Normalizer(np.zeros(4), 0, False, False, 0.0)
+    received = [15]  # the main thread's received signals: already one
+    scores = evaluation.evaluate(random_policy, None, lambda n: None, Args(), passthrough, 10, str(tmp_path / "videos"),
+                                 signals=received)
+    assert scores == [] and not (tmp_path / "videos").exists()

@@ -1,0 +1,129 @@
+"""jax_async_rl.flags: ranges declared in annotations, presets, the command line (one line and
+exit code 2 for a user's mistake), and the run flags every script inherits."""
+
+import dataclasses
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Annotated, Optional
+
+import pytest
+
+from jax_async_rl import flags
+from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, PRESET, UNIT, UsageError
+
+
+@dataclass
+class ToyArgs(flags.RunArgs):
+    """A toy algorithm's flags."""
+
+    steps: Annotated[Optional[int], PRESET, POSITIVE] = None
+    """rollout length"""
+    rate: Annotated[Optional[float], PRESET, POSITIVE] = None
+    """learning rate"""
+    cost: Annotated[float, NON_NEGATIVE] = 0.5
+    """a weight"""
+    gamma: Annotated[float, UNIT] = 0.99
+    """a discount"""
+    free: float = 1.0
+    """a float with no range but a finite one"""
+    switch: bool = False
+    """a switch"""
+
+
+PRESETS = {"classic": dict(steps=128, rate=2.5e-4), "CartPole": dict(steps=32, rate=1e-3)}
+
+
+@pytest.mark.parametrize(("field", "value", "fragment"), [
+    ("steps", 0, "--steps must be positive, got 0"),
+    ("rate", -1e-3, "--rate must be positive, got -0.001"),
+    ("cost", -0.1, "--cost must be >= 0, got -0.1"),
+    ("gamma", 1.5, "--gamma must be in [0, 1], got 1.5"),
+    ("rate", float("nan"), "--rate must be a finite number, got nan"),
+    ("cost", float("inf"), "--cost must be a finite number, got inf"),
+    ("free", float("-inf"), "--free must be a finite number, got -inf"),
+    ("total_timesteps", -5, "--total-timesteps must be positive"),
+    ("log_frequency", 0, "--log-frequency must be positive"),
+    ("eval_episodes", -1, "--eval-episodes must be >= 0"),
+])
+def test_a_value_outside_its_declared_range_is_one_line_naming_the_flag(field, value, fragment):
+    args = dataclasses.replace(ToyArgs(steps=8, rate=1e-3), **{field: value})
+    with pytest.raises(UsageError) as error:
+        flags.check_bounds(args)
+    assert fragment in str(error.value) and "\n" not in str(error.value)
+
+
+def test_values_inside_their_ranges_and_presets_left_at_none_pass():
+    flags.check_bounds(ToyArgs(steps=1, rate=1e-9, cost=0.0, gamma=0.0))
+    flags.check_bounds(ToyArgs(gamma=1.0))  # None: the preset's, filled later
+
+
+def test_a_preset_fills_only_the_flags_left_out():
+    args = flags.with_preset(ToyArgs(rate=0.5), PRESETS["CartPole"])
+    assert (args.steps, args.rate) == (32, 0.5)
+
+
+def test_help_lists_the_presets_and_marks_preset_flags():
+    description = flags.describe_presets(ToyArgs, PRESETS)
+    assert description.splitlines()[0] == "A toy algorithm's flags."
+    assert "  CartPole: steps=32, rate=0.001" in description
+
+
+def test_flags_given_reads_every_form():
+    argv = ["--steps", "3", "--rate=0.1", "--no-switch", "--env-id", "CartPole-v1", "--not-a-flag", "x"]
+    assert flags.flags_given(argv, ToyArgs) == {"steps", "rate", "switch", "env_id"}
+
+
+@pytest.mark.parametrize(("argv", "fragments"), [
+    (["--stpes", "3"], ["unknown flag --stpes", "did you mean --steps"]),
+    (["--xla-actor"], ["--xla-actor", "appo_envpool_xla.py"]),
+    (["--no-xla-actor"], ["--no-xla-actor", "appo_envpool_xla.py"]),
+    (["--zzz=1"], ["unknown flag --zzz", "--help"]),
+])
+def test_an_unknown_or_retired_flag_is_one_line(argv, fragments):
+    with pytest.raises(UsageError) as error:
+        flags.check_names(argv, ToyArgs)
+    for fragment in fragments:
+        assert fragment in str(error.value)
+
+
+def test_known_flags_pass_the_name_check():
+    flags.check_names(["--steps", "3", "--no-switch", "--env-id=Pong-v5", "--", "--anything"], ToyArgs)
+
+
+PROGRAM = """
+import sys
+from dataclasses import dataclass
+sys.path.insert(0, {tests!r})
+from test_lib_flags import ToyArgs, PRESETS
+from jax_async_rl import flags
+from jax_async_rl.flags import UsageError
+
+def main(args, given):
+    if args.steps == 13:
+        raise UsageError("--steps 13 is unlucky")
+    print("given", sorted(given), args.steps)
+    return 7
+
+flags.command_line(main, ToyArgs, PRESETS)
+"""
+
+
+def run_program(*argv):
+    tests = str(__import__("pathlib").Path(__file__).parent)
+    return subprocess.run([sys.executable, "-c", PROGRAM.format(tests=tests), *argv], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_command_line_runs_main_and_exits_with_its_code():
+    result = run_program("--steps", "5", "--no-switch")
+    assert result.returncode == 7, result.stderr
+    assert "given ['steps', 'switch'] 5" in result.stdout
+
+
+@pytest.mark.parametrize("argv", [["--steps", "13"], ["--stpes", "5"], ["--xla-actor"]])
+def test_command_line_turns_a_usage_error_into_one_line_and_exit_2(argv):
+    result = run_program(*argv)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in result.stderr, result.stderr

@@ -1,0 +1,121 @@
+"""jax_async_rl.tasks: which tasks are served (one line for the rest), their family and preset,
+the spaces and the observations envpool returns, the encoder of each leaf, the game scores."""
+
+import envpool
+import gymnasium
+import jax
+import numpy as np
+import pytest
+
+from jax_async_rl import tasks
+from jax_async_rl.flags import UsageError
+
+
+def box(shape, dtype=np.float32, high=1.0):
+    return gymnasium.spaces.Box(0, high, shape, dtype)
+
+
+def test_leaf_encoder_reads_the_space():
+    assert tasks.leaf_encoder(box((4, 84, 84), np.uint8, 255)) == ("nature", "chw")  # Atari
+    assert tasks.leaf_encoder(box((12, 84, 84), np.uint8, 255)) == ("nature", "chw")  # VizDoom
+    assert tasks.leaf_encoder(box((96, 96, 3), np.uint8, 255)) == ("nature", "hwc")  # CarRacing
+    assert tasks.leaf_encoder(box((72, 96, 4), np.uint8, 255)) == ("nature", "hwc")  # gfootball
+    assert tasks.leaf_encoder(box((7, 7, 3), np.uint8, 255)) == ("grid", "hwc")  # MiniGrid
+    assert tasks.leaf_encoder(box((5, 5, 3), np.uint8, 255)) == ("flat", 1 / 255)  # too small for the grid conv
+    assert tasks.leaf_encoder(box((96,), np.uint8, 255)) == ("flat", 1 / 255)  # MiniGrid's mission bytes
+    assert tasks.leaf_encoder(box((5, 5))) == ("flat", 1.0)  # highway's kinematics: flattened
+    assert tasks.leaf_encoder(box((8, 8, 119))) == ("flat", 1.0)  # float planes are not pixels
+    assert tasks.leaf_encoder(gymnasium.spaces.Discrete(500)) == ("onehot", (500, 0))
+    assert tasks.leaf_encoder(gymnasium.spaces.Discrete(21, start=-1)) == ("onehot", (21, -1))  # Jumanji TSP's position
+    assert tasks.leaf_encoder(gymnasium.spaces.MultiBinary((9, 9, 17))) == ("flat", 1.0)
+
+
+def test_encoders_follow_the_order_of_the_observation_leaves():
+    space = gymnasium.spaces.Dict({"b": gymnasium.spaces.Discrete(3), "a": box((7, 7, 3), np.uint8, 255)})
+    leaves = jax.tree.leaves(tasks.zeros_like_space(space, 2))
+    assert [x.shape for x in leaves] == [(2, 7, 7, 3), (2,)]  # jax sorts dict keys
+    assert tasks.encoders(space) == (("grid", "hwc"), ("onehot", (3, 0)))
+
+
+@pytest.mark.parametrize("env_id", ["MiniGrid-Empty-5x5-v0", "Maze-v0", "CheetahRun-v1", "FetchReach-v1", "Taxi-v3"])
+def test_observations_envpool_returns_match_the_space(env_id):
+    """The network and the buffers are built from the space; what envpool returns must have the
+    same tree (keys, nesting, order) and leaf shapes, after reset and after a step."""
+    obs_space, _ = tasks.spaces(env_id)
+    template = tasks.zeros_like_space(obs_space, 2)
+    envs = tasks.make_env(env_id, 2, 0, 1, train=True)
+    try:
+        obs, _ = envs.reset()
+        for _ in range(2):
+            assert jax.tree.structure(obs) == jax.tree.structure(template), env_id
+            assert [np.shape(x) for x in jax.tree.leaves(obs)] == [x.shape for x in jax.tree.leaves(template)]
+            action = np.zeros((2, *envs.action_space.shape), envs.action_space.dtype)
+            obs = envs.step(action)[0]
+    finally:
+        envs.close()
+
+
+PRESETS = {"classic": {}, "CartPole": {}, "mujoco": {}, "atari": {}, "dm_control": {}, "minigrid": {}}
+
+
+@pytest.mark.parametrize(("env_id", "kind", "preset"), [
+    ("Pong-v5", "atari", "atari"), ("CartPole-v1", "classic", "CartPole"), ("Acrobot-v1", "classic", "classic"),
+    ("HalfCheetah-v4", "mujoco", "mujoco"), ("MetaWorld/Reach-v3", "mujoco", "mujoco"), ("FetchReach-v1", "mujoco", "mujoco"),
+    ("CheetahRun-v1", "dm_control", "dm_control"), ("BabyAI-GoToRedBallGrey-v0", "minigrid", "minigrid"),
+    ("Highway-v0", "highway", "classic"), ("Taxi-v3", "classic", "classic"),
+])
+def test_a_task_takes_its_own_preset_else_its_familys_else_classic(env_id, kind, preset):
+    assert tasks.env_kind(env_id) == kind
+    assert tasks.preset_name(env_id, PRESETS) == preset
+
+
+NOT_SERVED = [
+    ("IntersectionMultiAgent-v0", ["2-player task", "one agent"]),
+    ("Go9x9-v1", ["2-player task"]),
+    ("RobotWarehouse-v0", ["actions", "MultiDiscrete", "Discrete or continuous"]),
+    ("VizdoomCustom-v1", ["cannot be made here"]),
+    ("CartPol-v1", ["is not an envpool task", "did you mean", "CartPole-v1"]),
+]
+try:
+    envpool.make_spec("BigfishEasy-v0")
+except ImportError:  # Procgen without the system Qt 5 runtime: the install command
+    NOT_SERVED.append(("BigfishEasy-v0", ["cannot be made here", "Qt 5", "apt install"]))
+
+
+@pytest.mark.parametrize(("env_id", "fragments"), NOT_SERVED)
+def test_what_is_not_served_is_one_line(env_id, fragments):
+    with pytest.raises(UsageError) as error:
+        tasks.check_task(env_id)
+    message = str(error.value)
+    assert "\n" not in message and "--env-id" in message and env_id in message, message
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+def test_preset_values_fill_only_what_is_left_out():
+    class Args:
+        env_id, steps, rate = "CartPole-v1", None, 0.1
+
+    assert tasks.preset_values(Args(), {"classic": {}, "CartPole": dict(steps=32, rate=1e-3)}) == {"steps": 32}
+
+
+def test_gaussian_actions_are_clipped_to_the_bounds_and_discrete_ones_pass():
+    space = gymnasium.spaces.Box(-1.0, 2.0, (2,), np.float32)
+    np.testing.assert_array_equal(tasks.env_action(np.array([[-3.0, 5.0]]), space), [[-1.0, 2.0]])
+    action = np.array([3, 1])
+    assert tasks.env_action(action, gymnasium.spaces.Discrete(4)) is action
+
+
+def test_episode_stats_count_the_game_score_over_all_lives():
+    """Atari ends training episodes at each life lost (terminated) but the game at info['terminated']:
+    the score is the raw reward (info['reward']) over the whole game, its length the game's steps."""
+    stats = tasks.EpisodeStats(2)
+    ids = np.array([0, 1])
+    life_lost = dict(reward=np.array([1.0, 2.0]), terminated=np.array([False, False]), elapsed_step=np.array([5, 5]))
+    stats.update(ids, np.array([1.0, 1.0]), np.array([True, False]), np.array([False, False]), life_lost)
+    assert stats.pop() == []
+    game_over = dict(reward=np.array([-1.0, 4.0]), terminated=np.array([True, False]), elapsed_step=np.array([9, 9]))
+    stats.update(ids, np.array([-1.0, 1.0]), np.array([True, False]), np.array([False, True]), game_over)
+    assert stats.pop() == [(0, 0.0, 9), (1, 6.0, 9)]  # env 1: truncated, also a game's end
+    stats.update(ids[:1], np.array([3.0]), np.array([False]), np.array([False]), {"elapsed_step": np.array([1])})
+    assert stats.returns[0] == 3.0 and stats.returns[1] == 0.0  # reset after each game

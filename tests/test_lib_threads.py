@@ -1,0 +1,71 @@
+"""jax_async_rl.threads: no queue call waits forever, an exception in any thread stops them all
+with its traceback kept, and joining has one deadline and closes what ended threads own."""
+
+import queue
+import threading
+import time
+
+from jax_async_rl import threads
+
+
+def test_put_and_get_give_up_once_stop_is_set():
+    stop, q = threading.Event(), queue.Queue(maxsize=1)
+    assert threads.put(q, 1, stop) and threads.get(q, stop) == 1
+    q.put(2)
+    timer = threading.Timer(0.3, stop.set)
+    timer.start()
+    start = time.monotonic()
+    assert threads.put(q, 3, stop) is False  # full: blocked until stop
+    assert 0.25 < time.monotonic() - start < 3
+    empty = queue.Queue()
+    assert threads.get(empty, stop) is None
+
+
+def test_an_exception_in_a_thread_is_recorded_and_stops_the_others():
+    lifetime = threads.Threads()
+    ran = []
+
+    def waits():
+        while not lifetime.stop.wait(0.05):
+            pass
+        ran.append("stopped")
+
+    def fails():
+        raise ValueError("injected")
+
+    waiter = lifetime.start("actor", waits)
+    lifetime.start("learner", fails)
+    waiter.join(timeout=5)
+    assert not waiter.is_alive() and ran == ["stopped"]
+    (name, error, trace), = lifetime.errors
+    assert name == "the learner thread" and isinstance(error, ValueError)
+    assert "Traceback (most recent call last)" in trace and "in fails" in trace and "ValueError: injected" in trace
+
+
+def test_run_in_this_thread_records_like_a_thread():
+    lifetime = threads.Threads()
+    lifetime.run("learner", lambda: 1 / 0)
+    assert lifetime.stop.is_set() and isinstance(lifetime.errors[0][1], ZeroDivisionError)
+    lifetime = threads.Threads()
+    lifetime.run("learner", lambda: None)
+    assert not lifetime.stop.is_set() and not lifetime.errors
+
+
+class Owned:
+    closed = False
+
+    def close(self):
+        self.closed = True
+
+
+def test_join_has_one_deadline_and_closes_only_what_ended_threads_own():
+    lifetime = threads.Threads()
+    release = threading.Event()
+    stuck, ended = Owned(), Owned()
+    lifetime.start("stuck", release.wait, 30, owns=stuck)  # ignores stop, as a thread inside an XLA call
+    lifetime.start("polite", lifetime.stop.wait, owns=ended)
+    start = time.monotonic()
+    lifetime.join(0.5)
+    assert time.monotonic() - start < 2
+    assert ended.closed and not stuck.closed
+    release.set()
