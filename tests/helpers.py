@@ -1,12 +1,11 @@
 """Helpers shared by the tests: which scripts to test, running one, reading what a run wrote.
 
-Every script follows the same CLI conventions (see docs/DESIGN.md), so the tests take the script's
-file name as a parameter. Add a new script to SCRIPT_TABLE (with its own flags there) and every
-script-level test covers it.
+Every script runs on the run library (jax_async_rl), whose behaviour is tested once, in the
+tests/test_lib_*.py files. What is each script's own (its math, its sampler and learner, its
+smoke runs, its learning) is tested per script: the tests take the script's file name as a
+parameter. Add a new script to SCRIPT_TABLE (with its own flags there) and they cover it.
 """
 
-import functools
-import importlib.util
 import json
 import math
 import os
@@ -18,6 +17,9 @@ from pathlib import Path
 
 import flax.serialization
 import numpy as np
+import tyro
+
+from jax_async_rl import checkpoints, flags
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -108,8 +110,7 @@ SCRIPT_TABLE = {
         diverge=dict(learning_rate=1e30, max_grad_norm=1e30, update_epochs=2),
         bad_inputs=dict(PPO_BAD_INPUTS, **ASYNC_BAD_INPUTS),
         variants={"num-splits-1": dict(num_splits=1), "no-vtrace": dict(vtrace=False), "lstm": dict(lstm=True),
-                  "lstm-num-splits-1": dict(lstm=True, num_splits=1), "xla-actor": dict(xla_actor=True),
-                  "xla-actor-lstm": dict(xla_actor=True, lstm=True)},
+                  "lstm-num-splits-1": dict(lstm=True, num_splits=1)},
         extra_tags=ASYNC_TAGS,
         # Measured at 150k: seeds 1-20 reached a 20-episode mean >= 475 at 19k-53k steps; all 25
         # runs (seeds 1-20, seed 1 five more times) ended at 500, but one CI run ended at 388.
@@ -123,7 +124,7 @@ SCRIPT_TABLE = {
         # first update's parameters overflow float32.
         diverge=dict(learning_rate=1e38, max_grad_norm=1e30),
         bad_inputs=dict(ASYNC_BAD_INPUTS),
-        variants={"num-splits-1": dict(num_splits=1), "lstm": dict(lstm=True), "xla-actor": dict(xla_actor=True)},
+        variants={"num-splits-1": dict(num_splits=1), "lstm": dict(lstm=True)},
         extra_tags=ASYNC_TAGS,
         # The issue's budget. Measured with the classic preset (5-step unrolls, RMSProp 7e-4):
         # seeds 1 and 2 passed at 1M twice each (500 from 200k-300k steps on); at 500k, 3 runs
@@ -132,12 +133,25 @@ SCRIPT_TABLE = {
         asynchronous=True,
         presets=IMPALA_PRESETS,
     ),
+    # APPO with the XLA actor: APPO's flags; its actor is tested against a replay (test_xla_actor.py).
+    "appo_envpool_xla.py": dict(
+        tiny=dict(PPO_TINY, **ASYNC_TINY),
+        diverge=dict(learning_rate=1e30, max_grad_norm=1e30, update_epochs=2),
+        bad_inputs=dict(PPO_BAD_INPUTS, **ASYNC_BAD_INPUTS),
+        variants={"num-splits-1": dict(num_splits=1), "lstm": dict(lstm=True)},
+        extra_tags=ASYNC_TAGS,
+        # APPO's budget and criteria (measured with --xla-actor before it became this script).
+        learning_timesteps=150_000,
+        asynchronous=True,
+        presets=PPO_PRESETS,
+    ),
 }
 
-# The scripts that tests/test_scripts.py is parametrized over; the asynchronous ones, that
-# tests/test_pipeline.py is parametrized over.
+# The scripts that tests/test_scripts.py is parametrized over; those with the Python actor
+# (Trajectories, actor_loop), that tests/test_pipeline.py is parametrized over.
 SCRIPTS = list(SCRIPT_TABLE)
 ASYNC_SCRIPTS = [name for name, row in SCRIPT_TABLE.items() if row["asynchronous"]]
+PYTHON_ACTOR_SCRIPTS = ["appo_envpool.py", "impala_envpool.py"]
 
 # Tags every script logs after an update (docs/DESIGN.md, "Shared tag names").
 UPDATE_TAGS = [
@@ -175,15 +189,30 @@ def cli(script, env_id="CartPole-v1", **flags):
     return argv
 
 
-@functools.lru_cache(maxsize=None)
 def load_script(name):
     """Import a script from the repository root by file name (nothing runs at import)."""
-    module_name = Path(name).stem
-    spec = importlib.util.spec_from_file_location(module_name, REPO_ROOT / name)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    spec.loader.exec_module(module)
-    return module
+    return checkpoints.load_script(REPO_ROOT / name)
+
+
+def run_main(script, argv_or_args, capsys=None):
+    """`script`'s main in this process (as its command line calls it: the flags given replace a
+    resumed run's own); its exit code, and with `capsys` (out, err). `argv_or_args`: a list of
+    command-line tokens (cli()) or an Args."""
+    module = load_script(script)
+    if isinstance(argv_or_args, list):
+        argv = [str(x) for x in argv_or_args]
+        args, given = tyro.cli(module.Args, args=argv), flags.flags_given(argv, module.Args)
+    else:
+        args, given = argv_or_args, None
+    try:
+        code = module.main(args, given)
+    except flags.UsageError as e:  # as flags.command_line reports it
+        print(f"error: {e}", file=sys.stderr)
+        code = 2
+    if capsys is None:
+        return code
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def run_script(script, argv, timeout=600):

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from helpers import load_script
+from jax_async_rl import devices
 
 T, B = 8, 8
 
@@ -54,20 +55,20 @@ def main(argv):
     flags = dict(env_id="CartPole-v1", num_envs=B // num_processes, num_steps=T, total_timesteps=100 * T * B, **launch)
     if "num_splits" in {f.name for f in dataclasses.fields(module.Args)}:
         flags["num_splits"] = 1
-    module.start_processes(module.Args(**flags))
+    devices.start_processes(module.Args(**flags))
     results = {}
     for ids in rest:
         args = module.resolve_args(module.Args(**flags, learner_device_ids=[int(i) for i in ids.split(",")]))
-        _, mesh = module.make_mesh(args)
+        _, mesh = devices.make_mesh(args)
         network, optimizer, continuous, _, state = module.build(args, jax.random.PRNGKey(0))
-        state = dict(state, params=module.replicated(mesh, state["params"]),
-                     opt_state=module.replicated(mesh, state["opt_state"]))
+        state = dict(state, params=devices.replicated(mesh, state["params"]),
+                     opt_state=devices.replicated(mesh, state["opt_state"]))
         share = B // num_processes
         envs = slice(jax.process_index() * share, (jax.process_index() + 1) * share)
         local = jax.tree_util.tree_map_with_path(
-            lambda path, x: x[envs] if module.env_axis(path) == 0 else x[:, envs], global_batch("sync" in script))
+            lambda path, x: x[envs] if devices.env_axis(path) == 0 else x[:, envs], global_batch("sync" in script))
         update = module.make_update(network, optimizer, args, continuous, mesh)
-        new_state, diagnostics = update(state, module.to_learner(mesh, local), jax.random.PRNGKey(1))
+        new_state, diagnostics = update(state, devices.to_learner(mesh, local), jax.random.PRNGKey(1))
         assert bool(jax.device_get(diagnostics["finite"]))
         leaves = jax.tree.leaves(jax.device_get(new_state["params"]))
         results[ids] = np.concatenate([np.ravel(x) for x in leaves])

@@ -10,7 +10,9 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import ASYNC_SCRIPTS, assert_ok, cli, load_script, read_metrics, run_script, tag_values
+from helpers import PYTHON_ACTOR_SCRIPTS, assert_ok, cli, load_script, read_metrics, run_main, run_script, tag_values
+from jax_async_rl import evaluation, tasks, threads
+from jax_async_rl.normalize import Normalizer
 from test_pipeline import EPISODE_LENGTHS, NUM_STEPS, SPLIT_SIZE, TRUNCATING, ScriptedEnvPool, drain
 
 LSTM_SIZE = 8
@@ -50,7 +52,7 @@ def first_flags(envs, e, n):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("num_splits", [1, 2, 4])
-@pytest.mark.parametrize("script", ASYNC_SCRIPTS)
+@pytest.mark.parametrize("script", PYTHON_ACTOR_SCRIPTS)
 def test_learner_unroll_reproduces_the_actor(script, num_splits):
     """For fixed parameters, rollout_forward (the learner's unroll from each rollout's recorded
     states, resetting where episodes start) gives the actor's per-step log-probabilities and
@@ -61,15 +63,15 @@ def test_learner_unroll_reproduces_the_actor(script, num_splits):
     num_envs = num_splits * SPLIT_SIZE
     envs = ScriptedEnvPool(num_envs, SPLIT_SIZE, EPISODE_LENGTHS[:num_envs], TRUNCATING, seed=num_splits)
     envs.action_space = gymnasium.spaces.Discrete(3)
-    shared = module.Shared({"params": params, "opt_state": None, "global_step": 0, "policy_version": 0})
+    shared = threads.Shared(params, 0)
     args = dataclasses.replace(
         module.Args(env_id="CartPole-v1"), num_envs=num_envs, num_steps=NUM_STEPS, num_splits=num_splits,
         lstm=True, lstm_size=LSTM_SIZE,
     )
     policy = RecordingPolicy(module.make_policy_step(network, continuous=False))
     rollout_queue, num_rollouts, T = module.queue.Queue(), 5, NUM_STEPS
-    module.actor_loop(envs, policy, shared, rollout_queue, jax.random.PRNGKey(0), args, num_rollouts, 0)
-    assert not envs.errors and not shared.errors, (envs.errors, shared.errors)
+    module.actor_loop(envs, policy, shared, rollout_queue, jax.random.PRNGKey(0), args, num_rollouts)
+    assert not envs.errors, envs.errors
     rollouts = drain(rollout_queue)
     assert len(rollouts) == num_rollouts
     if num_splits > 1:  # the splits really ran out of step with each other
@@ -108,11 +110,11 @@ def test_sync_rollouts_unroll_to_the_actors_numbers():
     params = network.init(jax.random.PRNGKey(1), np.zeros((1, 4), np.float32), ppo.zero_core(LSTM_SIZE, 1))
     params = jax.tree.map(lambda x: x * 3.0, params)
     args = dataclasses.replace(ppo.Args(env_id="CartPole-v1"), num_envs=4, num_steps=16, lstm=True, lstm_size=LSTM_SIZE)
-    envs = ppo.make_env("CartPole-v1", 4, 0, 1, train=True)
-    normalizer = ppo.Normalizer(np.zeros(4), 4, False, False, 0.99)
+    envs = tasks.make_env("CartPole-v1", 4, 0, 1, train=True)
+    normalizer = Normalizer(np.zeros(4), 4, False, False, 0.99)
     obs, dones, core = envs.reset()[0], np.zeros(4, bool), ppo.zero_core(LSTM_SIZE, 4)
     policy_step, key = ppo.make_policy_step(network, False), jax.random.PRNGKey(0)
-    timing, stats, starts = dict.fromkeys(["env", "inference"], 0.0), ppo.EpisodeStats(4), 0
+    timing, stats, starts = dict.fromkeys(["env", "inference"], 0.0), tasks.EpisodeStats(4), 0
     forward = jax.jit(ppo.rollout_forward, static_argnums=(0, 3))
     previous = None
     for k in range(6):
@@ -164,14 +166,12 @@ def test_lstm_run_saves_resumes_and_evaluates(script, tmp_path):
     """A tiny --lstm run with a video; --resume continues it with the LSTM (the flag read from the
     checkpoint); utils/evaluate.py scores the checkpoint with no --lstm flag of its own."""
     run_dir = tmp_path / "run"
-    result = run_script(script, cli(script, run_dir=run_dir, lstm=True, lstm_size=16, eval_episodes=2, capture_video=True))
-    assert_ok(result)
+    assert run_main(script, cli(script, run_dir=run_dir, lstm=True, lstm_size=16, eval_episodes=2, capture_video=True)) == 0
     assert len(list((run_dir / "videos").glob("*.mp4"))) == 1
     config = json.loads((run_dir / "config.json").read_text())
     assert config["lstm"] is True and config["lstm_size"] == 16
     budget = int(config["total_timesteps"])
-    result = run_script(script, ["--resume", run_dir, "--total-timesteps", 2 * budget])
-    assert_ok(result)
+    assert run_main(script, ["--resume", run_dir, "--total-timesteps", 2 * budget]) == 0
     steps = [r["step"] for r in read_metrics(run_dir) if r["tag"] == "losses/loss"]
     assert max(steps) == 2 * budget, steps
     result = run_script("utils/evaluate.py", [run_dir, "--episodes", 3])
@@ -183,9 +183,9 @@ def test_lstm_run_saves_resumes_and_evaluates(script, tmp_path):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("env_id", "episodes"), [("CartPole-v1", 6), ("Breakout-v5", 1)])
 def test_evaluation_starts_from_zeros_and_resets_where_episodes_start(env_id, episodes, monkeypatch):
-    """evaluate() gives every env a zero state at the start and `first` exactly after an episode's
-    end (envpool's reset step), as the actors do; on Atari also after each life lost, where
-    training's episodic life ends an episode."""
+    """The library's evaluate() gives every env a zero state at the start and `first` exactly
+    after an episode's end (envpool's reset step), as the actors do; on Atari also after each life
+    lost, where training's episodic life ends an episode."""
     appo = load_script("appo_envpool.py")
     args = appo.resolve_args(appo.Args(env_id=env_id, lstm=True, lstm_size=LSTM_SIZE))
     network, _, continuous, normalizer, state = appo.build(args, jax.random.PRNGKey(0))
@@ -199,7 +199,7 @@ def test_evaluation_starts_from_zeros_and_resets_where_episodes_start(env_id, ep
             jax.debug.callback(lambda s, f: seen.append((np.asarray(s).copy(), np.asarray(f).copy())), core[0][1], core[1])
             return network.apply(params, obs, core)
 
-    make_env = appo.make_env
+    make_env = tasks.make_env
 
     class Recorded:
         def __init__(self, envs):
@@ -220,8 +220,10 @@ def test_evaluation_starts_from_zeros_and_resets_where_episodes_start(env_id, ep
             self.lives = lives
             return out
 
-    monkeypatch.setattr(appo, "make_env", lambda *a, **k: Recorded(make_env(*a, **k)))
-    scores = appo.evaluate(state["params"], Probe, args, continuous, normalizer, episodes)
+    monkeypatch.setattr(evaluation, "make_env", lambda *a, **k: Recorded(make_env(*a, **k)))
+    policy = appo.make_policy_step(Probe, continuous, values=False)
+    scores = evaluation.evaluate(policy, state["params"], lambda n: appo.zero_core(network.lstm_size, n), args, normalizer,
+                                 episodes)
     assert len(scores) == episodes
     assert not seen[0][0].any() and seen[0][1].all()  # zeros, every env starting
     # Call t acts on the observation of step t - 1; envpool's step after an episode's end (the
@@ -241,7 +243,7 @@ def test_lstm_with_box_actions_and_a_preset_of_many_minibatches(tmp_path):
     assert appo.resolve_args(appo.Args(env_id="HalfCheetah-v4")).num_minibatches == 32  # unchanged without
     run_dir = tmp_path / "run"
     flags = dict(run_dir=run_dir, lstm=True, num_minibatches=None, update_epochs=None)
-    assert_ok(run_script("appo_envpool.py", cli("appo_envpool.py", env_id="HalfCheetah-v4", **flags)))
+    assert run_main("appo_envpool.py", cli("appo_envpool.py", env_id="HalfCheetah-v4", **flags)) == 0
     config = json.loads((run_dir / "config.json").read_text())
     assert config["num_minibatches"] == 4 and config["update_epochs"] == 10
     assert len(tag_values(read_metrics(run_dir), "losses/loss")) == 2
@@ -304,8 +306,8 @@ def test_lstm_learns_cartpole_without_velocities(script_name, lstm, seed, tmp_pa
     feed-forward policy on the same task and budget stays below 150 (CartPole with velocities:
     500)."""
     module = load_script(script_name)
-    make_env = module.make_env
-    monkeypatch.setattr(module, "make_env", lambda *args, **kwargs: HideVelocities(make_env(*args, **kwargs)))
+    make_env = tasks.make_env
+    monkeypatch.setattr(tasks, "make_env", lambda *args, **kwargs: HideVelocities(make_env(*args, **kwargs)))
     run_dir = tmp_path / "run"
     args = dataclasses.replace(
         module.Args(), env_id="CartPole-v1", seed=seed, total_timesteps=MEMORY_BUDGET, lstm=lstm, eval_episodes=0,

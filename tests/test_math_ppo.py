@@ -106,10 +106,10 @@ def ppo_case():
     )
 
 
-def call_ppo_loss(case):
+def call_ppo_loss(case, norm_adv=False):
     return ppo.ppo_loss(
         case["logprobs"], case["old_logprobs"], case["advantages"], case["values"], case["returns"],
-        case["entropy"], case["mask"], CLIP, VF_COEF, ENT_COEF,
+        case["entropy"], case["mask"], CLIP, VF_COEF, ENT_COEF, norm_adv,
     )
 
 
@@ -164,9 +164,23 @@ def test_ppo_loss_ignores_masked_entries():
     assert float(call_ppo_loss(unmasked)[0]) != pytest.approx(float(loss_a))
 
 
+def test_ppo_loss_normalises_advantages_over_the_valid_transitions():
+    """norm_adv (CleanRL's detail 7): the loss with normalised advantages equals the loss without,
+    fed (A - mean) / (std + 1e-8) over the transitions that count (masked ones excluded)."""
+    case = ppo_case()
+    valid = np.asarray(case["mask"]) > 0
+    advantages = np.asarray(case["advantages"], np.float64)
+    normalised = (advantages - advantages[valid].mean()) / (advantages[valid].std() + 1e-8)
+    loss, diagnostics = call_ppo_loss(case, norm_adv=True)
+    want_loss, want = call_ppo_loss(dict(case, advantages=jnp.asarray(normalised, jnp.float32)))
+    assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)
+    assert float(diagnostics["policy_loss"]) == pytest.approx(float(want["policy_loss"]), rel=1e-5)
+    assert float(loss) != pytest.approx(float(call_ppo_loss(case)[0]), rel=1e-3)  # it did change the loss
+
+
 def test_ppo_loss_all_masked_is_finite():
     case = ppo_case()
-    loss, diagnostics = call_ppo_loss(dict(case, mask=jnp.zeros_like(case["mask"])))
+    loss, diagnostics = call_ppo_loss(dict(case, mask=jnp.zeros_like(case["mask"])), norm_adv=True)
     assert math.isfinite(float(loss))
     assert all(math.isfinite(float(v)) for v in diagnostics.values())
 
@@ -228,56 +242,3 @@ def test_sample_action_distribution():
     assert samples.shape == (20_000, 2)
     np.testing.assert_allclose(samples.mean(axis=0), [1.0, -2.0], atol=0.05)
     np.testing.assert_allclose(samples.std(axis=0), [0.5, 2.0], rtol=0.05)
-
-
-# ---------------------------------------------------------------------------------------------
-# Observation and reward normalisation (CleanRL's continuous-control wrappers)
-# ---------------------------------------------------------------------------------------------
-
-
-def pooled(x, prior_weight=1e-4):
-    """Mean and variance of the samples x [N, ...] pooled with a prior of mean 0 and variance 1."""
-    total = prior_weight + len(x)
-    mean = x.sum(0) / total
-    var = (prior_weight * (1.0 + mean**2) + ((x - mean) ** 2).sum(0)) / total
-    return mean, var
-
-
-def test_normalizer_matches_plain_statistics():
-    """After batches from two envs stepping out of order, the observation statistics are the mean
-    and variance of every observation seen, pooled with gym's RunningMeanStd prior (mean 0,
-    variance 1, weight 1e-4), and each reward is divided by the std of all per-env discounted
-    returns so far, computed by a plain loop of gym's NormalizeReward: ret = ret * gamma + r,
-    reset at episode ends."""
-    rng = np.random.default_rng(0)
-    gamma = 0.9
-    norm = ppo.Normalizer(np.zeros(3), 2, True, True, gamma)
-    seen_obs, seen_returns, ret = [], [], np.zeros(2)
-    for step in range(40):
-        env_ids = np.array([[0, 1], [1], [0]][step % 3])
-        obs = rng.normal(2.0, 3.0, size=(len(env_ids), 3))
-        reward = rng.normal(size=len(env_ids))
-        done = rng.random(len(env_ids)) < 0.2
-        seen_obs.extend(obs)
-        got = norm.observe(obs)
-        mean, var = pooled(np.array(seen_obs))
-        want = np.clip((obs - mean) / np.sqrt(var + 1e-8), -10, 10)
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-        scaled = norm.reward(reward, done, env_ids)
-        for i, env in enumerate(env_ids):
-            ret[env] = ret[env] * gamma + reward[i]
-            seen_returns.append(ret[env])
-        want_reward = np.clip(reward / np.sqrt(pooled(np.array(seen_returns))[1] + 1e-8), -10, 10)
-        np.testing.assert_allclose(scaled, want_reward, rtol=1e-3)
-        ret[env_ids[done]] = 0.0
-    # Evaluation applies the statistics without moving them.
-    stats = norm.obs_stats
-    norm.observe(rng.normal(size=(5, 3)), train=False)
-    assert norm.obs_stats is stats
-
-
-def test_normalizer_off_passes_through():
-    norm = ppo.Normalizer(np.zeros(3), 2, False, False, 0.99)
-    obs, reward = np.ones((2, 3)), np.array([1.0, 2.0])
-    assert norm.observe(obs) is obs and norm.reward(reward, np.zeros(2, bool), np.arange(2)) is reward
-    assert norm.state() == {}

@@ -1,5 +1,6 @@
-"""The asynchronous pipeline of the actor/learner scripts (helpers.ASYNC_SCRIPTS): trajectory
-integrity under envpool's out-of-order `recv()`, version stamps, backpressure, policy-lag
+"""The asynchronous pipeline of the actor/learner scripts: trajectory integrity under envpool's
+out-of-order `recv()`, version stamps and backpressure (the Python actor's scripts,
+helpers.PYTHON_ACTOR_SCRIPTS; appo_envpool_xla.py's actor: tests/test_xla_actor.py), policy-lag
 masking, and failure of either thread (docs/DESIGN.md, "The asynchronous pipeline")."""
 
 import dataclasses
@@ -15,7 +16,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import ASYNC_SCRIPTS, REPO_ROOT, describe, load_script, read_metrics, run_script, tag_values, tiny_flags
+from helpers import (
+    ASYNC_SCRIPTS,
+    PYTHON_ACTOR_SCRIPTS,
+    REPO_ROOT,
+    describe,
+    load_script,
+    read_metrics,
+    run_script,
+    tag_values,
+    tiny_flags,
+)
+from jax_async_rl import threads
 
 # ---------------------------------------------------------------------------------------------
 # A deterministic stand-in for envpool's asynchronous interface
@@ -133,10 +145,13 @@ TRUNCATING = {1, 4, 7, 10}
 
 
 def make_pipeline(module, num_splits, queue_size=0, seed=0):
-    """ScriptedEnvPool + ScriptedPolicy + Shared + args for `module`'s actor_loop."""
+    """ScriptedEnvPool + ScriptedPolicy + Shared + args for `module`'s actor_loop; the games the
+    actor reports are in `shared.games`, one list per report."""
     num_envs = num_splits * SPLIT_SIZE
     envs = ScriptedEnvPool(num_envs, SPLIT_SIZE, EPISODE_LENGTHS[:num_envs], TRUNCATING, seed)
-    shared = module.Shared({"params": 0, "opt_state": None, "global_step": 0, "policy_version": 0})
+    games = []
+    shared = threads.Shared(0, 0, report=games.append)
+    shared.games = games
     policy = ScriptedPolicy(shared)
     args = dataclasses.replace(module.Args(env_id="CartPole-v1"), num_envs=num_envs, num_steps=NUM_STEPS, num_splits=num_splits)
     return envs, policy, shared, args, queue.Queue(maxsize=queue_size)
@@ -197,22 +212,23 @@ def drain(rollout_queue):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("num_splits", [1, 2, 4])
-@pytest.mark.parametrize("script", ASYNC_SCRIPTS)
+@pytest.mark.parametrize("script", PYTHON_ACTOR_SCRIPTS)
 def test_actor_loop_trajectory_integrity(script, num_splits):
     module = load_script(script)
     envs, policy, shared, args, rollout_queue = make_pipeline(module, num_splits, seed=num_splits)
     num_rollouts = 6
-    module.actor_loop(envs, policy, shared, rollout_queue, jax.random.PRNGKey(0), args, num_rollouts, 0)
+    module.actor_loop(envs, policy, shared, rollout_queue, jax.random.PRNGKey(0), args, num_rollouts)
     rollouts = drain(rollout_queue)
     assert len(rollouts) == num_rollouts
     check_rollouts(rollouts, envs, policy)
     # The shuffled order really was out of order, and some env ran ahead of others.
     if num_splits > 1:
         assert envs.count.max() > envs.count.min()
-    # Episode reports: lengths of the games that ended, each an env's episode length.
-    reports = drain(shared.reports)
-    lengths = [length for _, report in reports for _, _, length in report["episodes"]]
-    assert lengths and set(lengths) <= set(EPISODE_LENGTHS[: envs.num_envs])
+    # Episode reports, one per rollout: lengths of the games that ended, each an env's episode
+    # length; the env steps sampled (the run's counter) are every action sent.
+    lengths = [length for episodes in shared.games for _, _, length in episodes]
+    assert len(shared.games) == num_rollouts and lengths and set(lengths) <= set(EPISODE_LENGTHS[: envs.num_envs])
+    assert int(shared.sampled.sum()) == sum(len(actions) for actions in envs.received)
 
 
 class CountingQueue(queue.Queue):
@@ -228,22 +244,21 @@ class CountingQueue(queue.Queue):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("script", ASYNC_SCRIPTS)
+@pytest.mark.parametrize("script", PYTHON_ACTOR_SCRIPTS)
 def test_full_queue_blocks_the_actor_and_loses_nothing(script):
     module = load_script(script)
     envs, policy, shared, args, _ = make_pipeline(module, num_splits=2, seed=7)
     rollout_queue = CountingQueue(maxsize=1)
     num_rollouts = 5
-    actor = module.start_thread(
-        "actor", module.actor_loop, shared, envs, policy, shared, rollout_queue, jax.random.PRNGKey(0), args,
-        num_rollouts, 0,
-    )
+    lifetime = threads.Threads(shared.stop)
+    actor = lifetime.start("actor", module.actor_loop, envs, policy, shared, rollout_queue, jax.random.PRNGKey(0), args,
+                           num_rollouts)
     try:
         # The consumer does not read: the actor fills the queue, completes one more rollout, blocks.
         deadline = time.monotonic() + 60
         while not (rollout_queue.puts == 1 and (envs.count.min() - 1) // NUM_STEPS >= 2):
             assert time.monotonic() < deadline, f"actor did not block: {rollout_queue.puts} puts, {envs.count}"
-            assert actor.is_alive(), shared.errors
+            assert actor.is_alive(), lifetime.errors
             time.sleep(0.01)
         blocked_at = time.monotonic()
         counts = envs.count.copy()
@@ -260,14 +275,14 @@ def test_full_queue_blocks_the_actor_and_loses_nothing(script):
             try:
                 rollouts.append(rollout_queue.get(timeout=1.0))
             except queue.Empty:
-                assert actor.is_alive(), shared.errors
+                assert actor.is_alive(), lifetime.errors
         released_after = time.monotonic() - blocked_at
         actor.join(timeout=10)
         assert not actor.is_alive()
     finally:
         shared.stop.set()
         actor.join(timeout=10)
-    assert not shared.errors, shared.errors
+    assert not lifetime.errors, lifetime.errors
     assert rollout_queue.puts == num_rollouts and rollout_queue.empty()
     # The blocked put is timed (the wait is logged as timing/queue_put_seconds).
     assert shared.timing["queue_put"] - waited_before >= 0.9 * min(released_after, 1.0)
@@ -275,19 +290,18 @@ def test_full_queue_blocks_the_actor_and_loses_nothing(script):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("script", ASYNC_SCRIPTS)
+@pytest.mark.parametrize("script", PYTHON_ACTOR_SCRIPTS)
 def test_actor_loop_stops_on_stop_event_while_blocked(script):
     """No put waits forever: with a full queue, setting `stop` ends the actor within seconds (it
     polls every 0.1 s; the margin is for a loaded machine)."""
     module = load_script(script)
     envs, policy, shared, args, _ = make_pipeline(module, num_splits=2)
     rollout_queue = queue.Queue(maxsize=1)
-    actor = module.start_thread(
-        "actor", module.actor_loop, shared, envs, policy, shared, rollout_queue, jax.random.PRNGKey(0), args, 10, 0
-    )
+    lifetime = threads.Threads(shared.stop)
+    actor = lifetime.start("actor", module.actor_loop, envs, policy, shared, rollout_queue, jax.random.PRNGKey(0), args, 10)
     deadline = time.monotonic() + 30
     while not rollout_queue.full():
-        assert time.monotonic() < deadline and actor.is_alive(), shared.errors
+        assert time.monotonic() < deadline and actor.is_alive(), lifetime.errors
         time.sleep(0.01)
     time.sleep(0.3)
     assert actor.is_alive()
@@ -295,7 +309,7 @@ def test_actor_loop_stops_on_stop_event_while_blocked(script):
     shared.stop.set()
     actor.join(timeout=5)
     assert not actor.is_alive() and time.monotonic() - start < 3.0
-    assert not shared.errors
+    assert not lifetime.errors
 
 
 # ---------------------------------------------------------------------------------------------
@@ -398,9 +412,9 @@ def test_update_masks_stale_transitions(script, flags):
     want_mean = (lag * VALID).sum() / VALID.sum()
     want_stale = (STALE * VALID).sum() / VALID.sum()
     assert lag.max() == lag[VALID > 0].max()  # (so max over all or over valid agree)
-    assert float(diagnostics["policy_lag_mean"]) == pytest.approx(want_mean, rel=1e-6)
-    assert float(diagnostics["policy_lag_max"]) == lag.max()
-    assert float(diagnostics["stale_fraction"]) == pytest.approx(want_stale, rel=1e-6)
+    assert float(diagnostics["async/policy_lag_mean"]) == pytest.approx(want_mean, rel=1e-6)
+    assert float(diagnostics["async/policy_lag_max"]) == lag.max()
+    assert float(diagnostics["async/stale_fraction"]) == pytest.approx(want_stale, rel=1e-6)
     new_state = update(state, rollout, jax.random.PRNGKey(1))[0]
     assert int(new_state["policy_version"]) == LEARNER_VERSION + 1
     assert not np.allclose(params, before), "the update did not change the parameters"
@@ -416,7 +430,7 @@ def test_update_masks_stale_transitions(script, flags):
     changed["truncated"] = np.where(STALE, changed["dones"], rollout["truncated"]).astype(np.float32)
     params_stale_changed, diagnostics_stale = updated_params(update, state, changed)
     np.testing.assert_allclose(params_stale_changed, params, rtol=0, atol=1e-7)
-    for name in ["policy_lag_mean", "policy_lag_max", "stale_fraction", "loss"]:
+    for name in ["async/policy_lag_mean", "async/policy_lag_max", "async/stale_fraction", "loss"]:
         assert float(diagnostics_stale[name]) == pytest.approx(float(diagnostics[name]), rel=1e-6), name
 
     # ... while changing one fresh transition's reward does change them.
@@ -430,7 +444,7 @@ def test_update_masks_stale_transitions(script, flags):
     # With every transition stale, nothing is learned (and nothing is non-finite).
     all_stale = dict(rollout, policy_version=np.zeros_like(STAMPS))
     params_all_stale, diagnostics_all = updated_params(update, state, all_stale)
-    assert float(diagnostics_all["stale_fraction"]) == 1.0
+    assert float(diagnostics_all["async/stale_fraction"]) == 1.0
     assert bool(diagnostics_all["finite"])
     np.testing.assert_allclose(params_all_stale, before, rtol=0, atol=1e-7)
 
@@ -481,8 +495,24 @@ def patched_make_policy_step(*args, **kwargs):
     return faulty_policy_step
 
 
+def patched_collect(self, R):  # appo_envpool_xla.py: the actor's jitted call of a whole rollout
+    call = original_collect(self, R)
+
+    def faulty_collect(carry, params, version):
+        collects.append(1)
+        if len(collects) == {actor_fault_call} and {where!r} == "actor":
+            report_fault()
+            raise RuntimeError("injected actor fault")
+        return call(carry, params, version)
+
+    return faulty_collect
+
+
 original_make_update, module.make_update = module.make_update, patched_make_update
-original_make_policy_step, module.make_policy_step = module.make_policy_step, patched_make_policy_step
+if hasattr(module, "XlaRollouts"):
+    original_collect, module.XlaRollouts.collect, collects = module.XlaRollouts.collect, patched_collect, []
+else:
+    original_make_policy_step, module.make_policy_step = module.make_policy_step, patched_make_policy_step
 flags = dict(tiny_flags({script!r}), env_id="CartPole-v1", total_timesteps=10_000_000, run_dir={run_dir!r})
 sys.exit(module.main(dataclasses.replace(module.Args(), **flags)))
 """
@@ -509,16 +539,23 @@ def check_fault_exit(script, where, tmp_path, actor_fault_call, first_update_sec
     assert f"RuntimeError: {message}" in result.stderr, describe(result)
     assert "Traceback (most recent call last)" in result.stderr, describe(result)
     # The original traceback: the frame that raised is in it.
-    assert f"in faulty_{'update' if where == 'learner' else 'policy_step'}" in result.stderr, describe(result)
+    frame = "update" if where == "learner" else "collect" if script == "appo_envpool_xla.py" else "policy_step"
+    assert f"in faulty_{frame}" in result.stderr, describe(result)
+
+
+# The actor's call that fails: its 200th inference call (the Python actor, one call per recv());
+# the XLA actor's 3rd rollout call, by when its 2 rollouts fill the queue.
+ACTOR_FAULT_CALL = {"appo_envpool_xla.py": 3}
 
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("where", ["learner", "actor"])
 @pytest.mark.parametrize("script", ASYNC_SCRIPTS)
 def test_thread_fault_exits_nonzero_with_traceback(script, where, tmp_path):
-    """The learner fails on its 2nd update; or the actor on its 200th inference call, by when
-    backpressure (queue_size 2) has made it wait for the learner's first updates."""
-    check_fault_exit(script, where, tmp_path, actor_fault_call=200)
+    """The learner fails on its 2nd update; or the actor on its 200th inference call (its 3rd
+    rollout call: ACTOR_FAULT_CALL), by when backpressure (queue_size 2) has made it wait for the
+    learner's first updates."""
+    check_fault_exit(script, where, tmp_path, actor_fault_call=ACTOR_FAULT_CALL.get(script, 200))
 
 
 @pytest.mark.timeout(200)
@@ -526,7 +563,7 @@ def test_thread_fault_exits_nonzero_with_traceback(script, where, tmp_path):
 def test_actor_fault_while_learner_is_in_a_long_call(script, tmp_path):
     """The actor fails while the learner is inside one 20 s call (as in the first XLA compile of
     the update, which takes that long for the Atari CNN on a busy CPU)."""
-    check_fault_exit(script, "actor", tmp_path, actor_fault_call=40, first_update_seconds=20)
+    check_fault_exit(script, "actor", tmp_path, actor_fault_call=ACTOR_FAULT_CALL.get(script, 40), first_update_seconds=20)
 
 
 @pytest.mark.timeout(300)

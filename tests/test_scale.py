@@ -2,7 +2,6 @@
 jax.distributed with gloo collectives runs 2 local processes. The update's numerics against the
 1-device update, bad flags, learning CartPole, and faults across threads and processes."""
 
-import inspect
 import json
 import signal
 import socket
@@ -17,15 +16,14 @@ from helpers import (
     ASYNC_SCRIPTS,
     CHECKPOINT,
     REPO_ROOT,
-    SCRIPT_TABLE,
     TINY_BATCH,
     assert_ok,
     assert_usage_error,
     cli,
     count_complete_lines,
     describe,
-    load_script,
     read_metrics,
+    run_main,
     run_script,
     tag_values,
     tiny_flags,
@@ -92,6 +90,7 @@ RTOL, ATOL = 1e-5, 1e-6
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("script", ["ppo_sync_baseline.py", "appo_envpool.py", "impala_envpool.py"])  # the XLA script's update is APPO's text
 def test_update_matches_one_device(script, tmp_path, devices):
     """One update (tests/scale_worker.py) from the same state on the same global batch of 8 envs:
     on 1, 2 and 4 learner devices of one process, and on 2 processes x 2 devices, each process
@@ -121,20 +120,21 @@ import jax
 sys.path.insert(0, {tests_dir!r})
 import scale_worker
 from helpers import load_script
+from jax_async_rl import devices
 scale_worker.T = 12  # 96 rows: 48 a device
 module = load_script({script!r})
 flags = dict(env_id="CartPole-v1", num_envs=8, num_steps=12, total_timesteps=9600, learner_device_ids=[0, 1], lstm={lstm})
 if "num_splits" in {{f.name for f in dataclasses.fields(module.Args)}}:
     flags["num_splits"] = 1
 args = module.resolve_args(module.Args(**flags))
-_, mesh = module.make_mesh(args)
+_, mesh = devices.make_mesh(args)
 network, optimizer, continuous, _, state = module.build(args, jax.random.PRNGKey(0))
-state = dict(module.replicated(mesh, state), global_step=0)
+state = dict(devices.replicated(mesh, state), global_step=0)
 update = module.make_update(network, optimizer, args, continuous, mesh)
 batch = scale_worker.global_batch("sync" in {script!r})
 if {lstm}:
     batch.update(state=module.zero_core(args.lstm_size, 8)[0], first=batch["valid"] * 0)
-rollout = module.to_learner(mesh, batch)
+rollout = devices.to_learner(mesh, batch)
 text = update.lower(state, rollout, jax.random.PRNGKey(1)).compile().as_text()
 print("ROWS", sorted({{int(n) for n in re.findall(r"= f32\[(\d+),64\]\{{[^}}]*\}} dot\(", text)}}))
 print("ALL-REDUCES", text.count("all-reduce("))
@@ -143,6 +143,7 @@ print("ALL-REDUCES", text.count("all-reduce("))
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("lstm", [False, True])
+@pytest.mark.parametrize("script", ["ppo_sync_baseline.py", "appo_envpool.py", "impala_envpool.py"])  # the XLA script's update is APPO's text
 def test_the_update_is_split_over_the_learner_devices(script, lstm, devices):
     """Data parallel, not just the same numbers: compiled for 2 learner devices, the first hidden
     layer's matmuls take 48 of the batch's 96 rows on each device (with --lstm, 52 of the 104 with
@@ -158,10 +159,11 @@ def test_the_update_is_split_over_the_learner_devices(script, lstm, devices):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("learners", [["0"], ["0", "1"]])
+@pytest.mark.parametrize("script", ["ppo_sync_baseline.py", "appo_envpool.py"])  # the two loops (the sync loop, the learner thread)
 def test_the_update_compiles_once(script, learners, tmp_path, devices, monkeypatch):
     """4 updates, 1 compile: the state that enters the first update is placed as every update
-    returns it (replicated, the step a Python int), so the second does not compile again (it
-    did, for 1.4 s, costing a CartPole run 10% of its SPS in the first draft)."""
+    returns it (runs.Run.restore: replicated, the step a Python int), so the second does not
+    compile again (it did, for 1.4 s, costing a CartPole run 10% of its SPS in the first draft)."""
     devices(4)
     monkeypatch.setenv("JAX_LOG_COMPILES", "1")
     argv = [*cli(script, run_dir=tmp_path / "run", total_timesteps=4 * TINY_BATCH, compile_cache=""),
@@ -191,7 +193,9 @@ BAD_FLAGS = {
 
 
 @pytest.mark.parametrize("case", list(BAD_FLAGS))
-def test_bad_scaling_flags_exit_2(script, case, tmp_path, devices):
+def test_bad_scaling_flags_exit_2(case, tmp_path, devices):
+    """The run library's checks (devices.make_mesh, devices.start_processes), through one script."""
+    script = "appo_envpool.py"
     devices(4)
     argv, fragments = BAD_FLAGS[case]
     result = run_script(script, [*cli(script, run_dir=tmp_path / "run"), *argv], timeout=120)
@@ -222,16 +226,17 @@ def test_a_bad_flag_in_one_process_stops_all(case, tmp_path, devices):
         assert all("different flags" in line[0] for line in lines), lines
 
 
-def test_bad_actor_flags_exit_2(script, tmp_path, devices):
-    devices(4)
+def test_bad_actor_flags_exit_2(script, tmp_path, capsys):
     if script in ASYNC_SCRIPTS:
         argv, fragments = ["--num-actor-threads", "0"], ["--num-actor-threads"]
     else:  # the synchronous loop has one actor
         argv, fragments = ["--actor-device-ids", "0", "1"], ["--actor-device-ids", "one device"]
-    assert_usage_error(run_script(script, [*cli(script, run_dir=tmp_path / "run"), *argv], timeout=120), *fragments)
+    code, _, err = run_main(script, [*cli(script, run_dir=tmp_path / "run"), *argv], capsys)
+    assert code == 2 and all(fragment in err for fragment in fragments), err
+    assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("script_name", ASYNC_SCRIPTS)
+@pytest.mark.parametrize("script_name", ["appo_envpool.py", "appo_envpool_xla.py"])  # the two actors
 def test_config_records_the_global_batch(script_name, tmp_path, devices):
     """2 actor devices x 2 threads x 4 envs, the learner on 2 devices: a tiny run finishes, and
     config.json names the global batch; every update learned 4 rollouts' steps."""
@@ -377,7 +382,23 @@ def patched_make_policy_step(*args, **kwargs):
 
     return faulty_policy_step
 
-module.make_policy_step = patched_make_policy_step
+def patched_collect(self, R):  # appo_envpool_xla.py: the actor's jitted call of a whole rollout
+    call = original_collect(self, R)
+
+    def faulty_collect(*a):
+        if threading.current_thread().name == {thread!r}:
+            collects.append(1)
+            if len(collects) == 3:
+                raise RuntimeError("injected fault in " + {thread!r})
+        return call(*a)
+
+    return faulty_collect
+
+
+if hasattr(module, "XlaRollouts"):
+    original_collect, module.XlaRollouts.collect, collects = module.XlaRollouts.collect, patched_collect, []
+else:
+    module.make_policy_step = patched_make_policy_step
 flags = dict(tiny_flags({script!r}), env_id="CartPole-v1", total_timesteps=10_000_000, run_dir={run_dir!r},
              num_actor_threads=2, **{launch!r})
 sys.exit(module.main(dataclasses.replace(module.Args(), **flags)))
@@ -387,32 +408,16 @@ sys.exit(module.main(dataclasses.replace(module.Args(), **flags)))
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("script_name", ASYNC_SCRIPTS)
 def test_fault_in_one_actor_thread_of_2_stops_the_run(script_name, tmp_path):
-    """Actor thread 1 of 2 raises at its 50th inference call: the run exits non-zero within the
-    join deadline, with that thread's traceback, and leaves no thread behind (the process ends)."""
+    """Actor thread 1 of 2 raises at its 50th inference call (the XLA actor: its 3rd rollout
+    call): the run exits non-zero within the join deadline, with that thread's traceback, and
+    leaves no thread behind (the process ends)."""
     program = FAULT_PROGRAM.format(tests_dir=str(REPO_ROOT / "tests"), script=script_name, run_dir=str(tmp_path / "run"),
                                    thread="actor 1", launch={})
     result = run_script("-c", [program], timeout=150)
     assert result.returncode == 1, describe(result)
     assert "error in the actor 1 thread:" in result.stderr, describe(result)
     assert "RuntimeError: injected fault in actor 1" in result.stderr, describe(result)
-    assert "in faulty_policy_step" in result.stderr, describe(result)
-
-
-# ---------------------------------------------------------------------------------------------
-# The same text
-# ---------------------------------------------------------------------------------------------
-
-SHARED = ["start_processes", "make_mesh", "env_axis", "to_learner", "replicated", "to_actor", "agree", "checkpoint_file", "open_run_dir", "save_checkpoint", "report_errors", "Logger", "Normalizer"]
-ASYNC_SHARED = ["Shared", "actor_loop", "learner_loop", "joined", "join_threads", "train"]
-
-
-def test_scaling_code_is_the_same_text_in_every_script():
-    """The devices-and-processes block and what it touches are shared blocks: one text in all
-    three scripts (the asynchronous pipeline's in both asynchronous ones)."""
-    for names, scripts in [(SHARED, list(SCRIPT_TABLE)), (ASYNC_SHARED, ASYNC_SCRIPTS)]:
-        modules = [load_script(s) for s in scripts]
-        for name in names:
-            assert len({inspect.getsource(getattr(m, name)) for m in modules}) == 1, name
+    assert f"in faulty_{'collect' if 'xla' in script_name else 'policy_step'}" in result.stderr, describe(result)
 
 
 @pytest.mark.timeout(300)

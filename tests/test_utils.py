@@ -4,6 +4,7 @@ Subprocesses run one at a time, from the repository root; nothing is written und
 """
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -116,12 +117,15 @@ def test_plot_rejects_folder_without_returns(make_folder, fragment, tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_evaluate_knows_every_tested_script():
-    """utils/ and the tests agree on which scripts exist (utils/common.py's list, helpers.SCRIPTS)."""
-    assert sorted(load_script("utils/common.py").SCRIPTS) == sorted(SCRIPTS)
+def test_the_tools_know_every_tested_script():
+    """utils/ and the tests agree on which scripts exist (the benchmark's list, helpers.SCRIPTS)."""
+    assert sorted(load_script("utils/benchmark.py").SCRIPTS) == sorted(SCRIPTS)
 
 
+# evaluate.py calls a script's build, make_policy_step and zero_core, the same text in every script
+# (test_scripts.SAME_TEXT): the baseline's checkpoints, and the XLA actor's, whose module differs most.
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("script", ["ppo_sync_baseline.py", "appo_envpool_xla.py"], indirect=True)
 def test_evaluate_scores_checkpoint(script, cartpole_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(cartpole_run, run)
@@ -203,6 +207,7 @@ def test_evaluate_rejects_bad_checkpoint(case, tmp_path):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("script", ["appo_envpool.py"], indirect=True)
 def test_evaluate_rejects_config_the_script_lacks(script, cartpole_run, tmp_path):
     """A checkpoint whose config has a field the script's Args does not: another version wrote it."""
     payload = read_checkpoint(cartpole_run)
@@ -212,16 +217,26 @@ def test_evaluate_rejects_config_the_script_lacks(script, cartpole_run, tmp_path
 
 
 @pytest.mark.timeout(600)
-def test_evaluate_scores_a_copied_script(tmp_path):
-    """"Copy one script and edit it": a renamed copy's checkpoint is scored with the copy, found by
-    the path it recorded, then next to the run once both moved; a file that is no training script
-    is refused with exit 2."""
+def test_a_copied_and_edited_script_runs_anywhere_and_is_scored(tmp_path):
+    """"Copy one script and edit it": a renamed copy outside the repository, with a default edited,
+    runs from its own folder (the run library is installed, not beside it) and takes the edit; its
+    checkpoint is scored with the copy, found by the path it recorded, then next to the run once
+    both moved; a file that is no training script is refused with exit 2."""
     copy = tmp_path / "my_appo.py"
-    shutil.copy(REPO_ROOT / "appo_envpool.py", copy)
+    text = (REPO_ROOT / "appo_envpool.py").read_text()
+    edited = text.replace("    queue_size: Annotated[int, POSITIVE] = 2\n", "    queue_size: Annotated[int, POSITIVE] = 1\n")
+    assert edited != text
+    copy.write_text(edited)
     run = tmp_path / "run"
-    argv = [sys.executable, str(copy), *map(str, cli("appo_envpool.py", run_dir=run))]
-    assert_ok(subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300))
+    flags = [token for token in map(str, cli("appo_envpool.py", run_dir=run))]
+    flags = [t for i, t in enumerate(flags) if t != "--queue-size" and (i == 0 or flags[i - 1] != "--queue-size")]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, str(copy), *flags], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert_ok(result)
     assert read_checkpoint(run)["script"] == "my_appo.py"
+    config = json.loads((run / "config.json").read_text())
+    assert config["queue_size"] == 1 and config["exp_name"] == "my_appo"  # the edited default, the copy's name
 
     result = run_script(EVALUATE, [run, "--episodes", 2], timeout=300)
     assert_ok(result)
@@ -242,6 +257,7 @@ def test_evaluate_scores_a_copied_script(tmp_path):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("script", ["ppo_sync_baseline.py", "appo_envpool.py", "impala_envpool.py"], indirect=True)  # the scripts that had older versions
 def test_evaluate_scores_a_checkpoint_of_an_older_version(script, cartpole_run, tmp_path):
     """Only the parameters (and the normaliser) are needed to play: an optimiser state of another
     structure, and a config from before the normalisation flags existed, still evaluate."""
@@ -249,6 +265,7 @@ def test_evaluate_scores_a_checkpoint_of_an_older_version(script, cartpole_run, 
     payload["state"]["opt_state"] = {"0": {"count": np.zeros(())}}
     config = json.loads(payload["config"])
     del config["norm_obs"], config["norm_reward"]
+    config["xla_actor"] = script in ("appo_envpool.py", "impala_envpool.py")  # they had --xla-actor before appo_envpool_xla.py
     payload["config"] = json.dumps(config)
     result = run_script(EVALUATE, [write_msgpack(tmp_path, payload), "--episodes", 2], timeout=240)
     assert_ok(result)

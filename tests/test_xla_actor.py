@@ -1,4 +1,4 @@
-"""--xla-actor: the rollout as one jitted loop over envpool's XLA interface.
+"""appo_envpool_xla.py: the rollout as one jitted loop over envpool's XLA interface.
 
 The reference is independent of both actors: the actions a rollout recorded, replayed env by env
 in a synchronous envpool (batch = all envs, same seeds), must give back the rollout's observations,
@@ -13,31 +13,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import ASYNC_SCRIPTS, load_script
+from helpers import load_script
+from jax_async_rl import tasks, threads
+
+SCRIPT = "appo_envpool_xla.py"
 
 
 def collect(module, env_id, num_envs, num_splits, num_rollouts, version=7, num_steps=16, **flags):
-    """From module.xla_actor_loop: `num_rollouts` rollouts, the games reported, `Shared`, and the
+    """From the script's actor_loop: `num_rollouts` rollouts, the games reported, `Shared`, and the
     network and whether its actions are continuous."""
-    args = module.resolve_args(module.Args(
-        env_id=env_id, num_envs=num_envs, num_steps=num_steps, num_splits=num_splits, xla_actor=True, **flags))
+    args = module.resolve_args(module.Args(env_id=env_id, num_envs=num_envs, num_steps=num_steps, num_splits=num_splits, **flags))
     network, _, continuous, normalizer, state = module.build(args, jax.random.PRNGKey(0))
-    shared = module.Shared(dict(state, policy_version=version), normalizer)
-    envs = module.make_env(env_id, num_envs, 3, 1, train=True, batch_size=num_envs // num_splits)
-    rollouts = queue.Queue()
-    module.xla_actor_loop(envs, module.make_policy_step(network, continuous, values=False), shared, rollouts,
-                          jax.random.PRNGKey(1), args, num_rollouts, 0)
-    envs.close()
     games = []
-    while not shared.reports.empty():
-        games += shared.reports.get()[1]["episodes"]
+    shared = threads.Shared(state["params"], version, normalizer, report=games.extend)
+    envs = tasks.make_env(env_id, num_envs, 3, 1, train=True, batch_size=num_envs // num_splits)
+    rollouts = queue.Queue()
+    module.actor_loop(envs, module.make_policy_step(network, continuous, values=False), shared, rollouts,
+                      jax.random.PRNGKey(1), args, num_rollouts)
+    envs.close()
     return [rollouts.get_nowait() for _ in range(num_rollouts)], games, shared, network, continuous
 
 
 def replay(env_id, num_envs, rollouts, module=None):
     """Step a synchronous envpool (as `module` makes it for training, else envpool's defaults) with
     the recorded actions: (obs, rewards, dones, truncated) [n + 1, B] and the games [(env, return, length)]."""
-    envs = module.make_env(env_id, num_envs, 3, 1, train=True) if module else \
+    envs = tasks.make_env(env_id, num_envs, 3, 1, train=True) if module else \
         envpool.make(env_id, env_type="gymnasium", num_envs=num_envs, seed=3, num_threads=1)
     obs, _ = envs.reset()
     seen, rewards, dones, truncs, games = [obs], [], [], [], []
@@ -62,13 +62,12 @@ def replay(env_id, num_envs, rollouts, module=None):
     ("Pendulum-v1", 2, 2, False), ("HalfCheetah-v4", 2, 2, False), ("CartPole-v1", 2, 1, True),
     ("MountainCar-v0", 2, 2, False),  # 200-step games of return -200: a return is not a length
     ("Pong-v5", 2, 2, False)])  # uint8 images, the game score in info (training: lives end episodes)
-@pytest.mark.parametrize("script", ASYNC_SCRIPTS)
-def test_xla_rollouts_match_a_replay_of_their_actions(script, env_id, num_splits, ring, lstm, monkeypatch):
+def test_xla_rollouts_match_a_replay_of_their_actions(env_id, num_splits, ring, lstm, monkeypatch):
     """Ring 1: the first call stops short when envs finish the first rollout (their next step would
     leave the ring), and the ring grows (`grown`): the path an env that runs ahead takes. The
     log-probabilities are recomputed by the learner's forward pass (with --lstm, from the state
     the rollout recorded), and with --lstm that state from the replayed observations."""
-    module = load_script(script)
+    module = load_script(SCRIPT)
     monkeypatch.setattr(module, "XLA_RING", ring)
     grown, sizes = module.grown, []
     monkeypatch.setattr(module, "grown", lambda carry, R: sizes.append(R) or grown(carry, R))
@@ -116,7 +115,7 @@ def test_xla_normaliser_counts_every_observation(env_id):
     """These presets normalise observations and rewards (HalfCheetah's are float64, which JAX then
     takes with x64 in the actor's thread): the host statistics (which checkpoints save) gain every
     observation the jitted loop saw, once, and the rollout holds observations normalised by them."""
-    module = load_script("appo_envpool.py")
+    module = load_script(SCRIPT)
     B, K = 4, 3
     rollouts, _, shared, _, _ = collect(module, env_id, B, 2, K, num_steps=16)
     obs_mean, obs_var, count = shared.normalizer.obs_stats
