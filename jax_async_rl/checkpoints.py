@@ -40,10 +40,15 @@ def write_atomically(path: str, data: bytes):
     """Write `data` to `path` through a temporary file, fsync and rename (then fsync the folder):
     a crash mid-write keeps the old file."""
     tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:  # a full disk: what was written of the new file goes, the old one stays
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
     os.replace(tmp, path)
     dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
     try:
@@ -64,6 +69,28 @@ def save_checkpoint(path: str, state: dict, args, normalizer, script: str):
         "script_path": os.path.abspath(script),
     }
     write_atomically(path, flax.serialization.msgpack_serialize(payload))
+
+
+def complete_tmp(path: str) -> bool:
+    """Whether `path`.tmp is a whole checkpoint: one whose rename was cut off (kill -9)."""
+    try:
+        return os.path.isfile(f"{path}.tmp") and bool(read_checkpoint(f"{path}.tmp"))
+    except UsageError:
+        return False
+
+
+def find_checkpoint(path: str) -> str:
+    """The file to resume `path` (a run folder or a checkpoint) from: the checkpoint, else a
+    complete `.tmp` of it (said on stderr). UsageError naming an incomplete one."""
+    ckpt = checkpoint_path(path)
+    if os.path.isfile(ckpt) or not os.path.isfile(f"{ckpt}.tmp"):
+        return ckpt
+    if complete_tmp(ckpt):
+        print(f"note: no {CHECKPOINT} in {os.path.dirname(ckpt) or '.'}, but a complete {CHECKPOINT}.tmp (the run was "
+              "stopped while renaming it): resuming from it", file=sys.stderr)
+        return f"{ckpt}.tmp"
+    raise UsageError(f"no checkpoint at {ckpt}; {ckpt}.tmp is an incomplete write (the run was killed while saving "
+                     "its first checkpoint): nothing to resume; remove the folder and start again")
 
 
 def read_checkpoint(path: str) -> dict:
@@ -114,8 +141,8 @@ def resume_args(args, given, script: str):
     mid-run. Without --resume: (args, None, {})."""
     if not args.resume:
         return args, None, {}
-    path = checkpoint_path(args.resume)
     try:
+        path = find_checkpoint(args.resume)
         payload = read_checkpoint(path)
     except UsageError as e:
         raise UsageError(f"--resume: {e}")

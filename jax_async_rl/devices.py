@@ -10,6 +10,7 @@ all-reduces the gradients.
 import dataclasses
 import hashlib
 import json
+import re
 
 import jax
 import numpy as np
@@ -22,7 +23,11 @@ def start_processes(args):
     """--distributed: join the run's other processes (jax.distributed), before anything uses a
     device. The coordinator's address, the process count and this process's id come from the
     flags, or else from the cluster (SLURM, Open MPI, ...). A process that dies stops the others:
-    its heartbeats stop, and within 30 s they abort instead of waiting in a collective forever."""
+    the collective the others wait in fails at once (its sockets close), and they say which
+    process stopped answering and exit 1 (`peer_failure`, runs.report_errors). Where no collective
+    fails (a machine that vanished) or process 0 dies (it holds JAX's coordination service), the
+    service's heartbeats end the others within 30 s by an abort in C++ (SIGABRT, "the JAX
+    distributed service detected fatal errors"), before Python can say more."""
     given = [f"--{name.replace('_', '-')}" for name, unset in
              [("coordinator_address", ""), ("num_processes", 0), ("process_id", -1)] if getattr(args, name) != unset]
     if not args.distributed:
@@ -165,3 +170,17 @@ def agree(received: list, stopped: bool, episodes: list):
     if code > 1 and not received:
         received.append(code - 128)
     return code > 0, [(int(e), float(r), int(n)) for t, k in zip(tables, counts[:, 1]) for e, r, n in t[:k]]
+
+
+def peer_failure(error) -> bool:
+    """Whether `error` is a collective that failed because another process of the run is gone."""
+    return jax.process_count() > 1 and any(s in str(error) for s in ("Gloo", "Connection closed by peer"))
+
+
+def describe_dead(error) -> str:
+    """One line for `peer_failure`: with two processes the other one, else the peer's address."""
+    me, count = jax.process_index(), jax.process_count()
+    peer = re.search(r"closed by peer \[?([^\s\]]+)\]?(:\d+)?", str(error))
+    who = f"process {1 - me}" if count == 2 else f"another process ({peer[1] if peer else 'address unknown'})"
+    return (f"{who} of this run stopped answering (it died, was killed or lost its connection; its own log says "
+            f"why); process {me} stops too")

@@ -19,11 +19,13 @@ class Logger:
     """TensorBoard events + metrics.jsonl ({"step", "wall_time", "tag", "value"} a line) + wandb.
     `run_dir` None: a process other than 0, which logs nothing."""
 
-    def __init__(self, run_dir: Optional[str], args):
+    def __init__(self, run_dir: Optional[str], args, purge_step: Optional[int] = None):
+        """`purge_step` (a resumed run: the checkpoint's step + 1): TensorBoard hides what the
+        earlier event files hold from that step on, so that it shows one continuous run."""
         self.run_dir, self.lock = run_dir, threading.Lock()
         if run_dir is None:
             return
-        self.writer = SummaryWriter(run_dir)
+        self.writer = SummaryWriter(run_dir, purge_step=purge_step)
         self.jsonl = open(os.path.join(run_dir, METRICS), "a", buffering=1)
         self.wandb = None
         if args.track:
@@ -57,29 +59,49 @@ class Logger:
 class Progress:
     """The terminal line, every `interval` s from a thread of its own, so that it never waits for a
     compile or an update: env steps sampled and learned, SPS (sampled) over the last 30 s, the
-    mean game score of the last 20 episodes, and the time left at the learner's pace over the
-    same 30 s (n/a until the first update)."""
+    mean game score of the last 20 episodes, and the time left. The ETA comes from the learner's
+    pace between update completions (`updated`) over the last `window` s, never from the first
+    update (which compiles): "compiling" until that one is done, n/a until a second one."""
 
-    def __init__(self, total: int, counts, interval: float = 5.0):
-        self.total, self.counts, self.interval = total, counts, interval  # counts() -> (sampled, learned)
+    def __init__(self, total: int, counts, interval: float = 5.0, window: float = 60.0, clock=time.time, start=True):
+        self.total, self.counts, self.interval, self.span, self.clock = total, counts, interval, window, clock
         self.returns = deque(maxlen=20)
-        self.window = deque([(time.time(), *counts())], maxlen=7)
+        self.window = deque([(clock(), *counts())], maxlen=7)
+        self.updates = deque()  # (time, learned) at each update's end
+        self.lock = threading.Lock()
         self.done = threading.Event()
         self.thread = threading.Thread(target=self.run, name="progress", daemon=True)
-        self.thread.start()
+        if start:
+            self.thread.start()
+
+    def updated(self, learned: int):
+        """An update ended: `learned` env steps are learned from."""
+        with self.lock:
+            now = self.clock()
+            self.updates.append((now, learned))
+            while len(self.updates) > 2 and self.updates[1][0] < now - self.span:
+                self.updates.popleft()
+
+    def eta(self, now: float) -> str:
+        with self.lock:
+            updates = list(self.updates)
+        if not updates:
+            return "n/a (compiling the first update)"
+        (t0, learned0), (t1, learned1) = updates[0], updates[-1]
+        if t1 <= t0 or learned1 <= learned0:
+            return "n/a"
+        left = max((self.total - learned1) / ((learned1 - learned0) / (t1 - t0)) - (now - t1), 0.0)
+        return f"{int(left // 3600)}:{int(left % 3600 // 60):02d}:{int(left % 60):02d}"
 
     def line(self) -> str:
         sampled, learned = self.counts()
-        self.window.append((time.time(), sampled, learned))
-        (then, sampled_then, learned_then), now = self.window[0], self.window[-1][0]
+        self.window.append((self.clock(), sampled, learned))
+        (then, sampled_then, _), now = self.window[0], self.window[-1][0]
         sps = (sampled - sampled_then) / max(now - then, 1e-9)
-        pace = (learned - learned_then) / max(now - then, 1e-9)
-        left = (self.total - learned) / pace if pace > 0 else None
-        eta = f"{int(left // 3600)}:{int(left % 3600 // 60):02d}:{int(left % 60):02d}" if left is not None else "n/a"
         returns = list(self.returns)
         mean_ret = f"{np.mean(returns):.1f}" if returns else "n/a"
         return (f"step {sampled:>10d} sampled {learned:>10d} learned of {self.total}  SPS {sps:7.0f}  "
-                f"return(last 20) {mean_ret}  ETA {eta}")
+                f"return(last 20) {mean_ret}  ETA {self.eta(now)}")
 
     def run(self):
         while not self.done.wait(self.interval):
@@ -87,4 +109,5 @@ class Progress:
 
     def close(self):
         self.done.set()
-        self.thread.join()
+        if self.thread.is_alive():
+            self.thread.join()

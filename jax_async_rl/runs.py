@@ -17,8 +17,6 @@ and once per update the learner calls `run.should_stop(...)` (stop together, gat
 
 import dataclasses
 import importlib.util
-import itertools
-import json
 import os
 import shutil
 import signal
@@ -31,9 +29,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jax_async_rl import checkpoints, devices, evaluation, tasks
-from jax_async_rl.checkpoints import CHECKPOINT, CONFIG
-from jax_async_rl.flags import UsageError, check_bounds
+from jax_async_rl import checkpoints, devices, evaluation, folders, tasks
+from jax_async_rl.checkpoints import CHECKPOINT
+from jax_async_rl.flags import UsageError, check_bounds, describe_os_error
 from jax_async_rl.logs import Logger, Progress
 from jax_async_rl.threads import Threads
 
@@ -48,7 +46,10 @@ class Run:
         self.pending = None  # (step, scalars) of the last update, not logged yet
         self.episodes = deque()  # with many processes: games finished here, gathered once per update (`should_stop`)
         self.saving = threading.Lock()  # one checkpoint write at a time (the learner's and the main thread's)
-        self.run_dir = self.logger = self.progress = None
+        self.run_dir = self.logger = self.progress = self.lock = None
+        self.peer_lost = False  # another process died: exit without JAX's shutdown
+        self.last_episode_step, self.episode_lock = -1, threading.Lock()  # each game its own step (TensorBoard keeps one a step)
+        self.warned = False
 
     def __enter__(self):
         warnings.filterwarnings("ignore", message=".*precision lowered.*")  # gymnasium's Box casts
@@ -66,16 +67,27 @@ class Run:
             self.progress.close()
         if self.logger is not None:
             self.logger.close()
+        if self.lock is not None:
+            self.lock.close()
         self.signals.close()
+        if self.peer_lost:  # JAX's shutdown would wait for the dead process, then abort this one
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
         return False
 
     def start_up(self):
         """Flags (resumed, resolved, checked), processes, devices; UsageError before anything starts."""
+        folders.probe(self.args)  # another run in the folder: say so first
         args, self.payload, self.changed = checkpoints.resume_args(self.args, self.given, self.script)
         args = dataclasses.replace(args, exp_name=args.exp_name or Path(self.script).stem)
         devices.start_processes(args)
         self.args, self.actor_devices, self.mesh = prepare(args, self.resolve, self.payload is not None)
         self.batch_size = devices.global_envs(self.args) * self.args.num_steps
+        if self.args.num_steps < 4:
+            print(f"warning: --num-steps {self.args.num_steps}: rollouts this short give the returns almost nothing "
+                  "to bootstrap from and most of an update's time goes to overhead; 4 or more is usual",
+                  file=sys.stderr, flush=True)
         self.global_step = self.start_step = int(self.payload["state"]["global_step"]) if self.payload else 0
         self.finished = self.payload is not None and self.global_step + self.batch_size > self.args.total_timesteps
         if self.finished:
@@ -101,11 +113,14 @@ class Run:
         self.num_updates = self.start_update + (self.args.total_timesteps - self.global_step) // self.batch_size
         self.sampled = np.zeros(devices.actor_threads(self.args), np.int64)  # env steps each actor sent actions for
         if jax.process_index() == 0:
-            self.run_dir, created = make_run_dir(self.args, self.payload is not None)
+            self.run_dir, created, self.lock = folders.make(self.args, self.payload is not None)
             self.signals.new_run_dir = self.run_dir if created and self.payload is None else None
-            write_config(self.run_dir, self.args, self.changed, self.global_step, devices.describe_batch(self.args))
+            folders.write_config(self.run_dir, self.args, self.changed, self.global_step, devices.describe_batch(self.args))
+            if self.payload and (dropped := folders.cut_metrics(self.run_dir, self.global_step)):
+                print(f"note: {dropped} records past step {self.global_step} (sampled after the checkpoint, never "
+                      "learned from) cut from metrics.jsonl", file=sys.stderr)
         self.checkpoint_file = os.path.join(self.run_dir, CHECKPOINT) if self.run_dir else "process 0's"
-        self.logger = Logger(self.run_dir, self.args)
+        self.logger = Logger(self.run_dir, self.args, purge_step=self.global_step + 1 if self.payload else None)
         return self.state
 
     def actors(self) -> list:
@@ -159,9 +174,14 @@ class Run:
             self.log_episodes(self.start_step + int(self.sampled.sum()), episodes)
 
     def log_episodes(self, step: int, episodes):
-        for _, ret, length in episodes:
-            self.progress.returns.append(ret)
-            self.logger.log(step, {"charts/episodic_return": ret, "charts/episodic_length": length})
+        """Each game at its own step (TensorBoard keeps one value a step): the k games reported
+        together at `step` (they ended within the rollouts that led to it) at the k steps up to it."""
+        with self.episode_lock:
+            for i, (_, ret, length) in enumerate(episodes):
+                step_i = max(step - len(episodes) + 1 + i, self.last_episode_step + 1)
+                self.last_episode_step = step_i
+                self.progress.returns.append(ret)
+                self.logger.log(step_i, {"charts/episodic_return": ret, "charts/episodic_length": length})
 
     def learned(self, state: dict, diagnostics: dict, timing: dict, extra=None) -> dict:
         """After an update: FloatingPointError for a non-finite loss or parameters; else count the
@@ -179,6 +199,11 @@ class Run:
         scalars["charts/SPS"] = (self.global_step - self.start_step) / self.elapsed()
         scalars.update({f"timing/{k}_seconds": v for k, v in timing.items()})
         self.pending = (self.global_step, scalars)
+        self.progress.updated(self.global_step)
+        if scalars.get("async/stale_fraction", 0) > 0.5 and not self.warned:
+            self.warned = True
+            print(f"warning: {scalars['async/stale_fraction']:.0%} of the update's transitions were older than "
+                  f"--max-policy-lag {self.args.max_policy_lag} and masked out; raise it", file=sys.stderr, flush=True)
         if update_idx == self.start_update or (update_idx + 1) % self.args.log_frequency == 0 or update_idx + 1 == self.num_updates:
             self.logger.log(*self.pending)
             self.pending = None
@@ -207,6 +232,7 @@ class Run:
         self.progress.close()
         if self.pending:
             self.logger.log(*self.pending)
+        self.peer_lost = any(devices.peer_failure(error) for _, error, _ in self.threads.errors)
         if not report_errors(self.threads.errors, self.checkpoint_file, self.global_step):
             self.save()
         if self.threads.errors:
@@ -244,7 +270,8 @@ def prepare(args, resolve, resumed: bool):
         args = resolve(args)
         use_compile_cache(args.compile_cache)
         actor_devices, mesh = devices.make_mesh(args)
-        check_run_dir(args, resumed)
+        if jax.process_index() == 0:  # it alone writes the folder
+            folders.check(args, resumed)
     except UsageError as e:
         error = e
     error = devices.agree_on_flags(args, error)
@@ -283,77 +310,21 @@ def use_compile_cache(path: str):
     jax.config.update("jax_compilation_cache_dir", path)
 
 
-def check_run_dir(args, resumed: bool):
-    """UsageError if --run-dir names a file, or a folder that holds another run (overwritten otherwise).
-    Process 0's to check: it alone writes the folder."""
-    if jax.process_index():
-        return
-    own = resumed and os.path.abspath(args.run_dir or "") == os.path.dirname(os.path.abspath(checkpoints.checkpoint_path(args.resume)))
-    if not args.run_dir or own:
-        return
-    if os.path.exists(args.run_dir) and not os.path.isdir(args.run_dir):
-        raise UsageError(f"--run-dir {args.run_dir} is a file, not a folder")
-    if os.path.exists(os.path.join(args.run_dir, CHECKPOINT)):
-        raise UsageError(
-            f"--run-dir {args.run_dir} already holds a run; continue it with --resume {args.run_dir}, or pick another folder"
-        )
-    if os.path.exists(os.path.join(args.run_dir, CONFIG)):
-        raise UsageError(f"--run-dir {args.run_dir} holds a run that saved no checkpoint; remove it or pick another folder")
-
-
-def make_run_dir(args, resumed: bool):
-    """Create the run folder: --run-dir, else a resumed run's own, else a new
-    runs/{env_id}__{exp_name}__{seed}__{time} (with _2, _3, ... if runs start in the same second).
-    Returns (folder, whether this call created it)."""
-    if args.run_dir or resumed:
-        run_dir = args.run_dir or os.path.dirname(os.path.abspath(checkpoints.checkpoint_path(args.resume)))
-        existed = os.path.isdir(run_dir)
-        try:
-            os.makedirs(run_dir, exist_ok=True)
-        except OSError as e:
-            raise UsageError(f"--run-dir {run_dir}: cannot create it ({e.strerror})")
-        return run_dir, not existed
-    base = os.path.join("runs", f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}")
-    for n in itertools.count(1):
-        try:
-            os.makedirs(base if n == 1 else f"{base}_{n}")
-            return (base if n == 1 else f"{base}_{n}"), True
-        except FileExistsError:
-            continue
-
-
-def write_config(run_dir: str, args, changed: dict, global_step: int, batch: str):
-    """config.json: the run's flags as first resolved, with the update's global `batch` in words,
-    never overwritten; each resume appends the flags it changed, and the step it resumed from,
-    under "resumes"."""
-    path = os.path.join(run_dir, CONFIG)
-    config = dict(dataclasses.asdict(args), global_batch=batch)
-    if args.resume and os.path.isfile(path):
-        try:
-            with open(path) as f:
-                config = json.load(f)
-        except ValueError:  # unreadable: start its record afresh from the resumed flags
-            pass
-    if args.resume:
-        resume = {"step": global_step, "wall_time": time.time(), "from": os.path.abspath(args.resume), "changed": changed,
-                  "global_batch": batch}
-        config["resumes"] = [*config.get("resumes", []), resume]
-    with open(f"{path}.tmp", "w") as f:
-        json.dump(config, f, indent=2)
-    os.replace(f"{path}.tmp", path)
-
-
 def report_errors(errors, ckpt_file: str, global_step: int) -> bool:
-    """Print the threads' errors (traceback, or one line for a non-finite loss); True if the
-    learner stopped on a non-finite loss, so that the last good checkpoint must stay."""
+    """Print the threads' errors (one line for a non-finite loss or a file system error, else the
+    traceback); True if the last good checkpoint must stay (a non-finite state, or a disk that
+    failed: nothing more is written)."""
+    kept = f"the last good checkpoint is kept: {ckpt_file}" if os.path.exists(ckpt_file) else "no checkpoint written"
     for where, error, trace in errors:
+        if devices.peer_failure(error):
+            print(f"error in {where}: {devices.describe_dead(error)}; {kept}", file=sys.stderr)
+            return True
+        if isinstance(error, OSError) and error.filename:  # a full disk, a read-only or vanished folder
+            print(f"error in {where}: {describe_os_error(error)} (step {global_step}); {kept}", file=sys.stderr)
+            return True
         if isinstance(error, FloatingPointError):
-            print(
-                f"error: {error} (step {global_step}); "
-                f"{'the last good checkpoint is kept: ' + ckpt_file if os.path.exists(ckpt_file) else 'no checkpoint written'}. "
-                "Try a lower --learning-rate or --max-grad-norm.",
-                file=sys.stderr,
-            )
+            print(f"error: {error} (step {global_step}); {kept}. Try a lower --learning-rate or --max-grad-norm.",
+                  file=sys.stderr)
             return True
         print(f"error in {where}:\n{trace}", file=sys.stderr)
     if errors:

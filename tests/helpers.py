@@ -204,11 +204,7 @@ def run_main(script, argv_or_args, capsys=None):
         args, given = tyro.cli(module.Args, args=argv), flags.flags_given(argv, module.Args)
     else:
         args, given = argv_or_args, None
-    try:
-        code = module.main(args, given)
-    except flags.UsageError as e:  # as flags.command_line reports it
-        print(f"error: {e}", file=sys.stderr)
-        code = 2
+    code = flags.reported(lambda: module.main(args, given))  # as flags.command_line reports errors
     if capsys is None:
         return code
     out, err = capsys.readouterr()
@@ -270,6 +266,34 @@ def assert_usage_error(result, *fragments):
     assert lines[0].startswith("error: "), lines[0]
     for fragment in fragments:
         assert fragment in lines[0], f"{fragment!r} not in {lines[0]!r}"
+
+
+def interrupt(proc, signum, logs):
+    """Send `signum`, wait for the exit; (exit code, seconds from signal to exit, stderr)."""
+    try:
+        proc.send_signal(signum)
+        start = time.monotonic()
+        returncode = proc.wait(timeout=30)
+        return returncode, time.monotonic() - start, (logs / "stderr.txt").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def help_flags(text: str) -> dict:
+    """{flag field name: its help text} from a script's --help (flags.help_text's layout: a line
+    "  --flag METAVAR", then its text indented by 6)."""
+    options, flag = {}, None
+    for line in text.splitlines():
+        if line.startswith("  --"):
+            flag = line.split()[0][2:].replace("-", "_")
+            options[flag] = ""
+        elif flag and line.startswith("      "):
+            options[flag] = (options[flag] + " " + line.strip()).strip()
+        else:
+            flag = None
+    return options
 
 
 def wait_until(predicate, proc, timeout):

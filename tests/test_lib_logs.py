@@ -3,7 +3,8 @@ the progress line."""
 
 import json
 import threading
-import time
+
+import pytest
 
 from jax_async_rl.logs import Logger, Progress
 
@@ -49,19 +50,50 @@ def test_a_process_other_than_0_logs_nothing(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_the_progress_line(monkeypatch):
-    """Steps sampled and learned, SPS and the ETA over the window, the mean of the last 20 games;
-    before any learning, no ETA."""
-    counts = [0, 0]
-    clock = [1000.0]
-    monkeypatch.setattr(time, "time", lambda: clock[0])
-    progress = Progress(10_000, lambda: tuple(counts), interval=3600)
-    assert progress.line().endswith("return(last 20) n/a  ETA n/a")
+def test_the_progress_line():
+    """Steps sampled and learned, SPS over the window, the mean of the last 20 games; the ETA
+    says "compiling" before the first update, n/a after it (the first update's time is compile
+    time, never a rate), then the time left at the pace between update ends."""
+    counts, clock = [0, 0], [1000.0]
+    progress = Progress(10_000, lambda: tuple(counts), interval=3600, clock=lambda: clock[0])
+    assert progress.line().endswith("return(last 20) n/a  ETA n/a (compiling the first update)")
     counts[:] = [1000, 500]
     clock[0] += 10
+    progress.updated(500)
     progress.returns.extend([10.0, 20.0])
     line = progress.line()
     assert line.startswith("step       1000 sampled        500 learned of 10000") and "SPS     100" in line
-    assert "return(last 20) 15.0" in line and line.endswith("ETA 0:03:10")  # 9500 steps left at 50 a second
+    assert "return(last 20) 15.0" in line and line.endswith("ETA n/a")
+    clock[0] += 10
+    counts[1] = 1000
+    progress.updated(1000)
+    assert progress.line().endswith("ETA 0:03:00")  # 9000 steps left at 50 a second
+    clock[0] += 4
+    assert progress.line().endswith("ETA 0:02:56")  # and it counts down between updates
     progress.close()
     assert not progress.thread.is_alive()
+
+
+@pytest.mark.parametrize("seconds_per_update", [3.7, 13.0, 41.0])
+def test_the_eta_is_steady_on_a_steady_run(seconds_per_update):
+    """Updates of a fixed size at a fixed pace (slower than, near and faster than the line's 5 s),
+    a line every 5 s: between consecutive lines the ETA moves by less than 20% of its value
+    beyond the 5 s that passed (the issue's Pong run flipped by 2x)."""
+    clock, learned, batch = [0.0], [0], 512
+    progress = Progress(10_000_000, lambda: (learned[0], learned[0]), interval=3600, clock=lambda: clock[0], start=False)
+    next_update, etas = 30.0, []  # the first update ends after 30 s of compiling
+    for line in range(1, 400):
+        while next_update <= line * 5.0:
+            clock[0], learned[0] = next_update, learned[0] + batch
+            progress.updated(learned[0])
+            next_update += seconds_per_update
+        clock[0] = line * 5.0
+        eta = progress.line().split("ETA ")[1]
+        if ":" in eta:
+            h, m, s = map(int, eta.split(":"))
+            etas.append(h * 3600 + m * 60 + s)
+    assert len(etas) > 300
+    moves = [abs(b - (a - 5)) / a for a, b in zip(etas, etas[1:])]
+    assert max(moves) < 0.2, max(moves)
+    expected = (10_000_000 - learned[0]) * seconds_per_update / batch
+    assert abs(etas[-1] - expected) / expected < 0.2

@@ -28,6 +28,7 @@ from helpers import (
     cli,
     count_complete_lines,
     file_contents,
+    interrupt,
     read_checkpoint,
     read_metrics,
     run_main,
@@ -38,7 +39,7 @@ from helpers import (
     tag_values,
     wait_until,
 )
-from jax_async_rl import runs
+from jax_async_rl import folders, runs
 
 HOST = LIBRARY_HOST
 COLD = ["--compile-cache", ""]  # a cold start: an update cached by an earlier Pong run loads in seconds
@@ -147,14 +148,18 @@ def test_runs_started_in_the_same_second_get_their_own_folders(tmp_path, monkeyp
 
     args = load_script(HOST).Args(env_id="CartPole-v1", exp_name="x")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(runs.time, "time", lambda: 1_000_000.0)
-    made = [runs.make_run_dir(args, resumed=False) for _ in range(3)]
-    folders = [folder for folder, created in made]
-    assert len(set(folders)) == 3 and all((tmp_path / f).is_dir() for f in folders), folders
-    assert all(created for _, created in made)
+    monkeypatch.setattr(folders.time, "time", lambda: 1_000_000.0)
+    made = [folders.make(args, resumed=False) for _ in range(3)]
+    names = [folder for folder, _, _ in made]
+    assert len(set(names)) == 3 and all((tmp_path / f).is_dir() for f in names), names
+    assert all(created for _, created, _ in made)
+    for _, _, lock in made:
+        lock.close()
     # An existing --run-dir (that holds no run) is used, and not counted as created by this run.
-    args = load_script(HOST).Args(env_id="CartPole-v1", run_dir=folders[0])
-    assert runs.make_run_dir(args, resumed=False) == (folders[0], False)
+    args = load_script(HOST).Args(env_id="CartPole-v1", run_dir=names[0])
+    folder, created, lock = folders.make(args, resumed=False)
+    lock.close()
+    assert (folder, created) == (names[0], False)
 
 
 def test_resume_continues_the_run(host_run_copy, capsys):
@@ -222,19 +227,14 @@ def test_compile_cache_keeps_the_update(tmp_path, monkeypatch):
     assert any(name.startswith("jit_update") for name in entries), entries
     assert_ok(run_script(HOST, cli(HOST, run_dir=tmp_path / "run2", compile_cache=cache)))
     assert sorted(path.name for path in cache.iterdir()) == entries  # found, not compiled again
-
-
-def interrupt(proc, signum, logs):
-    """Send `signum`, wait for the exit; (exit code, seconds from signal to exit, stderr)."""
-    try:
-        proc.send_signal(signum)
-        start = time.monotonic()
-        returncode = proc.wait(timeout=30)
-        return returncode, time.monotonic() - start, (logs / "stderr.txt").read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    # A resume to a larger budget (the README's recipe) finds the same update: the budget is an
+    # argument of the jitted update, not a constant in it (it recompiled: 60 s on Pong).
+    monkeypatch.setenv("JAX_LOG_COMPILES", "1")
+    result = run_script(HOST, ["--resume", tmp_path / "run", "--total-timesteps", 10 * TINY_BATCH])
+    assert_ok(result)
+    assert "cache hit for 'jit_update'" in result.stderr and "cache miss for 'jit_update'" not in result.stderr, \
+        result.stderr[-3000:]
+    assert sorted(path.name for path in cache.iterdir()) == entries
 
 
 @pytest.mark.timeout(300)

@@ -1,0 +1,158 @@
+"""The run folder: one owner at a time (`claim`: an exclusive lock held for the run's life), the
+checks before a run takes a folder, its config.json (the run's record, never rewritten, each
+resume appended), and its metrics on resume (cut back to the checkpoint's step).
+
+Process 0 of a run alone calls these: it alone writes the folder.
+"""
+
+import dataclasses
+import fcntl
+import itertools
+import json
+import os
+import socket
+import time
+
+from jax_async_rl import checkpoints
+from jax_async_rl.checkpoints import CHECKPOINT, CONFIG, METRICS
+from jax_async_rl.flags import UsageError
+
+LOCK = ".lock"
+
+
+def own_folder(args) -> str:
+    """The folder a run writes: --run-dir, else a resumed run's own (None: a new folder)."""
+    if args.run_dir:
+        return args.run_dir
+    return os.path.dirname(os.path.abspath(checkpoints.checkpoint_path(args.resume))) if args.resume else None
+
+
+def check(args, resumed: bool):
+    """UsageError if --run-dir names a file, or a folder that holds another run (a new run would
+    mix its records with that run's)."""
+    own = resumed and os.path.abspath(args.run_dir or "") == own_folder(dataclasses.replace(args, run_dir=None))
+    if not args.run_dir or own:
+        return
+    if os.path.exists(args.run_dir) and not os.path.isdir(args.run_dir):
+        raise UsageError(f"--run-dir {args.run_dir} is a file, not a folder")
+    ckpt = os.path.join(args.run_dir, CHECKPOINT)
+    if os.path.exists(ckpt) or checkpoints.complete_tmp(ckpt):
+        raise UsageError(
+            f"--run-dir {args.run_dir} already holds a run; continue it with --resume {args.run_dir}, or pick another folder"
+        )
+    if os.path.exists(os.path.join(args.run_dir, CONFIG)):
+        partial = " (only an incomplete checkpoint.msgpack.tmp)" if os.path.exists(f"{ckpt}.tmp") else ""
+        raise UsageError(f"--run-dir {args.run_dir} holds a run that saved no checkpoint{partial}; "
+                         "remove it or pick another folder")
+
+
+def probe(args):
+    """UsageError, naming the holder, if another run holds the folder this run would write (a
+    check at start-up: `claim` takes the lock when the run opens its folder)."""
+    folder = own_folder(args)
+    path = os.path.join(folder, LOCK) if folder else None
+    if path is None or not os.path.isfile(path):
+        return
+    with open(path) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UsageError(f"{folder} is in use by another run ({f.read().strip() or 'unknown'}); "
+                             "wait for it to end, or pick another folder")
+
+
+def claim(folder: str):
+    """An exclusive lock on `folder`, held until the returned file is closed (or the process
+    ends, however it ends: a dead run's lock never blocks). UsageError, naming the holder's pid
+    and host, if another run holds it."""
+    path = os.path.join(folder, LOCK)
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise UsageError(f"{folder} is in use by another run ({holder}); wait for it to end, or pick another folder")
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    return f
+
+
+def make(args, resumed: bool):
+    """Create and claim the run folder: --run-dir, else a resumed run's own, else a new
+    runs/{env_id}__{exp_name}__{seed}__{time} (with _2, _3, ... if runs start in the same second).
+    Returns (folder, whether this call created it, its lock). A folder that another run took
+    between the start-up checks and now is refused (check, once the lock is held)."""
+    run_dir = own_folder(args)
+    if run_dir is not None:
+        existed = os.path.isdir(run_dir)
+        os.makedirs(run_dir, exist_ok=True)
+        lock = claim(run_dir)
+        try:
+            check(args, resumed)
+        except UsageError:
+            lock.close()
+            raise
+        return run_dir, not existed, lock
+    base = os.path.join("runs", f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}")
+    for n in itertools.count(1):
+        run_dir = base if n == 1 else f"{base}_{n}"
+        try:
+            os.makedirs(run_dir)
+        except FileExistsError:
+            continue
+        return run_dir, True, claim(run_dir)
+
+
+def read_config(path: str) -> dict:
+    """A run's config.json; UsageError naming the file if it is missing, unreadable or not an object."""
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise UsageError(f"{path} is missing: the run's record is gone; restore it, or --resume into a new --run-dir")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise UsageError(f"{path} is not readable JSON ({type(e).__name__}); restore it, or --resume into a new --run-dir")
+    if not isinstance(config, dict):
+        raise UsageError(f"{path} holds a {type(config).__name__}, not a run's record (an object)")
+    return config
+
+
+def write_config(run_dir: str, args, changed: dict, global_step: int, batch: str):
+    """config.json: the run's flags as first resolved, with the update's global `batch` in words,
+    never overwritten; each resume into the run's own folder appends the flags it changed, and
+    the step it resumed from, under "resumes" (read_config's errors if the record is damaged)."""
+    path = os.path.join(run_dir, CONFIG)
+    config = dict(dataclasses.asdict(args), global_batch=batch)
+    if args.resume and (os.path.exists(path) or run_dir == own_folder(dataclasses.replace(args, run_dir=None))):
+        config = read_config(path)
+    if args.resume:
+        resume = {"step": global_step, "wall_time": time.time(), "from": os.path.abspath(args.resume), "changed": changed,
+                  "global_batch": batch}
+        config["resumes"] = [*config.get("resumes", []), resume]
+    checkpoints.write_atomically(path, json.dumps(config, indent=2).encode())
+
+
+def cut_metrics(run_dir: str, global_step: int) -> int:
+    """On resume: drop the records of metrics.jsonl past `global_step` (episodes sampled, and
+    never learned from, before the run stopped; a line cut off by a crash), so that the resumed
+    run does not cover those steps twice. Returns how many were dropped."""
+    path = os.path.join(run_dir, METRICS)
+    if not os.path.isfile(path):
+        return 0
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    kept = []
+    for line in lines:
+        try:
+            if int(json.loads(line)["step"]) <= global_step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            pass
+    dropped = sum(1 for line in lines if line.strip()) - len(kept)
+    if dropped:
+        checkpoints.write_atomically(path, b"".join(line + b"\n" for line in kept))
+    return dropped
