@@ -32,7 +32,7 @@ def evaluate(policy, params, initial_core, args, normalizer, num_episodes: int, 
     stats = EpisodeStats(num_envs)
     obs, info = envs.reset()
     core, done, lives = initial_core(num_envs), np.zeros(num_envs, bool), info.get("lives")
-    scores, frames = [], []
+    scores, frames, video_episode = [], [], None
     while len(scores) < num_episodes and not signals:
         if render and quota[0] == -(-num_episodes // num_envs):
             frames.append(envs.render()[0])
@@ -46,6 +46,8 @@ def evaluate(policy, params, initial_core, args, normalizer, num_episodes: int, 
         stats.update(np.arange(num_envs), reward, terminated, truncated, info)
         for env, ret, _ in stats.pop():
             if quota[env] > 0:
+                if env == 0 and video_episode is None:
+                    video_episode = len(scores)
                 scores.append(ret)
                 quota[env] -= 1
     envs.close()
@@ -54,10 +56,28 @@ def evaluate(policy, params, initial_core, args, normalizer, num_episodes: int, 
     if render and frames:
         import imageio
 
-        os.makedirs(video_dir, exist_ok=True)
-        with warnings.catch_warnings():  # JAX warns of any fork; ffmpeg's fork + exec is safe
-            warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
-            imageio.mimsave(os.path.join(video_dir, "eval_episode_0.mp4"), frames, fps=30, macro_block_size=1)
+        path = os.path.join(video_dir, f"eval_episode_{video_episode}.mp4")  # the game scores[video_episode] lists
+        try:
+            os.makedirs(video_dir, exist_ok=True)
+            with warnings.catch_warnings():  # JAX warns of any fork; ffmpeg's fork + exec is safe
+                warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
+                imageio.mimsave(path, frames, fps=frame_rate(args.env_id, envs), macro_block_size=1)
+        except OSError as e:
+            print(f"warning: no video written ({e.strerror or e}: {e.filename or path})", file=sys.stderr)
     elif video_dir is not None:
         print("warning: MuJoCo rendering needs an OpenGL backend (set MUJOCO_GL); no video written", file=sys.stderr)
     return scores[:num_episodes]
+
+
+def frame_rate(env_id: str, envs) -> float:
+    """Frames a second of real play for a video of one env step a frame: Atari's 60 Hz over its
+    frame skip; else the Gymnasium env's own `render_fps`; else 30."""
+    if env_kind(env_id) == "atari":
+        return 60 / envs.spec.config.frame_skip
+    try:
+        import gymnasium
+
+        creator = gymnasium.envs.registration.load_env_creator(gymnasium.spec(env_id).entry_point)
+        return float(creator.metadata["render_fps"])
+    except Exception:
+        return 30.0

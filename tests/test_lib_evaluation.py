@@ -1,10 +1,12 @@
 """jax_async_rl.evaluation: full games with a script's policy, each env its share, a video of the
 first, and an early stop on a signal."""
 
+import imageio
 import numpy as np
 
 from jax_async_rl import evaluation
 from jax_async_rl.normalize import Normalizer
+from jax_async_rl.tasks import make_env
 
 
 class Args:
@@ -26,6 +28,14 @@ def test_evaluation_plays_whole_games_each_env_its_share_and_records_the_first(t
     assert all(s == int(s) for s in scores)  # CartPole's score is its length
     videos = list((tmp_path / "videos").glob("*.mp4"))
     assert len(videos) == 1 and videos[0].stat().st_size > 1000
+    # The video is named by the game it shows (CartPole: one frame a step, its score its length),
+    # at CartPole's own 50 frames a second.
+    index = int(videos[0].stem.removeprefix("eval_episode_"))
+    reader = imageio.get_reader(videos[0])
+    frames, fps = reader.count_frames(), reader.get_meta_data()["fps"]
+    reader.close()
+    assert frames == scores[index] and fps == 50, (frames, fps, index, scores)
+    assert evaluation.frame_rate("Pong-v5", make_env("Pong-v5", 1, 0, 1, train=False)) == 15
 
 
 def test_evaluation_stops_at_once_on_a_signal_with_the_scores_so_far(tmp_path):

@@ -87,6 +87,42 @@ def test_plot_curves_and_summary(two_seed_runs, pass_parent, band, tmp_path):
     assert int(steps) == min(max(r["step"] for r in read_metrics(run)) for run in runs)
 
 
+def fake_run(folder, seed, compile_seconds, episodes, seconds_per_episode):
+    """A run folder as a script writes it: a config, games every `seconds_per_episode` after the
+    first update, which ends `compile_seconds` after the run's first record."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"exp_name": "sync", "env_id": "CartPole-v1", "seed": seed}))
+    t0 = 1.0e9
+    records = [{"step": 0, "wall_time": t0, "tag": RETURN_TAG, "value": 10.0},  # a game while compiling
+               {"step": 64, "wall_time": t0 + compile_seconds, "tag": "charts/SPS", "value": 100.0}]
+    records += [{"step": 64 * (i + 1), "wall_time": t0 + compile_seconds + seconds_per_episode * (i + 1),
+                 "tag": RETURN_TAG, "value": float(i)} for i in range(episodes)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return folder
+
+
+def test_plot_wall_clock_starts_at_the_first_update_and_covers_the_longest_seed(tmp_path):
+    """One seed compiled for 7.6 s, the other hit the cache (1.2 s) and ran twice as long: both
+    curves start at 0 at their first update, the grid reaches the longest seed's end, and the
+    band is drawn only where both seeds have data (the issue's panel sat flat at 22 for the
+    uncached seed and ended at the shortest seed)."""
+    import matplotlib.pyplot as plt
+
+    plot = load_script(REPO_ROOT / PLOT)
+    slow = plot.read_run(str(fake_run(tmp_path / "a", 1, 7.6, 50, 1.0)))
+    fast = plot.read_run(str(fake_run(tmp_path / "b", 2, 1.2, 100, 1.0)))
+    assert slow.seconds[0] == 0.0 and slow.seconds[1] == pytest.approx(1.0) and fast.seconds[1] == pytest.approx(1.0)
+    curves = [(run.seconds, run.returns) for run in (slow, fast)]
+    grid, ys = plot.resample(curves, 201)
+    assert grid[0] == 0.0 and grid[-1] == pytest.approx(100.0)
+    _, ax = plt.subplots()
+    mean, _, _, band = plot.draw(ax, grid, ys, "std", "sync")
+    plt.close("all")
+    assert band[grid <= 50.0].all() and not band[grid > 50.0].any()
+    assert mean[-1] == pytest.approx(99.0)  # the longest seed's last game, not cut
+    assert mean[grid == 30.0] == pytest.approx(29.0)  # both seeds at 30 s after their first update
+
+
 def no_metrics(tmp_path):
     folder = tmp_path / "empty_run"
     folder.mkdir()

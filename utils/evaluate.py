@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import json
 import os
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ import tyro
 
 from jax_async_rl import checkpoints, evaluation
 from jax_async_rl.checkpoints import CHECKPOINT
-from jax_async_rl.flags import UsageError, run_tool
+from jax_async_rl.flags import UsageError, describe_os_error, run_tool
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # What a training script offers that this tool calls (the scripts' shared interface).
@@ -160,12 +161,17 @@ def main(cli: EvalArgs) -> int:
         "videos": videos,
     }
     out = cli.out or os.path.join(run_dir, "eval.json")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"return over {len(scores)} episodes: {result['mean']:.2f} +- {result['std']:.2f} -> {out}")
+    print(f"return over {len(scores)} episodes: {result['mean']:.2f} +- {result['std']:.2f}", flush=True)
     for video in videos:
         print(f"video: {video}")
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        checkpoints.write_atomically(out, json.dumps(result, indent=2).encode())
+    except OSError as e:
+        print(f"error: the result was not written ({describe_os_error(e)}); the score is above; "
+              "pass --out FILE to keep it", file=sys.stderr)
+        return 1
+    print(f"-> {out}")
     return 0
 
 

@@ -3,8 +3,9 @@
 Runs are grouped by (script, env_id); the script is config.json's `exp_name` (which defaults to
 the script's name). Each seed's episodic returns are smoothed (trailing mean over a window of
 episodes), resampled on a grid common to the group's seeds, and drawn as the mean over seeds with
-a band (std or min-max), against environment steps and against wall-clock time since the run's
-first record. One PNG per environment (every script on it, two panels) and summary.md, a
+a band (std or min-max, drawn only where every seed has data), against environment steps and
+against wall-clock time since the run's first update (so that compile time, which the compile
+cache may save one seed and not another, does not shift the curves). One PNG per environment (every script on it, two panels) and summary.md, a
 markdown table of final returns, also printed on stdout.
 
 Usage:
@@ -34,6 +35,7 @@ from jax_async_rl.checkpoints import METRICS, run_identity  # noqa: E402
 from jax_async_rl.flags import UsageError, run_tool  # noqa: E402
 
 RETURN_TAG = "charts/episodic_return"
+FIRST_UPDATE_TAG = "charts/SPS"  # logged at every run's first update
 
 
 @dataclass
@@ -65,7 +67,7 @@ class Run:
     env_id: str
     seed: object
     steps: np.ndarray  # [N] environment steps at which each episode ended
-    seconds: np.ndarray  # [N] wall-clock seconds since the run's first record
+    seconds: np.ndarray  # [N] wall-clock seconds since the run's first update (games before it: 0)
     returns: np.ndarray  # [N] game scores, in the order logged
     last_step: int  # the largest step of any record
 
@@ -92,7 +94,7 @@ def read_run(folder: str) -> Run:
     """A run's episodic returns with their steps and times. A last line still being written is skipped."""
     with open(os.path.join(folder, METRICS)) as f:
         lines = f.read().split("\n")
-    steps, seconds, returns, first_time, last_step = [], [], [], None, 0
+    steps, times, returns, first_update, last_step = [], [], [], None, 0
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -103,17 +105,20 @@ def read_run(folder: str) -> Run:
             if number == len(lines):  # no newline yet: a record in the middle of being written
                 break
             raise UsageError(f"{folder}/{METRICS} line {number} is not a metrics record ({type(e).__name__})")
-        first_time = wall_time if first_time is None else first_time
+        if tag == FIRST_UPDATE_TAG and first_update is None:
+            first_update = wall_time
         last_step = max(last_step, step)
         if tag == RETURN_TAG and math.isfinite(value):
             steps.append(step)
-            seconds.append(wall_time - first_time)
+            times.append(wall_time)
             returns.append(value)
     if not returns:
         raise NoEpisodes(f"{folder}/{METRICS} has no {RETURN_TAG} yet: no episode has finished; train longer")
+    start = first_update if first_update is not None else times[0]  # no update logged yet: the first game
+    seconds = np.maximum(np.array(times) - start, 0.0)
     identity = run_identity(folder)
     return Run(folder, identity["script"], identity["env_id"], identity["seed"], np.array(steps, np.float64),
-               np.array(seconds), np.array(returns), last_step)
+               seconds, np.array(returns), last_step)
 
 
 def read_runs(paths: list[str]) -> list[Run]:
@@ -141,16 +146,10 @@ def smooth(values: np.ndarray, window: int) -> np.ndarray:
 
 
 def resample(curves: list[tuple[np.ndarray, np.ndarray]], points: int):
-    """Curves (x [N], y [N]) -> (grid [P], ys [seeds, P]) by linear interpolation.
-
-    The grid spans the x range every curve covers, so that each mean is over all seeds; if the
-    ranges do not overlap, it spans all of them and each curve is NaN outside its own range.
-    Several episodes ending at the same x are averaged first.
-    """
-    lo = max(x[0] for x, _ in curves)
-    hi = min(x[-1] for x, _ in curves)
-    if hi < lo:
-        lo, hi = min(x[0] for x, _ in curves), max(x[-1] for x, _ in curves)
+    """Curves (x [N], y [N]) -> (grid [P], ys [seeds, P]) by linear interpolation. The grid spans
+    every curve's range (the longest seed's included); each curve is NaN outside its own.
+    Several episodes ending at the same x are averaged first."""
+    lo, hi = min(x[0] for x, _ in curves), max(x[-1] for x, _ in curves)
     grid = np.linspace(lo, hi, points) if hi > lo else np.array([lo])
     ys = []
     for x, y in curves:
@@ -161,7 +160,8 @@ def resample(curves: list[tuple[np.ndarray, np.ndarray]], points: int):
 
 
 def draw(ax, grid, ys, band: str, label: str):
-    """Mean over seeds with a band: +- std or min-max."""
+    """Mean over the seeds that have data at each point, with a band (+- std or min-max) only
+    where every seed has data. Returns (mean, low, high, where the band is drawn)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns where curves do not overlap
         mean = np.nanmean(ys, axis=0)
@@ -169,9 +169,11 @@ def draw(ax, grid, ys, band: str, label: str):
             low, high = mean - np.nanstd(ys, axis=0), mean + np.nanstd(ys, axis=0)
         else:
             low, high = np.nanmin(ys, axis=0), np.nanmax(ys, axis=0)
+    everyone = ~np.isnan(ys).any(axis=0)
     (line,) = ax.plot(grid, mean, label=label, marker="o" if len(grid) == 1 else None)
     if len(ys) > 1:
-        ax.fill_between(grid, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
+        ax.fill_between(grid, low, high, where=everyone, color=line.get_color(), alpha=0.2, linewidth=0)
+    return mean, low, high, everyone if len(ys) > 1 else np.zeros(len(grid), bool)
 
 
 def plot_env(env_id: str, groups: dict, args: PlotArgs, out_dir: str) -> str:
@@ -186,7 +188,7 @@ def plot_env(env_id: str, groups: dict, args: PlotArgs, out_dir: str) -> str:
             draw(ax, grid, ys, args.band, label)
     spread = "std" if args.band == "std" else "min-max"
     ax_steps.set_xlabel("environment steps")
-    ax_time.set_xlabel("wall-clock time (s since the run's first record)")
+    ax_time.set_xlabel("wall-clock time (s since the run's first update; compilation before it not counted)")
     for ax in (ax_steps, ax_time):
         ax.set_ylabel(f"episodic return (mean of last {args.window} episodes)")
         ax.grid(alpha=0.3)
