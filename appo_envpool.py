@@ -349,13 +349,14 @@ def time_limit_bootstrap(rewards, values, bootstrap_value, truncated, gamma):
     return rewards + gamma * truncated * next_values
 
 
-def learning_rate_at(args: Args, global_step):
+def learning_rate_at(args: Args, global_step, total_timesteps):
     """Learning rate of the update that starts at env step `global_step`: with --anneal-lr it falls
     linearly to 0 at --total-timesteps (CleanRL). A function of steps, not of an optimiser count,
-    so a resumed run continues its schedule, also with another budget or batch size."""
+    so a resumed run continues its schedule, also with another budget or batch size; the budget
+    is an argument of the jitted update, so that a larger one compiles nothing new."""
     if not args.anneal_lr:
         return args.learning_rate
-    return args.learning_rate * jnp.clip(1.0 - global_step / args.total_timesteps, 0.0, 1.0)
+    return args.learning_rate * jnp.clip(1.0 - global_step * (1.0 / total_timesteps), 0.0, 1.0)
 
 
 def masked_mean(x, mask):
@@ -637,7 +638,7 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
         return (params, opt_state), {"loss": loss, **diagnostics}
 
     @jax.jit
-    def update(state, rollout, key):
+    def update(state, rollout, key, total_timesteps):
         params, opt_state = state["params"], state["opt_state"]
         # XLA:CPU runs convs in a loop ~10x slower than unrolled (Nature CNN), so on CPU scans over
         # images unroll up to 16 minibatch steps (Atari's 4 x 4; CarRacing's 10 x 32: 9 GiB, 5+ min).
@@ -654,7 +655,7 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
         }
         if network.lstm_size:
             data.update(state=rollout["state"], first=rollout["first"])
-        learning_rate = learning_rate_at(args, state["global_step"])
+        learning_rate = learning_rate_at(args, state["global_step"], total_timesteps)
 
         def epoch(carry, key):
             epoch_data = minibatches(key, data, args.num_minibatches)
@@ -691,7 +692,8 @@ def learner_loop(run, update, shared, queues, key):
             break
         start = time.perf_counter()
         key, subkey = jax.random.split(key)
-        state, diagnostics = update(state, devices.to_learner(run.mesh, devices.joined(rollouts)), subkey)
+        batch = devices.to_learner(run.mesh, devices.joined(rollouts))
+        state, diagnostics = update(state, batch, subkey, run.args.total_timesteps)
         diagnostics = jax.device_get(diagnostics)
         timing["update"] += time.perf_counter() - start
         pipeline = {"async/queue_size": sum(q.qsize() for q in queues),

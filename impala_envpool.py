@@ -301,13 +301,14 @@ def time_limit_bootstrap(rewards, values, bootstrap_value, truncated, gamma):
     return rewards + gamma * truncated * next_values
 
 
-def learning_rate_at(args: Args, global_step):
+def learning_rate_at(args: Args, global_step, total_timesteps):
     """Learning rate of the update that starts at env step `global_step`: with --anneal-lr it falls
     linearly to 0 at --total-timesteps (CleanRL). A function of steps, not of an optimiser count,
-    so a resumed run continues its schedule, also with another budget or batch size."""
+    so a resumed run continues its schedule, also with another budget or batch size; the budget
+    is an argument of the jitted update, so that a larger one compiles nothing new."""
     if not args.anneal_lr:
         return args.learning_rate
-    return args.learning_rate * jnp.clip(1.0 - global_step / args.total_timesteps, 0.0, 1.0)
+    return args.learning_rate * jnp.clip(1.0 - global_step * (1.0 / total_timesteps), 0.0, 1.0)
 
 
 def masked_mean(x, mask):
@@ -543,13 +544,13 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
         return loss, diagnostics
 
     @jax.jit
-    def update(state, rollout, key):
+    def update(state, rollout, key, total_timesteps):
         # Policy-lag control (Sample Factory §3.4): drop transitions from too old a policy.
         lag = state["policy_version"] - rollout["policy_version"]
         fresh = (lag <= args.max_policy_lag).astype(jnp.float32)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         (loss, diagnostics), grads = grad_fn(state["params"], rollout, rollout["valid"] * fresh)
-        learning_rate = learning_rate_at(args, state["global_step"])
+        learning_rate = learning_rate_at(args, state["global_step"], total_timesteps)
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], jax.tree.map(lambda u: -learning_rate * u, updates))
         diagnostics["learning_rate"] = learning_rate
@@ -581,7 +582,8 @@ def learner_loop(run, update, shared, queues, key):
             break
         start = time.perf_counter()
         key, subkey = jax.random.split(key)
-        state, diagnostics = update(state, devices.to_learner(run.mesh, devices.joined(rollouts)), subkey)
+        batch = devices.to_learner(run.mesh, devices.joined(rollouts))
+        state, diagnostics = update(state, batch, subkey, run.args.total_timesteps)
         diagnostics = jax.device_get(diagnostics)
         timing["update"] += time.perf_counter() - start
         pipeline = {"async/queue_size": sum(q.qsize() for q in queues),

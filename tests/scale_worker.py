@@ -68,7 +68,7 @@ def main(argv):
         local = jax.tree_util.tree_map_with_path(
             lambda path, x: x[envs] if devices.env_axis(path) == 0 else x[:, envs], global_batch("sync" in script))
         update = module.make_update(network, optimizer, args, continuous, mesh)
-        new_state, diagnostics = update(state, devices.to_learner(mesh, local), jax.random.PRNGKey(1))
+        new_state, diagnostics = update(state, devices.to_learner(mesh, local), jax.random.PRNGKey(1), args.total_timesteps)
         assert bool(jax.device_get(diagnostics["finite"]))
         leaves = jax.tree.leaves(jax.device_get(new_state["params"]))
         results[ids] = np.concatenate([np.ravel(x) for x in leaves])

@@ -387,7 +387,7 @@ def learner(module, **flags):
 
 
 def updated_params(update, state, rollout):
-    new_state, diagnostics = update(state, rollout, jax.random.PRNGKey(1))
+    new_state, diagnostics = update(state, rollout, jax.random.PRNGKey(1), 10**6)
     return np.concatenate([np.ravel(x) for x in jax.tree.leaves(new_state["params"])]), diagnostics
 
 
@@ -415,7 +415,7 @@ def test_update_masks_stale_transitions(script, flags):
     assert float(diagnostics["async/policy_lag_mean"]) == pytest.approx(want_mean, rel=1e-6)
     assert float(diagnostics["async/policy_lag_max"]) == lag.max()
     assert float(diagnostics["async/stale_fraction"]) == pytest.approx(want_stale, rel=1e-6)
-    new_state = update(state, rollout, jax.random.PRNGKey(1))[0]
+    new_state = update(state, rollout, jax.random.PRNGKey(1), 10**6)[0]
     assert int(new_state["policy_version"]) == LEARNER_VERSION + 1
     assert not np.allclose(params, before), "the update did not change the parameters"
 
@@ -469,14 +469,14 @@ def patched_make_update(*args, **kwargs):
     update = original_make_update(*args, **kwargs)
     calls = []
 
-    def faulty_update(state, rollout, key):
+    def faulty_update(state, rollout, key, total_timesteps):
         calls.append(1)
         if len(calls) == 1:
             time.sleep({first_update_seconds})  # a learner inside one long call (an XLA compile)
         if len(calls) == 2 and {where!r} == "learner":
             report_fault()
             raise RuntimeError("injected learner fault")
-        return update(state, rollout, key)
+        return update(state, rollout, key, total_timesteps)
 
     return faulty_update
 
