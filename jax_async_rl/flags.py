@@ -7,12 +7,14 @@ non-finite values with one line. `command_line(main, Args, PRESETS)` is the scri
 parse, run, and turn a `UsageError` into one `error: ...` line on stderr and exit code 2.
 """
 
+import ast
 import dataclasses
 import difflib
 import inspect
 import math
 import os
 import sys
+import textwrap
 import threading
 import typing
 from dataclasses import dataclass
@@ -133,6 +135,66 @@ def check_bounds(args):
             raise UsageError(f"--{flag_name(field.name)} must be a finite number, got {value}")
 
 
+# --help's groups: flags not named here are the algorithm's (or, in RunArgs, the run's).
+ENVIRONMENT = ("env_id", "seed", "num_envs", "num_splits", "num_threads", "norm_obs", "norm_reward")
+DEVICES = ("actor_device_ids", "learner_device_ids", "num_actor_threads", "distributed", "coordinator_address",
+           "num_processes", "process_id")
+
+
+def field_docs(cls) -> dict:
+    """{field: the docstring under it} of a dataclass and its bases, read from their source."""
+    docs = {}
+    for klass in reversed(cls.__mro__[:-1]):
+        try:
+            body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        except (OSError, TypeError, IndexError):
+            continue
+        for node, after in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+                docs[node.target.id] = " ".join(str(after.value.value).split())
+    return docs
+
+
+def metavar(hint) -> str:
+    """A plain metavar for a type hint: INT, FLOAT, STR, INT..., True|False."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is list:
+        return metavar(args[0]) + "..."
+    if typing.get_origin(hint) in (typing.Union, getattr(__import__("types"), "UnionType", None)) and len(args) == 1:
+        return "True|False" if args[0] is bool else metavar(args[0])
+    return {int: "INT", float: "FLOAT", str: "STR", bool: ""}.get(hint, "VALUE")
+
+
+def help_text(prog: str, args_class, presets: dict) -> str:
+    """--help: the description and presets, then the flags in groups (algorithm, environment,
+    run, devices), each with a plain metavar, its meaning and its default, wrapped to 100 columns."""
+    docs, defaults = field_docs(args_class), args_class()
+    hints = typing.get_type_hints(args_class, include_extras=True)
+    run_fields = {f.name for f in dataclasses.fields(RunArgs)}
+    groups = {"algorithm": [], "environment": [], "run": [], "devices": []}
+    for field in dataclasses.fields(args_class):
+        name = field.name
+        group = ("environment" if name in ENVIRONMENT else "devices" if name in DEVICES
+                 else "run" if name in run_fields else "algorithm")
+        hint = hints[name].__origin__ if typing.get_origin(hints[name]) is Annotated else hints[name]
+        shown = [m.help_behavior_hint for m in getattr(hints[name], "__metadata__", ()) if getattr(m, "help_behavior_hint", None)]
+        value = getattr(defaults, name)
+        default = shown[0] if shown else f"(default: {value!r})" if isinstance(value, str) else f"(default: {value})"
+        flag = f"--{flag_name(name)}" + (f" / --no-{flag_name(name)}" if hint is bool else f" {metavar(hint)}")
+        text = textwrap.fill(f"{docs.get(name, '')} {default}".strip(), 100, initial_indent=" " * 6,
+                             subsequent_indent=" " * 6)
+        groups[group].append(f"  {flag}\n{text}")
+    preset_lines = [textwrap.fill(f"{name}: " + ", ".join(f"{k}={v}" for k, v in values.items()), 100,
+                                  initial_indent="  ", subsequent_indent="      ") for name, values in presets.items()]
+    paragraphs = inspect.cleandoc(args_class.__doc__).split("\n\n")
+    description = "\n\n".join(textwrap.fill(" ".join(p.split()), 100) for p in paragraphs)
+    out = [f"usage: {prog} [--flag VALUE ...]", "", description, "", "presets:", *preset_lines]
+    for group, entries in groups.items():
+        if entries:
+            out += ["", f"{group} flags:", *entries]
+    return "\n".join([*out, "", "  -h, --help\n      show this help and exit"]) + "\n"
+
+
 def describe_presets(args_class, presets: dict) -> str:
     """--help's description: the Args docstring and the values each preset gives."""
     lines = [f"  {name}: " + ", ".join(f"{k}={v}" for k, v in values.items()) for name, values in presets.items()]
@@ -165,19 +227,42 @@ def check_names(argv, args_class):
         raise UsageError(f"unknown flag {token.split('=')[0]}{hint} (--help lists them)")
 
 
-def command_line(main, args_class, presets: dict):
-    """A script's entry point: parse its flags, run `main(args, given)`, exit with its code; a
-    UsageError is one line on stderr and exit code 2. A thread still inside an XLA call would
-    abort interpreter shutdown, so then the process ends with os._exit."""
-    argv = sys.argv[1:]
+def describe_os_error(error: OSError) -> str:
+    """One line for a file system error: what failed, and where."""
+    where = f"{error.filename}" + (f" -> {error.filename2}" if error.filename2 else "")
+    return f"{error.strerror or type(error).__name__}: {where}"
+
+
+def reported(call) -> int:
+    """`call()`'s exit code; a UsageError is one line on stderr and exit code 2, a file system
+    error (a full disk, a read-only or vanished folder) one line naming the path and exit code 1."""
     try:
-        if not {"-h", "--help"} & set(argv):
-            check_names(argv, args_class)
-        exit_code = main(tyro.cli(args_class, args=argv, description=describe_presets(args_class, presets)),
-                         flags_given(argv, args_class))
+        return call()
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
-        exit_code = 2
+        return 2
+    except OSError as e:
+        if not e.filename:
+            raise
+        print(f"error: {describe_os_error(e)}", file=sys.stderr)
+        return 1
+
+
+def command_line(main, args_class, presets: dict):
+    """A script's entry point: parse its flags, run `main(args, given)`, exit with its code (see
+    `reported` for errors). A thread still inside an XLA call would abort interpreter shutdown,
+    so then the process ends with os._exit."""
+    argv = sys.argv[1:]
+
+    def call():
+        if {"-h", "--help"} & set(argv[: argv.index("--") if "--" in argv else len(argv)]):
+            print(help_text(os.path.basename(sys.argv[0]), args_class, presets), end="")
+            return 0
+        check_names(argv, args_class)
+        return main(tyro.cli(args_class, args=argv, description=describe_presets(args_class, presets)),
+                    flags_given(argv, args_class))
+
+    exit_code = reported(call)
     if any(t.name.startswith(("actor", "learner")) and t.is_alive() for t in threading.enumerate()):
         sys.stdout.flush()
         sys.stderr.flush()
@@ -186,11 +271,6 @@ def command_line(main, args_class, presets: dict):
 
 
 def run_tool(main, config_class):
-    """A tool's entry point (utils/): parse `config_class`, exit with `main(config)`'s code; a
-    UsageError is one line on stderr and exit code 2."""
+    """A tool's entry point (utils/): parse `config_class`, exit with `main(config)`'s code (see `reported`)."""
     config = tyro.cli(config_class)
-    try:
-        sys.exit(main(config))
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(reported(lambda: main(config)))

@@ -127,3 +127,23 @@ def test_command_line_turns_a_usage_error_into_one_line_and_exit_2(argv):
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in result.stderr, result.stderr
+
+
+def test_help_groups_the_flags_with_plain_metavars():
+    """--help: the flags in four groups (algorithm, environment, run, devices), each once, with
+    plain metavars (no `{None}|INT`), its text and its default, within 100 columns; presets wrapped."""
+    from helpers import help_flags, load_script
+
+    module = load_script("appo_envpool.py")
+    text = flags.help_text("appo_envpool.py", module.Args, module.PRESETS)
+    assert max(len(line) for line in text.splitlines()) <= 100
+    headers = [line for line in text.splitlines() if line.endswith(" flags:")]
+    assert headers == ["algorithm flags:", "environment flags:", "run flags:", "devices flags:"]
+    sections = dict(zip(["algorithm", "environment", "run", "devices"], text.split(" flags:\n")[1:]))
+    assert "--vtrace / --no-vtrace" in sections["algorithm"] and "--num-envs INT" in sections["environment"]
+    assert "--resume STR" in sections["run"] and "--learner-device-ids INT..." in sections["devices"]
+    assert "--norm-obs True|False" in sections["environment"]
+    assert "{None}" not in text and "╭" not in text
+    options = help_flags(text)
+    assert set(options) == {f.name for f in dataclasses.fields(module.Args)}
+    assert options["learning_rate"].endswith("(default: preset)") and options["queue_size"].endswith("(default: 2)")
