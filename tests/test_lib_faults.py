@@ -253,7 +253,15 @@ def test_nothing_past_the_checkpoint_survives_a_resume(host_run_copy, capsys):
 
 
 def test_warnings_for_flags_that_cripple_a_run(tmp_path, capsys):
-    """--num-steps under 4 gets one warning line; the run still trains."""
+    """--num-steps under 4 gets one warning line, and so does a --max-policy-lag that masks most
+    of an update's transitions (81% went unnoticed, in async/stale_fraction only); the runs train."""
     code, _, err = run_main(HOST, cli(HOST, run_dir=tmp_path / "r", num_steps=2, total_timesteps=8 * 4 * 2), capsys)
     assert code == 0 and "warning: --num-steps 2" in err, err
-    shutil.rmtree(tmp_path / "r")
+    appo = "appo_envpool.py"
+    code, _, err = run_main(appo, cli(appo, run_dir=tmp_path / "a", max_policy_lag=0, total_timesteps=12 * TINY_BATCH,
+                                      num_splits=1), capsys)
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert code == 0 and len(warnings) == 1 and "--max-policy-lag 0" in warnings[0], err
+    shutil.rmtree(tmp_path / "a")
+    code, _, err = run_main(appo, cli(appo, run_dir=tmp_path / "b", total_timesteps=12 * TINY_BATCH), capsys)
+    assert code == 0 and "warning" not in err, err
