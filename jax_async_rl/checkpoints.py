@@ -45,9 +45,11 @@ def write_atomically(path: str, data: bytes):
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-    except OSError:  # a full disk: what was written of the new file goes, the old one stays
+    except OSError as e:  # a full disk: what was written of the new file goes, the old one stays
         if os.path.exists(tmp):
             os.remove(tmp)
+        if e.filename is None:  # write, flush and fsync name no file
+            e.filename = tmp
         raise
     os.replace(tmp, path)
     dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
@@ -69,6 +71,17 @@ def save_checkpoint(path: str, state: dict, args, normalizer, script: str):
         "script_path": os.path.abspath(script),
     }
     write_atomically(path, flax.serialization.msgpack_serialize(payload))
+
+
+def finish_rename(path: str):
+    """Make a complete `path`.tmp the checkpoint (the rename a kill cut off), so that the next
+    save, which writes `path`.tmp anew, cannot lose it."""
+    os.replace(f"{path}.tmp", path)
+    dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def complete_tmp(path: str) -> bool:

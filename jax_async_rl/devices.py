@@ -174,7 +174,8 @@ def agree(received: list, stopped: bool, episodes: list):
 
 def peer_failure(error) -> bool:
     """Whether `error` is a collective that failed because another process of the run is gone."""
-    return jax.process_count() > 1 and any(s in str(error) for s in ("Gloo", "Connection closed by peer"))
+    return jax.process_count() > 1 and any(s in str(error) for s in ("Connection closed by peer",
+                                                                     "Connection reset by peer"))
 
 
 def describe_dead(error) -> str:

@@ -50,18 +50,22 @@ def evaluate(policy, params, initial_core, args, normalizer, num_episodes: int, 
                     video_episode = len(scores)
                 scores.append(ret)
                 quota[env] -= 1
+    fps = frame_rate(args.env_id, envs) if render else 30.0
     envs.close()
     if signals:
         return scores
+    if video_episode is not None and video_episode >= num_episodes:  # it ended past the count
+        video_episode = None
     if render and frames:
         import imageio
 
-        path = os.path.join(video_dir, f"eval_episode_{video_episode}.mp4")  # the game scores[video_episode] lists
+        # Named by the game scores[i] lists; "unlisted": one cut off by the episode count.
+        path = os.path.join(video_dir, f"eval_episode_{'unlisted' if video_episode is None else video_episode}.mp4")
         try:
             os.makedirs(video_dir, exist_ok=True)
             with warnings.catch_warnings():  # JAX warns of any fork; ffmpeg's fork + exec is safe
                 warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
-                imageio.mimsave(path, frames, fps=frame_rate(args.env_id, envs), macro_block_size=1)
+                imageio.mimsave(path, frames, fps=fps, macro_block_size=1)
         except OSError as e:
             print(f"warning: no video written ({e.strerror or e}: {e.filename or path})", file=sys.stderr)
     elif video_dir is not None:

@@ -10,6 +10,7 @@ parse, run, and turn a `UsageError` into one `error: ...` line on stderr and exi
 import ast
 import dataclasses
 import difflib
+import errno
 import inspect
 import math
 import os
@@ -146,8 +147,10 @@ def field_docs(cls) -> dict:
     docs = {}
     for klass in reversed(cls.__mro__[:-1]):
         try:
-            body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
-        except (OSError, TypeError, IndexError):
+            body = getattr(ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0], "body", None)
+        except Exception:  # no source (an interactive class), or not one block
+            continue
+        if not isinstance(body, list):
             continue
         for node, after in zip(body, body[1:]):
             if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
@@ -158,6 +161,8 @@ def field_docs(cls) -> dict:
 def metavar(hint) -> str:
     """A plain metavar for a type hint: INT, FLOAT, STR, INT..., True|False."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is typing.Literal:
+        return "{" + ",".join(map(str, args)) + "}"
     if typing.get_origin(hint) is list:
         return metavar(args[0]) + "..."
     if typing.get_origin(hint) in (typing.Union, getattr(__import__("types"), "UnionType", None)) and len(args) == 1:
@@ -227,9 +232,18 @@ def check_names(argv, args_class):
         raise UsageError(f"unknown flag {token.split('=')[0]}{hint} (--help lists them)")
 
 
+FILE_SYSTEM_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EACCES, errno.ENOENT}
+
+
+def is_file_system_error(error) -> bool:
+    """A full disk, a read-only, forbidden or vanished folder: an OSError that names a file, or
+    whose errno says so."""
+    return isinstance(error, OSError) and (bool(error.filename) or error.errno in FILE_SYSTEM_ERRNOS)
+
+
 def describe_os_error(error: OSError) -> str:
     """One line for a file system error: what failed, and where."""
-    where = f"{error.filename}" + (f" -> {error.filename2}" if error.filename2 else "")
+    where = f"{error.filename or 'a file'}" + (f" -> {error.filename2}" if error.filename2 else "")
     return f"{error.strerror or type(error).__name__}: {where}"
 
 
@@ -242,7 +256,7 @@ def reported(call) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
-        if not e.filename:
+        if not is_file_system_error(e):
             raise
         print(f"error: {describe_os_error(e)}", file=sys.stderr)
         return 1
@@ -256,7 +270,11 @@ def command_line(main, args_class, presets: dict):
 
     def call():
         if {"-h", "--help"} & set(argv[: argv.index("--") if "--" in argv else len(argv)]):
-            print(help_text(os.path.basename(sys.argv[0]), args_class, presets), end="")
+            try:
+                text = help_text(os.path.basename(sys.argv[0]), args_class, presets)
+            except Exception:  # an Args this layout does not know (a user's edit): tyro's own help
+                tyro.cli(args_class, args=argv, description=describe_presets(args_class, presets))
+            print(text, end="")
             return 0
         check_names(argv, args_class)
         return main(tyro.cli(args_class, args=argv, description=describe_presets(args_class, presets)),

@@ -11,6 +11,7 @@ import itertools
 import json
 import os
 import socket
+import sys
 import time
 
 from jax_async_rl import checkpoints
@@ -27,10 +28,14 @@ def own_folder(args) -> str:
     return os.path.dirname(os.path.abspath(checkpoints.checkpoint_path(args.resume))) if args.resume else None
 
 
+def same_folder(a, b) -> bool:
+    return bool(a) and bool(b) and os.path.realpath(a) == os.path.realpath(b)
+
+
 def check(args, resumed: bool):
     """UsageError if --run-dir names a file, or a folder that holds another run (a new run would
     mix its records with that run's)."""
-    own = resumed and os.path.abspath(args.run_dir or "") == own_folder(dataclasses.replace(args, run_dir=None))
+    own = resumed and same_folder(args.run_dir, own_folder(dataclasses.replace(args, run_dir=None)))
     if not args.run_dir or own:
         return
     if os.path.exists(args.run_dir) and not os.path.isdir(args.run_dir):
@@ -53,12 +58,28 @@ def probe(args):
     path = os.path.join(folder, LOCK) if folder else None
     if path is None or not os.path.isfile(path):
         return
-    with open(path) as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+    with open(path, "r+") as f:  # an exclusive lock needs a file open for writing (NFS)
+        if lock(f, path):
+            fcntl.flock(f, fcntl.LOCK_UN)
+        else:
             raise UsageError(f"{folder} is in use by another run ({f.read().strip() or 'unknown'}); "
                              "wait for it to end, or pick another folder")
+
+
+def lock(f, path: str) -> bool:
+    """Try an exclusive lock on open file `f`, a few times (another run's `probe` holds it for a
+    moment): False if another run holds it. A file system without locks runs unlocked, said once."""
+    for attempt in range(5):
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            time.sleep(0.05 * (attempt + 1))
+        except OSError as e:  # ENOLCK, EOPNOTSUPP, ENOSYS: no locks here
+            print(f"warning: {path}: the file system does not lock ({e.strerror}); nothing stops a second run "
+                  "from using this folder at the same time", file=sys.stderr)
+            return True
+    return False
 
 
 def claim(folder: str):
@@ -67,9 +88,7 @@ def claim(folder: str):
     and host, if another run holds it."""
     path = os.path.join(folder, LOCK)
     f = open(path, "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    if not lock(f, path):
         f.seek(0)
         holder = f.read().strip() or "unknown"
         f.close()
@@ -127,7 +146,7 @@ def write_config(run_dir: str, args, changed: dict, global_step: int, batch: str
     the step it resumed from, under "resumes" (read_config's errors if the record is damaged)."""
     path = os.path.join(run_dir, CONFIG)
     config = dict(dataclasses.asdict(args), global_batch=batch)
-    if args.resume and (os.path.exists(path) or run_dir == own_folder(dataclasses.replace(args, run_dir=None))):
+    if args.resume and (os.path.exists(path) or same_folder(run_dir, own_folder(dataclasses.replace(args, run_dir=None)))):
         config = read_config(path)
     if args.resume:
         resume = {"step": global_step, "wall_time": time.time(), "from": os.path.abspath(args.resume), "changed": changed,

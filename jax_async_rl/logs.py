@@ -34,14 +34,18 @@ class Logger:
             self.wandb = wandb.init(project=args.wandb_project, config=vars(args), dir=run_dir, resume="allow")
 
     def log(self, step: int, scalars: dict):
-        if self.run_dir is None:
-            return
         with self.lock:
+            if self.run_dir is None:  # another process's, or closed
+                return
             now = time.time()
-            for tag, value in scalars.items():
-                value = float(value)
-                self.writer.add_scalar(tag, value, step, walltime=now)
-                self.jsonl.write(json.dumps({"step": int(step), "wall_time": now, "tag": tag, "value": value}) + "\n")
+            try:
+                for tag, value in scalars.items():
+                    value = float(value)
+                    self.writer.add_scalar(tag, value, step, walltime=now)
+                    self.jsonl.write(json.dumps({"step": int(step), "wall_time": now, "tag": tag, "value": value}) + "\n")
+            except OSError as e:  # a full disk names no file
+                e.filename = e.filename or self.jsonl.name
+                raise
             if self.wandb is not None:
                 self.wandb.log(dict(scalars, global_step=step))
 
@@ -49,11 +53,13 @@ class Logger:
         if self.run_dir is None:
             return
         with self.lock:
-            self.writer.close()
-            self.jsonl.close()
-            if self.wandb is not None:
-                self.wandb.finish()
             self.run_dir = None
+            try:
+                self.writer.close()
+            finally:
+                self.jsonl.close()
+                if self.wandb is not None:
+                    self.wandb.finish()
 
 
 class Progress:

@@ -31,7 +31,7 @@ import numpy as np
 
 from jax_async_rl import checkpoints, devices, evaluation, folders, tasks
 from jax_async_rl.checkpoints import CHECKPOINT
-from jax_async_rl.flags import UsageError, check_bounds, describe_os_error
+from jax_async_rl.flags import UsageError, check_bounds, describe_os_error, is_file_system_error
 from jax_async_rl.logs import Logger, Progress
 from jax_async_rl.threads import Threads
 
@@ -63,17 +63,19 @@ class Run:
         return self
 
     def __exit__(self, *exc):
-        if self.progress is not None:
-            self.progress.close()
-        if self.logger is not None:
-            self.logger.close()
-        if self.lock is not None:
-            self.lock.close()
-        self.signals.close()
-        if self.peer_lost:  # JAX's shutdown would wait for the dead process, then abort this one
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1)
+        try:
+            if self.progress is not None:
+                self.progress.close()
+            if self.logger is not None:
+                self.logger.close()  # may fail on a full disk: the rest still runs
+        finally:
+            if self.lock is not None:
+                self.lock.close()
+            self.signals.close()
+            if self.peer_lost:  # JAX's shutdown would wait for the dead process, then abort this one
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(1)
         return False
 
     def start_up(self):
@@ -110,11 +112,15 @@ class Run:
         self.normalizer = normalizer
         self.state = dict(devices.replicated(self.mesh, state), global_step=self.global_step)
         self.start_update = self.updates = int(self.state["policy_version"])  # updates: done so far
+        self.last_episode_step = self.start_step  # a resumed run's games come after the checkpoint's
         self.num_updates = self.start_update + (self.args.total_timesteps - self.global_step) // self.batch_size
         self.sampled = np.zeros(devices.actor_threads(self.args), np.int64)  # env steps each actor sent actions for
         if jax.process_index() == 0:
             self.run_dir, created, self.lock = folders.make(self.args, self.payload is not None)
             self.signals.new_run_dir = self.run_dir if created and self.payload is None else None
+            path = checkpoints.checkpoint_path(self.args.resume) if self.payload else None
+            if path and not os.path.exists(path) and folders.same_folder(os.path.dirname(path), self.run_dir):
+                checkpoints.finish_rename(path)  # resumed from a complete .tmp: make it the checkpoint
             folders.write_config(self.run_dir, self.args, self.changed, self.global_step, devices.describe_batch(self.args))
             if self.payload and (dropped := folders.cut_metrics(self.run_dir, self.global_step)):
                 print(f"note: {dropped} records past step {self.global_step} (sampled after the checkpoint, never "
@@ -311,25 +317,26 @@ def use_compile_cache(path: str):
 
 
 def report_errors(errors, ckpt_file: str, global_step: int) -> bool:
-    """Print the threads' errors (one line for a non-finite loss or a file system error, else the
-    traceback); True if the last good checkpoint must stay (a non-finite state, or a disk that
-    failed: nothing more is written)."""
+    """Print the threads' errors: one line for another process gone, a file system error or a
+    non-finite loss, else the traceback. True if the last good checkpoint must stay (a
+    non-finite state, a disk that failed, a run that lost a process: nothing more is written)."""
     kept = f"the last good checkpoint is kept: {ckpt_file}" if os.path.exists(ckpt_file) else "no checkpoint written"
+    keep = False
     for where, error, trace in errors:
         if devices.peer_failure(error):
             print(f"error in {where}: {devices.describe_dead(error)}; {kept}", file=sys.stderr)
-            return True
-        if isinstance(error, OSError) and error.filename:  # a full disk, a read-only or vanished folder
+        elif is_file_system_error(error):
             print(f"error in {where}: {describe_os_error(error)} (step {global_step}); {kept}", file=sys.stderr)
-            return True
-        if isinstance(error, FloatingPointError):
+        elif isinstance(error, FloatingPointError):
             print(f"error: {error} (step {global_step}); {kept}. Try a lower --learning-rate or --max-grad-norm.",
                   file=sys.stderr)
-            return True
-        print(f"error in {where}:\n{trace}", file=sys.stderr)
-    if errors:
+        else:
+            print(f"error in {where}:\n{trace}", file=sys.stderr)
+            continue
+        keep = True
+    if errors and not keep:
         print(f"stopped by an error at step {global_step}; checkpoint: {ckpt_file}", file=sys.stderr)
-    return False
+    return keep
 
 
 class Signals:

@@ -122,26 +122,31 @@ def test_a_read_only_folder_for_training_resume_and_evaluation(host_run_copy, tm
     assert file_contents(host_run_copy) == before and list(empty.iterdir()) == []
 
 
+def no_space(*args):
+    """What a full disk raises from write, flush or fsync: ENOSPC, naming no file."""
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
 def test_a_full_disk_stops_with_one_line_and_the_last_checkpoint_resumes(tmp_path, monkeypatch, capsys):
-    """ENOSPC in the middle of the second checkpoint's write: exit 1, one line naming the file,
-    the first checkpoint intact (no .tmp left), and the run resumes from it once space is back."""
+    """ENOSPC from fsync in the second checkpoint's write: exit 1, one line naming the file, the
+    first checkpoint intact (no .tmp left), and the run resumes from it once space is back."""
     run_dir = tmp_path / "run"
     real_write, writes = checkpoints.write_atomically, []
 
     def full_after_one(path, data):
-        if path.endswith(CHECKPOINT):
-            writes.append(path)
-            if len(writes) == 2:
-                with open(f"{path}.tmp", "wb") as f:
-                    f.write(data[:100])
-                os.remove(f"{path}.tmp")  # what write_atomically's clean-up does
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"{path}.tmp")
+        writes.append(path) if path.endswith(CHECKPOINT) else None
+        if len(writes) == 2 and path.endswith(CHECKPOINT):
+            with monkeypatch.context() as m:
+                m.setattr(os, "fsync", no_space)
+                return real_write(path, data)
         return real_write(path, data)
 
     with monkeypatch.context() as m:
         m.setattr(checkpoints, "write_atomically", full_after_one)
         code, _, err = run_main(HOST, cli(HOST, run_dir=run_dir, total_timesteps=4 * TINY_BATCH, save_interval=1), capsys)
-    assert code == 1 and "No space left on device" in one_error_line(err) and CHECKPOINT in err, err
+    line = one_error_line(err)
+    assert code == 1 and "No space left on device" in line and f"{CHECKPOINT}.tmp" in line, err
+    assert "the last good checkpoint is kept" in line, err
     assert int(read_checkpoint(run_dir)["state"]["global_step"]) == TINY_BATCH
     assert not (run_dir / f"{CHECKPOINT}.tmp").exists()
     assert run_main(HOST, ["--resume", run_dir]) == 0
@@ -149,29 +154,29 @@ def test_a_full_disk_stops_with_one_line_and_the_last_checkpoint_resumes(tmp_pat
 
 
 def test_a_full_disk_in_the_writer_itself_keeps_the_old_file(tmp_path, monkeypatch):
-    """write_atomically on a full disk: the error names the file, the old content stays, no .tmp."""
+    """write_atomically on a full disk: the error names the temporary file, the old content
+    stays, no .tmp is left."""
     path = tmp_path / "f"
     checkpoints.write_atomically(str(path), b"old")
-    real_open = builtins.open
-
-    class Full:
-        def __init__(self, f):
-            self.f = f
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.f.close()
-
-        def write(self, data):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path) + ".tmp")
-
-    monkeypatch.setattr(builtins, "open", lambda p, mode="r", *a, **k: Full(real_open(p, mode, *a, **k)) if "w" in mode else real_open(p, mode, *a, **k))
-    with pytest.raises(OSError, match="No space left"):
+    monkeypatch.setattr(os, "fsync", no_space)
+    with pytest.raises(OSError, match="No space left") as error:
         checkpoints.write_atomically(str(path), b"new")
     monkeypatch.undo()
+    assert error.value.filename == f"{path}.tmp"
     assert path.read_bytes() == b"old" and not (tmp_path / "f.tmp").exists()
+
+
+def test_every_thread_error_is_reported(tmp_path, capsys):
+    """A file system error in one thread and a bug in another: one line for the first, the
+    traceback of the second, and the checkpoint kept (nothing more is written)."""
+    from jax_async_rl import runs
+
+    errors = [("the learner", OSError(errno.ENOSPC, "No space left on device", "x.tmp"), "trace 1"),
+              ("the actor thread", RuntimeError("a bug"), "Traceback: RuntimeError: a bug")]
+    assert runs.report_errors(errors, str(tmp_path / CHECKPOINT), 64) is True
+    err = capsys.readouterr().err
+    assert "error in the learner: No space left on device: x.tmp (step 64)" in err
+    assert "error in the actor thread:\nTraceback: RuntimeError: a bug" in err
 
 
 @pytest.mark.parametrize("complete", [True, False])
@@ -186,6 +191,7 @@ def test_a_kill_during_the_first_checkpoint_write(host_run_copy, complete, capsy
     code, _, err = run_main(HOST, ["--resume", host_run_copy, "--total-timesteps", step + 2 * TINY_BATCH], capsys)
     if complete:
         assert code == 0 and "complete checkpoint.msgpack.tmp" in err and "resuming from it" in err, err
+        assert (host_run_copy / CHECKPOINT).exists() and not (host_run_copy / f"{CHECKPOINT}.tmp").exists()
         assert int(read_checkpoint(host_run_copy)["state"]["global_step"]) == step + 2 * TINY_BATCH
     else:
         assert code == 2 and "incomplete write" in one_error_line(err) and f"{CHECKPOINT}.tmp" in err, err
