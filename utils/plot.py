@@ -5,7 +5,9 @@ the script's name). Each seed's episodic returns are smoothed (trailing mean ove
 episodes), resampled on a grid common to the group's seeds, and drawn as the mean over seeds with
 a band (std or min-max, drawn only where every seed has data), against environment steps and
 against wall-clock time since the run's first update (so that compile time, which the compile
-cache may save one seed and not another, does not shift the curves). One PNG per environment (every script on it, two panels) and summary.md, a
+cache may save one seed and not another, does not shift the curves; a resumed run's clock
+includes the time it was stopped). Past the shortest seed the line is the mean of the seeds
+still running. A sweep folder of utils/launch.py gives one curve per configuration. One PNG per environment (every script on it, two panels) and summary.md, a
 markdown table of final returns, also printed on stdout.
 
 Usage:

@@ -1,0 +1,201 @@
+"""Run a sweep: the cross product of a grid of flags and seeds, as local processes a few at a
+time (rlpyt's local queue), or as a SLURM array script.
+
+    python utils/launch.py appo_envpool.py --grid learning-rate=1e-4,3e-4 num-envs=8,16 \
+        --seeds 1 2 3 --parallel 2 --name lr -- --env-id CartPole-v1
+
+Each run trains in DIR/NAME/<varied flags>__seed<S>/ with `--exp-name NAME__<varied flags>`, so
+`utils/plot.py DIR/NAME` draws one curve per configuration (mean and spread over seeds) and
+tabulates each configuration's final return. DIR/NAME/sweep.json records the grid and each
+run's state (queued, running, done, failed, stopped) and exit code; each run's output goes to
+its folder's log.txt. The same command again skips finished runs and resumes stopped ones
+(`--resume`). Ctrl-C or SIGTERM stops every run cleanly (each writes its checkpoint).
+"""
+
+import itertools
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import tyro
+
+from jax_async_rl.checkpoints import CHECKPOINT, write_atomically
+from jax_async_rl.flags import UsageError, reported
+
+SWEEP = "sweep.json"
+
+
+@dataclass
+class LaunchArgs:
+    """Run a grid of flags x seeds of one training script (flags after `--` go to every run)."""
+
+    script: tyro.conf.Positional[str]
+    """the training script (a repository script or a user's copy)"""
+    name: str
+    """the sweep's name: its runs go under DIR/NAME/"""
+    grid: list[str] = field(default_factory=list)
+    """flags to vary, each FLAG=V1,V2,... (flag names without the leading --)"""
+    seeds: list[int] = field(default_factory=lambda: [1])
+    """seeds of every configuration"""
+    parallel: int = 1
+    """runs at a time; the rest wait in the queue"""
+    out: str = "runs"
+    """DIR, the folder that holds the sweep's folder"""
+    slurm: bool = False
+    """write DIR/NAME/sweep.sbatch, a SLURM array script with one task a run, instead of running"""
+
+
+def parse_grid(grid: list) -> list:
+    """["lr=1,2", ...] -> [("lr", ["1", "2"]), ...]; UsageError for a malformed entry."""
+    axes = []
+    for entry in grid:
+        flag, _, values = entry.partition("=")
+        flag = flag.removeprefix("--")
+        if not flag or not values or any(not v for v in values.split(",")):
+            raise UsageError(f"--grid {entry}: expected FLAG=V1,V2,... (e.g. learning-rate=1e-4,3e-4)")
+        axes.append((flag, values.split(",")))
+    if len({flag for flag, _ in axes}) < len(axes):
+        raise UsageError("--grid names a flag twice")
+    return axes
+
+
+def plan(args: LaunchArgs, common: list) -> list:
+    """The sweep's runs: {"name", "config", "flags", "seed", "dir"}, configurations x seeds."""
+    axes = parse_grid(args.grid)
+    for flag in ("seed", "run-dir", "exp-name", "resume"):
+        if any(token.split("=")[0] == f"--{flag}" for token in common) or flag in {f for f, _ in axes}:
+            raise UsageError(f"--{flag} is the launcher's to set for each run; leave it out")
+    sweep_dir = Path(args.out) / args.name
+    runs = []
+    for values in itertools.product(*[v for _, v in axes]) if axes else [()]:
+        config = "__".join(f"{flag}={value}" for (flag, _), value in zip(axes, values)) or "default"
+        flags = [token for (flag, _), value in zip(axes, values) for token in (f"--{flag}", value)]
+        for seed in args.seeds:
+            name = f"{config}__seed{seed}"
+            runs.append({"name": name, "config": config, "flags": flags, "seed": seed, "dir": str(sweep_dir / name)})
+    return runs
+
+
+def new_run(script: str, run: dict, common: list, exp_name: str) -> list:
+    """A run's command line as a new run: the common flags, its own, its seed and folder."""
+    return [script, *common, *run["flags"], "--seed", str(run["seed"]), "--run-dir", run["dir"],
+            "--exp-name", f"{exp_name}__{run['config']}"]
+
+
+def command(script: str, run: dict, common: list, exp_name: str) -> list:
+    """A run's command: a new run, or `--resume` of one that saved a checkpoint."""
+    if os.path.exists(os.path.join(run["dir"], CHECKPOINT)):
+        return [sys.executable, script, "--resume", run["dir"]]
+    return [sys.executable, *new_run(script, run, common, exp_name)]
+
+
+def save(sweep_dir: Path, record: dict):
+    write_atomically(str(sweep_dir / SWEEP), json.dumps(record, indent=2).encode())
+
+
+def slurm_script(args: LaunchArgs, runs: list, common: list) -> str:
+    """An sbatch array script: task i runs (or resumes) run i, in the same folders."""
+    lines = ["#!/bin/bash", f"#SBATCH --job-name={args.name}", f"#SBATCH --array=0-{len(runs) - 1}",
+             f"#SBATCH --output={Path(args.out) / args.name}/slurm_%a.out", "", "case $SLURM_ARRAY_TASK_ID in"]
+    for i, run in enumerate(runs):
+        new = " ".join(shlex.quote(token) for token in new_run(args.script, run, common, args.name))
+        lines.append(f"  {i}) if [ -f {shlex.quote(run['dir'])}/{CHECKPOINT} ]; then python {shlex.quote(args.script)} "
+                     f"--resume {shlex.quote(run['dir'])}; else python {new}; fi ;;")
+    return "\n".join([*lines, "esac", ""])
+
+
+def main(args: LaunchArgs, common: list) -> int:
+    if not os.path.isfile(args.script):
+        raise UsageError(f"{args.script}: no such training script")
+    if args.parallel < 1 or not args.seeds:
+        raise UsageError("--parallel must be positive and --seeds must name at least one seed")
+    runs, sweep_dir = plan(args, common), Path(args.out) / args.name
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    if args.slurm:
+        (sweep_dir / "sweep.sbatch").write_text(slurm_script(args, runs, common))
+        print(f"{len(runs)} runs: submit with `sbatch {sweep_dir / 'sweep.sbatch'}`")
+        return 0
+    previous = {}
+    if (sweep_dir / SWEEP).exists():
+        previous = {r["name"]: r for r in json.loads((sweep_dir / SWEEP).read_text()).get("runs", [])}
+    for run in runs:
+        run.update(state="done" if previous.get(run["name"], {}).get("state") == "done" else "queued", exit_code=None)
+        run["log"] = str(Path(run["dir"]) / "log.txt")
+    record = {"script": args.script, "grid": args.grid, "seeds": args.seeds, "common": common, "runs": runs}
+    return run_queue(args, record, sweep_dir, common)
+
+
+def run_queue(args: LaunchArgs, record: dict, sweep_dir: Path, common: list) -> int:
+    """Start runs `--parallel` at a time until none is queued; a progress line every 5 s."""
+    runs, procs, stop, started = record["runs"], {}, [], time.time()
+    handlers = {s: signal.signal(s, lambda signum, frame: stop.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    durations, last_line, signalled = [], 0.0, set()
+    try:
+        while True:
+            if stop:
+                for i, proc in procs.items():
+                    if i not in signalled:  # once: a second signal would end a run during its clean-up
+                        signalled.add(i)
+                        proc.send_signal(signal.SIGTERM)  # each run writes its checkpoint
+            for i, proc in list(procs.items()):
+                if proc.poll() is not None:
+                    run = runs[i]
+                    run["exit_code"] = proc.returncode
+                    run["state"] = "done" if proc.returncode == 0 else "stopped" if proc.returncode > 128 else "failed"
+                    durations.append(time.time() - run.pop("start"))
+                    del procs[i]
+            queued = [i for i, run in enumerate(runs) if run["state"] == "queued"]
+            while not stop and queued and len(procs) < args.parallel:
+                i = queued.pop(0)
+                Path(runs[i]["dir"]).parent.mkdir(parents=True, exist_ok=True)
+                os.makedirs(runs[i]["dir"], exist_ok=True)
+                log = open(runs[i]["log"], "a")
+                procs[i] = subprocess.Popen(command(args.script, runs[i], common, args.name), stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
+                runs[i].update(state="running", start=time.time())
+            save(sweep_dir, {**record, "runs": [{k: v for k, v in r.items() if k != "start"} for r in runs]})
+            if not procs and (stop or not queued):
+                break
+            if time.time() - last_line > 5:
+                last_line = time.time()
+                print(progress_line(runs, durations, args.parallel, time.time() - started), flush=True)
+            time.sleep(0.2)
+    finally:
+        for proc in procs.values():
+            proc.kill()
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+    return summary(runs, stop)
+
+
+def progress_line(runs: list, durations: list, parallel: int, elapsed: float) -> str:
+    count = {s: sum(r["state"] == s for r in runs) for s in ("done", "running", "queued", "failed", "stopped")}
+    left = count["queued"] + count["running"]
+    eta = f"{int(sum(durations) / len(durations) * left / parallel)} s" if durations else "n/a"
+    return (f"sweep: {count['done']} done, {count['running']} running, {count['queued']} queued, "
+            f"{count['failed']} failed  ({elapsed:.0f} s)  ETA {eta}")
+
+
+def summary(runs: list, stop: list) -> int:
+    failed = [r for r in runs if r["state"] == "failed"]
+    print(progress_line(runs, [], 1, 0).split("  (")[0])
+    for run in failed:
+        print(f"failed: {run['name']} (exit {run['exit_code']}); log: {run['log']}", file=sys.stderr)
+    if stop:
+        print(f"stopped by signal {stop[0]}: run the same command again to resume", file=sys.stderr)
+        return 128 + stop[0]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    argv = sys.argv[1:]
+    common = argv[argv.index("--") + 1:] if "--" in argv else []
+    own = argv[: argv.index("--")] if "--" in argv else argv
+    parsed = tyro.cli(LaunchArgs, args=own)
+    sys.exit(reported(lambda: main(parsed, common)))
