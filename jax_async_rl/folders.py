@@ -34,8 +34,11 @@ def same_folder(a, b) -> bool:
 
 def check(args, resumed: bool):
     """UsageError if --run-dir names a file, or a folder that holds another run (a new run would
-    mix its records with that run's)."""
+    mix its records with that run's), or if a resumed run's own folder has a damaged record (in
+    start-up, so that with many processes every one stops: devices.agree_on_flags)."""
     own = resumed and same_folder(args.run_dir, own_folder(dataclasses.replace(args, run_dir=None)))
+    if resumed and (not args.run_dir or own):  # the run's own folder: its record must be whole
+        read_config(os.path.join(own_folder(dataclasses.replace(args, run_dir=None)), CONFIG))
     if not args.run_dir or own:
         return
     if os.path.exists(args.run_dir) and not os.path.isdir(args.run_dir):

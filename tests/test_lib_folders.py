@@ -95,6 +95,8 @@ def test_a_damaged_record_is_an_error_and_never_rewritten(tmp_path, content, fra
     with pytest.raises(UsageError, match=fragment) as error:
         folders.write_config(str(tmp_path), make_args(args_for(resume=str(tmp_path))), {}, 100, "8 envs")
     assert str(path) in str(error.value)
+    with pytest.raises(UsageError, match=fragment):  # already at start-up, where every process agrees to stop
+        folders.check(make_args(args_for(resume=str(tmp_path))), resumed=True)
     expected = content.encode() if isinstance(content, str) else content
     assert (path.read_bytes() if path.exists() else None) == expected
 
