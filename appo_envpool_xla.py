@@ -156,6 +156,8 @@ def resolve_args(args: Args) -> Args:
     """The flags left at None filled from the task's preset, and all checked: UsageError, one
     line, before anything starts (runs.checked holds the checks every script's flags take)."""
     fill = tasks.preset_values(args, PRESETS)
+    if args.env_id in tasks.USER_ENVS:
+        raise UsageError(f"--env-id {args.env_id}: a Gymnasium env has no XLA interface; train it with appo_envpool.py")
     if args.lstm and "num_minibatches" in fill:  # whole env sequences: a preset's count that divides num_envs
         fill["num_minibatches"] = int(np.gcd(fill["num_minibatches"], devices.global_envs(args)))
     if args.num_splits is None:  # double buffering for the Nature CNN's images (see --num-splits)

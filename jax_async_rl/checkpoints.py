@@ -26,7 +26,7 @@ METRICS = "metrics.jsonl"
 # This launch's (the machine's devices, the processes): never restored from the run on --resume.
 LAUNCH = ("distributed", "coordinator_address", "num_processes", "process_id", "actor_device_ids", "learner_device_ids")
 # What the network and its inputs were trained on: a resumed run cannot change these.
-FIXED_ON_RESUME = ("env_id", "norm_obs", "norm_reward", "lstm", "lstm_size")
+FIXED_ON_RESUME = ("env_id", "env_module", "env_kwargs", "norm_obs", "norm_reward", "lstm", "lstm_size")
 # (the script that wrote a checkpoint, a retired flag it had on) -> the script whose job that flag was.
 SUCCESSORS = {("appo_envpool.py", "xla_actor"): "appo_envpool_xla.py"}
 

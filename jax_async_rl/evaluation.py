@@ -75,9 +75,11 @@ def evaluate(policy, params, initial_core, args, normalizer, num_episodes: int, 
 
 def frame_rate(env_id: str, envs) -> float:
     """Frames a second of real play for a video of one env step a frame: Atari's 60 Hz over its
-    frame skip; else the Gymnasium env's own `render_fps`; else 30."""
+    frame skip; else the Gymnasium env's own `render_fps` (a user's env: its metadata); else 30."""
     if env_kind(env_id) == "atari":
         return 60 / envs.spec.config.frame_skip
+    if getattr(envs, "metadata", {}).get("render_fps"):  # a user's Gymnasium env says it
+        return float(envs.metadata["render_fps"])
     try:
         import gymnasium
 

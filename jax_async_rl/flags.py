@@ -72,9 +72,15 @@ class RunArgs:
     """The flags of a run that no algorithm changes: task, budget, devices, folder, logs."""
 
     env_id: str = "Pong-v5"
-    """envpool task id of any single-agent family with Discrete or continuous actions: Atari `*-v5`,
+    """envpool task id of any single-agent family with Discrete or continuous actions (or your own
+    Gymnasium env: see --env-module): Atari `*-v5`,
     classic control, Box2D (CarRacing-v3), MuJoCo, dm_control (CheetahRun-v1), MiniGrid and BabyAI,
     MetaWorld, MyoSuite, Gymnasium-Robotics (FetchReach-v1), highway-env, gfootball, toy text, ..."""
+    env_module: Optional[str] = None
+    """import this module first: it registers --env-id, a Gymnasium env of yours (from the working
+    directory or sys.path); or pass --env-id module:callable (a gymnasium.Env class or a function)"""
+    env_kwargs: str = ""
+    """keyword arguments of your Gymnasium env, as a JSON object, e.g. '{"length": 10}'"""
     seed: int = 1
     """seed of the environments, the network initialisation and action sampling"""
     total_timesteps: Annotated[int, POSITIVE] = 10_000_000
@@ -137,7 +143,7 @@ def check_bounds(args):
 
 
 # --help's groups: flags not named here are the algorithm's (or, in RunArgs, the run's).
-ENVIRONMENT = ("env_id", "seed", "num_envs", "num_splits", "num_threads", "norm_obs", "norm_reward")
+ENVIRONMENT = ("env_id", "env_module", "env_kwargs", "seed", "num_envs", "num_splits", "num_threads", "norm_obs", "norm_reward")
 DEVICES = ("actor_device_ids", "learner_device_ids", "num_actor_threads", "distributed", "coordinator_address",
            "num_processes", "process_id")
 

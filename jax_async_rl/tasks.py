@@ -13,6 +13,7 @@ import envpool
 import jax
 import numpy as np
 
+from jax_async_rl import gym_pool
 from jax_async_rl.flags import UsageError
 
 # envpool's module of a task (envpool.mujoco.dmc, ...) -> the PRESETS family it takes.
@@ -20,12 +21,24 @@ FAMILIES = {"atari": "atari", "mujoco.dmc": "dm_control", "minigrid": "minigrid"
             "vizdoom": "vizdoom"}
 # VizDoom's buttons as one Discrete action: envpool's default is a float Box over [DBL_MIN, DBL_MAX].
 VIZDOOM = dict(use_combined_action=True)
+# A user's Gymnasium envs (--env-id module:callable, or --env-module): env id -> its maker.
+USER_ENVS = {}
+
+
+def register_user_env(args):
+    """Make a user's env known by its --env-id (gym_pool.user_maker's checks; an envpool id: nothing)."""
+    maker = gym_pool.user_maker(args.env_id, getattr(args, "env_module", None), getattr(args, "env_kwargs", ""))
+    if maker is not None:
+        USER_ENVS[args.env_id] = maker
+        spaces.cache_clear()
 
 
 def env_kind(env_id: str) -> str:
     """A task's family, from the envpool module that registers it: 'atari', 'dm_control',
     'minigrid' (and BabyAI), 'highway', 'gfootball', 'vizdoom', 'mujoco' (Gym MuJoCo, MetaWorld, MyoSuite,
     Gymnasium-Robotics, MuJoCo Playground) or 'classic' (any other: classic control, Box2D, ...)."""
+    if env_id in USER_ENVS:
+        return "gym"
     family = envpool.registration.registry.specs[env_id][0].removeprefix("envpool.")
     return FAMILIES.get(family, "mujoco" if family.startswith("mujoco") else "classic")
 
@@ -33,6 +46,10 @@ def env_kind(env_id: str) -> str:
 @functools.lru_cache(maxsize=None)
 def spaces(env_id: str):
     """(observation space, action space) of a task, gymnasium's, from its spec without starting it."""
+    if env_id in USER_ENVS:
+        env = USER_ENVS[env_id]()
+        env.close()
+        return env.observation_space, env.action_space
     spec = envpool.make_spec(env_id, **(VIZDOOM if env_kind(env_id) == "vizdoom" else {}))
     if hasattr(spec, "gymnasium_observation_space"):
         return spec.gymnasium_observation_space, spec.gymnasium_action_space
@@ -56,6 +73,8 @@ def check_task(env_id: str):
     """The observation space of a task these scripts can train on; else UsageError, one line
     (an unknown id gets the nearest known ones)."""
     known = envpool.list_all_envs()
+    if env_id in USER_ENVS:
+        return check_spaces(env_id, *spaces(env_id))
     if env_id not in known:
         close = difflib.get_close_matches(env_id, known, n=3, cutoff=0.5)
         hint = f"; did you mean {', '.join(close)}?" if close else "; see envpool.list_all_envs()"
@@ -67,6 +86,11 @@ def check_task(env_id: str):
         raise UsageError(f"--env-id {env_id} cannot be made here: {(str(e) or type(e).__name__).splitlines()[0]}")
     if spec.config.max_num_players > 1:
         raise UsageError(f"--env-id {env_id} is a {spec.config.max_num_players}-player task; these scripts train one agent")
+    return check_spaces(env_id, obs_space, action_space)
+
+
+def check_spaces(env_id: str, obs_space, action_space):
+    """The observation space, if these scripts can train on its and the action space's kinds."""
     kind = type(action_space).__name__
     if not (kind == "Discrete" or kind == "Box" and np.issubdtype(action_space.dtype, np.floating)):
         raise UsageError(
@@ -88,7 +112,8 @@ def preset_name(env_id: str, presets: dict) -> str:
 
 def preset_values(args, presets: dict) -> dict:
     """The values of a task's preset (`preset_name`) for the flags of `args` left at None, once
-    the task is checked (`check_task`)."""
+    the task is checked (`check_task`; a user's env is made known first: register_user_env)."""
+    register_user_env(args)
     check_task(args.env_id)
     preset = presets[preset_name(args.env_id, presets)]
     return {k: v for k, v in preset.items() if getattr(args, k) is None}
@@ -100,6 +125,10 @@ def make_env(env_id: str, num_envs: int, seed: int, num_threads: int, train: boo
     For training, Atari games end an episode at each life lost and clip rewards to [-1, 1]
     (Mnih et al. 2015); the game score stays available in info["reward"] / info["terminated"].
     """
+    if env_id in USER_ENVS:  # a user's Gymnasium env, in worker processes behind envpool's interface
+        extra = {"render_mode": kwargs["render_mode"]} if "render_mode" in kwargs else {}
+        maker = functools.partial(USER_ENVS[env_id], **extra) if extra else USER_ENVS[env_id]
+        return gym_pool.GymPool(maker, num_envs, kwargs.get("batch_size", num_envs), seed)
     kind = env_kind(env_id)
     kwargs.update(dict(episodic_life=train, reward_clip=train, noop_max=30) if kind == "atari" else {})
     kwargs.update(VIZDOOM if kind == "vizdoom" else {})

@@ -57,7 +57,11 @@ class Args:
     """Throughput benchmark: ceiling, sampler (double buffering) and end-to-end training."""
 
     env_id: str = "Pong-v5"
-    """envpool task to measure"""
+    """envpool task to measure, or your own Gymnasium env (module:callable, or with --env-module)"""
+    env_module: Optional[str] = None
+    """the module that registers --env-id with Gymnasium (your own env)"""
+    env_kwargs: str = ""
+    """your Gymnasium env's keyword arguments, a JSON object"""
     quick: bool = False
     """about 5 minutes instead of about 20: shorter measurements, a smaller sweep"""
     num_envs: int = 64
@@ -155,7 +159,7 @@ def core_layout():
     return (cores[0], cores[1:]) if len(cores) > 1 else None
 
 
-def measure_sampler(env_id, num_envs, num_splits, num_steps, seconds, pin=True, lstm=False, xla=False):
+def measure_sampler(env_id, num_envs, num_splits, num_steps, seconds, pin=True, lstm=False, xla=False, user=(None, "")):
     """Sampler throughput, measured in a fresh process (pinning and XLA flags must not leak into
     this one or its later runs): (agent steps per second, busy fraction per stage, layout)."""
     import multiprocessing
@@ -163,7 +167,8 @@ def measure_sampler(env_id, num_envs, num_splits, num_steps, seconds, pin=True, 
     layout = core_layout() if pin else None
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    child = ctx.Process(target=sampler_process, args=(env_id, num_envs, num_splits, num_steps, seconds, layout, results, lstm, xla),
+    child = ctx.Process(target=sampler_process, args=(env_id, num_envs, num_splits, num_steps, seconds, layout, results, lstm, xla,
+                                                      user),
                         daemon=True)
     child.start()
     deadline = time.monotonic() + seconds + 300
@@ -187,7 +192,7 @@ def measure_sampler(env_id, num_envs, num_splits, num_steps, seconds, pin=True, 
     return sps, busy, {"env_core": layout[0], "actor_cores": layout[1], "threads_on_env_core": threads_on_env_core}
 
 
-def sampler_process(env_id, num_envs, num_splits, num_steps, seconds, layout, results, lstm, xla):
+def sampler_process(env_id, num_envs, num_splits, num_steps, seconds, layout, results, lstm, xla, user):
     """Child process of measure_sampler: pin, then run the actor loop; report through `results`."""
     try:
         if layout:
@@ -195,7 +200,7 @@ def sampler_process(env_id, num_envs, num_splits, num_steps, seconds, layout, re
             os.sched_setaffinity(0, layout[1])  # this thread and every thread it starts, not envpool's
         appo = load_script(XLA_SCRIPT if xla else "appo_envpool.py")
         env_core = layout[0] if layout else None
-        results.put(("ok", run_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds, env_core, lstm)))
+        results.put(("ok", run_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds, env_core, lstm, user)))
     except BaseException:
         results.put(("error", traceback.format_exc()))
 
@@ -205,7 +210,7 @@ def sampler_process(env_id, num_envs, num_splits, num_steps, seconds, layout, re
 ACTOR_STAGES = ["env", "inference", "bookkeeping", "device_get", "queue_put"]
 
 
-def run_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds, env_core=None, lstm=False):
+def run_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds, env_core=None, lstm=False, user=(None, "")):
     """Agent steps per second of `appo`'s actor_loop (appo_envpool.py's or appo_envpool_xla.py's;
     jitted policy, with an LSTM if `lstm`; one env thread, pinned to `env_core` if given), with a
     consumer that drops rollouts: sampling alone, no learning.
@@ -213,7 +218,8 @@ def run_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds, env_core
     import jax
 
     args = appo.resolve_args(
-        appo.Args(env_id=env_id, num_envs=num_envs, num_splits=num_splits, num_steps=num_steps, num_threads=1, lstm=lstm)
+        appo.Args(env_id=env_id, num_envs=num_envs, num_splits=num_splits, num_steps=num_steps, num_threads=1, lstm=lstm,
+                  env_module=user[0], env_kwargs=user[1])  # a user's env: registered in this process too
     )
     pin = {} if env_core is None else {"thread_affinity_offset": env_core}
     envs = tasks.make_env(env_id, num_envs, 1, 1, train=True, batch_size=num_envs // num_splits, **pin)
@@ -427,8 +433,12 @@ def write_report(out_dir, results, quick):
 def main(args: Args) -> int:
     import envpool
 
-    if args.env_id not in envpool.list_all_envs():
+    tasks.register_user_env(args)  # a user's Gymnasium env: checked, made known
+    user = args.env_id in tasks.USER_ENVS
+    if not user and args.env_id not in envpool.list_all_envs():
         raise UsageError(f"--env-id {args.env_id!r} is not an envpool task")
+    if user:  # no XLA interface; its worker processes must not inherit the actor's pinned cores
+        args = dataclasses.replace(args, xla_actor=False, pin=False)
     for name in ["num_envs", "num_steps"]:
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive")
@@ -449,7 +459,7 @@ def main(args: Args) -> int:
     import jax
 
     appo = load_script("appo_envpool.py")
-    skip = frame_skip(args.env_id)
+    skip = 1 if user else frame_skip(args.env_id)
     results = {"env_id": args.env_id, "frame_skip": skip, "config": dataclasses.asdict(args), "machine": machine_info(), "measurements": []}
     jobs = [("ceiling", t) for t in args.ceiling_threads] * ("ceiling" in args.parts)
     jobs += [("sampler", (1, False, False)), ("sampler", (2, False, False)), ("sampler", (2, True, False))] * ("sampler" in args.parts)
@@ -469,7 +479,8 @@ def main(args: Args) -> int:
             row.update(num_threads=threads, sps=measure_ceiling(args.env_id, args.num_envs, threads, seconds))
         elif kind == "sampler":
             num_splits, lstm, xla = param
-            sps, busy, layout = measure_sampler(args.env_id, args.num_envs, num_splits, args.num_steps, seconds, args.pin, lstm, xla)
+            sps, busy, layout = measure_sampler(args.env_id, args.num_envs, num_splits, args.num_steps, seconds, args.pin, lstm, xla,
+                                                (args.env_module, args.env_kwargs))
             ceiling = [r["sps"] for r in results["measurements"] if r["kind"] == "ceiling" and r["num_threads"] == 1]
             row.update(script=XLA_SCRIPT if xla else "appo_envpool.py", num_splits=num_splits, lstm=lstm, xla_actor=xla, num_threads=1, num_steps=args.num_steps, sps=sps,
                        busy={k: round(v, 3) for k, v in busy.items()}, cores=layout,
@@ -477,14 +488,17 @@ def main(args: Args) -> int:
         else:
             script, num_envs = param if kind == "end_to_end" else ("appo_envpool.py", 8 * param[1])
             if kind == "end_to_end":
-                measured = measure_end_to_end(script, args.env_id, num_envs, args.num_steps, e2e_seconds, out_dir)
+                flags = [*(["--env-module", args.env_module] if args.env_module else []),
+                         *(["--env-kwargs", args.env_kwargs] if args.env_kwargs else [])]
+                measured = measure_end_to_end(script, args.env_id, num_envs, args.num_steps, e2e_seconds, out_dir, flags)
             else:
                 measured = measure_scaling(args.env_id, args.num_steps, e2e_seconds, out_dir, *param)
             if measured is None:
                 print(f"    {script} finished fewer than 2 updates in {e2e_seconds:.0f}s after its first; raise --e2e-seconds", flush=True)
                 continue
             sps, busy, updates, update_seconds = measured
-            splits = None if script == SCRIPTS[0] else appo.resolve_args(appo.Args(env_id=args.env_id)).num_splits  # the default
+            splits = None if script == SCRIPTS[0] else appo.resolve_args(
+                appo.Args(env_id=args.env_id, env_module=args.env_module, env_kwargs=args.env_kwargs)).num_splits  # the default
             row.update(script=script, num_envs=num_envs, num_splits=splits, xla_actor=script == XLA_SCRIPT,
                        num_threads=min(os.cpu_count() or 1, num_envs), num_steps=args.num_steps, sps=sps, busy=busy,
                        updates=updates, update_seconds=update_seconds)

@@ -1,0 +1,251 @@
+"""Your own Gymnasium environments behind envpool's interface (`GymPool`), so that every
+script's actor, collector, evaluation and video code runs them unchanged: `async_reset`,
+`recv` / `send` with env ids and a batch of one split, `step`, `reset`, the spaces, and
+`info["env_id"]` / `info["elapsed_step"]`.
+
+Each split (`batch_size` envs) lives in a worker process of its own, so that while the actor
+runs inference for one split the other's envs step (double buffering, as with envpool).
+Autoreset follows envpool's rule: the step after an episode's end returns the first
+observation of the next, with reward 0, and its action is ignored. An env that raises in a
+worker, or a worker that dies, raises `EnvError` here with the env's id and traceback.
+
+`--env-id module:callable` (a `gymnasium.Env` subclass or a function that returns one) or
+`--env-id ID --env-module MODULE` (an id that importing MODULE registers with Gymnasium), with
+`--env-kwargs JSON`, makes such a pool (`user_maker`; `tasks` dispatches on it).
+"""
+
+import functools
+import importlib
+import json
+import multiprocessing
+import os
+import signal
+import sys
+import traceback
+from multiprocessing.connection import wait
+
+import gymnasium
+import numpy as np
+
+from jax_async_rl.flags import UsageError
+
+
+class EnvError(RuntimeError):
+    """An env failed in its worker (its traceback in the message), or a worker died."""
+
+
+def stack(items: list):
+    """Per-env observations (arrays or dicts of arrays) -> one batch of the same structure."""
+    if isinstance(items[0], dict):
+        return {key: stack([item[key] for item in items]) for key in items[0]}
+    return np.stack([np.asarray(item) for item in items])
+
+
+def worker(conn, make, env_ids: list, seed: int):
+    """A split's process: its envs, stepped in turn; replies (obs, reward, terminated, truncated,
+    elapsed) for the split, or ("error", env id, traceback)."""
+    current = env_ids[0]
+    for signum in (signal.SIGINT, signal.SIGTERM):  # the run stops its workers (a Ctrl-C reaches the whole group)
+        signal.signal(signum, signal.SIG_IGN)
+    try:
+        envs = []
+        for i in env_ids:
+            current = i
+            envs.append(make())
+        elapsed = np.zeros(len(envs), np.int32)
+        done = np.zeros(len(envs), bool)
+        while True:
+            command, actions = conn.recv()
+            if command == "close":
+                return
+            if command == "render":
+                conn.send(envs[0].render())
+                continue
+            obs, rewards = [], np.zeros(len(envs), np.float32)
+            terminated, truncated = np.zeros(len(envs), bool), np.zeros(len(envs), bool)
+            for k, env in enumerate(envs):
+                current = env_ids[k]
+                if command == "reset" or done[k]:
+                    o, _ = env.reset(seed=seed + env_ids[k] if command == "reset" else None)
+                    elapsed[k], done[k] = 0, False
+                else:
+                    o, rewards[k], terminated[k], truncated[k], _ = env.step(actions[k])
+                    elapsed[k] += 1
+                    done[k] = terminated[k] or truncated[k]
+                obs.append(o)
+            conn.send((stack(obs), rewards, terminated, truncated, elapsed.copy()))
+    except (EOFError, KeyboardInterrupt):
+        return
+    except BaseException:
+        conn.send(("error", current, traceback.format_exc()))
+
+
+class GymPool:
+    """`num_envs` envs made by `make()` (a picklable callable), in splits of `batch_size`, one
+    worker process a split (see the module docstring)."""
+
+    def __init__(self, make, num_envs: int, batch_size: int, seed: int):
+        if num_envs % batch_size:
+            raise ValueError(f"{num_envs} envs do not split into batches of {batch_size}")
+        probe = make()
+        self.observation_space, self.action_space = probe.observation_space, probe.action_space
+        self.metadata = dict(getattr(probe, "metadata", {}) or {})
+        probe.close()
+        self.num_envs, self.batch_size = num_envs, batch_size
+        context = multiprocessing.get_context("spawn")  # no fork of a process that runs JAX's threads
+        self.conns, self.procs, self.pending = [], [], []
+        for first in range(0, num_envs, batch_size):
+            parent, child = context.Pipe()
+            proc = context.Process(target=worker, args=(child, make, list(range(first, first + batch_size)), seed),
+                                   daemon=True)
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+
+    def split_of(self, env_ids) -> int:
+        return int(env_ids[0]) // self.batch_size
+
+    def async_reset(self):
+        for i, conn in enumerate(self.conns):
+            conn.send(("reset", None))
+            self.pending.append(i)
+
+    def send(self, actions, env_ids=None):
+        split = 0 if env_ids is None else self.split_of(env_ids)
+        try:
+            self.conns[split].send(("step", np.asarray(actions)))
+        except (BrokenPipeError, ConnectionError):
+            pass  # its worker is gone: recv says so
+        self.pending.append(split)
+
+    def recv(self):
+        """The first split whose step finished: (obs, reward, terminated, truncated, info)."""
+        if not self.pending:
+            raise RuntimeError("recv without a pending reset or step")
+        ready = wait([self.conns[i] for i in self.pending] + [self.procs[i].sentinel for i in self.pending])
+        for i in list(self.pending):
+            if self.conns[i] in ready or self.procs[i].sentinel in ready:
+                self.pending.remove(i)
+                return self.result(i)
+
+    def result(self, split: int):
+        try:
+            reply = self.conns[split].recv()
+        except (EOFError, ConnectionError):
+            self.procs[split].join(1)
+            first, last = split * self.batch_size, (split + 1) * self.batch_size - 1
+            envs = f"envs {first}-{last}" if last > first else f"env {first}"
+            raise EnvError(f"the worker of {envs} died (exit code {self.procs[split].exitcode})")
+        if isinstance(reply, tuple) and len(reply) == 3 and reply[0] == "error":
+            raise EnvError(f"env {reply[1]} raised in its worker:\n{reply[2]}")
+        obs, rewards, terminated, truncated, elapsed = reply
+        env_ids = np.arange(split * self.batch_size, (split + 1) * self.batch_size, dtype=np.int32)
+        return obs, rewards, terminated, truncated, {"env_id": env_ids, "elapsed_step": elapsed}
+
+    def reset(self):
+        self.async_reset()
+        return self.gather()[0], {}
+
+    def step(self, actions, env_ids=None):
+        """All splits at once (a pool of one split: `recv` after `send`)."""
+        actions = np.asarray(actions)
+        for split in range(len(self.conns)):
+            self.send(actions[split * self.batch_size:(split + 1) * self.batch_size],
+                      np.arange(split * self.batch_size, (split + 1) * self.batch_size))
+        return self.gather()
+
+    def gather(self):
+        results = sorted((self.recv() for _ in range(len(self.conns))), key=lambda r: int(r[4]["env_id"][0]))
+        obs = concat([r[0] for r in results])
+        info = {key: np.concatenate([r[4][key] for r in results]) for key in ("env_id", "elapsed_step")}
+        return obs, *(np.concatenate([r[k] for r in results]) for k in (1, 2, 3)), info
+
+    def close(self):
+        for conn, proc in zip(self.conns, self.procs):
+            try:
+                conn.send(("close", None))
+            except (BrokenPipeError, OSError):
+                pass
+            proc.join(2)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+    def render(self):
+        """Env 0's frame (evaluation's video), as envpool's render gives it: [1, H, W, 3]."""
+        self.conns[0].send(("render", None))
+        return np.asarray(self.conns[0].recv())[None]
+
+
+def concat(batches: list):
+    if isinstance(batches[0], dict):
+        return {key: concat([b[key] for b in batches]) for key in batches[0]}
+    return np.concatenate(batches)
+
+
+def make_user_env(env_id: str, env_module, kwargs: dict, **extra):
+    """A user's env (in any process: the worker imports the module itself)."""
+    if env_module:
+        importlib.import_module(env_module)
+        return gymnasium.make(env_id, **kwargs, **extra)
+    module, name = env_id.split(":", 1)
+    return getattr(importlib.import_module(module), name)(**kwargs, **extra)
+
+
+def user_maker(env_id: str, env_module, env_kwargs: str):
+    """The maker (picklable) of a user's env, checked by making one; None for an envpool task.
+    UsageError, one line, for a module that does not import, a name or id it does not have,
+    keyword arguments that are not a JSON object or that the env does not take."""
+    if ":" not in env_id and not env_module:
+        if env_kwargs:
+            raise UsageError("--env-kwargs is for a Gymnasium env (--env-id module:callable, or --env-module)")
+        return None
+    try:
+        kwargs = json.loads(env_kwargs) if env_kwargs else {}
+    except ValueError as e:
+        raise UsageError(f"--env-kwargs {env_kwargs!r} is not JSON ({e})")
+    if not isinstance(kwargs, dict):
+        raise UsageError(f"--env-kwargs {env_kwargs!r} is not a JSON object ({{\"name\": value, ...}})")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # the working directory's modules, as `python -m` finds them
+    module = env_module or env_id.split(":", 1)[0]
+    try:
+        importlib.import_module(module)
+    except Exception as e:
+        raise UsageError(f"--env-{'module' if env_module else 'id'} {module}: cannot import it ({type(e).__name__}: {e})")
+    if not env_module and not hasattr(sys.modules[module], env_id.split(":", 1)[1]):
+        raise UsageError(f"--env-id {env_id}: {module} has no {env_id.split(':', 1)[1]!r}")
+    if env_module and env_id not in gymnasium.registry:
+        raise UsageError(f"--env-id {env_id} is not registered by {env_module} (it registers "
+                         f"{', '.join(sorted(set(gymnasium.registry) - BUILT_IN)) or 'nothing'})")
+    make = functools.partial(make_user_env, env_id, env_module, kwargs)
+    try:
+        env = make()
+    except TypeError as e:
+        raise UsageError(f"--env-kwargs {env_kwargs or '{}'}: {env_id} does not take them ({e})")
+    if not isinstance(env, gymnasium.Env):
+        raise UsageError(f"--env-id {env_id} made a {type(env).__name__}, not a gymnasium.Env")
+    try:
+        check_observation(env_id, env.observation_space, env.reset(seed=0)[0], "observation")
+    finally:
+        env.close()
+    return make
+
+
+def check_observation(env_id: str, space, obs, where: str):
+    """UsageError naming the field of a reset's observation that its space does not describe."""
+    if isinstance(space, gymnasium.spaces.Dict):
+        if not isinstance(obs, dict) or set(obs) != set(space.spaces):
+            raise UsageError(f"--env-id {env_id}: reset() returned {where} keys {sorted(obs) if isinstance(obs, dict) else type(obs).__name__}"
+                             f" where observation_space has {sorted(space.spaces)}")
+        for key, sub in space.spaces.items():
+            check_observation(env_id, sub, obs[key], f"{where}[{key!r}]")
+        return
+    shape = np.shape(obs)
+    if shape != tuple(space.shape or ()):
+        raise UsageError(f"--env-id {env_id}: reset() returned {where} of shape {shape} where observation_space "
+                         f"says {tuple(space.shape or ())}")
+
+
+BUILT_IN = set(gymnasium.registry)  # Gymnasium's own ids, to name what a user's module added

@@ -1,0 +1,64 @@
+"""Gymnasium envs for tests/test_user_envs.py, imported by name (`tests.user_envs:...`) in the
+training scripts' worker processes."""
+
+import os
+import signal
+from pathlib import Path
+
+import gymnasium
+import numpy as np
+
+
+class Faulty(gymnasium.Env):
+    """A short-episode env that writes its pid under `pid_dir`, then at its `at`-th step raises
+    (how="raise") or SIGKILLs its own process (how="kill")."""
+
+    observation_space = gymnasium.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = gymnasium.spaces.Discrete(2)
+
+    def __init__(self, pid_dir: str = "", at: int = 10**9, how: str = "raise"):
+        self.at, self.how, self.steps, self.t = at, how, 0, 0
+        if pid_dir:
+            Path(pid_dir, str(os.getpid())).touch()
+
+    def reset(self, seed=None, options=None):
+        self.t = 0
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        self.steps, self.t = self.steps + 1, self.t + 1
+        if self.steps >= self.at:
+            if self.how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise ValueError("injected failure in the user's env")
+        return np.full(2, 0.5, np.float32), float(action), self.t >= 5, False, {}
+
+
+def dict_env(length: int = 3):
+    """A function that returns an env (the other form of module:callable), with Dict observations."""
+    return DictEnv(length)
+
+
+class DictEnv(gymnasium.Env):
+    observation_space = gymnasium.spaces.Dict({"position": gymnasium.spaces.Box(0.0, 10.0, (1,), np.float32),
+                                               "goal": gymnasium.spaces.Discrete(2)})
+    action_space = gymnasium.spaces.Box(-1.0, 1.0, (1,), np.float32)
+
+    def __init__(self, length):
+        self.length, self.t = length, 0
+
+    def reset(self, seed=None, options=None):
+        self.t = 0
+        return {"position": np.zeros(1, np.float32), "goal": 1}, {}
+
+    def step(self, action):
+        self.t += 1
+        obs = {"position": np.array([self.t], np.float32), "goal": 1}
+        return obs, -float(np.abs(action).sum()), False, self.t >= self.length, {}
+
+
+class WrongSpace(Faulty):
+    """Says Box(2,) and returns 3 numbers."""
+
+    def reset(self, seed=None, options=None):
+        return np.zeros(3, np.float32), {}
