@@ -169,7 +169,7 @@ def measure_sampler(env_id, num_envs, num_splits, num_steps, seconds, pin=True, 
     results = ctx.Queue()
     child = ctx.Process(target=sampler_process, args=(env_id, num_envs, num_splits, num_steps, seconds, layout, results, lstm, xla,
                                                       user),
-                        daemon=True)
+                        daemon=False)  # not daemonic: a user env's worker processes are its children
     child.start()
     deadline = time.monotonic() + seconds + 300
     try:
