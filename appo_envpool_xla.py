@@ -156,8 +156,6 @@ def resolve_args(args: Args) -> Args:
     """The flags left at None filled from the task's preset, and all checked: UsageError, one
     line, before anything starts (runs.checked holds the checks every script's flags take)."""
     fill = tasks.preset_values(args, PRESETS)
-    if args.env_id in tasks.USER_ENVS:
-        raise UsageError(f"--env-id {args.env_id}: a Gymnasium env has no XLA interface; train it with appo_envpool.py")
     if args.lstm and "num_minibatches" in fill:  # whole env sequences: a preset's count that divides num_envs
         fill["num_minibatches"] = int(np.gcd(fill["num_minibatches"], devices.global_envs(args)))
     if args.num_splits is None:  # double buffering for the Nature CNN's images (see --num-splits)
@@ -782,10 +780,18 @@ def build(args: Args, key):
     return network, optimizer, continuous, normalizer, state
 
 
+def resolve_xla_args(args: Args) -> Args:
+    """resolve_args, for envpool tasks only: a Gymnasium env has no XLA interface."""
+    args = resolve_args(args)
+    if args.env_id in tasks.USER_ENVS:
+        raise UsageError(f"--env-id {args.env_id}: a Gymnasium env has no XLA interface; train it with appo_envpool.py")
+    return args
+
+
 def main(args: Args, given=None) -> int:
     """Train; return the exit code. `given`: the flags named on the command line, which replace a
     resumed run's own (None: those that differ from Args' defaults)."""
-    with runs.Run(args, given, __file__, resolve_args) as run:
+    with runs.Run(args, given, __file__, resolve_xla_args) as run:
         if run.finished:
             return 0
         args = run.args
