@@ -17,6 +17,7 @@ import os
 import sys
 import textwrap
 import threading
+import types
 import typing
 from dataclasses import dataclass
 from typing import Annotated, Optional
@@ -171,7 +172,7 @@ def metavar(hint) -> str:
         return "{" + ",".join(map(str, args)) + "}"
     if typing.get_origin(hint) is list:
         return metavar(args[0]) + "..."
-    if typing.get_origin(hint) in (typing.Union, getattr(__import__("types"), "UnionType", None)) and len(args) == 1:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
         return "True|False" if args[0] is bool else metavar(args[0])
     return {int: "INT", float: "FLOAT", str: "STR", bool: ""}.get(hint, "VALUE")
 

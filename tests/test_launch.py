@@ -4,7 +4,6 @@ stopped sweep resumed by the same command, no run trained twice or lost; Ctrl-C 
 process; the plot and the table from the sweep folder; the SLURM script naming every run."""
 
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -39,7 +39,7 @@ from helpers import (
     tag_values,
     wait_until,
 )
-from jax_async_rl import folders, runs
+from jax_async_rl import folders
 
 HOST = LIBRARY_HOST
 COLD = ["--compile-cache", ""]  # a cold start: an update cached by an earlier Pong run loads in seconds

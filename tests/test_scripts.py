@@ -5,7 +5,6 @@ behind them is tested once, in tests/test_lib_*.py."""
 
 import ast
 import json
-import os
 import re
 import shutil
 import signal

@@ -4,7 +4,6 @@ that raises or a worker the OS kills stops the run with exit 1 and leaves no wor
 script refuses; and the example memory env learns (feed-forward guesses, --lstm remembers)."""
 
 import json
-import os
 import signal
 import time
 from pathlib import Path
