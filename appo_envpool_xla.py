@@ -100,8 +100,8 @@ class Args(flags.RunArgs):
     lstm_size: Annotated[int, POSITIVE] = 128
     """hidden units of the LSTM, the size of its h and of its c (CleanRL's ppo_atari_lstm.py: 128)"""
     num_threads: Annotated[int, NON_NEGATIVE] = 0
-    """envpool worker threads of each actor thread (0: the CPU cores shared among the actor threads,
-    at most num_envs)"""
+    """envpool worker threads of each actor thread (your Gymnasium env's: worker processes; 0: the
+    CPU cores shared among the actor threads, at most num_envs)"""
     num_actor_threads: Annotated[int, POSITIVE] = 1
     """actor threads on each actor device, each with num_envs envs and splits of its own; an update
     takes one rollout from each, so its global batch is processes x actor devices x actor threads x

@@ -80,7 +80,8 @@ class Args(flags.RunArgs):
     lstm_size: Annotated[int, POSITIVE] = 128
     """hidden units of the LSTM, the size of its h and of its c (CleanRL's ppo_atari_lstm.py: 128)"""
     num_threads: Annotated[int, NON_NEGATIVE] = 0
-    """envpool worker threads stepping the environments (0: one per CPU core, at most num_envs)"""
+    """envpool worker threads stepping the environments (your Gymnasium env's: worker processes; 0:
+    one per CPU core, at most num_envs)"""
 
 
 # Defaults of the flags left at None: a task's own preset (by name, without its version), else its

@@ -3,8 +3,9 @@ script's actor, collector, evaluation and video code runs them unchanged: `async
 `recv` / `send` with env ids and a batch of one split, `step`, `reset`, the spaces, and
 `info["env_id"]` / `info["elapsed_step"]`.
 
-Each split (`batch_size` envs) lives in a worker process of its own, so that while the actor
-runs inference for one split the other's envs step (double buffering, as with envpool).
+Each split (`batch_size` envs) lives in worker processes of its own (several envs to a process),
+so that while the actor runs inference for one split the other's envs step (double buffering,
+as with envpool).
 Autoreset follows envpool's rule: the step after an episode's end returns the first
 observation of the next, with reward 0, and its action is ignored. An env that raises in a
 worker, or a worker that dies, raises `EnvError` here with the env's id and traceback.
@@ -81,10 +82,11 @@ def worker(conn, make, env_ids: list, seed: int):
 
 
 class GymPool:
-    """`num_envs` envs made by `make()` (a picklable callable), in splits of `batch_size`, one
-    worker process a split (see the module docstring)."""
+    """`num_envs` envs made by `make()` (a picklable callable), in splits of `batch_size`, each
+    split's envs shared out over processes of its own: `processes` in all (at least one a split,
+    at most one an env); see the module docstring."""
 
-    def __init__(self, make, num_envs: int, batch_size: int, seed: int):
+    def __init__(self, make, num_envs: int, batch_size: int, seed: int, processes: int = 1):
         if num_envs % batch_size:
             raise ValueError(f"{num_envs} envs do not split into batches of {batch_size}")
         probe = make()
@@ -92,54 +94,78 @@ class GymPool:
         self.metadata = dict(getattr(probe, "metadata", {}) or {})
         probe.close()
         self.num_envs, self.batch_size = num_envs, batch_size
+        # One process steps its envs in turn: an env that waits (a simulator, a sleep) overlaps
+        # with others only in processes of their own, while an env that computes gains nothing
+        # from more processes than cores (--num-threads: the cores, by default).
+        self.workers = max(1, min(batch_size, processes // (num_envs // batch_size)))
+        # Worker w of a split holds its envs [cuts[w], cuts[w + 1]).
+        self.cuts = [batch_size * w // self.workers for w in range(self.workers + 1)]
         context = multiprocessing.get_context("spawn")  # no fork of a process that runs JAX's threads
-        self.conns, self.procs, self.pending = [], [], []
+        self.conns, self.procs, self.pending, self.replies = [], [], [], {}
         for first in range(0, num_envs, batch_size):
-            parent, child = context.Pipe()
-            proc = context.Process(target=worker, args=(child, make, list(range(first, first + batch_size)), seed),
-                                   daemon=True)
-            proc.start()
-            child.close()
-            self.conns.append(parent)
-            self.procs.append(proc)
+            for w in range(self.workers):
+                parent, child = context.Pipe()
+                ids = list(range(first + self.cuts[w], first + self.cuts[w + 1]))
+                proc = context.Process(target=worker, args=(child, make, ids, seed), daemon=True)
+                proc.start()
+                child.close()
+                self.conns.append(parent)
+                self.procs.append(proc)
 
     def split_of(self, env_ids) -> int:
         return int(env_ids[0]) // self.batch_size
 
+    def of_split(self, split: int) -> range:
+        """The indices (in conns and procs) of a split's workers."""
+        return range(split * self.workers, (split + 1) * self.workers)
+
     def async_reset(self):
-        for i, conn in enumerate(self.conns):
-            conn.send(("reset", None))
-            self.pending.append(i)
+        for split in range(self.num_envs // self.batch_size):
+            for i in self.of_split(split):
+                self.conns[i].send(("reset", None))
+            self.pending.append(split)
 
     def send(self, actions, env_ids=None):
         split = 0 if env_ids is None else self.split_of(env_ids)
-        try:
-            self.conns[split].send(("step", np.asarray(actions)))
-        except (BrokenPipeError, ConnectionError):
-            pass  # its worker is gone: recv says so
+        actions = np.asarray(actions)
+        for w, i in enumerate(self.of_split(split)):
+            try:
+                self.conns[i].send(("step", actions[self.cuts[w]:self.cuts[w + 1]]))
+            except (BrokenPipeError, ConnectionError):
+                pass  # its worker is gone: recv says so
         self.pending.append(split)
 
     def recv(self):
-        """The first split whose step finished: (obs, reward, terminated, truncated, info)."""
+        """The first split whose step finished (in all of its workers): (obs, reward, terminated,
+        truncated, info)."""
         if not self.pending:
             raise RuntimeError("recv without a pending reset or step")
-        ready = wait([self.conns[i] for i in self.pending] + [self.procs[i].sentinel for i in self.pending])
-        for i in list(self.pending):
-            if self.conns[i] in ready or self.procs[i].sentinel in ready:
-                self.pending.remove(i)
-                return self.result(i)
+        while True:
+            for split in self.pending:
+                if all(i in self.replies for i in self.of_split(split)):
+                    self.pending.remove(split)
+                    return self.result(split, [self.replies.pop(i) for i in self.of_split(split)])
+            waiting = [i for split in self.pending for i in self.of_split(split) if i not in self.replies]
+            ready = wait([self.conns[i] for i in waiting] + [self.procs[i].sentinel for i in waiting])
+            for i in waiting:
+                if self.conns[i] in ready or self.procs[i].sentinel in ready:
+                    self.replies[i] = self.reply(i)
 
-    def result(self, split: int):
+    def reply(self, i: int):
         try:
-            reply = self.conns[split].recv()
+            reply = self.conns[i].recv()
         except (EOFError, ConnectionError):
-            self.procs[split].join(1)
-            first, last = split * self.batch_size, (split + 1) * self.batch_size - 1
+            self.procs[i].join(1)
+            split, w = divmod(i, self.workers)
+            first, last = split * self.batch_size + self.cuts[w], split * self.batch_size + self.cuts[w + 1] - 1
             envs = f"envs {first}-{last}" if last > first else f"env {first}"
-            raise EnvError(f"the worker of {envs} died (exit code {self.procs[split].exitcode})")
+            raise EnvError(f"the worker of {envs} died (exit code {self.procs[i].exitcode})")
         if isinstance(reply, tuple) and len(reply) == 3 and reply[0] == "error":
             raise EnvError(f"env {reply[1]} raised in its worker:\n{reply[2]}")
-        obs, rewards, terminated, truncated, elapsed = reply
+        return reply
+
+    def result(self, split: int, replies: list):
+        obs, rewards, terminated, truncated, elapsed = (concat([r[k] for r in replies]) for k in range(5))
         env_ids = np.arange(split * self.batch_size, (split + 1) * self.batch_size, dtype=np.int32)
         return obs, rewards, terminated, truncated, {"env_id": env_ids, "elapsed_step": elapsed}
 
@@ -150,13 +176,13 @@ class GymPool:
     def step(self, actions, env_ids=None):
         """All splits at once (a pool of one split: `recv` after `send`)."""
         actions = np.asarray(actions)
-        for split in range(len(self.conns)):
+        for split in range(self.num_envs // self.batch_size):
             self.send(actions[split * self.batch_size:(split + 1) * self.batch_size],
                       np.arange(split * self.batch_size, (split + 1) * self.batch_size))
         return self.gather()
 
     def gather(self):
-        results = sorted((self.recv() for _ in range(len(self.conns))), key=lambda r: int(r[4]["env_id"][0]))
+        results = sorted((self.recv() for _ in range(self.num_envs // self.batch_size)), key=lambda r: int(r[4]["env_id"][0]))
         obs = concat([r[0] for r in results])
         info = {key: np.concatenate([r[4][key] for r in results]) for key in ("env_id", "elapsed_step")}
         return obs, *(np.concatenate([r[k] for r in results]) for k in (1, 2, 3)), info

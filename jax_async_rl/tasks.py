@@ -128,7 +128,7 @@ def make_env(env_id: str, num_envs: int, seed: int, num_threads: int, train: boo
     if env_id in USER_ENVS:  # a user's Gymnasium env, in worker processes behind envpool's interface
         extra = {"render_mode": kwargs["render_mode"]} if "render_mode" in kwargs else {}
         maker = functools.partial(USER_ENVS[env_id], **extra) if extra else USER_ENVS[env_id]
-        return gym_pool.GymPool(maker, num_envs, kwargs.get("batch_size", num_envs), seed)
+        return gym_pool.GymPool(maker, num_envs, kwargs.get("batch_size", num_envs), seed, num_threads or os.cpu_count() or 1)
     kind = env_kind(env_id)
     kwargs.update(dict(episodic_life=train, reward_clip=train, noop_max=30) if kind == "atari" else {})
     kwargs.update(VIZDOOM if kind == "vizdoom" else {})

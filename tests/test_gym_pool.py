@@ -72,8 +72,10 @@ def reference(num_envs, seed, steps_actions):
 
 
 @pytest.mark.timeout(120)
-def test_the_pool_steps_as_envpool_does_with_splits_out_of_order():
-    pool = GymPool(Make(), num_envs=4, batch_size=2, seed=10)
+@pytest.mark.parametrize("processes", [1, 4])  # a process a split (its envs in turn), a process an env
+def test_the_pool_steps_as_envpool_does_with_splits_out_of_order(processes):
+    pool = GymPool(Make(), num_envs=4, batch_size=2, seed=10, processes=processes)
+    assert len(pool.procs) == max(2, processes)
     rng = np.random.default_rng(0)
     try:
         pool.async_reset()
@@ -104,8 +106,9 @@ def test_the_pool_steps_as_envpool_does_with_splits_out_of_order():
 
 
 @pytest.mark.timeout(120)
-def test_dict_observations_and_the_synchronous_step():
-    pool = GymPool(Make(dict_obs=True), num_envs=3, batch_size=3, seed=0)
+@pytest.mark.parametrize("processes", [1, 2])  # 2: envs 0 and 1-2, put together again
+def test_dict_observations_and_the_synchronous_step(processes):
+    pool = GymPool(Make(dict_obs=True), num_envs=3, batch_size=3, seed=0, processes=processes)
     try:
         obs, _ = pool.reset()
         assert set(obs) == {"count", "flag"} and obs["count"].shape == (3, 2)
@@ -134,15 +137,16 @@ def test_an_env_that_raises_is_reported_with_its_id_and_traceback():
 
 @pytest.mark.timeout(120)
 def test_a_worker_killed_by_the_os_is_reported():
-    pool = GymPool(Make(), num_envs=2, batch_size=1, seed=0)
+    """4 envs in 2 splits, 2 processes each: the second process of split 1 (env 3) is killed."""
+    pool = GymPool(Make(), num_envs=4, batch_size=2, seed=0, processes=4)
     try:
         pool.async_reset()
         for _ in range(2):
             pool.recv()
-        os.kill(pool.procs[1].pid, signal.SIGKILL)
-        pool.procs[1].join(5)
-        pool.send([1], [1])
-        with pytest.raises(EnvError, match=r"the worker of env 1 died \(exit code -9\)"):
+        os.kill(pool.procs[3].pid, signal.SIGKILL)
+        pool.procs[3].join(5)
+        pool.send([1, 1], [2, 3])
+        with pytest.raises(EnvError, match=r"the worker of env 3 died \(exit code -9\)"):
             pool.recv()
     finally:
         pool.close()

@@ -251,6 +251,26 @@ def test_config_records_the_global_batch(script_name, tmp_path, devices):
     assert steps == [256, 512]
 
 
+@pytest.mark.timeout(400)
+def test_a_user_env_on_2_processes_of_2_learner_devices(tmp_path, devices):
+    """A user's Gymnasium env (examples/corridor.py, its workers in each process) under APPO on
+    2 processes x 2 learner devices, 2 splits each: both exit 0, and process 0's logs hold both
+    processes' games and updates of the global batch."""
+    devices(2)
+    run_dir = tmp_path / "run"
+    argv = cli("appo_envpool.py", env_id="examples.corridor:Corridor", run_dir=run_dir, total_timesteps=1024,
+               num_splits=2) + ["--learner-device-ids", "0", "1"]
+    results = finish_processes(start_processes("appo_envpool.py", argv, tmp_path), tmp_path, timeout=300)
+    assert [code for code, _, _ in results] == [0, 0], describe_all(results)
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["global_batch"] == "2 processes x 1 actor thread x 4 envs x 16 steps = 128 env steps", config
+    records = read_metrics(run_dir)
+    assert sorted({r["step"] for r in records if r["tag"].startswith("losses/")}) == list(range(128, 1025, 128))
+    # Corridor (length 4) games last 5 steps or more: 2 x 4 envs play about 1024 / 5 of them at most.
+    lengths = tag_values(records, "charts/episodic_length")
+    assert 0.8 * 1024 - 8 * 60 < sum(lengths) <= 1024, sum(lengths)
+
+
 # ---------------------------------------------------------------------------------------------
 # Learning
 # ---------------------------------------------------------------------------------------------

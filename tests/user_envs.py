@@ -3,6 +3,7 @@ training scripts' worker processes."""
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import gymnasium
@@ -17,7 +18,7 @@ class Faulty(gymnasium.Env):
     action_space = gymnasium.spaces.Discrete(2)
 
     def __init__(self, pid_dir: str = "", at: int = 10**9, how: str = "raise"):
-        self.at, self.how, self.steps, self.t = at, how, 0, 0
+        self.at, self.how, self.steps, self.t, self.pid_dir = at, how, 0, 0, pid_dir
         if pid_dir:
             Path(pid_dir, str(os.getpid())).touch()
 
@@ -28,6 +29,8 @@ class Faulty(gymnasium.Env):
     def step(self, action):
         self.steps, self.t = self.steps + 1, self.t + 1
         if self.steps >= self.at:
+            if self.pid_dir:  # when the fault happened, for the test's 30 s bound
+                Path(self.pid_dir, f"fault-{os.getpid()}").write_text(repr(time.time()))
             if self.how == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             raise ValueError("injected failure in the user's env")

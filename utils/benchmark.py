@@ -1,6 +1,8 @@
 """The paper's throughput comparison in one command (Sample Factory §4, Fig. 3 and Table 1).
 
-1. ceiling:    raw envpool stepping with random actions (no policy), per thread count;
+1. ceiling:    raw envpool stepping with random actions (no policy), per thread count (your
+               Gymnasium env: the package's worker processes, per process count, and
+               Gymnasium's AsyncVectorEnv with shared memory, a process an env, beside them);
 2. sampler:    appo_envpool.py's actor loop with the jitted policy and no learning, with
                --num-splits 1 and 2 at the same --num-envs and one env thread (double buffering),
                with --lstm at 2 splits (the recurrent actor's cost against the feed-forward one),
@@ -122,10 +124,16 @@ def machine_info() -> dict:
     }
 
 
-def measure_ceiling(env_id, num_envs, num_threads, seconds):
-    """Agent steps per second of envpool alone, synchronous stepping with random actions."""
-    envs = tasks.make_env(env_id, num_envs, 1, num_threads, train=True)
-    space = envs.action_space
+def measure_ceiling(env_id, num_envs, num_threads, seconds, async_vector_env=False):
+    """Agent steps per second of envpool alone, synchronous stepping with random actions (or of
+    a user's env in Gymnasium's AsyncVectorEnv, shared memory, a process an env)."""
+    if async_vector_env:
+        import gymnasium
+
+        envs = gymnasium.vector.AsyncVectorEnv([tasks.USER_ENVS[env_id]] * num_envs, shared_memory=True, context="spawn")
+    else:
+        envs = tasks.make_env(env_id, num_envs, 1, num_threads, train=True)
+    space = envs.single_action_space if async_vector_env else envs.action_space
     rng = np.random.default_rng(0)
     envs.reset()
     steps, start = 0, time.perf_counter()
@@ -462,6 +470,7 @@ def main(args: Args) -> int:
     skip = 1 if user else frame_skip(args.env_id)
     results = {"env_id": args.env_id, "frame_skip": skip, "config": dataclasses.asdict(args), "machine": machine_info(), "measurements": []}
     jobs = [("ceiling", t) for t in args.ceiling_threads] * ("ceiling" in args.parts)
+    jobs += [("ceiling", "AsyncVectorEnv")] * ("ceiling" in args.parts and user)
     jobs += [("sampler", (1, False, False)), ("sampler", (2, False, False)), ("sampler", (2, True, False))] * ("sampler" in args.parts)
     jobs += [("sampler", (1, False, True)), ("sampler", (2, False, True))] * ("sampler" in args.parts and args.xla_actor)
     scripts = [s for s in args.scripts if args.xla_actor or s != XLA_SCRIPT]
@@ -474,7 +483,9 @@ def main(args: Args) -> int:
         print(f"[{i + 1}/{len(jobs)}] {kind} {param}  ({time.time() - start:.0f}s elapsed)", flush=True)
         row = {"kind": kind, "script": None, "env_id": args.env_id, "num_envs": args.num_envs, "num_splits": None,
                "num_threads": None, "num_steps": None, "lstm": False, "xla_actor": False}
-        if kind == "ceiling":
+        if kind == "ceiling" and param == "AsyncVectorEnv":
+            row.update(num_threads=f"{args.num_envs} (AsyncVectorEnv)", sps=measure_ceiling(args.env_id, args.num_envs, 0, seconds, True))
+        elif kind == "ceiling":
             threads = param or min(os.cpu_count() or 1, args.num_envs)
             row.update(num_threads=threads, sps=measure_ceiling(args.env_id, args.num_envs, threads, seconds))
         elif kind == "sampler":
