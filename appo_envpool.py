@@ -70,7 +70,7 @@ class Args(flags.RunArgs):
     gamma: Annotated[Optional[float], PRESET, UNIT] = None
     """discount factor"""
     gae_lambda: Annotated[Optional[float], PRESET, UNIT] = None
-    """lambda of generalised advantage estimation"""
+    """lambda of generalised advantage estimation, and of V-trace's traces (rlax's lambda_)"""
     num_minibatches: Annotated[Optional[int], PRESET, POSITIVE] = None
     """minibatches per epoch; must divide the global batch, the envs of all actors x num_steps
     (with an LSTM: the envs, as minibatches hold whole env sequences, and a preset's count then
@@ -313,16 +313,19 @@ def compute_gae(rewards, values, bootstrap_value, discounts, gae_lambda):
 
 def vtrace(
     log_rhos, discounts, rewards, values, bootstrap_value,
-    clip_rho_threshold=1.0, clip_c_threshold=1.0, clip_pg_rho_threshold=1.0,
+    clip_rho_threshold=1.0, clip_c_threshold=1.0, clip_pg_rho_threshold=1.0, lambda_=1.0,
 ):
-    """V-trace targets and policy-gradient advantages (Espeholt et al. 2018, eq. 1 and §4.2).
+    """V-trace targets and policy-gradient advantages (Espeholt et al. 2018, eq. 1 and §4.2),
+    with rlax's `lambda_` (vtrace_td_error_and_advantage): traces c = lambda min(c bar, rho), and
+    the advantage bootstraps on lambda vs + (1 - lambda) V, so that on-policy the targets are
+    TD(lambda)'s and the advantages GAE(lambda)'s (lambda 1: the paper's).
 
     log_rhos = log pi(a|x) - log mu(a|x), discounts, rewards, values: [T, B]; bootstrap_value: [B].
     Returns (vs, pg_advantages), both [T, B], with gradients stopped.
     """
     rhos = jnp.exp(log_rhos)
     clipped_rhos = jnp.minimum(clip_rho_threshold, rhos)
-    cs = jnp.minimum(clip_c_threshold, rhos)
+    cs = lambda_ * jnp.minimum(clip_c_threshold, rhos)
     next_values = jnp.concatenate([values[1:], bootstrap_value[None]], axis=0)
     deltas = clipped_rhos * (rewards + discounts * next_values - values)
 
@@ -334,6 +337,7 @@ def vtrace(
     _, vs_minus_v = jax.lax.scan(backward, jnp.zeros_like(bootstrap_value), (deltas, discounts, cs), reverse=True)
     vs = vs_minus_v + values
     next_vs = jnp.concatenate([vs[1:], bootstrap_value[None]], axis=0)
+    next_vs = lambda_ * next_vs + (1.0 - lambda_) * next_values
     pg_advantages = jnp.minimum(clip_pg_rho_threshold, rhos) * (rewards + discounts * next_vs - values)
     return jax.lax.stop_gradient(vs), jax.lax.stop_gradient(pg_advantages)
 
@@ -386,6 +390,8 @@ def ppo_loss(logprobs, old_logprobs, advantages, values, returns, entropy, mask,
         "entropy": entropy_loss,
         "approx_kl": masked_mean((ratio - 1) - log_ratio, mask),
         "clipfrac": masked_mean((jnp.abs(ratio - 1) > clip_coef).astype(jnp.float32), mask),
+        "explained_variance": 1 - masked_mean((returns - values) ** 2, mask) / jnp.maximum(
+            masked_mean((returns - masked_mean(returns, mask)) ** 2, mask), 1e-8),
     }
     return loss, diagnostics
 
@@ -606,16 +612,21 @@ def targets(network, state, rollout, args: Args, continuous: bool):
     if args.vtrace:
         returns, advantages = vtrace(
             logprobs - rollout["logprobs"], discounts, rewards, values, bootstrap_value, args.vtrace_rho_bar, args.vtrace_c_bar,
+            lambda_=args.gae_lambda,
         )
     else:
         advantages = compute_gae(rewards, values, bootstrap_value, discounts, args.gae_lambda)
         returns = advantages + values
     lag = state["policy_version"] - rollout["policy_version"]
     fresh = (lag <= args.max_policy_lag).astype(jnp.float32)
+    ratio = jnp.exp(logprobs - rollout["logprobs"])  # pi / mu before this update moves pi
     diagnostics = {
         "async/policy_lag_mean": masked_mean(lag, rollout["valid"]),
         "async/policy_lag_max": jnp.max(jnp.where(rollout["valid"] > 0, lag, 0)),
         "async/stale_fraction": masked_mean(1.0 - fresh, rollout["valid"]),
+        "async/start_clipfrac": masked_mean((jnp.abs(ratio - 1) > args.clip_coef).astype(jnp.float32), rollout["valid"]),
+        "async/start_kl": masked_mean(ratio - 1 - jnp.log(ratio), rollout["valid"]),
+        "async/rho_clipfrac": masked_mean((ratio > args.vtrace_rho_bar).astype(jnp.float32), rollout["valid"]),
     }
     return advantages, returns, rollout["valid"] * fresh, diagnostics
 
@@ -635,7 +646,7 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
         (loss, diagnostics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, jax.tree.map(lambda u: -learning_rate * u, updates))
-        return (params, opt_state), {"loss": loss, **diagnostics}
+        return (params, opt_state), {"loss": loss, "grad_norm": optax.global_norm(grads), **diagnostics}
 
     @jax.jit
     def update(state, rollout, key, total_timesteps):

@@ -265,16 +265,19 @@ def log_prob_entropy(pi, actions, continuous: bool):
 
 def vtrace(
     log_rhos, discounts, rewards, values, bootstrap_value,
-    clip_rho_threshold=1.0, clip_c_threshold=1.0, clip_pg_rho_threshold=1.0,
+    clip_rho_threshold=1.0, clip_c_threshold=1.0, clip_pg_rho_threshold=1.0, lambda_=1.0,
 ):
-    """V-trace targets and policy-gradient advantages (Espeholt et al. 2018, eq. 1 and §4.2).
+    """V-trace targets and policy-gradient advantages (Espeholt et al. 2018, eq. 1 and §4.2),
+    with rlax's `lambda_` (vtrace_td_error_and_advantage): traces c = lambda min(c bar, rho), and
+    the advantage bootstraps on lambda vs + (1 - lambda) V, so that on-policy the targets are
+    TD(lambda)'s and the advantages GAE(lambda)'s (lambda 1: the paper's).
 
     log_rhos = log pi(a|x) - log mu(a|x), discounts, rewards, values: [T, B]; bootstrap_value: [B].
     Returns (vs, pg_advantages), both [T, B], with gradients stopped.
     """
     rhos = jnp.exp(log_rhos)
     clipped_rhos = jnp.minimum(clip_rho_threshold, rhos)
-    cs = jnp.minimum(clip_c_threshold, rhos)
+    cs = lambda_ * jnp.minimum(clip_c_threshold, rhos)
     next_values = jnp.concatenate([values[1:], bootstrap_value[None]], axis=0)
     deltas = clipped_rhos * (rewards + discounts * next_values - values)
 
@@ -286,6 +289,7 @@ def vtrace(
     _, vs_minus_v = jax.lax.scan(backward, jnp.zeros_like(bootstrap_value), (deltas, discounts, cs), reverse=True)
     vs = vs_minus_v + values
     next_vs = jnp.concatenate([vs[1:], bootstrap_value[None]], axis=0)
+    next_vs = lambda_ * next_vs + (1.0 - lambda_) * next_values
     pg_advantages = jnp.minimum(clip_pg_rho_threshold, rhos) * (rewards + discounts * next_vs - values)
     return jax.lax.stop_gradient(vs), jax.lax.stop_gradient(pg_advantages)
 

@@ -335,6 +335,8 @@ def ppo_loss(logprobs, old_logprobs, advantages, values, returns, entropy, mask,
         "entropy": entropy_loss,
         "approx_kl": masked_mean((ratio - 1) - log_ratio, mask),
         "clipfrac": masked_mean((jnp.abs(ratio - 1) > clip_coef).astype(jnp.float32), mask),
+        "explained_variance": 1 - masked_mean((returns - values) ** 2, mask) / jnp.maximum(
+            masked_mean((returns - masked_mean(returns, mask)) ** 2, mask), 1e-8),
     }
     return loss, diagnostics
 
@@ -491,7 +493,7 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
         (loss, diagnostics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, jax.tree.map(lambda u: -learning_rate * u, updates))
-        return (params, opt_state), {"loss": loss, **diagnostics}
+        return (params, opt_state), {"loss": loss, "grad_norm": optax.global_norm(grads), **diagnostics}
 
     @jax.jit
     def update(state, rollout, key, total_timesteps):

@@ -19,13 +19,15 @@ impala = load_script("impala_envpool.py")
 # ---------------------------------------------------------------------------------------------
 
 
-def vtrace_by_definition(log_rhos, discounts, rewards, values, bootstrap_value, rho_bar, c_bar, pg_rho_bar):
+def vtrace_by_definition(log_rhos, discounts, rewards, values, bootstrap_value, rho_bar, c_bar, pg_rho_bar, lam=1.0):
     """Eq. 1 as the paper writes it, in float64, with per-step discounts in place of gamma^k:
 
         v_s = V(x_s) + sum_{t=s}^{T-1} (prod_{k=s}^{t-1} discount_k c_k) rho_t delta_t,
         delta_t = r_t + discount_t V(x_{t+1}) - V(x_t),  rho_t = min(rho_bar, pi/mu),
         c_k = min(c_bar, pi/mu),  V(x_T) = bootstrap_value, v_T = bootstrap_value;
-        pg advantage_s = min(pg_rho_bar, pi/mu) (r_s + discount_s v_{s+1} - V(x_s)).
+        pg advantage_s = min(pg_rho_bar, pi/mu) (r_s + discount_s v_{s+1} - V(x_s));
+    with lam (rlax's lambda_): c_k = lam min(c_bar, pi/mu), and the advantage's v_{s+1} is
+    lam v_{s+1} + (1 - lam) V(x_{s+1}).
     """
     log_rhos, discounts, rewards, values = (np.asarray(x, np.float64) for x in (log_rhos, discounts, rewards, values))
     bootstrap_value = np.asarray(bootstrap_value, np.float64)
@@ -40,11 +42,12 @@ def vtrace_by_definition(log_rhos, discounts, rewards, values, bootstrap_value, 
             for t in range(s, T):
                 weight = 1.0
                 for k in range(s, t):
-                    weight *= discounts[k, b] * min(c_bar, ratios[k, b])
+                    weight *= discounts[k, b] * lam * min(c_bar, ratios[k, b])
                 delta = rewards[t, b] + discounts[t, b] * all_values[t + 1, b] - all_values[t, b]
                 total += weight * min(rho_bar, ratios[t, b]) * delta
             vs[s, b] = values[s, b] + total
-    pg_advantages = np.minimum(pg_rho_bar, ratios) * (rewards + discounts * vs[1:] - values)
+    following = lam * vs[1:] + (1 - lam) * all_values[1:]
+    pg_advantages = np.minimum(pg_rho_bar, ratios) * (rewards + discounts * following - values)
     return vs[:T], pg_advantages
 
 
@@ -111,6 +114,42 @@ def test_vtrace_on_policy_is_discounted_return(seed):
     returns = discounted_returns(rewards.astype(np.float64), discounts.astype(np.float64), bootstrap_value)
     np.testing.assert_allclose(np.asarray(vs), returns, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(pg_advantages), returns - values, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("thresholds", THRESHOLDS[:3], ids=lambda t: "rho{}-c{}-pg{}".format(*t))
+def test_vtrace_with_lambda_matches_the_sum(thresholds):
+    inputs = off_policy_rollout(4)
+    vs, pg_advantages = appo.vtrace(*inputs, *thresholds, lambda_=0.8)
+    want_vs, want_pg = vtrace_by_definition(*inputs, *thresholds, lam=0.8)
+    np.testing.assert_allclose(np.asarray(vs), want_vs, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(pg_advantages), want_pg, rtol=1e-5, atol=1e-5)
+    assert np.abs(want_vs - vtrace_by_definition(*inputs, *thresholds)[0]).max() > 1e-2  # lambda matters
+
+
+def gae_by_definition(rewards, discounts, values, bootstrap_value, lam):
+    """GAE (Schulman et al. 2016, eq. 16) as a sum, float64: A_s = sum_t (prod_{k<t} discount_k lam) delta_t."""
+    rewards, discounts, values = (np.asarray(x, np.float64) for x in (rewards, discounts, values))
+    all_values = np.concatenate([values, np.asarray(bootstrap_value, np.float64)[None]])
+    deltas = rewards + discounts * all_values[1:] - all_values[:-1]
+    T = rewards.shape[0]
+    advantages = np.zeros_like(rewards)
+    for s in range(T):
+        weight = np.ones(rewards.shape[1])
+        for t in range(s, T):
+            advantages[s] += weight * deltas[t]
+            weight = weight * discounts[t] * lam
+    return advantages
+
+
+@pytest.mark.parametrize("lam", [0.8, 0.95])
+def test_vtrace_on_policy_with_lambda_is_gae(lam):
+    """pi = mu: V-trace(lambda) gives sync PPO's targets, GAE(lambda) advantages and returns
+    GAE + V, so that APPO with no lag learns from what the sync baseline learns from."""
+    _, discounts, rewards, values, bootstrap_value = off_policy_rollout(5)
+    vs, pg_advantages = appo.vtrace(np.zeros_like(rewards), discounts, rewards, values, bootstrap_value, lambda_=lam)
+    gae = gae_by_definition(rewards, discounts, values, bootstrap_value, lam)
+    np.testing.assert_allclose(np.asarray(pg_advantages), gae, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(vs), gae + values, rtol=1e-5, atol=1e-5)
 
 
 def test_vtrace_hand_example():

@@ -391,6 +391,26 @@ def updated_params(update, state, rollout):
     return np.concatenate([np.ravel(x) for x in jax.tree.leaves(new_state["params"])]), diagnostics
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("script", ["appo_envpool.py", "appo_envpool_xla.py"])
+def test_the_update_measures_pi_against_mu_before_it_moves(script):
+    """async/start_*: pi (the learner's parameters as the update starts) against mu (the logged
+    log-probabilities), over the valid transitions: none outside the clip range and no KL when
+    mu is pi; all outside it when mu is 1.5 pi, and the KL (r - 1 - log r, r = 2/3) exact."""
+    module = load_script(script)
+    update, state = learner(module)
+    rollout = synthetic_rollout(0)
+    T, B = STAMPS.shape
+    network = TinyActorCritic(3)
+    logits, _, _ = network.apply(state["params"], rollout["obs"].reshape(T * B, 3))
+    pi = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), rollout["actions"].reshape(-1, 1), 1).reshape(T, B)
+    _, same = updated_params(update, state, dict(rollout, logprobs=pi))
+    assert float(same["async/start_clipfrac"]) == 0 and abs(float(same["async/start_kl"])) < 1e-6
+    _, apart = updated_params(update, state, dict(rollout, logprobs=pi + np.log(1.5).astype(np.float32)))
+    assert float(apart["async/start_clipfrac"]) == 1 and float(apart["async/rho_clipfrac"]) == 0
+    assert float(apart["async/start_kl"]) == pytest.approx(2 / 3 - 1 - np.log(2 / 3), rel=1e-4)
+
+
 # Every asynchronous script, and the GAE path of those that can turn V-trace off.
 LEARNER_CASES = [(name, {}) for name in ASYNC_SCRIPTS] + [
     (name, {"vtrace": False}) for name in ASYNC_SCRIPTS if "vtrace" in load_script(name).Args.__dataclass_fields__

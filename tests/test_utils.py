@@ -123,6 +123,20 @@ def test_plot_wall_clock_starts_at_the_first_update_and_covers_the_longest_seed(
     assert mean[grid == 30.0] == pytest.approx(29.0)  # both seeds at 30 s after their first update
 
 
+def test_plot_tabulates_steps_and_seconds_to_a_threshold(tmp_path):
+    """Returns 0, 1, 2, ... a game (64 steps and 1 s apart after the first update): the first
+    full 20-game mean >= 45 ends at game 55 (mean 45.5), so 56 x 64 steps and 56 s; the seed of
+    50 games never gets there (its best mean: 39.5)."""
+    plot = load_script(REPO_ROOT / PLOT)
+    runs = [plot.read_run(str(fake_run(tmp_path / "a", 1, 7.6, 50, 1.0))),
+            plot.read_run(str(fake_run(tmp_path / "b", 2, 1.2, 100, 1.0)))]
+    assert plot.reached(runs[0], 20, 45.0) is None
+    steps, seconds = plot.reached(runs[1], 20, 45.0)
+    assert steps == 56 * 64 and seconds == pytest.approx(56.0)
+    row = plot.summary_table({("CartPole-v1", "sync"): runs}, 20, 45.0, 20).splitlines()[-1]
+    assert "| 1/2 | 3584 ± 0 | 56 ± 0 | 64.50 |" in row, row
+
+
 def no_metrics(tmp_path):
     folder = tmp_path / "empty_run"
     folder.mkdir()

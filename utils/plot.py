@@ -56,6 +56,9 @@ class PlotArgs:
     """spread drawn around the mean over seeds: +- one standard deviation, or min to max"""
     last_episodes: int = 20
     """final return of a seed: the mean of its last this many episodic returns"""
+    threshold: Optional[float] = None
+    """also tabulate the env steps and seconds each seed took to reach this return (its first
+    --window-episode mean at or above it), and its best such mean"""
 
 
 class NoEpisodes(UsageError):
@@ -203,21 +206,42 @@ def plot_env(env_id: str, groups: dict, args: PlotArgs, out_dir: str) -> str:
     return path
 
 
-def summary_table(groups: dict, last_episodes: int) -> str:
-    """Markdown: per (env, script), the mean +- std over seeds of each seed's last-episodes mean."""
+def reached(run: Run, window: int, threshold: float):
+    """(env steps, seconds) at the first trailing `window`-episode mean >= threshold, or None."""
+    first = min(window, len(run.returns)) - 1  # a full window (or every episode of a short run)
+    hits = first + np.flatnonzero(smooth(run.returns, window)[first:] >= threshold)
+    return (run.steps[hits[0]], run.seconds[hits[0]]) if len(hits) else None
+
+
+def spread(values) -> str:
+    return f"{np.mean(values):.0f} ± {np.std(values):.0f}" if len(values) else "-"
+
+
+def summary_table(groups: dict, last_episodes: int, threshold=None, window: int = 20) -> str:
+    """Markdown: per (env, script), the mean +- std over seeds of each seed's last-episodes mean
+    (and with a threshold: the steps and seconds to it over the seeds that reached it, and the
+    best `window`-episode mean)."""
+    extra = f" | seeds at {threshold:g} | steps to {threshold:g} | seconds to {threshold:g} | best" if threshold is not None else ""
     lines = [
         f"Final return: each seed's mean episodic return over its last {last_episodes} episodes; "
-        "mean ± std (population) over seeds.",
+        "mean ± std (population) over seeds." + (f" Steps and seconds to {threshold:g}: the first {window}-episode "
+                                                  "mean at or above it, over the seeds that reached it." if extra else ""),
         "",
-        "| env_id | script | seeds | env steps | final return | per seed |",
-        "|---|---|---:|---:|---|---|",
+        f"| env_id | script | seeds | env steps | final return{extra} | per seed |",
+        "|---|---|---:|---:|---" + "|---:|---|---|---" * bool(extra) + "|---|",
     ]
     for (env_id, script), runs in sorted(groups.items()):
         finals = np.array([np.mean(run.returns[-last_episodes:]) for run in runs])
         steps = min(run.last_step for run in runs)
         per_seed = ", ".join(f"{run.seed}: {final:.2f}" for run, final in zip(runs, finals))
+        cells = ""
+        if extra:
+            hits = [hit for hit in (reached(run, window, threshold) for run in runs) if hit is not None]
+            best = np.array([smooth(run.returns, window).max() for run in runs])
+            cells = (f" | {len(hits)}/{len(runs)} | {spread([h[0] for h in hits])} | {spread([h[1] for h in hits])}"
+                     f" | {best.mean():.2f}")
         lines.append(
-            f"| {env_id} | {script} | {len(runs)} | {steps} | {finals.mean():.2f} ± {finals.std():.2f} | {per_seed} |"
+            f"| {env_id} | {script} | {len(runs)} | {steps} | {finals.mean():.2f} ± {finals.std():.2f}{cells} | {per_seed} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -240,7 +264,7 @@ def main(args: PlotArgs) -> int:
         by_env[env_id][script] = group
     pngs = [plot_env(env_id, scripts, args, out_dir) for env_id, scripts in sorted(by_env.items())]
 
-    table = summary_table(groups, args.last_episodes)
+    table = summary_table(groups, args.last_episodes, args.threshold, args.window)
     with open(os.path.join(out_dir, "summary.md"), "w") as f:
         f.write(table)
     print(table)
