@@ -490,6 +490,8 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
                 return
             timing["queue_put"] += time.perf_counter() - start
             pushed += 1
+            if pushed == 1 and not shared.first_rollout_done(held):
+                return
 
 
 # ---------------------------------------------------------------------------------------------
@@ -631,7 +633,7 @@ def main(args: Args, given=None) -> int:
         policy_step = make_policy_step(network, continuous, values=False)  # the actor needs no values
         update = make_update(network, optimizer, args, continuous, run.mesh)
         shared = threads.Shared(state["params"], state["policy_version"], normalizer, run.sampled, run.stop,
-                                run.report_episodes)
+                                run.report_episodes, learning=True)
         run.begin(f"preset {tasks.preset_name(args.env_id, PRESETS)}, {args.num_splits} split{'s' * (args.num_splits > 1)}")
         queues = [queue.Queue(maxsize=args.queue_size) for _ in actors]
         for i, (device, _, key) in enumerate(actors):

@@ -21,13 +21,25 @@ class Shared:
     timings, the run's `stop` and `report(games)` (runs.Run.report_episodes). Left out (in tests),
     these are a fresh counter and event, a normaliser that passes everything, and no reports."""
 
-    def __init__(self, params, version, normalizer=None, sampled=None, stop=None, report=None):
+    def __init__(self, params, version, normalizer=None, sampled=None, stop=None, report=None, learning=False):
         self.latest = (params, int(version))
+        self.learning = learning  # a learner publishes updates: actors wait for its first (first_rollout_done)
         self.normalizer = normalizer or Normalizer(np.zeros(()), 0, False, False, 0.0)
         self.sampled = np.zeros(1, np.int64) if sampled is None else sampled
         self.stop = stop or threading.Event()
         self.report = report or (lambda games: None)
         self.timing = dict.fromkeys(["env", "inference", "bookkeeping", "device_get", "queue_put", "queue_get", "update"], 0.0)
+
+
+    def first_rollout_done(self, version: int) -> bool:
+        """An actor's first rollout (sampled with parameters `version`) is queued: with a learner,
+        wait until it publishes the update after it. That update compiles, for seconds in which the
+        actor would otherwise sample with the initial parameters until the queue is full (queue
+        plus one in flight: 4 rollouts of them, where the sync baseline samples 1; MiniGrid-Empty
+        took APPO 1.45x sync's steps to 0.9 for that alone). False when the run stops."""
+        while self.learning and self.latest[1] == version and not self.stop.is_set():
+            time.sleep(0.005)
+        return not self.stop.is_set()
 
 
 def put(q, item, stop) -> bool:

@@ -69,3 +69,18 @@ def test_join_has_one_deadline_and_closes_only_what_ended_threads_own():
     assert time.monotonic() - start < 2
     assert ended.closed and not stuck.closed
     release.set()
+
+
+def test_an_actor_waits_for_the_first_update_only_with_a_learner():
+    """first_rollout_done: with a learner, back once the learner publishes a new version (0.3 s
+    later here), False once the run stops; without one (tests' actors alone), at once."""
+    shared = threads.Shared(params=None, version=7, learning=True)
+    publish = threading.Timer(0.3, lambda: setattr(shared, "latest", (None, 8)))
+    publish.start()
+    start = time.monotonic()
+    assert shared.first_rollout_done(7) and time.monotonic() - start >= 0.25
+    stopping = threads.Shared(params=None, version=0, learning=True)
+    threading.Timer(0.2, stopping.stop.set).start()
+    assert stopping.first_rollout_done(0) is False
+    start = time.monotonic()
+    assert threads.Shared(params=None, version=0).first_rollout_done(0) and time.monotonic() - start < 0.05

@@ -134,7 +134,7 @@ def test_plot_tabulates_steps_and_seconds_to_a_threshold(tmp_path):
     steps, seconds = plot.reached(runs[1], 20, 45.0)
     assert steps == 56 * 64 and seconds == pytest.approx(56.0)
     row = plot.summary_table({("CartPole-v1", "sync"): runs}, 20, 45.0, 20).splitlines()[-1]
-    assert "| 1/2 | 3584 ± 0 | 56 ± 0 | 64.50 |" in row, row
+    assert "| 1/2 | 3584 ± 0 | 56.0 ± 0.0 | 64.50 |" in row, row
 
 
 def no_metrics(tmp_path):

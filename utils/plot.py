@@ -214,7 +214,8 @@ def reached(run: Run, window: int, threshold: float):
 
 
 def spread(values) -> str:
-    return f"{np.mean(values):.0f} ± {np.std(values):.0f}" if len(values) else "-"
+    digits = 1 if len(values) and abs(np.mean(values)) < 100 else 0  # seconds of a short run
+    return f"{np.mean(values):.{digits}f} ± {np.std(values):.{digits}f}" if len(values) else "-"
 
 
 def summary_table(groups: dict, last_episodes: int, threshold=None, window: int = 20) -> str:
