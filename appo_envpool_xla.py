@@ -393,8 +393,8 @@ def ppo_loss(logprobs, old_logprobs, advantages, values, returns, entropy, mask,
         "entropy": entropy_loss,
         "approx_kl": masked_mean((ratio - 1) - log_ratio, mask),
         "clipfrac": masked_mean((jnp.abs(ratio - 1) > clip_coef).astype(jnp.float32), mask),
-        "explained_variance": 1 - masked_mean((returns - values) ** 2, mask) / jnp.maximum(
-            masked_mean((returns - masked_mean(returns, mask)) ** 2, mask), 1e-8),
+        "explained_variance": jnp.where(jnp.sum(mask) > 0, 1 - masked_mean((returns - values) ** 2, mask) / jnp.maximum(
+            masked_mean((returns - masked_mean(returns, mask)) ** 2, mask), 1e-8), 0.0),
     }
     return loss, diagnostics
 
@@ -679,13 +679,14 @@ def targets(network, state, rollout, args: Args, continuous: bool):
         returns = advantages + values
     lag = state["policy_version"] - rollout["policy_version"]
     fresh = (lag <= args.max_policy_lag).astype(jnp.float32)
-    ratio = jnp.exp(logprobs - rollout["logprobs"])  # pi / mu before this update moves pi
+    log_ratio = logprobs - rollout["logprobs"]  # pi / mu before this update moves pi
+    ratio = jnp.exp(log_ratio)
     diagnostics = {
         "async/policy_lag_mean": masked_mean(lag, rollout["valid"]),
         "async/policy_lag_max": jnp.max(jnp.where(rollout["valid"] > 0, lag, 0)),
         "async/stale_fraction": masked_mean(1.0 - fresh, rollout["valid"]),
         "async/start_clipfrac": masked_mean((jnp.abs(ratio - 1) > args.clip_coef).astype(jnp.float32), rollout["valid"]),
-        "async/start_kl": masked_mean(ratio - 1 - jnp.log(ratio), rollout["valid"]),
+        "async/start_kl": masked_mean(ratio - 1 - log_ratio, rollout["valid"]),
         "async/rho_clipfrac": masked_mean((ratio > args.vtrace_rho_bar).astype(jnp.float32), rollout["valid"]),
     }
     return advantages, returns, rollout["valid"] * fresh, diagnostics

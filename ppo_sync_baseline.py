@@ -335,8 +335,8 @@ def ppo_loss(logprobs, old_logprobs, advantages, values, returns, entropy, mask,
         "entropy": entropy_loss,
         "approx_kl": masked_mean((ratio - 1) - log_ratio, mask),
         "clipfrac": masked_mean((jnp.abs(ratio - 1) > clip_coef).astype(jnp.float32), mask),
-        "explained_variance": 1 - masked_mean((returns - values) ** 2, mask) / jnp.maximum(
-            masked_mean((returns - masked_mean(returns, mask)) ** 2, mask), 1e-8),
+        "explained_variance": jnp.where(jnp.sum(mask) > 0, 1 - masked_mean((returns - values) ** 2, mask) / jnp.maximum(
+            masked_mean((returns - masked_mean(returns, mask)) ** 2, mask), 1e-8), 0.0),
     }
     return loss, diagnostics
 

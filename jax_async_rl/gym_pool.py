@@ -22,6 +22,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import time
 import traceback
 from multiprocessing.connection import wait
 
@@ -188,12 +189,16 @@ class GymPool:
         return obs, *(np.concatenate([r[k] for r in results]) for k in (1, 2, 3)), info
 
     def close(self):
-        for conn, proc in zip(self.conns, self.procs):
+        """Every worker told first, then all joined within one 2 s deadline (a worker still
+        sending a step's reply never reads "close": killed)."""
+        for conn in self.conns:
             try:
                 conn.send(("close", None))
             except (BrokenPipeError, OSError):
                 pass
-            proc.join(2)
+        deadline = time.monotonic() + 2.0
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()
                 proc.join()

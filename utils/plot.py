@@ -208,9 +208,17 @@ def plot_env(env_id: str, groups: dict, args: PlotArgs, out_dir: str) -> str:
 
 def reached(run: Run, window: int, threshold: float):
     """(env steps, seconds) at the first trailing `window`-episode mean >= threshold, or None."""
-    first = min(window, len(run.returns)) - 1  # a full window (or every episode of a short run)
-    hits = first + np.flatnonzero(smooth(run.returns, window)[first:] >= threshold)
-    return (run.steps[hits[0]], run.seconds[hits[0]]) if len(hits) else None
+    means, order = full_windows(run, window)
+    hits = np.flatnonzero(means >= threshold)
+    return (run.steps[order][hits[0]], run.seconds[order][hits[0]]) if len(hits) else None
+
+
+def full_windows(run: Run, window: int):
+    """The trailing `window`-episode means (full windows only, or every episode of a shorter run),
+    in step order as the curves are drawn (a resumed run may step back), and that order."""
+    order = np.argsort(run.steps, kind="stable")
+    first = min(window, len(run.returns)) - 1
+    return smooth(run.returns[order], window)[first:], order[first:]
 
 
 def spread(values) -> str:
@@ -238,7 +246,7 @@ def summary_table(groups: dict, last_episodes: int, threshold=None, window: int 
         cells = ""
         if extra:
             hits = [hit for hit in (reached(run, window, threshold) for run in runs) if hit is not None]
-            best = np.array([smooth(run.returns, window).max() for run in runs])
+            best = np.array([full_windows(run, window)[0].max() for run in runs])
             cells = (f" | {len(hits)}/{len(runs)} | {spread([h[0] for h in hits])} | {spread([h[1] for h in hits])}"
                      f" | {best.mean():.2f}")
         lines.append(
