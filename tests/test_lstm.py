@@ -328,7 +328,7 @@ def test_lstm_learns_cartpole_without_velocities(script_name, lstm, seed, tmp_pa
 # steps: the learning-parity issue saw one such run fall to 9 from 350k steps. Measured on this
 # machine, 6 runs (seeds 1-3 with V-trace at lambda 1, seeds 1-3 at the preset's 0.8): every one
 # ended at 500 (the last 20 episodes), first above 475 at 75k +- 26k steps (seeds 1-3, lambda 0.8;
-# sync --lstm, seed 1: 138k). No run ended below half of its best.
+# sync --lstm, seeds 1-3: 103k +- 31k). No run ended below half of its best.
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("seed", [1, 2])
