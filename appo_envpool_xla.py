@@ -669,9 +669,10 @@ def targets(network, state, rollout, args: Args, continuous: bool):
     logprobs, _, values, bootstrap_value = rollout_forward(network, state["params"], rollout, continuous)
     rewards = time_limit_bootstrap(rollout["rewards"], values, bootstrap_value, rollout["truncated"], args.gamma)
     discounts = args.gamma * (1.0 - rollout["dones"])
+    log_ratio = logprobs - rollout["logprobs"]  # pi / mu before this update moves pi
     if args.vtrace:
         returns, advantages = vtrace(
-            logprobs - rollout["logprobs"], discounts, rewards, values, bootstrap_value, args.vtrace_rho_bar, args.vtrace_c_bar,
+            log_ratio, discounts, rewards, values, bootstrap_value, args.vtrace_rho_bar, args.vtrace_c_bar,
             lambda_=args.gae_lambda,
         )
     else:
@@ -679,7 +680,6 @@ def targets(network, state, rollout, args: Args, continuous: bool):
         returns = advantages + values
     lag = state["policy_version"] - rollout["policy_version"]
     fresh = (lag <= args.max_policy_lag).astype(jnp.float32)
-    log_ratio = logprobs - rollout["logprobs"]  # pi / mu before this update moves pi
     ratio = jnp.exp(log_ratio)
     diagnostics = {
         "async/policy_lag_mean": masked_mean(lag, rollout["valid"]),

@@ -94,11 +94,11 @@ class GymPool:
         self.observation_space, self.action_space = probe.observation_space, probe.action_space
         self.metadata = dict(getattr(probe, "metadata", {}) or {})
         probe.close()
-        self.num_envs, self.batch_size = num_envs, batch_size
+        self.num_envs, self.batch_size, self.splits = num_envs, batch_size, num_envs // batch_size
         # One process steps its envs in turn: an env that waits (a simulator, a sleep) overlaps
         # with others only in processes of their own, while an env that computes gains nothing
         # from more processes than cores (--num-threads: the cores, by default).
-        self.workers = max(1, min(batch_size, processes // (num_envs // batch_size)))
+        self.workers = max(1, min(batch_size, processes // self.splits))
         # Worker w of a split holds its envs [cuts[w], cuts[w + 1]).
         self.cuts = [batch_size * w // self.workers for w in range(self.workers + 1)]
         context = multiprocessing.get_context("spawn")  # no fork of a process that runs JAX's threads
@@ -121,7 +121,7 @@ class GymPool:
         return range(split * self.workers, (split + 1) * self.workers)
 
     def async_reset(self):
-        for split in range(self.num_envs // self.batch_size):
+        for split in range(self.splits):
             for i in self.of_split(split):
                 self.conns[i].send(("reset", None))
             self.pending.append(split)
@@ -177,13 +177,13 @@ class GymPool:
     def step(self, actions, env_ids=None):
         """All splits at once (a pool of one split: `recv` after `send`)."""
         actions = np.asarray(actions)
-        for split in range(self.num_envs // self.batch_size):
+        for split in range(self.splits):
             self.send(actions[split * self.batch_size:(split + 1) * self.batch_size],
                       np.arange(split * self.batch_size, (split + 1) * self.batch_size))
         return self.gather()
 
     def gather(self):
-        results = sorted((self.recv() for _ in range(self.num_envs // self.batch_size)), key=lambda r: int(r[4]["env_id"][0]))
+        results = sorted((self.recv() for _ in range(self.splits)), key=lambda r: int(r[4]["env_id"][0]))
         obs = concat([r[0] for r in results])
         info = {key: np.concatenate([r[4][key] for r in results]) for key in ("env_id", "elapsed_step")}
         return obs, *(np.concatenate([r[k] for r in results]) for k in (1, 2, 3)), info

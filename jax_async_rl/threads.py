@@ -30,7 +30,6 @@ class Shared:
         self.report = report or (lambda games: None)
         self.timing = dict.fromkeys(["env", "inference", "bookkeeping", "device_get", "queue_put", "queue_get", "update"], 0.0)
 
-
     def first_rollout_done(self, version: int) -> bool:
         """An actor's first rollout (sampled with parameters `version`) is queued: with a learner,
         wait until it publishes the update after it. That update compiles, for seconds in which the
