@@ -40,6 +40,8 @@ class Corridor(gymnasium.Env):
 
     def reset(self, seed=None, options=None):
         super().reset(seed=seed)
+        if self.step_seconds:  # a slow simulator is slow to reset too
+            time.sleep(self.step_seconds)
         self.position, self.cue, self.t = 0, int(self.np_random.integers(2)), 0
         return self.observe(), {}
 

@@ -278,10 +278,15 @@ def test_a_user_env_on_2_processes_of_2_learner_devices(tmp_path, devices):
 # CartPole-v1 at default flags. Measured, seeds 1 and 2: the first 20-episode mean >= 475 came at
 # 14k and 18k steps (APPO, 2 learner devices, 2 actor threads), 37k and 31k (sync, 2 learner
 # devices), 31k and 36k (APPO, 2 processes), 35k and 59k (sync, 2 processes); all ended at 500.
+# Since the actors wait for the first update and V-trace takes the preset's lambda, APPO on 2
+# learner devices with 2 actor threads (policy lag 3: the learner on 2 cores is the bottleneck)
+# spreads wider: of 6 runs (seeds 1-3 to 100k, seeds 2 and 4 to 160k), 5 first reached 475 at
+# 29k-56k steps and seed 2's 100k run did not (best 466; a CI run of seed 1: 460). Budget 150k.
 LEARNING = {
     "appo_envpool.py": 100_000,
     "ppo_sync_baseline.py": 100_000,
 }
+ON_2_DEVICES = {**LEARNING, "appo_envpool.py": 150_000}
 
 
 def assert_learned(returns, what):
@@ -297,7 +302,7 @@ def test_learns_cartpole_on_2_learner_devices(script_name, tmp_path, devices):
     """The learner on 2 devices; APPO with 2 actor threads, each with its own 8 envs."""
     devices(4)
     argv = ["--env-id", "CartPole-v1", "--eval-episodes", 0, "--run-dir", tmp_path / "run",
-            "--total-timesteps", LEARNING[script_name], "--learner-device-ids", 0, 1]
+            "--total-timesteps", ON_2_DEVICES[script_name], "--learner-device-ids", 0, 1]
     if script_name in ASYNC_SCRIPTS:
         argv += ["--num-actor-threads", 2]
     assert_ok(run_script(script_name, argv, timeout=550))
