@@ -1,0 +1,188 @@
+"""The replay buffer of the replay families (DQN; SAC, TD3): host arrays, owned by the learner.
+
+One row per env step, exactly what the env returned and what the actor did with it:
+`(obs_t, action_t, reward_t, terminated_t, truncated_t, elapsed_t)`, where the reward and the
+flags are those of the step that produced `obs_t` (envpool's return), and `action_t` the action
+taken on it. Rows are kept per env (a ring of `capacity // num_envs` rows for each env id), so
+that splits that step out of turn (double buffering) each write their own envs' rows.
+
+A transition starts at row t when `obs_t` is not an episode's last observation (envpool's
+autoreset ignores the action taken on that one). Its n-step target sums the rewards of rows
+t+1 .. t+n, stopping at the first row that ends the episode: terminated, nothing is
+bootstrapped (discount 0); truncated, or no end within n, the bootstrap is the value of that
+row's observation with discount gamma^k (a truncated episode's last observation is the real one).
+
+Stacked frames (`frame_stack` > 1, Atari's `[4, 84, 84]`) are stored one frame a row, the newest,
+and the stack is rebuilt when sampling: frame j of `obs_t` is the newest frame of row
+`t - min(stack - 1 - j, elapsed_t)`, because envpool starts an episode's stack with copies of its
+first frame. 1M Atari rows take 1M x (84 x 84 + 11) bytes, 7.07 GB (whole stacks: 28 GB).
+
+Sampling goes through a sum tree over every slot, vectorised per level (no Python loop per
+sample): uniform replay gives every complete transition priority 1, prioritised replay (Schaul
+et al. 2016, proportional) `(|td| + eps)^alpha`, new transitions the largest so far.
+"""
+
+import numpy as np
+import jax
+
+
+class SumTree:
+    """Sums over `capacity` leaves in a flat binary tree (root at 1); `update` and `find` work on
+    whole batches, one numpy operation per level."""
+
+    def __init__(self, capacity: int):
+        self.leaves = 1 << max(1, int(np.ceil(np.log2(capacity))))
+        self.capacity = capacity
+        self.tree = np.zeros(2 * self.leaves, np.float64)
+
+    @property
+    def total(self) -> float:
+        return float(self.tree[1])
+
+    def get(self, indices) -> np.ndarray:
+        return self.tree[self.leaves + np.asarray(indices)]
+
+    def update(self, indices, values):
+        """Set leaves (the last value wins for a repeated index) and every sum above them."""
+        nodes = self.leaves + np.asarray(indices, np.int64).ravel()
+        if not len(nodes):
+            return
+        self.tree[nodes] = values
+        nodes = np.unique(nodes // 2)
+        while nodes[0] >= 1:
+            self.tree[nodes] = self.tree[2 * nodes] + self.tree[2 * nodes + 1]
+            if nodes[0] == 1:
+                break
+            nodes = np.unique(nodes // 2)
+
+    def find(self, targets) -> np.ndarray:
+        """For each target in [0, total): the leaf whose prefix-sum interval holds it."""
+        targets = np.array(targets, np.float64)
+        nodes = np.ones(len(targets), np.int64)
+        while nodes[0] < self.leaves:
+            left = self.tree[2 * nodes]
+            # Right only into a subtree with mass: rounding at an interval's edge never lands on
+            # an empty leaf.
+            right = (targets >= left) & (self.tree[2 * nodes + 1] > 0)
+            targets = np.where(right, targets - left, np.minimum(targets, left))
+            nodes = 2 * nodes + right
+        return nodes - self.leaves
+
+
+class Replay:
+    """Rows `[capacity // num_envs, num_envs]` of each field; see the module docstring.
+    `obs_example` and `action_example` are batches as the env takes and returns them.
+
+    `add(env_ids, obs, action, reward, terminated, truncated, elapsed)` writes one row for each
+    of `env_ids` (a split's batch, as the env returned it, with the actor's actions);
+    `sample(batch_size, rng)` returns a dict of `obs`, `action`, `reward` (the n-step sum),
+    `discount` (gamma^k, or 0 after a termination), `next_obs`, `slots` and `weights` (importance
+    weights, 1 under uniform replay); `update_priorities(slots, td_errors)` under prioritised
+    replay."""
+
+    def __init__(self, capacity: int, num_envs: int, obs_example, action_example, n_step: int = 1,
+                 gamma: float = 0.99, frame_stack: int = 1, alpha: float = 0.0, eps: float = 1e-6):
+        if capacity < num_envs:
+            raise ValueError(f"a buffer of {capacity} transitions cannot hold a row of {num_envs} envs")
+        self.rows, self.num_envs = capacity // num_envs, num_envs
+        self.n_step, self.gamma, self.stack, self.alpha, self.eps = n_step, gamma, frame_stack, alpha, eps
+        if self.rows < n_step + frame_stack + 1:
+            raise ValueError(f"{self.rows} rows an env is too few for n-step {n_step} with {frame_stack} frames")
+
+        def storage(example, frames=False):  # example: a batch, as the env returns it
+            example = np.asarray(example)
+            return np.zeros((self.rows, num_envs, *example.shape[2 if frames else 1:]), example.dtype)
+
+        self.obs = jax.tree.map(lambda x: storage(x, frame_stack > 1), obs_example)
+        self.action = storage(action_example)
+        self.reward = np.zeros((self.rows, num_envs), np.float32)
+        self.terminated = np.zeros((self.rows, num_envs), bool)
+        self.truncated = np.zeros((self.rows, num_envs), bool)
+        self.back = np.zeros((self.rows, num_envs), np.uint8)  # min(elapsed, stack - 1)
+        self.count = np.zeros(num_envs, np.int64)  # rows written to each env
+        self.tree = SumTree(self.rows * num_envs)
+        self.max_priority = 1.0
+
+    def __len__(self) -> int:
+        """Complete transitions that can be sampled."""
+        return int(np.count_nonzero(self.tree.tree[self.tree.leaves:] > 0))
+
+    @property
+    def transitions(self) -> int:
+        """Rows written, over all envs (the env steps stored so far, old ones overwritten)."""
+        return int(self.count.sum())
+
+    def slot(self, t, e):
+        return (t % self.rows) * self.num_envs + e
+
+    def add(self, env_ids, obs, action, reward, terminated, truncated, elapsed):
+        e = np.asarray(env_ids, np.int64)
+        t = self.count[e]
+        rows = t % self.rows
+        for store, value in zip(jax.tree.leaves(self.obs), jax.tree.leaves(obs)):
+            value = np.asarray(value)
+            store[rows, e] = value[:, -1] if self.stack > 1 else value
+        self.action[rows, e] = action
+        self.reward[rows, e] = reward
+        self.terminated[rows, e] = terminated
+        self.truncated[rows, e] = truncated
+        self.back[rows, e] = np.minimum(np.asarray(elapsed), self.stack - 1)
+        self.count[e] = t + 1
+        # This row can no longer start a transition, nor can the rows whose stack reaches back
+        # to the one it overwrote; the row n before it now has its whole n-step target.
+        stale = np.concatenate([self.slot(t + k, e) for k in range(self.stack)])
+        self.tree.update(stale, 0.0)
+        start = t - self.n_step
+        ready = (start >= 0) & (start >= t + 1 - self.rows + self.stack - 1)
+        start, ready_e = start[ready], e[ready]
+        ended = self.terminated[start % self.rows, ready_e] | self.truncated[start % self.rows, ready_e]
+        start, ready_e = start[~ended], ready_e[~ended]
+        if len(start):
+            self.tree.update(self.slot(start, ready_e), self.max_priority ** self.alpha if self.alpha else 1.0)
+
+    def row_of(self, slots):
+        """(row number, env id) of slots: the newest row of the env kept in each."""
+        t_mod, e = np.divmod(np.asarray(slots, np.int64), self.num_envs)
+        return self.count[e] - 1 - (self.count[e] - 1 - t_mod) % self.rows, e
+
+    def stacked(self, t, e):
+        """The observations of rows t of envs e, their frame stacks rebuilt."""
+        if self.stack == 1:
+            return jax.tree.map(lambda store: store[t % self.rows, e], self.obs)
+        back = self.back[t % self.rows, e].astype(np.int64)
+        rows = [(t - np.minimum(self.stack - 1 - j, back)) % self.rows for j in range(self.stack)]
+        return jax.tree.map(lambda store: np.stack([store[r, e] for r in rows], axis=1), self.obs)
+
+    def sample(self, batch_size: int, rng: np.random.Generator, beta: float = 0.0):
+        total = self.tree.total
+        if total <= 0:
+            raise RuntimeError("sample from a replay buffer without a complete transition")
+        # Stratified, as in Schaul et al.: one target in each of batch_size equal segments.
+        targets = (np.arange(batch_size) + rng.random(batch_size)) * (total / batch_size)
+        slots = self.tree.find(targets)
+        t, e = self.row_of(slots)
+        reward = np.zeros(batch_size, np.float32)
+        discount = np.ones(batch_size, np.float32)
+        alive = np.ones(batch_size, bool)
+        next_t = t.copy()
+        for k in range(1, self.n_step + 1):
+            row = (t + k) % self.rows
+            reward += alive * discount * self.reward[row, e]
+            next_t = np.where(alive, t + k, next_t)
+            discount = np.where(alive, discount * self.gamma, discount)
+            terminated, truncated = self.terminated[row, e], self.truncated[row, e]
+            discount = np.where(alive & terminated, 0.0, discount)
+            alive &= ~(terminated | truncated)
+        weights = np.ones(batch_size, np.float32)
+        if self.alpha and beta:
+            probs = self.tree.get(slots) / total
+            weights = (len(self) * probs) ** -beta
+            weights = (weights / weights.max()).astype(np.float32)  # rlpyt: over the batch
+        return dict(obs=self.stacked(t, e), action=self.action[t % self.rows, e], reward=reward,
+                    discount=discount, next_obs=self.stacked(next_t, e), slots=slots, weights=weights)
+
+    def update_priorities(self, slots, td_errors):
+        priorities = np.abs(np.asarray(td_errors, np.float64)) + self.eps
+        self.max_priority = max(self.max_priority, float(priorities.max()))
+        live = self.tree.get(slots) > 0  # a slot overwritten since it was sampled stays out
+        self.tree.update(np.asarray(slots)[live], priorities[live] ** self.alpha)

@@ -1,0 +1,169 @@
+"""The replay buffer (jax_async_rl/replay.py) against plain references: n-step targets over
+episode ends and truncations, written by splits out of turn; every complete transition and
+nothing else can be sampled; the frame-based storage rebuilds exactly the stacks envpool
+returned; prioritised sampling frequencies and importance weights against p^alpha / sum p^alpha."""
+
+import envpool
+import numpy as np
+import pytest
+
+from jax_async_rl.replay import Replay, SumTree
+
+
+def chi2_bound(dof, z=3.09):
+    """The chi-squared quantile at 1 - 1e-3 (Wilson-Hilferty)."""
+    return dof * (1 - 2 / (9 * dof) + z * np.sqrt(2 / (9 * dof))) ** 3
+
+
+class Stream:
+    """Envs that return envpool's rows: after an episode's last observation (terminated or
+    truncated), the next row is the first observation (reward 0, elapsed 0). Observations are
+    [env, row number], so that every sampled row names itself."""
+
+    def __init__(self, num_envs, seed):
+        self.rng = np.random.default_rng(seed)
+        self.rows = [[] for _ in range(num_envs)]  # (reward, terminated, truncated, elapsed)
+
+    def step(self, env_ids):
+        out = []
+        for e in env_ids:
+            rows = self.rows[e]
+            if not rows or rows[-1][1] or rows[-1][2]:
+                row = (0.0, False, False, 0)
+            else:
+                end = self.rng.random() < 0.15
+                terminated = end and self.rng.random() < 0.5
+                row = (float(self.rng.normal()), terminated, end and not terminated, rows[-1][3] + 1)
+            rows.append(row)
+            out.append((e, len(rows) - 1, *row))
+        e, t, reward, terminated, truncated, elapsed = map(np.array, zip(*out))
+        return np.stack([e, t], 1).astype(np.float32), reward, terminated, truncated, elapsed
+
+
+def reference_target(rows, t, n, gamma):
+    """(n-step return, discount, bootstrap row) by the definition: a loop over the rows."""
+    ret = 0.0
+    for k in range(1, n + 1):
+        reward, terminated, truncated, _ = rows[t + k]
+        ret += gamma ** (k - 1) * reward
+        if terminated:
+            return ret, 0.0, t + k
+        if truncated:
+            return ret, gamma ** k, t + k
+    return ret, gamma ** n, t + n
+
+
+@pytest.mark.parametrize("n_step", [1, 3])
+def test_n_step_targets_and_exactly_the_complete_transitions(n_step):
+    num_envs, split, rows, gamma = 6, 3, 40, 0.9
+    stream = Stream(num_envs, seed=n_step)
+    replay = Replay(rows * num_envs, num_envs, np.zeros((1, 2), np.float32), np.zeros(1, np.int32),
+                    n_step=n_step, gamma=gamma)
+    rng = np.random.default_rng(0)
+    for step in range(300):  # the ring wraps several times; the two splits step out of turn
+        env_ids = np.arange(split) + split * int(rng.integers(2))
+        obs, reward, terminated, truncated, elapsed = stream.step(env_ids)
+        replay.add(env_ids, obs, rng.integers(0, 4, split), reward, terminated, truncated, elapsed)
+        if step % 25 != 24:
+            continue
+        # Complete transitions: kept, not an episode's last observation, n rows after it written.
+        expected = set()
+        for e in range(num_envs):
+            count = len(stream.rows[e])
+            for t in range(max(0, count - rows), count - n_step):
+                if not (stream.rows[e][t][1] or stream.rows[e][t][2]):
+                    expected.add((t, e))
+        live = np.flatnonzero(replay.tree.tree[replay.tree.leaves:] > 0)
+        assert set(zip(*(a.tolist() for a in replay.row_of(live)))) == expected
+        assert len(replay) == len(expected)
+        batch = replay.sample(64, rng)
+        for i in range(64):
+            e, t = (int(v) for v in batch["obs"][i])
+            assert (t, e) in expected
+            ret, discount, boot = reference_target(stream.rows[e], t, n_step, gamma)
+            np.testing.assert_allclose(batch["reward"][i], ret, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(batch["discount"][i], discount, rtol=1e-6)
+            assert tuple(batch["next_obs"][i]) == (e, boot)
+            assert batch["action"][i] == replay.action[t % rows, e]
+
+
+def test_frame_storage_rebuilds_envpools_stacks_over_episode_starts():
+    """Pong-v5, 2 splits stepped as the actors step them, episodes truncated every 15 steps, a
+    ring of 30 rows an env: every row a sample could take (and its bootstrap) has the stack
+    envpool returned, where episodes start, and after the ring wrapped."""
+    num_envs, batch, rows, n_step = 4, 2, 30, 3
+    envs = envpool.make("Pong-v5", env_type="gymnasium", num_envs=num_envs, batch_size=batch,
+                        max_episode_steps=15, seed=1)
+    example = np.zeros((1, *envs.observation_space.shape), np.uint8)
+    replay = Replay(rows * num_envs, num_envs, example, np.zeros(1, np.int32), n_step=n_step, frame_stack=4)
+    whole = {}  # (row, env) -> the stack envpool returned
+    rng, checked = np.random.default_rng(0), 0
+    envs.async_reset()
+    for step in range(200):
+        obs, reward, terminated, truncated, info = envs.recv()
+        env_ids = info["env_id"]
+        actions = rng.integers(0, 6, batch)
+        for k, e in enumerate(env_ids):
+            whole[(int(replay.count[e]), int(e))] = obs[k]
+        replay.add(env_ids, obs, actions, reward, terminated, truncated, info["elapsed_step"])
+        envs.send(actions, env_ids)
+        if step % 20 == 19:
+            for e in range(num_envs):
+                count = int(replay.count[e])
+                t = np.arange(max(0, count - rows + 3), count)
+                stacks = replay.stacked(t, np.full(len(t), e))
+                for i, row in enumerate(t):
+                    np.testing.assert_array_equal(stacks[i], whole[(int(row), e)], err_msg=f"row {row} of env {e}")
+                    checked += 1
+            sample = replay.sample(32, rng)
+            t, e = replay.row_of(sample["slots"])
+            for i in range(32):
+                np.testing.assert_array_equal(sample["obs"][i], whole[(int(t[i]), int(e[i]))])
+    assert replay.count.min() > 3 * rows and checked > 900
+    assert (replay.back == 0).any() and (replay.back == 3).any()  # episode starts were crossed
+    per_row = sum(a.nbytes for a in (replay.obs, replay.action, replay.reward, replay.terminated,
+                                     replay.truncated, replay.back)) / (rows * num_envs)
+    assert per_row == 84 * 84 + 4 + 4 + 1 + 1 + 1  # 7.07 GB for 1M rows
+
+
+def test_sum_tree_finds_in_proportion_and_updates_repeated_indices():
+    rng = np.random.default_rng(0)
+    tree = SumTree(1000)
+    values = rng.random(1000) * (rng.random(1000) < 0.7)
+    tree.update(np.arange(1000), values)
+    tree.update([3, 3, 5], [0.0, 2.0, 1.0])  # the last value wins
+    values[3], values[5] = 2.0, 1.0
+    np.testing.assert_allclose(tree.total, values.sum())
+    hits = np.bincount(tree.find(rng.random(200_000) * tree.total), minlength=1000)
+    assert hits[values == 0].sum() == 0
+    expected = 200_000 * values / values.sum()
+    keep = expected > 0
+    assert ((hits[keep] - expected[keep]) ** 2 / expected[keep]).sum() < chi2_bound(keep.sum() - 1)
+    assert tree.find([tree.total * (1 - 1e-16)])[0] == np.flatnonzero(values)[-1]
+
+
+def test_prioritised_frequencies_and_importance_weights():
+    num_envs, rows, alpha, beta = 2, 64, 0.6, 0.4
+    replay = Replay(rows * num_envs, num_envs, np.zeros((1, 2), np.float32), np.zeros(1, np.int32), alpha=alpha)
+    for t in range(rows):  # one long episode an env
+        replay.add(np.arange(num_envs), np.zeros((2, 2), np.float32), np.zeros(2, np.int32), np.zeros(2),
+                   np.zeros(2, bool), np.zeros(2, bool), np.full(2, t))
+    assert len(replay) == num_envs * (rows - 1)
+    live = np.flatnonzero(replay.tree.tree[replay.tree.leaves:] > 0)
+    rng = np.random.default_rng(1)
+    td = rng.normal(size=len(live)) * 3
+    replay.update_priorities(live, td)
+    p = (np.abs(td) + replay.eps) ** alpha
+    probs = p / p.sum()
+    hits = np.zeros(len(live))
+    position = {s: i for i, s in enumerate(live)}
+    for _ in range(400):
+        batch = replay.sample(256, rng, beta=beta)
+        idx = np.array([position[s] for s in batch["slots"]])
+        np.add.at(hits, idx, 1)
+        w = (len(live) * probs[idx]) ** -beta
+        np.testing.assert_allclose(batch["weights"], w / w.max(), rtol=1e-5)
+    expected = hits.sum() * probs
+    assert ((hits - expected) ** 2 / expected).sum() < chi2_bound(len(live) - 1)
+    # New transitions come in at the largest priority so far.
+    assert replay.max_priority == pytest.approx(np.abs(td).max() + replay.eps)
