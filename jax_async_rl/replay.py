@@ -31,7 +31,8 @@ class SumTree:
     whole batches, one numpy operation per level."""
 
     def __init__(self, capacity: int):
-        self.leaves = 1 << max(1, int(np.ceil(np.log2(capacity))))
+        self.depth = max(1, int(np.ceil(np.log2(capacity))))
+        self.leaves = 1 << self.depth
         self.capacity = capacity
         self.tree = np.zeros(2 * self.leaves, np.float64)
 
@@ -48,12 +49,9 @@ class SumTree:
         if not len(nodes):
             return
         self.tree[nodes] = values
-        nodes = np.unique(nodes // 2)
-        while nodes[0] >= 1:
+        for _ in range(self.depth):  # a parent repeated in `nodes` gets the same sum twice
+            nodes //= 2
             self.tree[nodes] = self.tree[2 * nodes] + self.tree[2 * nodes + 1]
-            if nodes[0] == 1:
-                break
-            nodes = np.unique(nodes // 2)
 
     def find(self, targets) -> np.ndarray:
         """For each target in [0, total): the leaf whose prefix-sum interval holds it."""
@@ -131,14 +129,13 @@ class Replay:
         # This row can no longer start a transition, nor can the rows whose stack reaches back
         # to the one it overwrote; the row n before it now has its whole n-step target.
         stale = np.concatenate([self.slot(t + k, e) for k in range(self.stack)])
-        self.tree.update(stale, 0.0)
         start = t - self.n_step
         ready = (start >= 0) & (start >= t + 1 - self.rows + self.stack - 1)
         start, ready_e = start[ready], e[ready]
         ended = self.terminated[start % self.rows, ready_e] | self.truncated[start % self.rows, ready_e]
-        start, ready_e = start[~ended], ready_e[~ended]
-        if len(start):
-            self.tree.update(self.slot(start, ready_e), self.max_priority ** self.alpha if self.alpha else 1.0)
+        fresh = self.slot(start[~ended], ready_e[~ended])
+        priority = self.max_priority ** self.alpha if self.alpha else 1.0
+        self.tree.update(np.concatenate([stale, fresh]), np.r_[np.zeros(len(stale)), np.full(len(fresh), priority)])
 
     def row_of(self, slots):
         """(row number, env id) of slots: the newest row of the env kept in each."""
@@ -149,9 +146,9 @@ class Replay:
         """The observations of rows t of envs e, their frame stacks rebuilt."""
         if self.stack == 1:
             return jax.tree.map(lambda store: store[t % self.rows, e], self.obs)
-        back = self.back[t % self.rows, e].astype(np.int64)
-        rows = [(t - np.minimum(self.stack - 1 - j, back)) % self.rows for j in range(self.stack)]
-        return jax.tree.map(lambda store: np.stack([store[r, e] for r in rows], axis=1), self.obs)
+        back = self.back[t % self.rows, e].astype(np.int64)[:, None]
+        rows = (t[:, None] - np.minimum(np.arange(self.stack - 1, -1, -1), back)) % self.rows  # [B, stack]
+        return jax.tree.map(lambda store: store[rows, e[:, None]], self.obs)
 
     def sample(self, batch_size: int, rng: np.random.Generator, beta: float = 0.0):
         total = self.tree.total
