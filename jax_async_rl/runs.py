@@ -206,10 +206,9 @@ class Run:
         scalars.update({f"timing/{k}_seconds": v for k, v in timing.items()})
         self.pending = (self.global_step, scalars)
         self.progress.updated(self.global_step)
-        if scalars.get("async/stale_fraction", 0) > 0.5 and not self.warned:
+        if not self.warned and (warning := stale_warning(scalars, self.args)):
             self.warned = True
-            print(f"warning: {scalars['async/stale_fraction']:.0%} of the update's transitions were older than "
-                  f"--max-policy-lag {self.args.max_policy_lag} and masked out; raise it", file=sys.stderr, flush=True)
+            print(warning, file=sys.stderr, flush=True)
         if update_idx == self.start_update or (update_idx + 1) % self.args.log_frequency == 0 or update_idx + 1 == self.num_updates:
             self.logger.log(*self.pending)
             self.pending = None
@@ -265,6 +264,16 @@ class Run:
         self.logger.log(self.global_step, {"eval/episodic_return": np.mean(scores)})
         print(f"eval: {len(scores)} episodes, return {np.mean(scores):.2f} +- {np.std(scores):.2f}")
         return 0
+
+
+def stale_warning(scalars: dict, args):
+    """The warning line for an update that masked out most of its transitions as older than
+    --max-policy-lag (the loss then learns from a fraction of the batch), else None."""
+    stale = scalars.get("async/stale_fraction", 0)
+    if stale > 0.5:
+        return (f"warning: {stale:.0%} of the update's transitions were older than --max-policy-lag "
+                f"{args.max_policy_lag} and masked out; raise it")
+    return None
 
 
 def prepare(args, resolve, resumed: bool):
