@@ -150,13 +150,26 @@ class Replay:
         rows = (t[:, None] - np.minimum(np.arange(self.stack - 1, -1, -1), back)) % self.rows  # [B, stack]
         return jax.tree.map(lambda store: store[rows, e[:, None]], self.obs)
 
-    def sample(self, batch_size: int, rng: np.random.Generator, beta: float = 0.0):
-        total = self.tree.total
+    def sample(self, batch_size: int, rng: np.random.Generator, beta: float = 0.0, num_batches: int = 0):
+        """One batch, or with `num_batches` that many [num_batches, batch_size, ...] drawn at once
+        (one pass down the tree for a learner's round: the numpy calls are paid once)."""
+        total, count = self.tree.total, batch_size * max(num_batches, 1)
         if total <= 0:
             raise RuntimeError("sample from a replay buffer without a complete transition")
-        # Stratified, as in Schaul et al.: one target in each of batch_size equal segments.
-        targets = (np.arange(batch_size) + rng.random(batch_size)) * (total / batch_size)
-        slots = self.tree.find(targets)
+        # Stratified, as in Schaul et al.: one target in each of `count` equal segments, shuffled
+        # so that each batch spans the whole buffer.
+        targets = (np.arange(count) + rng.random(count)) * (total / count)
+        slots = self.tree.find(rng.permutation(targets) if num_batches else targets)
+        batch = self.gather(slots, beta, total)
+        if num_batches:
+            batch = jax.tree.map(lambda x: x.reshape(num_batches, batch_size, *x.shape[1:]), batch)
+        # rlpyt: importance weights normalised by the largest of their batch
+        batch["weights"] = (batch["weights"] / batch["weights"].max(axis=-1, keepdims=True)).astype(np.float32)
+        return batch
+
+    def gather(self, slots, beta: float, total: float):
+        """The transitions starting at `slots`: n-step targets, stacks, importance weights."""
+        batch_size = len(slots)
         t, e = self.row_of(slots)
         reward = np.zeros(batch_size, np.float32)
         discount = np.ones(batch_size, np.float32)
@@ -173,8 +186,7 @@ class Replay:
         weights = np.ones(batch_size, np.float32)
         if self.alpha and beta:
             probs = self.tree.get(slots) / total
-            weights = (len(self) * probs) ** -beta
-            weights = (weights / weights.max()).astype(np.float32)  # rlpyt: over the batch
+            weights = (len(self) * probs) ** -beta  # normalised by `sample`
         return dict(obs=self.stacked(t, e), action=self.action[t % self.rows, e], reward=reward,
                     discount=discount, next_obs=self.stacked(next_t, e), slots=slots, weights=weights)
 

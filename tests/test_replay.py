@@ -157,12 +157,15 @@ def test_prioritised_frequencies_and_importance_weights():
     probs = p / p.sum()
     hits = np.zeros(len(live))
     position = {s: i for i, s in enumerate(live)}
-    for _ in range(400):
-        batch = replay.sample(256, rng, beta=beta)
-        idx = np.array([position[s] for s in batch["slots"]])
+    for i in range(400):  # every other draw a learner's round: 4 batches of 64 at once
+        batch = replay.sample(256, rng, beta=beta) if i % 2 else replay.sample(64, rng, beta=beta, num_batches=4)
+        assert batch["obs"].shape == ((256, 2) if i % 2 else (4, 64, 2))
+        idx = np.array([position[s] for s in np.ravel(batch["slots"])]).reshape(batch["slots"].shape)
         np.add.at(hits, idx, 1)
         w = (len(live) * probs[idx]) ** -beta
-        np.testing.assert_allclose(batch["weights"], w / w.max(), rtol=1e-5)
+        np.testing.assert_allclose(batch["weights"], w / w.max(axis=-1, keepdims=True), rtol=1e-5)
+        if not i % 2:  # each batch spans the buffer (the stratified targets shuffled), not a quarter of it
+            assert all(len(set(np.unique(b // (len(live) // 4)).tolist())) >= 3 for b in idx)
     expected = hits.sum() * probs
     assert ((hits - expected) ** 2 / expected).sum() < chi2_bound(len(live) - 1)
     # New transitions come in at the largest priority so far.
