@@ -45,7 +45,8 @@ from helpers import (
 # The files side by side: sizes and diffs (the redesign's targets)
 # ---------------------------------------------------------------------------------------------
 
-LINE_BUDGET = {"ppo_sync_baseline.py": 650, "appo_envpool.py": 900, "impala_envpool.py": 850, "appo_envpool_xla.py": 1050}
+LINE_BUDGET = {"ppo_sync_baseline.py": 650, "appo_envpool.py": 900, "impala_envpool.py": 850, "appo_envpool_xla.py": 1050,
+               "dqn_envpool.py": 900}
 # Lines that `diff A B` adds (`grep -c '^>'`): what B changes, and only that.
 ADDED_LINES = [("ppo_sync_baseline.py", "appo_envpool.py", 350), ("appo_envpool.py", "impala_envpool.py", 100),
                ("appo_envpool.py", "appo_envpool_xla.py", 250)]
@@ -86,7 +87,7 @@ def test_the_run_library_is_small_modules_that_import_no_script():
     for path in sorted((REPO_ROOT / "jax_async_rl").glob("*.py")):
         text = path.read_text()
         assert len(text.splitlines()) <= LIBRARY_MODULE_BUDGET, f"{path.name}: {len(text.splitlines())} lines"
-        assert not re.search(r"^\s*(from|import) +(utils|ppo_sync_baseline|appo_envpool|impala_envpool)", text, re.M), path.name
+        assert not re.search(r"^\s*(from|import) +(utils|ppo_sync_baseline|\w*_envpool\w*)\b", text, re.M), path.name
         assert not long_functions(path), (path.name, long_functions(path))
 
 

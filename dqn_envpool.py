@@ -1,0 +1,577 @@
+"""Asynchronous DQN on envpool, in JAX: rlpyt's second family, with its variants behind flags.
+
+DQN with a target network (Mnih et al. 2015) and what Rainbow (Hessel et al. 2018) adds but
+noisy nets: Double DQN (van Hasselt et al. 2016), the dueling head (Wang et al. 2016), n-step
+returns, proportional prioritised replay (Schaul et al. 2016) and the distributional C51
+(Bellemare et al. 2017). Exploration is ε-greedy on CleanRL's linear schedule, or Ape-X's fixed
+ε per env (Horgan et al. 2018).
+
+Sampling and optimisation run asynchronously, as rlpyt's async mode (Stooke & Abbeel 2019):
+- actor threads step envpool splits (double buffering, Sample Factory §3.2) with the newest
+  parameters, and hand the learner chunks of `num_steps` steps of every env;
+- the learner owns the replay buffer (jax_async_rl.replay): it adds a chunk, runs
+  `replay_ratio x chunk / batch_size` gradient steps on batches sampled from it, publishes.
+  One chunk per round through a bounded queue holds the replay ratio whichever side is faster.
+`--serial` runs the same functions in one thread, collect then update (rlpyt's serial mode).
+
+The run itself (flags, folders, checkpoints, logs, devices) is the installed package
+`jax_async_rl`: this file holds the algorithm. Usage: python dqn_envpool.py --env-id Pong-v5
+"""
+
+import dataclasses
+import functools
+import queue
+import signal
+import time
+from dataclasses import dataclass
+from typing import Annotated, Optional
+
+if __name__ == "__main__":  # Ctrl-C while the libraries below import (seconds): exit 130, no traceback
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jax_async_rl import devices, flags, runs, tasks, threads
+from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, PRESET, UNIT, UsageError
+from jax_async_rl.normalize import Normalizer
+from jax_async_rl.replay import Replay
+
+SPLITS = flags.default_is("2 with image observations, else 1")
+EVAL_EPSILON = 0.001  # ε of the evaluation games (Dopamine's Rainbow: a greedy Atari agent can stall)
+
+
+@dataclass
+class Args(flags.RunArgs):
+    """Asynchronous DQN and its Rainbow variants (actor and learner threads, or --serial). Every
+    size is in agent steps unless it says frames.
+
+    Flags shown with "(default: preset)" take the value of the task's preset (listed below; the
+    PRESETS table in this file); an explicit flag wins, and config.json records the values used.
+    """
+
+    num_envs: Annotated[int, POSITIVE] = 8
+    """number of parallel environments of each actor thread (see --num-actor-threads)"""
+    num_splits: Annotated[Optional[int], SPLITS, POSITIVE] = None
+    """envpool splits for double-buffered sampling (Sample Factory §3.2); 1 disables it"""
+    num_steps: Annotated[Optional[int], PRESET, POSITIVE] = None
+    """steps of every env in each chunk an actor hands the learner; the learner's round (one chunk,
+    then its gradient steps) is an "update" in the logs and checkpoints"""
+    queue_size: Annotated[int, POSITIVE] = 1
+    """chunks an actor may queue ahead of the learner before it waits (backpressure)"""
+    serial: bool = False
+    """one thread: collect a chunk, then learn from the buffer, in turn (rlpyt's serial mode)"""
+    buffer_size: Annotated[Optional[int], PRESET, POSITIVE] = None
+    """replay buffer capacity in transitions (the oldest are overwritten)"""
+    learning_starts: Annotated[Optional[int], PRESET, NON_NEGATIVE] = None
+    """env steps before the first gradient step (a resumed run refills its buffer this long)"""
+    replay_ratio: Annotated[Optional[float], PRESET, POSITIVE] = None
+    """transitions the learner samples per env step (rlpyt's replay_ratio: batch_size / train
+    frequency); each round's gradient steps are this x the chunk / --batch-size, a whole number"""
+    batch_size: Annotated[Optional[int], PRESET, POSITIVE] = None
+    """transitions in each gradient step's batch"""
+    learning_rate: Annotated[Optional[float], PRESET, POSITIVE] = None
+    """Adam learning rate"""
+    adam_eps: Annotated[Optional[float], PRESET, POSITIVE] = None
+    """Adam's epsilon"""
+    max_grad_norm: Annotated[float, POSITIVE] = 10.0
+    """global gradient-norm clipping threshold (rlpyt's and Stable-Baselines3's DQN: 10)"""
+    gamma: Annotated[Optional[float], PRESET, UNIT] = None
+    """discount factor"""
+    target_network_frequency: Annotated[Optional[int], PRESET, POSITIVE] = None
+    """env steps between updates of the target network (checked once a round)"""
+    tau: Annotated[float, UNIT] = 1.0
+    """target network update rate (1: a copy)"""
+    start_e: Annotated[Optional[float], PRESET, UNIT] = None
+    """ε of ε-greedy at the start"""
+    end_e: Annotated[Optional[float], PRESET, UNIT] = None
+    """ε of ε-greedy at the end of the schedule"""
+    exploration_fraction: Annotated[Optional[float], PRESET, UNIT] = None
+    """the fraction of --total-timesteps over which ε falls linearly from --start-e to --end-e"""
+    apex_epsilon: bool = False
+    """Ape-X's fixed ε per env instead of the schedule: env i of N has --apex-base ** (1 + --apex-alpha x i / (N - 1))"""
+    apex_base: Annotated[float, UNIT] = 0.4
+    """Ape-X's base ε (Horgan et al. 2018)"""
+    apex_alpha: Annotated[float, NON_NEGATIVE] = 7.0
+    """Ape-X's exponent spread (Horgan et al. 2018)"""
+    double_dqn: Annotated[Optional[bool], PRESET] = None
+    """Double DQN: the online network picks the next action, the target network values it"""
+    dueling: Annotated[Optional[bool], PRESET] = None
+    """the dueling head: a value and mean-centred advantages"""
+    n_step: Annotated[Optional[int], PRESET, POSITIVE] = None
+    """n-step returns: rewards summed over n steps (fewer at an episode's end), then bootstrapped"""
+    prioritized_replay: Annotated[Optional[bool], PRESET] = None
+    """proportional prioritised replay: priorities (|TD error| + eps) ^ --priority-alpha"""
+    priority_alpha: Annotated[float, NON_NEGATIVE] = 0.5
+    """prioritisation exponent α (Rainbow: 0.5)"""
+    priority_beta: Annotated[float, UNIT] = 0.4
+    """importance-sampling exponent β at the start, annealed linearly to 1 over the run (Rainbow: 0.4)"""
+    c51: Annotated[Optional[bool], PRESET] = None
+    """distributional C51: a categorical return distribution over --num-atoms fixed atoms"""
+    num_atoms: Annotated[int, POSITIVE] = 51
+    """atoms of C51's support"""
+    v_min: float = -10.0
+    """C51's smallest return"""
+    v_max: float = 10.0
+    """C51's largest return"""
+    num_threads: Annotated[int, NON_NEGATIVE] = 0
+    """envpool worker threads of each actor thread (0: the CPU cores shared among the actor threads)"""
+    num_actor_threads: Annotated[int, POSITIVE] = 1
+    """actor threads on each actor device, each with num_envs envs of its own; a round takes one
+    chunk from each"""
+    save_interval: Annotated[int, NON_NEGATIVE] = 1000
+    """write a checkpoint every this many rounds (0: only at the end)"""
+    log_frequency: Annotated[int, POSITIVE] = 20
+    """log losses, timings and SPS every this many rounds and after the last (returns: always)"""
+
+
+PLAIN = dict(double_dqn=False, dueling=False, n_step=1, prioritized_replay=False, c51=False)
+PRESETS = {
+    # Rainbow minus noisy nets (rlpyt's "ernbw"): Hessel et al. 2018, Table 1 (Adam 6.25e-5 with
+    # eps 1.5e-4, 3-step, α 0.5, β 0.4 -> 1, 51 atoms in [-10, 10], target every 32k frames, 80k
+    # frames first, one update of 32 every 4 steps), with CleanRL's dqn_atari_jax.py ε schedule
+    # in place of noisy nets (1 -> 0.01 over the first 10%).
+    "atari": dict(num_steps=4, buffer_size=1_000_000, learning_starts=20_000, replay_ratio=8.0, batch_size=32,
+                  learning_rate=6.25e-5, adam_eps=1.5e-4, gamma=0.99, target_network_frequency=8000, start_e=1.0,
+                  end_e=0.01, exploration_fraction=0.1, double_dqn=True, dueling=True, n_step=3,
+                  prioritized_replay=True, c51=True),
+    # Any other vector task: CleanRL's dqn.py (batches of 128 every 10 steps, target every 500).
+    "classic": dict(num_steps=5, buffer_size=10_000, learning_starts=10_000, replay_ratio=12.8, batch_size=128,
+                    learning_rate=2.5e-4, adam_eps=1e-8, gamma=0.99, target_network_frequency=500, start_e=1.0,
+                    end_e=0.05, exploration_fraction=0.5, **PLAIN),
+    # rl-baselines3-zoo's tuned DQN (hyperparams/dqn.yml): 128 gradient steps of 64 every 256 steps.
+    "CartPole": dict(num_steps=32, buffer_size=100_000, learning_starts=1000, replay_ratio=32.0, batch_size=64,
+                     learning_rate=2.3e-3, adam_eps=1e-8, gamma=0.99, target_network_frequency=10, start_e=1.0,
+                     end_e=0.04, exploration_fraction=0.16, **PLAIN),
+}
+RAINBOW = {k: v for k, v in PRESETS["atari"].items() if k in PLAIN}  # the five switches, for any task
+
+
+def resolve_args(args: Args) -> Args:
+    """The flags left at None filled from the task's preset, and all checked: UsageError, one
+    line, before anything starts (runs.checked holds the checks every script's flags take)."""
+    fill = tasks.preset_values(args, PRESETS)
+    if not hasattr(tasks.spaces(args.env_id)[1], "n"):
+        raise UsageError(f"--env-id {args.env_id} has continuous actions; DQN picks one of a finite set: "
+                         "use sac_envpool.py (or appo_envpool.py)")
+    if args.num_splits is None:
+        fill["num_splits"] = 2 if "nature" in dict(tasks.encoders(tasks.spaces(args.env_id)[0])) else 1
+    args = runs.checked(dataclasses.replace(args, **fill))
+    if args.num_envs % args.num_splits:
+        raise UsageError(f"--num-splits {args.num_splits} must divide --num-envs {args.num_envs}")
+    chunk = devices.global_envs(args) * args.num_steps
+    steps = args.replay_ratio * chunk / args.batch_size
+    if steps < 1 or abs(steps - round(steps)) > 1e-6:
+        raise UsageError(f"--replay-ratio {args.replay_ratio} x a round's {chunk} env steps ({devices.describe_batch(args)}) "
+                         f"/ --batch-size {args.batch_size} = {steps:g} gradient steps: make it a whole number")
+    if args.batch_size % len(args.learner_device_ids):
+        raise UsageError(f"--batch-size {args.batch_size} must divide over the {len(args.learner_device_ids)} learner devices")
+    if args.buffer_size < 2 * chunk or args.buffer_size // devices.local_envs(args) <= args.n_step + 4:
+        raise UsageError(f"--buffer-size {args.buffer_size} must hold two rounds ({chunk} env steps) and more than "
+                         f"--n-step + 4 steps of each of the {devices.local_envs(args)} envs")
+    if args.c51 and not args.v_min < args.v_max:
+        raise UsageError(f"--v-min {args.v_min} must be below --v-max {args.v_max}")
+    if args.c51 and args.num_atoms < 2:
+        raise UsageError(f"--num-atoms {args.num_atoms}: C51 needs at least 2")
+    return args
+
+
+def gradient_steps(args: Args) -> int:
+    """Gradient steps of each round: --replay-ratio x the round's env steps / --batch-size."""
+    return round(args.replay_ratio * devices.global_envs(args) * args.num_steps / args.batch_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# Network
+# ---------------------------------------------------------------------------------------------
+
+
+class QNetwork(nn.Module):
+    """One encoder per observation leaf (`tasks.leaf_encoder`), concatenated: with a Nature CNN
+    leaf, a 512 ReLU layer (Mnih et al. 2015); otherwise a 256-256 ReLU MLP (rl-baselines3-zoo's
+    CartPole DQN). Then the Q head: obs [B, ...] -> Q-values [B, A], or with `num_atoms` the
+    logits [B, A, atoms] of C51's return distribution; `dueling`: a value stream and an advantage
+    stream whose mean over actions is subtracted (Wang et al. 2016, eq. 9)."""
+
+    action_dim: int
+    encoders: tuple  # tasks.leaf_encoder of each observation leaf
+    dueling: bool = False
+    num_atoms: int = 0  # 0: plain Q-values
+
+    @nn.compact
+    def __call__(self, obs):
+        def conv(x, size, kernel, stride=1):
+            return nn.relu(nn.Conv(size, (kernel, kernel), (stride, stride), "VALID")(x))
+
+        features = []
+        for x, (kind, arg) in zip(jax.tree.leaves(obs), self.encoders, strict=True):
+            if kind in ("nature", "grid") and arg == "chw":
+                x = jnp.transpose(x, (0, 2, 3, 1))  # [B, C, H, W] -> [B, H, W, C]
+            if kind == "nature":  # Mnih et al. 2015
+                x = conv(conv(conv(x.astype(jnp.float32) / 255.0, 32, 8, 4), 64, 4, 2), 64, 3)
+            elif kind == "grid":  # rl-starter-files' (torch-ac's) MiniGrid network: 2x2 convs, a max-pool
+                x = nn.max_pool(conv(x.astype(jnp.float32), 16, 2), (2, 2), (2, 2))
+                x = conv(conv(x, 32, 2), 64, 2)
+            else:
+                x = jax.nn.one_hot(x - arg[1], arg[0]) if kind == "onehot" else x.astype(jnp.float32) * arg
+            features.append(x.reshape(x.shape[0], -1))
+        x = jnp.concatenate(features, axis=-1)
+        for size in [512] if any(kind == "nature" for kind, _ in self.encoders) else [256, 256]:
+            x = nn.relu(nn.Dense(size)(x))
+        atoms = max(self.num_atoms, 1)
+        q = nn.Dense(self.action_dim * atoms)(x).reshape(-1, self.action_dim, atoms)
+        if self.dueling:
+            value = nn.Dense(atoms)(x)[:, None]
+            q = value + q - q.mean(axis=1, keepdims=True)
+        return q if self.num_atoms else q[..., 0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Math (pure functions; tests import them)
+# ---------------------------------------------------------------------------------------------
+
+
+def linear_schedule(start: float, end: float, duration: float, t):
+    """CleanRL's linear schedule: `start` at t = 0, `end` from t = duration on."""
+    slope = (end - start) / max(duration, 1.0)
+    return max(slope * t + start, end)
+
+
+def apex_epsilons(num_envs: int, base: float, alpha: float):
+    """Ape-X's per-actor ε (Horgan et al. 2018, §4): ε_i = base ^ (1 + alpha x i / (N - 1)), [N]."""
+    i = np.arange(num_envs)
+    return base ** (1.0 + alpha * i / max(num_envs - 1, 1))
+
+
+def q_targets(next_q_target, next_q_online, reward, discount, double: bool):
+    """The (n-step) DQN target [B]: reward + discount x Q_target(s', a'), where a' is the target
+    network's argmax (Mnih et al. 2015) or, `double`, the online network's (van Hasselt et al.
+    2016, eq. 4). next_q_*: [B, A]; reward, discount [B] (discount: gamma^k, 0 after a termination)."""
+    choice = next_q_online if double else next_q_target
+    best = jnp.argmax(choice, axis=-1)
+    return reward + discount * jnp.take_along_axis(next_q_target, best[:, None], axis=-1)[:, 0]
+
+
+def c51_project(next_probs, reward, discount, support):
+    """C51's target distribution (Bellemare et al. 2017, Algorithm 1): the atoms of `support` [K]
+    moved to reward + discount x z, clipped to the support, and each atom's probability
+    (`next_probs` [B, K]) split between its two nearest atoms. Returns [B, K]."""
+    v_min, v_max = support[0], support[-1]
+    delta = (v_max - v_min) / (support.shape[0] - 1)
+    tz = jnp.clip(reward[:, None] + discount[:, None] * support[None], v_min, v_max)
+    b = (tz - v_min) / delta
+    lower, upper = jnp.floor(b), jnp.ceil(b)
+    # An atom that lands exactly on one (lower == upper) gives it all its mass.
+    to_lower = next_probs * (upper + (lower == upper) - b)
+    to_upper = next_probs * (b - lower)
+    index = jnp.arange(next_probs.shape[0])[:, None]
+    target = jnp.zeros_like(next_probs)
+    target = target.at[index, lower.astype(jnp.int32)].add(to_lower)
+    return target.at[index, upper.astype(jnp.int32)].add(to_upper)
+
+
+def dqn_loss(params, target_params, network, batch, args: Args, support):
+    """The importance-weighted loss of one batch and each transition's TD error [B] (the new
+    priorities): Huber on the (Double) DQN target, or C51's cross-entropy to the projected target
+    distribution (whose next action is picked by the expected values, the online network's with
+    --double-dqn, as Rainbow does)."""
+    q = network.apply(params, batch["obs"])
+    next_target = network.apply(target_params, batch["next_obs"])
+    next_online = network.apply(params, batch["next_obs"]) if args.double_dqn else next_target
+    action = batch["action"].astype(jnp.int32)[:, None]
+    if args.c51:
+        def values(logits):
+            return jnp.sum(jax.nn.softmax(logits) * support, axis=-1)
+
+        best = jnp.argmax(values(next_online), axis=-1)[:, None, None]
+        next_probs = jax.nn.softmax(jnp.take_along_axis(next_target, best, axis=1)[:, 0])
+        target = jax.lax.stop_gradient(c51_project(next_probs, batch["reward"], batch["discount"], support))
+        log_p = jax.nn.log_softmax(jnp.take_along_axis(q, action[..., None], axis=1)[:, 0])
+        errors = -jnp.sum(target * log_p, axis=-1)
+        q_taken, losses = jnp.sum(jnp.exp(log_p) * support, axis=-1), errors
+    else:
+        target = jax.lax.stop_gradient(q_targets(next_target, next_online, batch["reward"], batch["discount"],
+                                                 args.double_dqn))
+        q_taken = jnp.take_along_axis(q, action, axis=-1)[:, 0]
+        errors = q_taken - target
+        losses = optax.huber_loss(q_taken, target, delta=1.0)
+    return jnp.mean(batch["weights"] * losses), (errors, q_taken)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling
+# ---------------------------------------------------------------------------------------------
+
+
+def make_policy_step(network, c51: bool, support):
+    """One jitted call per environment step: ε-greedy actions [B] for `epsilon` [B], the key.
+    The evaluation calls it through `evaluation_policy`."""
+
+    @jax.jit
+    def policy_step(params, obs, epsilon, key):
+        key, explore, pick = jax.random.split(key, 3)
+        q = network.apply(params, obs)
+        q = jnp.sum(jax.nn.softmax(q) * support, axis=-1) if c51 else q
+        greedy = jnp.argmax(q, axis=-1)
+        random = jax.random.randint(pick, greedy.shape, 0, q.shape[-1])
+        return jnp.where(jax.random.uniform(explore, greedy.shape) < epsilon, random, greedy), key
+
+    return policy_step
+
+
+def evaluation_policy(policy_step):
+    """The evaluation's policy(params, obs, core, key) -> (actions, None, None, None, key), at EVAL_EPSILON."""
+    def policy(params, obs, core, key):
+        action, key = policy_step(params, obs, np.float32(EVAL_EPSILON), key)
+        return action, None, None, None, key
+
+    return policy
+
+
+class Collector:
+    """An actor's envs, stepped one split at a time (`recv` returns the split whose step finished,
+    Sample Factory §3.2), in chunks of `num_steps` steps of every env: the rows the replay buffer
+    stores, as envpool returned them with the action taken on each."""
+
+    def __init__(self, envs, policy_step, args: Args, key, thread: int, shared, start_step: int):
+        self.envs, self.policy_step, self.args, self.key, self.shared = envs, policy_step, args, key, shared
+        self.start_step, self.thread = start_step, thread
+        self.stats = tasks.EpisodeStats(args.num_envs)
+        self.apex = apex_epsilons(devices.global_envs(args), args.apex_base, args.apex_alpha)[
+            thread * args.num_envs:(thread + 1) * args.num_envs].astype(np.float32)
+        self.timing = shared.timing
+        envs.async_reset()
+
+    def epsilon(self, env_ids):
+        """ε of envs `env_ids` now: Ape-X's fixed ones, or the schedule at the env steps sampled so far."""
+        if self.args.apex_epsilon:
+            return self.apex[env_ids]
+        step = self.start_step + int(self.shared.sampled.sum())
+        e = linear_schedule(self.args.start_e, self.args.end_e, self.args.exploration_fraction * self.args.total_timesteps, step)
+        return np.full(len(env_ids), e, np.float32)
+
+    def collect(self, params, version: int) -> dict:
+        """One chunk: num_steps x num_splits recv()s, each with its env ids, obs, actions, rewards,
+        terminated, truncated and elapsed steps; `version`: the parameters' (for the policy lag)."""
+        rows, timing = [], self.timing
+        for _ in range(self.args.num_steps * self.args.num_splits):
+            start = time.perf_counter()
+            obs, reward, terminated, truncated, info = self.envs.recv()
+            timing["env"] += (now := time.perf_counter()) - start
+            env_ids = info["env_id"]
+            reward = np.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's reward is undefined (dm_control: NaN at times)
+            action, self.key = self.policy_step(params, obs, self.epsilon(env_ids), self.key)
+            action = np.asarray(action)
+            timing["inference"] += (start := time.perf_counter()) - now
+            self.envs.send(action, env_ids)
+            self.stats.update(env_ids, reward, terminated, truncated, info)
+            rows.append((env_ids + self.thread * self.args.num_envs, obs, action, reward, terminated, truncated,
+                         info["elapsed_step"]))
+            self.shared.sampled[self.thread] += len(env_ids)
+            timing["bookkeeping"] += time.perf_counter() - start
+        return dict(rows=rows, version=version, games=self.stats.pop())
+
+
+def actor_loop(collector, shared, chunk_queue, device, num_chunks: int):
+    """Collect chunks with the newest published parameters (copied to this actor's device once
+    per update) and queue them for the learner, which waits for them when data is short; the
+    actor waits on a full queue when the learner is behind: the replay ratio holds."""
+    held = params = None
+    for _ in range(num_chunks):
+        latest, version = shared.latest
+        if version != held:
+            held, params = version, devices.to_actor(device, latest)
+        chunk = collector.collect(params, held)
+        start = time.perf_counter()
+        if not threads.put(chunk_queue, chunk, shared.stop):
+            return
+        shared.timing["queue_put"] += time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------------------------
+# Learning
+# ---------------------------------------------------------------------------------------------
+
+
+def make_update(network, optimizer, args: Args, support, mesh=None):
+    """The jitted round: the target network synced first where due (`sync`), then one gradient
+    step on each of the `batches` [S, batch, ...] in turn. Returns the state, diagnostics and the
+    TD errors [S, batch] (the new priorities)."""
+
+    def step(carry, batch):
+        params, opt_state, target_params = carry
+        if mesh is not None:  # each learner device takes its share of the batch: data parallel
+            batch = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, devices.split_envs(mesh, 0)), batch)
+        (loss, (errors, q)), grads = jax.value_and_grad(dqn_loss, has_aux=True)(
+            params, target_params, network, batch, args, support)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return (params, opt_state, target_params), ({"loss": loss, "q_values": q.mean(),
+                                                     "grad_norm": optax.global_norm(grads)}, errors)
+
+    @jax.jit
+    def update(state, batches, sync):
+        target = jax.tree.map(lambda p, t: jnp.where(sync, args.tau * p + (1 - args.tau) * t, t),
+                              state["params"], state["target_params"])
+        # XLA:CPU runs convs in a loop ~10x slower than unrolled (Nature CNN): unroll up to 16 steps there.
+        images = any(kind in ("nature", "grid") for kind, _ in network.encoders)
+        unroll = jax.default_backend() == "cpu" and images and jax.tree.leaves(batches)[0].shape[0] <= 16
+        (params, opt_state, target), (losses, errors) = jax.lax.scan(
+            step, (state["params"], state["opt_state"], target), batches, unroll=unroll)
+        diagnostics = jax.tree.map(jnp.mean, losses)
+        finite = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]
+        diagnostics["finite"] = jnp.isfinite(diagnostics["loss"]) & jnp.all(jnp.array(finite))
+        new_state = dict(state, params=params, opt_state=opt_state, target_params=target,
+                         policy_version=state["policy_version"] + 1)
+        return new_state, diagnostics, errors
+
+    return update
+
+
+class Learner:
+    """The learner's side of a round, the same in both modes: add each actor's chunk to the
+    buffer (it owns it), then, once --learning-starts env steps are in, sample the round's batches
+    (prioritised: β annealed to 1 over the run), update, write back the priorities."""
+
+    def __init__(self, run, replay, update, rng, timing: dict):
+        self.run, self.replay, self.update, self.rng, self.timing = run, replay, update, rng, timing
+        self.args, self.steps = run.args, gradient_steps(run.args)
+        self.warm_at = run.start_step + run.args.learning_starts  # a resumed run refills its buffer first
+        self.sampled = self.learned_from = 0  # transitions sampled; env steps since the first update
+        self.synced = (run.start_step - 1) // run.args.target_network_frequency
+        timing["replay"] = 0.0
+
+    def round(self, chunks: list) -> dict:
+        run, args, state = self.run, self.args, self.run.state
+        start = time.perf_counter()
+        for chunk in chunks:
+            for env_ids, obs, action, reward, terminated, truncated, elapsed in chunk["rows"]:
+                self.replay.add(env_ids, obs, action, reward, terminated, truncated, elapsed)
+        step = run.global_step + run.batch_size  # the env steps once this round is counted
+        lag = [int(state["policy_version"]) - chunk["version"] for chunk in chunks]
+        extra = {"async/policy_lag_mean": float(np.mean(lag)), "replay/fill": len(self.replay) / args.buffer_size,
+                 "charts/epsilon": float(np.mean(self.epsilon(step)))}
+        diagnostics = {"finite": True, "learning_rate": args.learning_rate}
+        if step > self.warm_at:
+            beta = args.priority_beta + (1.0 - args.priority_beta) * min(1.0, step / args.total_timesteps)
+            batches = self.replay.sample(args.batch_size, self.rng, beta if args.prioritized_replay else 0.0, self.steps)
+            slots = batches.pop("slots")
+            self.timing["replay"] += (now := time.perf_counter()) - start
+            due = step // args.target_network_frequency > self.synced
+            self.synced = step // args.target_network_frequency
+            state, diagnostics, errors = self.update(state, devices.to_learner(run.mesh, batches), np.bool_(due))
+            diagnostics, errors = jax.device_get((diagnostics, errors))
+            if args.prioritized_replay:
+                self.replay.update_priorities(slots.ravel(), errors.ravel())
+            self.timing["update"] += time.perf_counter() - now
+            self.sampled += self.steps * args.batch_size
+            self.learned_from += run.batch_size
+            extra["replay/ratio"] = self.sampled / self.learned_from
+            diagnostics["learning_rate"] = args.learning_rate
+        else:
+            state = dict(state, policy_version=state["policy_version"] + 1)
+            self.timing["replay"] += time.perf_counter() - start
+        return run.learned(state, diagnostics, self.timing, extra)
+
+    def epsilon(self, step):
+        args = self.args
+        if args.apex_epsilon:
+            return apex_epsilons(devices.global_envs(args), args.apex_base, args.apex_alpha)
+        return linear_schedule(args.start_e, args.end_e, args.exploration_fraction * args.total_timesteps, step)
+
+
+def learner_loop(run, learner, shared, queues):
+    """Take one chunk from every actor thread's queue, learn from the buffer, publish the
+    parameters and their version after each round: from run.start_update to run.num_updates,
+    or until the run stops."""
+    for _ in range(run.start_update, run.num_updates):
+        start = time.perf_counter()
+        chunks = [threads.get(q, run.stop) for q in queues]
+        shared.timing["queue_get"] += time.perf_counter() - start
+        if run.should_stop(None in chunks, [game for chunk in chunks if chunk for game in chunk["games"]]):
+            break
+        state = learner.round(chunks)
+        shared.latest = (state["params"], int(state["policy_version"]))
+
+
+def serial_loop(run, learner, collectors, device):
+    """rlpyt's serial mode: the same collection and round in one thread, in turn."""
+    for _ in range(run.start_update, run.num_updates):
+        chunks = [c.collect(devices.to_actor(device, run.state["params"]), int(run.state["policy_version"]))
+                  for c in collectors]
+        if run.should_stop(False, [game for chunk in chunks for game in chunk["games"]]):
+            break
+        learner.round(chunks)
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------
+
+
+def build(args: Args, key):
+    """(network, optimizer, support, normalizer, initial state) of a run with these flags; a
+    checkpoint restores into `dict(state, **normalizer.state())` (utils/evaluate.py does too)."""
+    obs_space, action_space = tasks.spaces(args.env_id)
+    network = QNetwork(int(action_space.n), tasks.encoders(obs_space), args.dueling, args.num_atoms if args.c51 else 0)
+    params = network.init(key, tasks.zeros_like_space(obs_space, 1))
+    optimizer = optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adam(args.learning_rate, eps=args.adam_eps))
+    support = jnp.linspace(args.v_min, args.v_max, args.num_atoms)
+    normalizer = Normalizer(tasks.zeros_like_space(obs_space), devices.local_envs(args), False, False, args.gamma)
+    state = {"params": params, "target_params": params, "opt_state": optimizer.init(params), "global_step": 0,
+             "policy_version": 0}
+    return network, optimizer, support, normalizer, state
+
+
+def make_replay(args: Args, envs):
+    """The learner's buffer over all this process's envs; Atari's frame stacks stored a frame a row."""
+    obs_space, action_space = tasks.spaces(args.env_id)
+    stack = obs_space.shape[0] if tasks.env_kind(args.env_id) == "atari" else 1
+    return Replay(args.buffer_size, devices.local_envs(args), tasks.zeros_like_space(obs_space, 1),
+                  np.zeros(1, action_space.dtype), args.n_step, args.gamma, stack,
+                  args.priority_alpha if args.prioritized_replay else 0.0)
+
+
+def main(args: Args, given=None) -> int:
+    """Train; return the exit code. `given`: the flags named on the command line, which replace a
+    resumed run's own (None: those that differ from Args' defaults)."""
+    if args.distributed:  # refused before the Run joins any process
+        raise UsageError("--distributed: dqn_envpool.py learns in one process (its buffer is that process's)")
+    with runs.Run(args, given, __file__, resolve_args) as run:
+        if run.finished:
+            return 0
+        args = run.args
+        network, optimizer, support, normalizer, state = build(args, run.init_key)
+        state = run.open(state, normalizer)
+        actors = run.actors()  # (device, env seed, action key) of each actor thread
+        envs = [tasks.make_env(args.env_id, args.num_envs, seed, run.env_threads, train=True,
+                               batch_size=args.num_envs // args.num_splits) for _, seed, _ in actors]
+        policy_step = make_policy_step(network, args.c51, support)
+        shared = threads.Shared(state["params"], state["policy_version"], normalizer, run.sampled, run.stop,
+                                run.report_episodes)
+        collectors = [Collector(envs[i], policy_step, args, key, i, shared, run.start_step)
+                      for i, (_, _, key) in enumerate(actors)]
+        learner = Learner(run, make_replay(args, envs), make_update(network, optimizer, args, support, run.mesh),
+                          np.random.default_rng(run.seed), shared.timing)
+        run.begin(f"preset {tasks.preset_name(args.env_id, PRESETS)}, {gradient_steps(args)} gradient steps a round"
+                  f"{', serial' if args.serial else ''}")
+        if args.serial:
+            try:
+                run.threads.run("training loop", serial_loop, run, learner, collectors, actors[0][0])
+            finally:
+                for e in envs:
+                    e.close()
+        else:
+            queues = [queue.Queue(maxsize=args.queue_size) for _ in actors]
+            for i, (device, _, _) in enumerate(actors):
+                run.threads.start(f"actor {i}" if i else "actor", actor_loop, collectors[i], shared, queues[i], device,
+                                  run.num_updates - run.start_update, owns=envs[i])
+            run.wait(run.threads.start("learner", learner_loop, run, learner, shared, queues))
+        return run.finish(evaluation_policy(policy_step), lambda n: None)
+
+
+if __name__ == "__main__":
+    flags.command_line(main, Args, PRESETS)
