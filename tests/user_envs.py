@@ -65,3 +65,27 @@ class WrongSpace(Faulty):
 
     def reset(self, seed=None, options=None):
         return np.zeros(3, np.float32), {}
+
+
+class Chain(gymnasium.Env):
+    """A chain of `cells` for dqn_envpool.py's end-to-end test: start at cell 0; action 1 steps
+    right, 0 left (cell 0 is a wall); reaching the last cell pays 1 and ends the game; `limit`
+    steps truncate it. Observations one-hot. The optimal values, truncations bootstrapped:
+    Q*(s, right) = γ^(cells - 2 - s), Q*(s, left) = γ Q*(max(s - 1, 0), right)."""
+
+    action_space = gymnasium.spaces.Discrete(2)
+
+    def __init__(self, cells: int = 5, limit: int = 10):
+        self.cells, self.limit = cells, limit
+        self.observation_space = gymnasium.spaces.Box(0.0, 1.0, (cells,), np.float32)
+        self.position = self.t = 0
+
+    def reset(self, seed=None, options=None):
+        self.position = self.t = 0
+        return np.eye(self.cells, dtype=np.float32)[0], {}
+
+    def step(self, action):
+        self.t += 1
+        self.position = min(self.position + 1, self.cells - 1) if action == 1 else max(self.position - 1, 0)
+        done = self.position == self.cells - 1
+        return np.eye(self.cells, dtype=np.float32)[self.position], float(done), done, self.t >= self.limit and not done, {}
