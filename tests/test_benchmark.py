@@ -104,3 +104,22 @@ def test_user_env_ceiling_with_processes_and_async_vector_env(bench_module, monk
     async_vector_env = bench_module.measure_ceiling(env_id, 4, 0, 2.0, async_vector_env=True)
     assert four > 2 * one, (one, four)
     assert math.isfinite(async_vector_env) and async_vector_env > one, (one, async_vector_env)
+
+
+@pytest.mark.timeout(300)
+def test_replay_part_times_both_modes_and_reports_the_ratio(bench_module, tmp_path):
+    """--parts replay, tiny: dqn_envpool.py trained asynchronously and --serial; each row has
+    its SPS, the replay ratio it held (the CartPole preset's 32), a threshold no 2k-step run
+    reaches (5 rounds past --learning-starts 1000); the report tabulates both and their SPS ratio."""
+    rows = []
+    for serial in (False, True):
+        measured = bench_module.measure_replay("CartPole-v1", serial, 2048, 475.0, str(tmp_path))
+        assert measured["replay_ratio"] == pytest.approx(32.0) and measured["target_ratio"] == 32.0
+        assert measured["sps"] > 0 and measured["steps_to_threshold"] is None and measured["updates"] == 5
+        assert measured["policy_lag"] == 0 or not serial  # serial: each chunk learned by the parameters that made it
+        rows.append(dict(kind="replay", serial=serial, threshold=475.0, fps=measured["sps"], **measured))
+    machine = dict(cpu_count=2, jax_backend="cpu", processor="x")
+    bench_module.write_report(str(tmp_path), dict(env_id="CartPole-v1", machine=machine, measurements=rows), True)
+    table = (tmp_path / "results.md").read_text()
+    assert "| async |" in table and "| serial |" in table and table.count("| not reached |") == 2
+    assert f"Async / serial SPS: **{rows[0]['sps'] / rows[1]['sps']:.2f}x**." in table

@@ -9,7 +9,11 @@
                and appo_envpool_xla.py's actor (one jitted loop a rollout) at 1 and 2 splits;
 3. end_to_end: training throughput of the scripts with matching flags over a sweep of
                --num-envs, with the fraction of wall time each stage is busy;
-4. scaling:    (with --parts ... scaling) appo_envpool.py end to end on 1, 2 and 4 learner
+4. replay:     (with --parts ... replay) dqn_envpool.py at its preset, asynchronous and --serial
+               (rlpyt's two modes, the same replay ratio), each trained for --replay-budget env
+               steps: SPS, steps and seconds to a 20-episode mean of --replay-threshold, the
+               replay ratio achieved and the policy lag;
+5. scaling:    (with --parts ... scaling) appo_envpool.py end to end on 1, 2 and 4 learner
                devices x 1 and 2 actor threads: SPS and the update's time per global batch. On a
                CPU, XLA_FLAGS gives each run 4 host devices, which share the cores: the figures
                show the overhead of sharding, not a speed-up. A machine with 4 GPUs runs the same.
@@ -19,6 +23,7 @@ SPS counts agent steps; FPS counts environment frames (agent steps x frame skip)
 
 Usage: python utils/benchmark.py [--quick] [--env-id Pong-v5]
        python utils/benchmark.py --env-id CartPole-v1 --parts scaling     (the scaling sweep alone)
+       python utils/benchmark.py --env-id CartPole-v1 --parts replay      (DQN, async vs serial)
 """
 
 import dataclasses
@@ -48,6 +53,8 @@ ROOT = str(Path(__file__).resolve().parent.parent)
 # The training scripts, in the repository root; the first is the baseline the others are compared with.
 SCRIPTS = ("ppo_sync_baseline.py", "appo_envpool.py", "impala_envpool.py", "appo_envpool_xla.py")
 XLA_SCRIPT = "appo_envpool_xla.py"
+DQN_SCRIPT = "dqn_envpool.py"
+PARTS = ("ceiling", "sampler", "end_to_end", "replay", "scaling")
 
 
 def load_script(name: str):
@@ -85,7 +92,11 @@ class Args:
     scripts: tuple[str, ...] = SCRIPTS
     """training scripts of the end-to-end part (empty: skip it)"""
     parts: tuple[str, ...] = ("ceiling", "sampler", "end_to_end")
-    """which measurements to run, of ceiling, sampler, end_to_end and scaling"""
+    """which measurements to run, of ceiling, sampler, end_to_end, replay and scaling"""
+    replay_budget: int = 60_000
+    """replay: env steps each dqn_envpool.py run trains (async, then --serial)"""
+    replay_threshold: float = 475.0
+    """replay: the 20-episode mean return whose first crossing is timed"""
     scaling_learners: tuple[int, ...] = (1, 2, 4)
     """scaling: learner device counts (--learner-device-ids 0 .. n-1)"""
     scaling_actor_threads: tuple[int, ...] = (1, 2)
@@ -330,6 +341,37 @@ def measure_end_to_end(script, env_id, num_envs, num_steps, seconds, out_dir, ex
     return sps, busy, len(updates), busy.get("update", 0.0) * wall / (len(updates) - 1)
 
 
+def measure_replay(env_id, serial: bool, budget: int, threshold: float, out_dir):
+    """dqn_envpool.py at its preset, asynchronous or --serial, trained for `budget` env steps:
+    SPS between its first and last update, env steps and seconds (from the first update) to the
+    first 20-episode mean at `threshold` (None: not reached), the replay ratio it logged last and
+    its mean policy lag (rounds between the parameters a chunk was collected with and the update)."""
+    run_dir = os.path.join(out_dir, "replay", "serial" if serial else "async")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = [sys.executable, os.path.join(ROOT, DQN_SCRIPT), "--env-id", env_id, "--total-timesteps", str(budget),
+           "--eval-episodes", "0", "--save-interval", "0", "--log-frequency", "1", "--run-dir", run_dir,
+           *(["--serial"] if serial else [])]
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{DQN_SCRIPT} exited with code {proc.returncode}:\n{proc.stderr[-2000:]}")
+    records = read_metrics(os.path.join(run_dir, METRICS))
+    updates = [r for r in records if r["tag"] == "losses/loss"]
+    if len(updates) < 2:
+        return None
+    first, last = updates[0], updates[-1]
+    games = [r for r in records if r["tag"] == "charts/episodic_return"]
+    means = np.convolve([r["value"] for r in games], np.ones(20) / 20, "valid") if len(games) >= 20 else []
+    hit = next((games[i + 19] for i, m in enumerate(means) if m >= threshold), None)
+    values = lambda tag: [r["value"] for r in records if r["tag"] == tag]
+    config = json.loads(open(os.path.join(run_dir, "config.json")).read())
+    return dict(sps=(last["step"] - first["step"]) / (last["wall_time"] - first["wall_time"]),
+                steps_to_threshold=hit["step"] if hit else None,
+                seconds_to_threshold=hit["wall_time"] - first["wall_time"] if hit else None,
+                best_mean=float(max(means, default=float("nan"))), replay_ratio=values("replay/ratio")[-1],
+                target_ratio=config["replay_ratio"], policy_lag=float(np.mean(values("async/policy_lag_mean"))),
+                updates=len(updates))
+
+
 def measure_scaling(env_id, num_steps, seconds, out_dir, learners, threads):
     """appo_envpool.py end to end on `learners` learner devices with `threads` actor threads of 8
     envs each (all on device 0); on a CPU, 4 forced host devices. (SPS, busy, updates, update s)."""
@@ -353,10 +395,11 @@ def write_report(out_dir, results, quick):
     machine = results["machine"]
     hardware = f"{machine['cpu_count']} CPU cores, JAX on {machine['jax_backend']} ({machine['processor']})"
     rows = results["measurements"]
-    lines = [f"# Benchmark: {results['env_id']}{' (--quick)' if quick else ''}", "", f"Hardware: {hardware}.", ""]
-    lines += ["## Ceiling and sampler", "",
-              "| kind | num_envs | num_splits | env threads | SPS | FPS | of ceiling | actor µs per env step: "
-              "total (env wait, dispatch, bookkeeping, device_get, queue) |", "|---|---|---|---|---|---|---|---|"]
+    lines = [f"# Benchmark: {results['env_id']}{' (--quick)' if quick else ''}", "", f"Hardware: {hardware}."]
+    if any(r["kind"] in ("ceiling", "sampler") for r in rows):
+        lines += ["", "## Ceiling and sampler", "",
+                  "| kind | num_envs | num_splits | env threads | SPS | FPS | of ceiling | actor µs per env step: "
+                  "total (env wait, dispatch, bookkeeping, device_get, queue) |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["kind"] in ("ceiling", "sampler"):
             frac = f"{r['fraction_of_ceiling']:.0%}" if r.get("fraction_of_ceiling") is not None else ""
@@ -399,6 +442,20 @@ def write_report(out_dir, results, quick):
             ratio = f"{r['sps'] / sync[r['num_envs']]:.2f}x" if r["num_envs"] in sync else ""
             lines.append(f"| {r['script']} | {r['num_envs']} | {r.get('num_splits') or ''} | {r['num_steps']} | {r['sps']:.0f} | "
                          f"{r['fps']:.0f} | {ratio} | {r['updates']} | {busy} |")
+    replay = [r for r in rows if r["kind"] == "replay"]
+    if replay:
+        lines += ["", f"## Replay ({DQN_SCRIPT}: asynchronous vs --serial, the same replay ratio)", "",
+                  f"| mode | SPS | steps to a 20-episode mean of {replay[0]['threshold']:g} | seconds to it | best mean | "
+                  "replay ratio achieved (set) | policy lag | rounds |", "|---|---|---|---|---|---|---|---|"]
+        for r in replay:
+            reached = r["steps_to_threshold"] is not None
+            steps, seconds = (r["steps_to_threshold"], f"{r['seconds_to_threshold']:.1f}") if reached else ("not reached", "")
+            lines.append(f"| {'serial' if r['serial'] else 'async'} | {r['sps']:.0f} | {steps} | {seconds} | "
+                         f"{r['best_mean']:.1f} | {r['replay_ratio']:.2f} ({r['target_ratio']:g}) | {r['policy_lag']:.2f} | "
+                         f"{r['updates']} |")
+        modes = {r["serial"]: r for r in replay}
+        if len(modes) == 2:
+            lines += ["", f"Async / serial SPS: **{modes[False]['sps'] / modes[True]['sps']:.2f}x**."]
     scaling = [r for r in rows if r["kind"] == "scaling"]
     if scaling:
         lines += ["", "## Scaling (appo_envpool.py)", "",
@@ -452,9 +509,9 @@ def main(args: Args) -> int:
             raise UsageError(f"--{name.replace('_', '-')} must be positive")
     if args.num_envs % 2:
         raise UsageError("--num-envs must be even (the sampler compares 1 and 2 splits)")
-    wrong = [p for p in args.parts if p not in ("ceiling", "sampler", "end_to_end", "scaling")]
+    wrong = [p for p in args.parts if p not in PARTS]
     if wrong:
-        raise UsageError(f"--parts: unknown {wrong}; choose from ceiling, sampler, end_to_end, scaling")
+        raise UsageError(f"--parts: unknown {wrong}; choose from {', '.join(PARTS)}")
     unknown = [s for s in args.scripts if s not in SCRIPTS]
     if unknown:
         raise UsageError(f"--scripts: unknown {unknown}; choose from {list(SCRIPTS)}")
@@ -475,6 +532,7 @@ def main(args: Args) -> int:
     jobs += [("sampler", (1, False, True)), ("sampler", (2, False, True))] * ("sampler" in args.parts and args.xla_actor)
     scripts = [s for s in args.scripts if args.xla_actor or s != XLA_SCRIPT]
     jobs += [("end_to_end", (script, n)) for n in sweep for script in scripts] * ("end_to_end" in args.parts)
+    jobs += [("replay", serial) for serial in (False, True)] * ("replay" in args.parts)
     devices = len(jax.devices()) if jax.default_backend() != "cpu" else 4
     jobs += [("scaling", (n, t)) for n in args.scaling_learners if n <= devices
               for t in args.scaling_actor_threads] * ("scaling" in args.parts)
@@ -488,6 +546,12 @@ def main(args: Args) -> int:
         elif kind == "ceiling":
             threads = param or min(os.cpu_count() or 1, args.num_envs)
             row.update(num_threads=threads, sps=measure_ceiling(args.env_id, args.num_envs, threads, seconds))
+        elif kind == "replay":
+            measured = measure_replay(args.env_id, param, args.replay_budget, args.replay_threshold, out_dir)
+            if measured is None:
+                print(f"    {DQN_SCRIPT} made fewer than 2 updates in --replay-budget {args.replay_budget}", flush=True)
+                continue
+            row.update(script=DQN_SCRIPT, serial=param, num_envs=None, threshold=args.replay_threshold, **measured)
         elif kind == "sampler":
             num_splits, lstm, xla = param
             sps, busy, layout = measure_sampler(args.env_id, args.num_envs, num_splits, args.num_steps, seconds, args.pin, lstm, xla,
