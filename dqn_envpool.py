@@ -308,7 +308,7 @@ def dqn_loss(params, target_params, network, batch, args: Args, support):
 
 def make_policy_step(network, c51: bool, support):
     """One jitted call per environment step: ε-greedy actions [B] for `epsilon` [B], the key.
-    The evaluation calls it through `evaluation_policy`."""
+    The evaluation calls it through `evaluation_player`."""
 
     @jax.jit
     def policy_step(params, obs, epsilon, key):
@@ -322,13 +322,17 @@ def make_policy_step(network, c51: bool, support):
     return policy_step
 
 
-def evaluation_policy(policy_step):
-    """The evaluation's policy(params, obs, core, key) -> (actions, None, None, None, key), at EVAL_EPSILON."""
+def evaluation_player(args: Args, built):
+    """The evaluation's policy(params, obs, core, key) -> (actions, None, None, None, key) at
+    EVAL_EPSILON, and its initial core (none), for a run's `build`; utils/evaluate.py calls it too."""
+    network, _, support, _, _ = built
+    policy_step = make_policy_step(network, args.c51, support)
+
     def policy(params, obs, core, key):
         action, key = policy_step(params, obs, np.float32(EVAL_EPSILON), key)
         return action, None, None, None, key
 
-    return policy
+    return policy, lambda num_envs: None
 
 
 class Collector:
@@ -544,7 +548,7 @@ def main(args: Args, given=None) -> int:
         if run.finished:
             return 0
         args = run.args
-        network, optimizer, support, normalizer, state = build(args, run.init_key)
+        built = network, optimizer, support, normalizer, state = build(args, run.init_key)
         state = run.open(state, normalizer)
         actors = run.actors()  # (device, env seed, action key) of each actor thread
         envs = [tasks.make_env(args.env_id, args.num_envs, seed, run.env_threads, train=True,
@@ -570,7 +574,7 @@ def main(args: Args, given=None) -> int:
                 run.threads.start(f"actor {i}" if i else "actor", actor_loop, collectors[i], shared, queues[i], device,
                                   run.num_updates - run.start_update, owns=envs[i])
             run.wait(run.threads.start("learner", learner_loop, run, learner, shared, queues))
-        return run.finish(evaluation_policy(policy_step), lambda n: None)
+        return run.finish(*evaluation_player(args, built))
 
 
 if __name__ == "__main__":

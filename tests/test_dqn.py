@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import (count_complete_lines, load_script, read_checkpoint, read_metrics, run_main, sigterm_when,
-                     tag_steps, tag_values)
+from helpers import (count_complete_lines, load_script, read_checkpoint, read_metrics, run_main, run_script,
+                     sigterm_when, tag_steps, tag_values)
 
 SCRIPT = "dqn_envpool.py"
 dqn = load_script(SCRIPT)
@@ -195,7 +195,8 @@ def test_it_learns_the_optimal_values_of_a_chain(tmp_path, capsys):
     """End to end, actors, replay and learner together: a chain of 5 cells (tests/user_envs.py),
     a game truncated after 10 steps, explored at random (ε = 1): Q-learning's fixed point is Q*,
     whatever the behaviour. Every learned value within 0.03 of Q* (γ = 0.9); a truncation taken
-    as an end, a reward or an action a row off, or a stale target would miss it."""
+    as an end, a reward or an action a row off, or a stale target would miss it. utils/evaluate.py
+    then plays the checkpoint."""
     run, gamma = tmp_path / "r", 0.9
     flags = dict(total_timesteps=8000, learning_starts=500, buffer_size=5000, replay_ratio=4.0, batch_size=32,
                  num_steps=8, learning_rate=1e-3, target_network_frequency=256, start_e=1.0, end_e=1.0, gamma=gamma)
@@ -208,6 +209,10 @@ def test_it_learns_the_optimal_values_of_a_chain(tmp_path, capsys):
     right = gamma ** (3 - cells)
     left = gamma * gamma ** (3 - np.maximum(cells - 1, 0))
     np.testing.assert_allclose(q, np.stack([left, right], 1), atol=0.03)
+    # utils/evaluate.py plays the checkpoint with the script's evaluation policy: straight right, 1 a game.
+    result = run_script("utils/evaluate.py", [run, "--episodes", 4], timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert json.loads((run / "eval.json").read_text())["scores"] == [1.0] * 4
 
 
 @pytest.mark.timeout(300)

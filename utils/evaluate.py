@@ -33,8 +33,10 @@ from jax_async_rl.checkpoints import CHECKPOINT
 from jax_async_rl.flags import UsageError, describe_os_error, run_tool
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# What a training script offers that this tool calls (the scripts' shared interface).
-INTERFACE = ("Args", "resolve_args", "build", "make_policy_step", "zero_core")
+# What a training script offers that this tool calls (the scripts' shared interface): the policy
+# from make_policy_step and zero_core (the PPO family), or from evaluation_player (the replay family).
+INTERFACE = ("Args", "resolve_args", "build")
+POLICY_INTERFACES = (("make_policy_step", "zero_core"), ("evaluation_player",))
 # Flags that earlier versions of the scripts had and that do not matter for playing.
 RETIRED = ("xla_actor",)
 
@@ -81,6 +83,8 @@ def load_training_script(script: Path):
     """The imported script; UsageError if it lacks the interface this tool calls."""
     module = checkpoints.load_script(script)
     missing = [name for name in INTERFACE if not hasattr(module, name)]
+    if not any(all(hasattr(module, name) for name in names) for names in POLICY_INTERFACES):
+        missing += [name for name in POLICY_INTERFACES[0] if not hasattr(module, name)]
     if missing:
         raise UsageError(f"{script} does not follow the training scripts' interface (no {', '.join(missing)})")
     return module
@@ -97,7 +101,7 @@ def rebuild_args(module, config: dict, path: str):
             "it was written by another version of the script"
         )
     # Written before normalisation existed: nothing was normalised (not today's preset).
-    config = {"norm_obs": False, "norm_reward": False, **config, "track": False, "resume": None}
+    config = {**{k: False for k in ("norm_obs", "norm_reward") if k in fields}, **config, "track": False, "resume": None}
     # Evaluation plays with one actor in one process and learns nothing: the training run's
     # processes, devices and minibatch split (checked against them) need not fit here.
     launch = dict(distributed=False, coordinator_address="", num_processes=0, process_id=-1, actor_device_ids=[0],
@@ -110,10 +114,12 @@ def rebuild_args(module, config: dict, path: str):
 
 
 def restore(module, args, payload: dict, path: str):
-    """(network, continuous, normalizer, params) as the script's main builds them, restored from
-    `path`. Only the parameters and the normaliser are read: an optimiser state of another
-    version of the script does not matter for playing."""
-    network, _, continuous, normalizer, state = module.build(args, jax.random.PRNGKey(args.seed))
+    """(what the script's build returns, normalizer, params) as its main builds them, restored
+    from `path`. Only the parameters and the normaliser are read: an optimiser state of another
+    version of the script does not matter for playing. Every script's build returns (network,
+    ..., normalizer, initial state)."""
+    built = module.build(args, jax.random.PRNGKey(args.seed))
+    normalizer, state = built[-2], built[-1]
     template = {"params": state["params"], **normalizer.state()}
     stored = {key: payload["state"][key] for key in template if key in payload["state"]}
     try:
@@ -121,7 +127,7 @@ def restore(module, args, payload: dict, path: str):
     except UsageError as e:
         raise UsageError(str(e).removeprefix("--resume: "))
     normalizer.load(restored)
-    return network, continuous, normalizer, restored["params"]
+    return built, normalizer, restored["params"]
 
 
 def main(cli: EvalArgs) -> int:
@@ -136,15 +142,19 @@ def main(cli: EvalArgs) -> int:
     args = rebuild_args(module, payload["config"], path)
     if cli.seed is not None:
         args = dataclasses.replace(args, seed=cli.seed)
-    network, continuous, normalizer, params = restore(module, args, payload, path)
+    built, normalizer, params = restore(module, args, payload, path)
     global_step = int(payload["state"].get("global_step", 0))
 
     run_dir = os.path.dirname(os.path.abspath(path))
     video_dir = os.path.join(run_dir, "videos", f"evaluate__{int(time.time())}") if cli.video else None
     print(f"{Path(module.__file__).name}: {args.env_id}, step {global_step}, "
           f"{cli.episodes} {'greedy' if cli.greedy else 'sampled'} episodes")
-    policy = module.make_policy_step(network, continuous, values=False, greedy=cli.greedy)
-    initial_core = functools.partial(module.zero_core, network.lstm_size)
+    if hasattr(module, "evaluation_player"):  # ε-greedy at the script's evaluation ε (--greedy: the same)
+        policy, initial_core = module.evaluation_player(args, built)
+    else:
+        network, continuous = built[0], built[2]
+        policy = module.make_policy_step(network, continuous, values=False, greedy=cli.greedy)
+        initial_core = functools.partial(module.zero_core, network.lstm_size)
     scores = evaluation.evaluate(policy, params, initial_core, args, normalizer, cli.episodes, video_dir)
     videos = sorted(os.path.join(video_dir, f) for f in os.listdir(video_dir)) if video_dir and os.path.isdir(video_dir) else []
     result = {
