@@ -274,9 +274,9 @@ def test_continuous_actions_are_refused_naming_sac(tmp_path, capsys):
 # Learning
 # ------------------------------------------------------------------------------------------------
 
-# rl-baselines3-zoo's CartPole preset at 60k steps, 2 seeds a mode (README, DQN): best 20-episode
-# means of 161 to 251 (a random policy: 22). DQN's known instability on CartPole (the return
-# peaks, then falls) keeps it from 475 at these flags; the chain test above checks the values.
+# The CartPole preset, 2 seeds a mode (README, DQN): the first 20-episode mean of 475 at 31.7k and
+# 34.8k steps serial, 34.6k and 42.5k async. DQN's return falls back after its peak on CartPole
+# (the known instability): the test asks for the peak, not the end.
 CARTPOLE_BUDGET = 60_000
 
 
@@ -289,5 +289,5 @@ def test_learns_cartpole_async_and_serial(serial, tmp_path, capsys):
     records = read_metrics(tmp_path / "r")
     returns = tag_values(records, "charts/episodic_return")
     best = np.convolve(returns, np.ones(20) / 20, "valid").max()
-    assert best >= 100, f"best 20-episode mean {best:.1f}"
+    assert best >= 475, f"best 20-episode mean {best:.1f}"
     assert tag_values(records, "replay/ratio")[-1] == pytest.approx(32.0, rel=0.05)
