@@ -113,7 +113,9 @@ def test_ctrl_c_stops_every_run_and_the_same_command_resumes(tmp_path):
     assert processes_naming(str(tmp_path / "stop")) == []
     steps = [int(read_checkpoint(f)["state"]["global_step"]) for f in folders]
     assert all(0 < step < budget for step in steps), steps
-    assert [r["state"] for r in sweep_record(tmp_path, "stop")["runs"]] == ["stopped", "stopped"]
+    runs = sweep_record(tmp_path, "stop")["runs"]
+    assert [r["state"] for r in runs] == ["stopped", "stopped"], [(r["exit_code"], Path(r["log"]).read_text()[-3000:])
+                                                                  for r in runs]
     result = launch(tmp_path, "--seeds", 1, 2, "--parallel", 2, "--name", "stop", budget=budget)
     assert result.returncode == 0, result.stdout + result.stderr
     for folder, step in zip(folders, steps):

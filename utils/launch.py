@@ -147,7 +147,9 @@ def run_queue(args: LaunchArgs, record: dict, sweep_dir: Path, common: list) -> 
                 if proc.poll() is not None:
                     run = runs[i]
                     run["exit_code"] = proc.returncode
-                    run["state"] = "done" if proc.returncode == 0 else "stopped" if proc.returncode > 128 else "failed"
+                    # Stopped: 128 + signal, or killed by a signal (< 0) after this launcher sent it SIGTERM.
+                    stopped = proc.returncode > 128 or (proc.returncode < 0 and i in signalled)
+                    run["state"] = "done" if proc.returncode == 0 else "stopped" if stopped else "failed"
                     durations.append(time.time() - run.pop("start"))
                     del procs[i]
             queued = [i for i, run in enumerate(runs) if run["state"] == "queued"]
