@@ -248,6 +248,15 @@ def apex_epsilons(num_envs: int, base: float, alpha: float):
     return base ** (1.0 + alpha * i / max(num_envs - 1, 1))
 
 
+def epsilon_at(args, step: int):
+    """ε of every env of the run [global envs] at env step `step`: Ape-X's fixed ones, or the
+    linear schedule's (one value for all)."""
+    if args.apex_epsilon:
+        return apex_epsilons(devices.global_envs(args), args.apex_base, args.apex_alpha).astype(np.float32)
+    e = linear_schedule(args.start_e, args.end_e, args.exploration_fraction * args.total_timesteps, step)
+    return np.full(devices.global_envs(args), e, np.float32)
+
+
 def q_targets(next_q_target, next_q_online, reward, discount, double: bool):
     """The (n-step) DQN target [B]: reward + discount x Q_target(s', a'), where a' is the target
     network's argmax (Mnih et al. 2015) or, `double`, the online network's (van Hasselt et al.
@@ -346,18 +355,13 @@ class Collector:
         self.envs, self.policy_step, self.args, self.key, self.shared = envs, policy_step, args, key, shared
         self.start_step, self.thread = start_step, thread
         self.stats = tasks.EpisodeStats(args.num_envs)
-        self.apex = apex_epsilons(devices.global_envs(args), args.apex_base, args.apex_alpha)[
-            thread * args.num_envs:(thread + 1) * args.num_envs].astype(np.float32)
         self.timing = shared.timing
         envs.async_reset()
 
     def epsilon(self, env_ids):
-        """ε of envs `env_ids` now: Ape-X's fixed ones, or the schedule at the env steps sampled so far."""
-        if self.args.apex_epsilon:
-            return self.apex[env_ids]
+        """ε of envs `env_ids` at the env steps sampled so far (epsilon_at)."""
         step = self.start_step + int(self.shared.sampled.sum())
-        e = linear_schedule(self.args.start_e, self.args.end_e, self.args.exploration_fraction * self.args.total_timesteps, step)
-        return np.full(len(env_ids), e, np.float32)
+        return epsilon_at(self.args, step)[env_ids + self.thread * self.args.num_envs]
 
     def collect(self, params, version: int) -> dict:
         """One chunk: num_steps x num_splits recv()s, each with its env ids, obs, actions, rewards,
@@ -459,8 +463,8 @@ class Learner:
         step = run.global_step + run.batch_size  # the env steps once this round is counted
         lag = [int(state["policy_version"]) - chunk["version"] for chunk in chunks]
         extra = {"async/policy_lag_mean": float(np.mean(lag)), "replay/fill": len(self.replay) / args.buffer_size,
-                 "charts/epsilon": float(np.mean(self.epsilon(step)))}
-        diagnostics = {"finite": True, "learning_rate": args.learning_rate}
+                 "charts/epsilon": float(np.mean(epsilon_at(args, step)))}
+        diagnostics = {"finite": True}
         if step > self.warm_at:
             beta = args.priority_beta + (1.0 - args.priority_beta) * min(1.0, step / args.total_timesteps)
             batches = self.replay.sample(args.batch_size, self.rng, beta if args.prioritized_replay else 0.0, self.steps)
@@ -476,17 +480,10 @@ class Learner:
             self.sampled += self.steps * args.batch_size
             self.learned_from += run.batch_size
             extra["replay/ratio"] = self.sampled / self.learned_from
-            diagnostics["learning_rate"] = args.learning_rate
         else:
             state = dict(state, policy_version=state["policy_version"] + 1)
             self.timing["replay"] += time.perf_counter() - start
-        return run.learned(state, diagnostics, self.timing, extra)
-
-    def epsilon(self, step):
-        args = self.args
-        if args.apex_epsilon:
-            return apex_epsilons(devices.global_envs(args), args.apex_base, args.apex_alpha)
-        return linear_schedule(args.start_e, args.end_e, args.exploration_fraction * args.total_timesteps, step)
+        return run.learned(state, dict(diagnostics, learning_rate=args.learning_rate), self.timing, extra)
 
 
 def learner_loop(run, learner, shared, queues):
