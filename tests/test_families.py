@@ -223,9 +223,19 @@ FAMILY_TINY = {
 }
 
 
+# The sync baseline trains every family (the network per leaf, envpool's spaces, evaluation); the
+# two actors every kind of observation tree they carry: images CHW (Atari) and HWC (Box2D), a Box
+# vector with Box actions (MuJoCo), Dicts of vectors (dm_control), of an image and discrete
+# leaves (MiniGrid) and of an integer board with a MultiBinary mask (Jumanji), a Discrete
+# observation (toy text). The other seven families are trees of these kinds; each took the suite
+# 15-20 s a script.
+ACTOR_FAMILIES = ["Atari", "Box2D", "MuJoCo", "dm_control", "MiniGrid", "Jumanji", "toy text"]
+FAMILY_CASES = [(script, family) for script in FAMILY_TINY for family in FAMILIES
+                if script == "ppo_sync_baseline.py" or family in ACTOR_FAMILIES]
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("family", list(FAMILIES))
-@pytest.mark.parametrize("script", list(FAMILY_TINY))
+@pytest.mark.parametrize(("script", "family"), FAMILY_CASES)
 def test_each_family_trains_and_its_checkpoint_is_scored(script, family, tmp_path):
     env_id = FAMILIES[family]
     module = load_script(script)
@@ -307,17 +317,17 @@ def test_the_header_line_names_the_split_count_and_the_actor(script, actor, tmp_
 
 
 # Measured (seeds 1 and 2, default flags): the mean of 20 episodes first reached 0.9 at 9k steps
-# (sync) and 12k-13k steps (APPO), and stayed at 0.955 (the optimal return) to 50k.
+# (sync) and 12k-13k steps (APPO), and stayed at 0.955 (the optimal return) to 50k. The parity
+# sweep (README, Learning parity) runs seeds 1-3 of each; the suite runs seed 1.
 MINIGRID_BUDGET = 40_000
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("seed", [1, 2])
 @pytest.mark.parametrize("script", ["ppo_sync_baseline.py", "appo_envpool.py"])
-def test_learns_minigrid_empty(script, seed, tmp_path):
+def test_learns_minigrid_empty(script, tmp_path):
     module = load_script(script)
-    args = module.Args(env_id="MiniGrid-Empty-5x5-v0", seed=seed, total_timesteps=MINIGRID_BUDGET,
+    args = module.Args(env_id="MiniGrid-Empty-5x5-v0", seed=1, total_timesteps=MINIGRID_BUDGET,
                        run_dir=str(tmp_path / "run"), eval_episodes=0)
     assert module.main(args) == 0
     returns = tag_values(read_metrics(tmp_path / "run"), "charts/episodic_return")

@@ -293,14 +293,15 @@ class HideVelocities:
 # slowly (sync seed 2: 325 at 200k, 400 at 300k). Measured on a quiet 2-core machine (best
 # 20-episode mean, wall time): --lstm, sync 500 / 500 (seeds 1, 2; 37 s), APPO --no-vtrace 500 /
 # 500 (47 s); feed-forward, sync 59 / 62 (19 s), APPO 59 / 59 (29 s). APPO with V-trace at
-# lambda 0.8: seeds 1 and 2 pass, 2 minutes for its 3 runs beside a sweep of 2 runs.
+# lambda 0.8: seeds 1 and 2 pass, 2 minutes for its 3 runs beside a sweep of 2 runs. The suite runs
+# seed 1 (seed 2 of both scripts took 160 s more of it).
 MEMORY_BUDGET = 200_000
 MEMORY_FLAGS = {"ppo_sync_baseline.py": dict(lstm_size=64), "appo_envpool.py": dict(lstm_size=64)}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize(("lstm", "seed"), [(True, 1), (True, 2), (False, 1)])
+@pytest.mark.parametrize(("lstm", "seed"), [(True, 1), (False, 1)])
 @pytest.mark.parametrize("script_name", list(MEMORY_FLAGS))
 def test_lstm_learns_cartpole_without_velocities(script_name, lstm, seed, tmp_path, monkeypatch):
     """With --lstm some 20 consecutive episodes average at least 400 within the budget; the

@@ -338,8 +338,10 @@ def test_progress_lines_while_the_update_compiles(tmp_path):
 # Measured: the sync baseline first passed 1000 at 201k, 184k and 217k steps (seeds 1-3; it is
 # repeatable from its seed); APPO at 297k, 305k and 418k (seeds 1, 3, 2), and one other seed-2
 # run was at 910 after 500k (APPO runs are not repeatable). CleanRL's PPO is at ~1500-2000 at 1M;
-# here 1M gave 3527 (sync, seed 1) and 2427 / 2320 / 1708 (APPO, seeds 1-3).
-HALFCHEETAH_BUDGET = {"ppo_sync_baseline.py": 300_000, "appo_envpool.py": 800_000}
+# here 1M gave 3527 (sync, seed 1) and 2427 / 2320 / 1708 (APPO, seeds 1-3). Since V-trace takes the
+# preset's lambda and the actors wait for the first update, APPO passed 1000 at 196k +- 33k steps
+# (seeds 1-3, README's Learning parity): its budget came down from 800k to 500k.
+HALFCHEETAH_BUDGET = {"ppo_sync_baseline.py": 300_000, "appo_envpool.py": 500_000}
 
 
 @pytest.mark.slow
@@ -359,8 +361,12 @@ def test_learns_halfcheetah_with_normalisation(script_name, tmp_path):
     assert np.mean(returns[-20:]) > 500, f"last 20 episodes: {returns[-20:]}; means along the run: {curve}"
 
 
-# Seeds 1 and 2 of each script; the XLA actor's script with seed 1, as it ran as --xla-actor.
-CARTPOLE_SEEDS = [(name, seed) for name in SCRIPT_TABLE for seed in ([1] if name == "appo_envpool_xla.py" else [1, 2])]
+# Seeds 1 and 2 of the sync baseline and APPO (whose runs are not repeatable: thread timing decides
+# which policy version acts); seed 1 of the XLA actor's script (APPO's learner, tested against a
+# replay in test_xla_actor.py) and of IMPALA (its 1M steps are the suite's longest CartPole run;
+# its parity runs, seeds 1-3, reached 475 at 103k +- 21k steps: README, Learning parity).
+CARTPOLE_SEEDS = [(name, seed) for name in SCRIPT_TABLE
+                  for seed in ([1] if name in ("appo_envpool_xla.py", "impala_envpool.py") else [1, 2])]
 
 
 @pytest.mark.slow
