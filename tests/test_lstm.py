@@ -301,9 +301,9 @@ MEMORY_FLAGS = {"ppo_sync_baseline.py": dict(lstm_size=64), "appo_envpool.py": d
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize(("lstm", "seed"), [(True, 1), (False, 1)])
+@pytest.mark.parametrize("lstm", [True, False])
 @pytest.mark.parametrize("script_name", list(MEMORY_FLAGS))
-def test_lstm_learns_cartpole_without_velocities(script_name, lstm, seed, tmp_path, monkeypatch):
+def test_lstm_learns_cartpole_without_velocities(script_name, lstm, tmp_path, monkeypatch):
     """With --lstm some 20 consecutive episodes average at least 400 within the budget; the
     feed-forward policy on the same task and budget stays below 150 (CartPole with velocities:
     500)."""
@@ -312,7 +312,7 @@ def test_lstm_learns_cartpole_without_velocities(script_name, lstm, seed, tmp_pa
     monkeypatch.setattr(tasks, "make_env", lambda *args, **kwargs: HideVelocities(make_env(*args, **kwargs)))
     run_dir = tmp_path / "run"
     args = dataclasses.replace(
-        module.Args(), env_id="CartPole-v1", seed=seed, total_timesteps=MEMORY_BUDGET, lstm=lstm, eval_episodes=0,
+        module.Args(), env_id="CartPole-v1", seed=1, total_timesteps=MEMORY_BUDGET, lstm=lstm, eval_episodes=0,
         run_dir=str(run_dir), **MEMORY_FLAGS[script_name],
     )
     assert module.main(args) == 0

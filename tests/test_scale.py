@@ -314,10 +314,10 @@ def test_learns_cartpole_on_2_learner_devices(script_name, tmp_path, devices):
 # 2-process fault tests); APPO adds the learner thread between them.
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("script_name", ["appo_envpool.py"])
-def test_learns_cartpole_on_2_processes(script_name, tmp_path, devices):
+def test_learns_cartpole_on_2_processes(tmp_path, devices):
     """2 processes x 1 device, each with its own 8 envs; process 0 alone writes the run folder,
     and its logs hold the games of both (twice as many as one process plays)."""
+    script_name = "appo_envpool.py"
     devices(1)
     argv = ["--env-id", "CartPole-v1", "--eval-episodes", 0, "--run-dir", tmp_path / "run",
             "--total-timesteps", LEARNING[script_name]]
