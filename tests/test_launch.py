@@ -136,6 +136,17 @@ def test_the_slurm_script_names_every_run(tmp_path):
     assert text.count(" ;;") == 6 and not list((tmp_path / "cluster").glob("*/"))  # nothing ran
 
 
+def test_a_boolean_grid_value_is_a_switch(tmp_path):
+    """tyro's boolean flags take no value: a grid's True / False become --flag / --no-flag (as
+    `--anneal-lr True` the script exits 2), and both runs train."""
+    result = launch(tmp_path, "--grid", "anneal-lr=True,False", "--parallel", 2, "--name", "switch")
+    assert result.returncode == 0, result.stdout + result.stderr
+    runs = sweep_record(tmp_path, "switch")["runs"]
+    assert sorted(tuple(r["flags"]) for r in runs) == [("--anneal-lr",), ("--no-anneal-lr",)]
+    for r in runs:
+        assert json.loads((Path(r["dir"]) / "config.json").read_text())["anneal_lr"] is (r["config"] == "anneal-lr=True")
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["--grid", "num-envs", "--name", "x"], "FLAG=V1,V2"),
     (["--grid", "seed=1,2", "--name", "x"], "--seed is the launcher's"),

@@ -65,6 +65,14 @@ def parse_grid(grid: list) -> list:
     return axes
 
 
+def flag_tokens(flag: str, value: str) -> list:
+    """A grid value as the script's command line takes it: a boolean is a switch (tyro's
+    `--flag` / `--no-flag`, which take no value), anything else `--flag value`."""
+    if value.lower() in ("true", "false"):
+        return [f"--{flag}" if value.lower() == "true" else f"--no-{flag}"]
+    return [f"--{flag}", value]
+
+
 def plan(args: LaunchArgs, common: list) -> list:
     """The sweep's runs: {"name", "config", "flags", "seed", "dir"}, configurations x seeds."""
     axes = parse_grid(args.grid)
@@ -75,7 +83,7 @@ def plan(args: LaunchArgs, common: list) -> list:
     runs = []
     for values in itertools.product(*[v for _, v in axes]) if axes else [()]:
         config = "__".join(f"{flag}={value}" for (flag, _), value in zip(axes, values)) or "default"
-        flags = [token for (flag, _), value in zip(axes, values) for token in (f"--{flag}", value)]
+        flags = [token for (flag, _), value in zip(axes, values) for token in flag_tokens(flag, value)]
         for seed in args.seeds:
             name = f"{config}__seed{seed}"
             runs.append({"name": name, "config": config, "flags": flags, "seed": seed, "dir": str(sweep_dir / name)})
