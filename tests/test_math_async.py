@@ -47,7 +47,8 @@ def vtrace_by_definition(log_rhos, discounts, rewards, values, bootstrap_value, 
                 total += weight * min(rho_bar, ratios[t, b]) * delta
             vs[s, b] = values[s, b] + total
     following = lam * vs[1:] + (1 - lam) * all_values[1:]
-    pg_advantages = np.minimum(pg_rho_bar, ratios) * (rewards + discounts * following - values)
+    weights = 1.0 if pg_rho_bar is None else np.minimum(pg_rho_bar, ratios)  # None: no rho (APPO's PPO loss)
+    pg_advantages = weights * (rewards + discounts * following - values)
     return vs[:T], pg_advantages
 
 
@@ -84,6 +85,19 @@ def test_vtrace_matches_paper_sum(seed, thresholds):
     vs_impala, pg_impala = impala.vtrace(*inputs, rho_bar, c_bar, pg_rho_bar)
     np.testing.assert_array_equal(np.asarray(vs_impala), np.asarray(vs))
     np.testing.assert_array_equal(np.asarray(pg_impala), np.asarray(pg_advantages))
+
+
+@pytest.mark.parametrize("script", [appo, load_script("appo_envpool_xla.py")], ids=["appo", "xla"])
+def test_vtrace_without_rho_in_the_advantage(script):
+    """APPO's PPO loss weights each sample by pi / mu already (its ratio), so its V-trace advantage
+    leaves out IMPALA's rho (clip_pg_rho_threshold None): the same v_s, the advantage r + discount
+    (lam v_{s+1} + (1 - lam) V(x_{s+1})) - V(x_s) without the weight, which here matters."""
+    inputs = off_policy_rollout(6)
+    vs, pg_advantages = script.vtrace(*inputs, 1.0, 1.0, None, lambda_=0.8)
+    want_vs, want_pg = vtrace_by_definition(*inputs, 1.0, 1.0, None, lam=0.8)
+    np.testing.assert_allclose(np.asarray(vs), want_vs, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(pg_advantages), want_pg, rtol=1e-5, atol=1e-5)
+    assert np.abs(want_pg - vtrace_by_definition(*inputs, 1.0, 1.0, 1.0, lam=0.8)[1]).max() > 0.1
 
 
 def test_vtrace_default_thresholds_are_one():

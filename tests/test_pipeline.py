@@ -411,6 +411,33 @@ def test_the_update_measures_pi_against_mu_before_it_moves(script):
     assert float(apart["async/start_kl"]) == pytest.approx(2 / 3 - 1 - np.log(2 / 3), rel=1e-4)
 
 
+@pytest.mark.parametrize("script", ["appo_envpool.py", "appo_envpool_xla.py"])
+def test_appo_advantages_carry_one_importance_weight(script):
+    """APPO's targets with V-trace, pi 1.5x mu's probability on some transitions and 0.5x on
+    others: V-trace's v_s (eq. 1, rho clipped at rho bar) as returns, and advantages without
+    V-trace's rho, since PPO's ratio pi / mu weights each sample already (IMPALA's gradient,
+    eq. 4, has one rho; both would give rho^2 where pi < mu)."""
+    from test_math_async import vtrace_by_definition
+    module = load_script(script)
+    _, state = learner(module)
+    args = module.resolve_args(dataclasses.replace(
+        module.Args(env_id="CartPole-v1"), **dict(tiny_flags(script), num_envs=STAMPS.shape[1], num_steps=STAMPS.shape[0],
+                                                  num_splits=1, total_timesteps=10**4), max_policy_lag=MAX_LAG))
+    network = TinyActorCritic(3)
+    rollout = synthetic_rollout(2)
+    logprobs, _, values, bootstrap_value = module.rollout_forward(network, state["params"], rollout, False)
+    shift = np.where(np.arange(STAMPS.size).reshape(STAMPS.shape) % 2, np.log(1.5), np.log(0.5)).astype(np.float32)
+    rollout["logprobs"] = np.asarray(logprobs) - shift  # log rho = shift
+    advantages, returns, _, _ = module.targets(network, state, rollout, args, False)
+    rewards = module.time_limit_bootstrap(rollout["rewards"], values, bootstrap_value, rollout["truncated"], args.gamma)
+    inputs = (shift, args.gamma * (1.0 - rollout["dones"]), np.asarray(rewards), np.asarray(values), np.asarray(bootstrap_value))
+    want_vs, want_advantages = vtrace_by_definition(*inputs, 1.0, 1.0, None, lam=args.gae_lambda)
+    np.testing.assert_allclose(np.asarray(returns), want_vs, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(advantages), want_advantages, rtol=1e-4, atol=1e-5)
+    impala_weighted = vtrace_by_definition(*inputs, 1.0, 1.0, 1.0, lam=args.gae_lambda)[1]
+    assert np.abs(impala_weighted - want_advantages).max() > 1e-2
+
+
 # Every asynchronous script, and the GAE path of those that can turn V-trace off.
 LEARNER_CASES = [(name, {}) for name in ASYNC_SCRIPTS] + [
     (name, {"vtrace": False}) for name in ASYNC_SCRIPTS if "vtrace" in load_script(name).Args.__dataclass_fields__
