@@ -326,16 +326,13 @@ def test_lstm_learns_cartpole_without_velocities(script_name, lstm, tmp_path, mo
 
 
 # APPO --lstm on CartPole-v1 at default flags (V-trace, the CartPole preset, 128 units), 500k
-# steps: the learning-parity issue saw one such run fall to 9 from 350k steps. Measured on this
-# machine, 6 runs (seeds 1-3 with V-trace at lambda 1, seeds 1-3 at the preset's 0.8): every one
-# ended at 500 (the last 20 episodes), first above 475 at 75k +- 26k steps (seeds 1-3, lambda 0.8;
-# sync --lstm, seeds 1-3: 103k +- 31k). No run ended below half of its best.
-# Later runs (same flags, 2026-12-04): the suite's seeds 1 and 2 ended at 500 and 471.9, after dips
-# of the 20-episode mean to 55 and 132 once past 475; with --queue-size 1 (policy lag 2, not 3),
-# 459 and 500 at the end, dips to 49 and 60. The sync baseline --lstm dips too (to 102 and 132,
-# seeds 1-2) and ends at 500. So the test asserts what held in all 10 APPO runs: 475
-# reached, and no collapse (the end at least half the best; the issue's run ended at 9.2 of 240).
-# Ending at 475 on every seed is the learning-parity issue's open item, not yet met.
+# steps: the learning-parity issue saw one such run fall to 9 from 350k steps. With V-trace's rho
+# in the advantage as well as PPO's ratio (a sample weighted rho^2 where pi < mu; see
+# docs/DESIGN.md), 2 of 10 runs ended inside a dip (471.9 and 459), the KL of pi from mu in the
+# update was 0.13-0.15 (sync 0.03-0.04). With one weight (2026-12-04, seeds 1-3 at default flags,
+# 2 runs at a time): all 3 ended at 500, first at 475 at 62k, 64k, 117k steps, lowest 20-episode
+# mean after it 78-99 (sync --lstm: 102-132), KL in the update 0.06-0.07. The test asserts the
+# issue's criterion: a 20-episode mean of 475 at the end, and no collapse.
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("seed", [1, 2])
@@ -347,4 +344,4 @@ def test_appo_lstm_learns_cartpole_and_stays(seed, tmp_path):
     returns = tag_values(read_metrics(tmp_path / "run"), "charts/episodic_return")
     windows = np.convolve(returns, np.ones(20) / 20, "valid")
     curve = json.dumps([round(float(w)) for w in windows[:: max(1, len(windows) // 40)]])
-    assert windows.max() >= 475 and windows[-1] >= windows.max() / 2, f"last 20: {windows[-1]:.1f}; along the run: {curve}"
+    assert windows[-1] >= 475, f"last 20: {windows[-1]:.1f}; along the run: {curve}"
