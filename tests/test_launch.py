@@ -147,6 +147,16 @@ def test_a_boolean_grid_value_is_a_switch(tmp_path):
         assert json.loads((Path(r["dir"]) / "config.json").read_text())["anneal_lr"] is (r["config"] == "anneal-lr=True")
 
 
+def test_a_sweep_refuses_other_flags_under_its_name(tmp_path):
+    """The same --name with other flags after -- would mix two configurations under one curve:
+    exit 2, one line, and nothing runs."""
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "sweep.json").write_text(json.dumps({"script": SCRIPT, "common": COMMON, "runs": []}))
+    result = launch(tmp_path, "--name", "s", budget=512)
+    assert result.returncode == 2 and "new --name" in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert not (tmp_path / "s" / "default__seed1").exists()
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["--grid", "num-envs", "--name", "x"], "FLAG=V1,V2"),
     (["--grid", "seed=1,2", "--name", "x"], "--seed is the launcher's"),

@@ -131,7 +131,11 @@ def main(args: LaunchArgs, common: list) -> int:
         return 0
     previous = {}
     if (sweep_dir / SWEEP).exists():
-        previous = {r["name"]: r for r in json.loads((sweep_dir / SWEEP).read_text()).get("runs", [])}
+        before = json.loads((sweep_dir / SWEEP).read_text())
+        if before.get("common") != common or Path(before.get("script", "")).name != Path(args.script).name:
+            raise UsageError(f"{sweep_dir} ran {before.get('script')} with {shlex.join(before.get('common', []))}: "
+                             "a sweep's runs share the script and flags after --; give new ones a new --name")
+        previous = {r["name"]: r for r in before.get("runs", [])}
     for run in runs:
         run.update(state="done" if previous.get(run["name"], {}).get("state") == "done" else "queued", exit_code=None)
         run["log"] = str(Path(run["dir"]) / "log.txt")
