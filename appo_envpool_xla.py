@@ -61,7 +61,7 @@ class Args(flags.RunArgs):
     max_policy_lag: Annotated[int, NON_NEGATIVE] = 25
     """transitions chosen by a policy more than this many updates old are masked out of the loss"""
     vtrace: bool = True
-    """V-trace targets and advantages (Espeholt et al. 2018); GAE on current values when off"""
+    """V-trace targets (Espeholt et al. 2018), advantages without its rho (PPO's ratio weights); GAE when off"""
     vtrace_rho_bar: Annotated[float, POSITIVE] = 1.0
     """V-trace clipping threshold of the importance ratio in the targets (rho bar)"""
     vtrace_c_bar: Annotated[float, POSITIVE] = 1.0
