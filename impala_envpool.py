@@ -273,7 +273,8 @@ def vtrace(
     TD(lambda)'s and the advantages GAE(lambda)'s (lambda 1: the paper's).
 
     log_rhos = log pi(a|x) - log mu(a|x), discounts, rewards, values: [T, B]; bootstrap_value: [B].
-    Returns (vs, pg_advantages), both [T, B], with gradients stopped.
+    clip_pg_rho_threshold None: no rho in the advantage (for a loss whose ratio pi / mu already
+    weights each sample, as PPO's does). Returns (vs, pg_advantages), both [T, B], gradients stopped.
     """
     rhos = jnp.exp(log_rhos)
     clipped_rhos = jnp.minimum(clip_rho_threshold, rhos)
@@ -290,7 +291,9 @@ def vtrace(
     vs = vs_minus_v + values
     next_vs = jnp.concatenate([vs[1:], bootstrap_value[None]], axis=0)
     next_vs = lambda_ * next_vs + (1.0 - lambda_) * next_values
-    pg_advantages = jnp.minimum(clip_pg_rho_threshold, rhos) * (rewards + discounts * next_vs - values)
+    pg_advantages = rewards + discounts * next_vs - values
+    if clip_pg_rho_threshold is not None:
+        pg_advantages = jnp.minimum(clip_pg_rho_threshold, rhos) * pg_advantages
     return jax.lax.stop_gradient(vs), jax.lax.stop_gradient(pg_advantages)
 
 
