@@ -369,8 +369,8 @@ def synthetic_rollout(seed, num_actions=3):
     }
 
 
-def learner(module, **flags):
-    """make_update's jitted update for TinyActorCritic, and a state at version LEARNER_VERSION."""
+def learner_args(module, **flags):
+    """The resolved flags of a learner over rollouts of STAMPS' shape."""
     T, B = STAMPS.shape
     args = dataclasses.replace(
         module.Args(env_id="CartPole-v1"),
@@ -378,7 +378,12 @@ def learner(module, **flags):
         max_policy_lag=MAX_LAG,
         **flags,
     )
-    args = module.resolve_args(args)
+    return module.resolve_args(args)
+
+
+def learner(module, **flags):
+    """make_update's jitted update for TinyActorCritic, and a state at version LEARNER_VERSION."""
+    args = learner_args(module, **flags)
     network = TinyActorCritic(3)
     params = network.init(jax.random.PRNGKey(0), np.zeros((1, 3), np.float32))
     optimizer = module.make_optimizer(args)
@@ -420,9 +425,7 @@ def test_appo_advantages_carry_one_importance_weight(script):
     from test_math_async import vtrace_by_definition
     module = load_script(script)
     _, state = learner(module)
-    args = module.resolve_args(dataclasses.replace(
-        module.Args(env_id="CartPole-v1"), **dict(tiny_flags(script), num_envs=STAMPS.shape[1], num_steps=STAMPS.shape[0],
-                                                  num_splits=1, total_timesteps=10**4), max_policy_lag=MAX_LAG))
+    args = learner_args(module)
     network = TinyActorCritic(3)
     rollout = synthetic_rollout(2)
     logprobs, _, values, bootstrap_value = module.rollout_forward(network, state["params"], rollout, False)
