@@ -191,12 +191,34 @@ def gradient_steps(args: Args) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
+def encode(obs, encoders: tuple):
+    """The features [B, F] of an observation pytree: one encoder per leaf (`tasks.leaf_encoder`),
+    concatenated. Called inside a module's `nn.compact` method, whose layers it adds."""
+
+    def conv(x, size, kernel, stride=1):
+        return nn.relu(nn.Conv(size, (kernel, kernel), (stride, stride), "VALID")(x))
+
+    features = []
+    for x, (kind, arg) in zip(jax.tree.leaves(obs), encoders, strict=True):
+        if kind in ("nature", "grid") and arg == "chw":
+            x = jnp.transpose(x, (0, 2, 3, 1))  # [B, C, H, W] -> [B, H, W, C]
+        if kind == "nature":  # Mnih et al. 2015
+            x = conv(conv(conv(x.astype(jnp.float32) / 255.0, 32, 8, 4), 64, 4, 2), 64, 3)
+        elif kind == "grid":  # rl-starter-files' (torch-ac's) MiniGrid network: 2x2 convs, a max-pool
+            x = nn.max_pool(conv(x.astype(jnp.float32), 16, 2), (2, 2), (2, 2))
+            x = conv(conv(x, 32, 2), 64, 2)
+        else:
+            x = jax.nn.one_hot(x - arg[1], arg[0]) if kind == "onehot" else x.astype(jnp.float32) * arg
+        features.append(x.reshape(x.shape[0], -1))
+    return jnp.concatenate(features, axis=-1)
+
+
 class QNetwork(nn.Module):
-    """One encoder per observation leaf (`tasks.leaf_encoder`), concatenated: with a Nature CNN
-    leaf, a 512 ReLU layer (Mnih et al. 2015); otherwise a 256-256 ReLU MLP (rl-baselines3-zoo's
-    CartPole DQN). Then the Q head: obs [B, ...] -> Q-values [B, A], or with `num_atoms` the
-    logits [B, A, atoms] of C51's return distribution; `dueling`: a value stream and an advantage
-    stream whose mean over actions is subtracted (Wang et al. 2016, eq. 9)."""
+    """`encode`, then with a Nature CNN leaf a 512 ReLU layer (Mnih et al. 2015), otherwise a
+    256-256 ReLU MLP (rl-baselines3-zoo's CartPole DQN). Then the Q head: obs [B, ...] -> Q-values
+    [B, A], or with `num_atoms` the logits [B, A, atoms] of C51's return distribution; `dueling`:
+    a value stream and an advantage stream whose mean over actions is subtracted (Wang et al.
+    2016, eq. 9)."""
 
     action_dim: int
     encoders: tuple  # tasks.leaf_encoder of each observation leaf
@@ -205,22 +227,7 @@ class QNetwork(nn.Module):
 
     @nn.compact
     def __call__(self, obs):
-        def conv(x, size, kernel, stride=1):
-            return nn.relu(nn.Conv(size, (kernel, kernel), (stride, stride), "VALID")(x))
-
-        features = []
-        for x, (kind, arg) in zip(jax.tree.leaves(obs), self.encoders, strict=True):
-            if kind in ("nature", "grid") and arg == "chw":
-                x = jnp.transpose(x, (0, 2, 3, 1))  # [B, C, H, W] -> [B, H, W, C]
-            if kind == "nature":  # Mnih et al. 2015
-                x = conv(conv(conv(x.astype(jnp.float32) / 255.0, 32, 8, 4), 64, 4, 2), 64, 3)
-            elif kind == "grid":  # rl-starter-files' (torch-ac's) MiniGrid network: 2x2 convs, a max-pool
-                x = nn.max_pool(conv(x.astype(jnp.float32), 16, 2), (2, 2), (2, 2))
-                x = conv(conv(x, 32, 2), 64, 2)
-            else:
-                x = jax.nn.one_hot(x - arg[1], arg[0]) if kind == "onehot" else x.astype(jnp.float32) * arg
-            features.append(x.reshape(x.shape[0], -1))
-        x = jnp.concatenate(features, axis=-1)
+        x = encode(obs, self.encoders)
         for size in [512] if any(kind == "nature" for kind, _ in self.encoders) else [256, 256]:
             x = nn.relu(nn.Dense(size)(x))
         atoms = max(self.num_atoms, 1)

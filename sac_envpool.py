@@ -1,0 +1,537 @@
+"""Asynchronous SAC on envpool, in JAX: rlpyt's third family (Q-value policy gradient).
+
+Soft actor-critic with a tuned temperature (Haarnoja et al. 2018, "Soft Actor-Critic Algorithms
+and Applications"): a tanh-squashed Gaussian policy, twin Q-networks with Polyak-averaged
+targets (the smaller of the two in every target), and a temperature α tuned toward an entropy of
+-|A|. The defaults are CleanRL's `sac_continuous_action.py` (its flags carry over).
+
+Sampling and optimisation run asynchronously, as dqn_envpool.py's (rlpyt's async mode):
+- actor threads step envpool splits (double buffering, Sample Factory §3.2) with the newest
+  parameters, uniform random actions for the first --learning-starts steps (as CleanRL does),
+  and hand the learner chunks of `num_steps` steps of every env;
+- the learner owns the replay buffer (jax_async_rl.replay): it adds a chunk, runs
+  `replay_ratio x chunk / batch_size` gradient steps on batches sampled from it, publishes.
+  One chunk per round through a bounded queue holds the replay ratio whichever side is faster.
+`--serial` runs the same functions in one thread, collect then update (rlpyt's serial mode).
+
+The run itself (flags, folders, checkpoints, logs, devices) is the installed package
+`jax_async_rl`: this file holds the algorithm. Usage: python sac_envpool.py --env-id HalfCheetah-v4
+"""
+
+import dataclasses
+import math
+import queue
+import signal
+import time
+from dataclasses import dataclass
+from typing import Annotated
+
+if __name__ == "__main__":  # Ctrl-C while the libraries below import (seconds): exit 130, no traceback
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jax_async_rl import devices, flags, runs, tasks, threads
+from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, UNIT, UsageError
+from jax_async_rl.normalize import Normalizer
+from jax_async_rl.replay import Replay
+
+LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0  # CleanRL's bounds of the policy's log standard deviation
+
+
+@dataclass
+class Args(flags.RunArgs):
+    """Asynchronous soft actor-critic (actor and learner threads, or --serial) for continuous
+    actions. Every size is in agent steps. The defaults are CleanRL's sac_continuous_action.py."""
+
+    env_id: str = "HalfCheetah-v4"
+    """envpool task id with continuous (float Box) actions: MuJoCo (HalfCheetah-v4), dm_control
+    (CheetahRun-v1), classic control (Pendulum-v1), Box2D, MetaWorld, ... (or your own Gymnasium env)"""
+    num_envs: Annotated[int, POSITIVE] = 1
+    """number of parallel environments of each actor thread (see --num-actor-threads)"""
+    num_splits: Annotated[int, POSITIVE] = 1
+    """envpool splits for double-buffered sampling (Sample Factory §3.2); 1 disables it"""
+    num_steps: Annotated[int, POSITIVE] = 32
+    """steps of every env in each chunk an actor hands the learner; the learner's round (one chunk,
+    then its gradient steps) is an "update" in the logs and checkpoints"""
+    queue_size: Annotated[int, POSITIVE] = 1
+    """chunks an actor may queue ahead of the learner before it waits (backpressure)"""
+    serial: bool = False
+    """one thread: collect a chunk, then learn from the buffer, in turn (rlpyt's serial mode)"""
+    buffer_size: Annotated[int, POSITIVE] = 1_000_000
+    """replay buffer capacity in transitions (the oldest are overwritten)"""
+    learning_starts: Annotated[int, NON_NEGATIVE] = 5_000
+    """env steps of uniform random actions before the first gradient step (a resumed run refills its
+    buffer this long, acting with its policy)"""
+    replay_ratio: Annotated[float, POSITIVE] = 256.0
+    """transitions the learner samples per env step (CleanRL: one batch every step); each round's
+    gradient steps are this x the chunk / --batch-size, a whole number"""
+    batch_size: Annotated[int, POSITIVE] = 256
+    """transitions in each gradient step's batch"""
+    policy_lr: Annotated[float, POSITIVE] = 3e-4
+    """Adam learning rate of the policy (and of the temperature)"""
+    q_lr: Annotated[float, POSITIVE] = 1e-3
+    """Adam learning rate of the Q-networks"""
+    gamma: Annotated[float, UNIT] = 0.99
+    """discount factor"""
+    tau: Annotated[float, UNIT] = 0.005
+    """target networks' Polyak rate: target <- tau x online + (1 - tau) x target"""
+    policy_frequency: Annotated[int, POSITIVE] = 2
+    """every this many gradient steps, this many policy (and temperature) steps (CleanRL's delayed
+    update, as TD3's, with the count kept)"""
+    target_network_frequency: Annotated[int, POSITIVE] = 1
+    """gradient steps between updates of the target Q-networks"""
+    alpha: Annotated[float, NON_NEGATIVE] = 0.2
+    """the entropy temperature α, fixed with --no-autotune (else its start is 1, as CleanRL's)"""
+    autotune: bool = True
+    """tune α toward the target entropy -|A| (Haarnoja et al. 2018, §5)"""
+    num_threads: Annotated[int, NON_NEGATIVE] = 0
+    """envpool worker threads of each actor thread (0: the CPU cores shared among the actor threads)"""
+    num_actor_threads: Annotated[int, POSITIVE] = 1
+    """actor threads on each actor device, each with num_envs envs of its own; a round takes one
+    chunk from each"""
+    save_interval: Annotated[int, NON_NEGATIVE] = 1000
+    """write a checkpoint every this many rounds (0: only at the end)"""
+    log_frequency: Annotated[int, POSITIVE] = 20
+    """log losses, timings and SPS every this many rounds and after the last (returns: always)"""
+
+
+PRESETS = {}  # one configuration for every task: Args' defaults
+
+
+def resolve_args(args: Args) -> Args:
+    """The flags checked: UsageError, one line, before anything starts (runs.checked holds the
+    checks every script's flags take)."""
+    tasks.preset_values(args, {"classic": {}})  # the task known and checked
+    if hasattr(tasks.spaces(args.env_id)[1], "n"):
+        raise UsageError(f"--env-id {args.env_id} has discrete actions; this script's policy is a continuous "
+                         "Gaussian: use dqn_envpool.py (or appo_envpool.py)")
+    space = tasks.spaces(args.env_id)[1]
+    if not (np.all(np.isfinite(space.low)) and np.all(np.isfinite(space.high))):
+        raise UsageError(f"--env-id {args.env_id} has unbounded actions; the squashed policy needs finite bounds")
+    args = runs.checked(args)
+    if args.num_envs % args.num_splits:
+        raise UsageError(f"--num-splits {args.num_splits} must divide --num-envs {args.num_envs}")
+    chunk = devices.global_envs(args) * args.num_steps
+    steps = args.replay_ratio * chunk / args.batch_size
+    if steps < 1 or abs(steps - round(steps)) > 1e-6:
+        raise UsageError(f"--replay-ratio {args.replay_ratio} x a round's {chunk} env steps ({devices.describe_batch(args)}) "
+                         f"/ --batch-size {args.batch_size} = {steps:g} gradient steps: make it a whole number")
+    if args.batch_size % len(args.learner_device_ids):
+        raise UsageError(f"--batch-size {args.batch_size} must divide over the {len(args.learner_device_ids)} learner devices")
+    if args.buffer_size < 2 * chunk or args.buffer_size // devices.local_envs(args) <= 5:
+        raise UsageError(f"--buffer-size {args.buffer_size} must hold two rounds ({chunk} env steps) and more than "
+                         f"5 steps of each of the {devices.local_envs(args)} envs")
+    return args
+
+
+def gradient_steps(args: Args) -> int:
+    """Gradient steps of each round: --replay-ratio x the round's env steps / --batch-size."""
+    return round(args.replay_ratio * devices.global_envs(args) * args.num_steps / args.batch_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# Networks
+# ---------------------------------------------------------------------------------------------
+
+
+def encode(obs, encoders: tuple):
+    """The features [B, F] of an observation pytree: one encoder per leaf (`tasks.leaf_encoder`),
+    concatenated. Called inside a module's `nn.compact` method, whose layers it adds."""
+
+    def conv(x, size, kernel, stride=1):
+        return nn.relu(nn.Conv(size, (kernel, kernel), (stride, stride), "VALID")(x))
+
+    features = []
+    for x, (kind, arg) in zip(jax.tree.leaves(obs), encoders, strict=True):
+        if kind in ("nature", "grid") and arg == "chw":
+            x = jnp.transpose(x, (0, 2, 3, 1))  # [B, C, H, W] -> [B, H, W, C]
+        if kind == "nature":  # Mnih et al. 2015
+            x = conv(conv(conv(x.astype(jnp.float32) / 255.0, 32, 8, 4), 64, 4, 2), 64, 3)
+        elif kind == "grid":  # rl-starter-files' (torch-ac's) MiniGrid network: 2x2 convs, a max-pool
+            x = nn.max_pool(conv(x.astype(jnp.float32), 16, 2), (2, 2), (2, 2))
+            x = conv(conv(x, 32, 2), 64, 2)
+        else:
+            x = jax.nn.one_hot(x - arg[1], arg[0]) if kind == "onehot" else x.astype(jnp.float32) * arg
+        features.append(x.reshape(x.shape[0], -1))
+    return jnp.concatenate(features, axis=-1)
+
+
+class Critic(nn.Module):
+    """Q(s, a) [B]: `encode`d observation and the action, through a 256-256 ReLU MLP (CleanRL).
+    Twin critics are one parameter tree with a leading axis of 2 (`critics`)."""
+
+    encoders: tuple
+
+    @nn.compact
+    def __call__(self, obs, action):
+        x = jnp.concatenate([encode(obs, self.encoders), action], axis=-1)
+        for size in [256, 256]:
+            x = nn.relu(nn.Dense(size)(x))
+        return nn.Dense(1)(x)[:, 0]
+
+
+class Actor(nn.Module):
+    """The policy's Gaussian before the squash: obs [B, ...] -> (mean, log_std) [B, A], log_std
+    held in [LOG_STD_MIN, LOG_STD_MAX] by a tanh (CleanRL, after Spinning Up)."""
+
+    action_dim: int
+    encoders: tuple
+
+    @nn.compact
+    def __call__(self, obs):
+        x = encode(obs, self.encoders)
+        for size in [256, 256]:
+            x = nn.relu(nn.Dense(size)(x))
+        log_std = jnp.tanh(nn.Dense(self.action_dim)(x))
+        return nn.Dense(self.action_dim)(x), LOG_STD_MIN + 0.5 * (LOG_STD_MAX - LOG_STD_MIN) * (log_std + 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Math (pure functions; tests import them)
+# ---------------------------------------------------------------------------------------------
+
+
+def squashed_log_prob(u, mean, log_std, scale):
+    """log π(a) [B] of the action a = tanh(u) x scale + bias, u ~ N(mean, exp(log_std)) [B, A]: the
+    Gaussian's log-density minus log |da/du| = Σ log(scale (1 - tanh(u)^2)) (Haarnoja et al. 2018,
+    Appendix C), with log(1 - tanh(u)^2) = 2 (log 2 - u - softplus(-2u)), exact where tanh saturates."""
+    gaussian = -0.5 * jnp.square((u - mean) / jnp.exp(log_std)) - log_std - 0.5 * math.log(2 * math.pi)
+    log_det = 2.0 * (math.log(2.0) - u - jax.nn.softplus(-2.0 * u)) + jnp.log(scale)
+    return jnp.sum(gaussian - log_det, axis=-1)
+
+
+def sample_action(actor, actor_params, obs, key, scale, bias):
+    """(a, log π(a)) [B, A], [B]: a reparameterised sample of the squashed Gaussian."""
+    mean, log_std = actor.apply(actor_params, obs)
+    u = mean + jnp.exp(log_std) * jax.random.normal(key, mean.shape)
+    return jnp.tanh(u) * scale + bias, squashed_log_prob(u, mean, log_std, scale)
+
+
+def critics(critic, q_params, obs, action):
+    """Every critic's Q(s, a) [K, B], from parameters stacked on a leading axis of K."""
+    return jax.vmap(critic.apply, in_axes=(0, None, None))(q_params, obs, action)
+
+
+def soft_q_target(next_q, next_log_prob, reward, discount, alpha):
+    """The soft Bellman target [B] (Haarnoja et al. 2018, eq. 3 with the twin minimum):
+    reward + discount x (min_k Q'_k(s', a') - α log π(a' | s')), a' ~ π(s'). next_q: [K, B];
+    discount: gamma, or 0 after a termination."""
+    return reward + discount * (jnp.min(next_q, axis=0) - alpha * next_log_prob)
+
+
+def temperature_loss(log_alpha, log_prob, target_entropy):
+    """J(α) = E[-α (log π(a|s) + H̄)] (Haarnoja et al. 2018, eq. 18), as CleanRL: α = exp(log α)."""
+    return jnp.mean(-jnp.exp(log_alpha) * (log_prob + target_entropy))
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling
+# ---------------------------------------------------------------------------------------------
+
+
+def make_policy_step(actor, scale, bias, low, high):
+    """One jitted call per environment step: actions [B, A] sampled from the policy, or uniform in
+    the action bounds where `explore` (the first --learning-starts steps), and the key."""
+
+    @jax.jit
+    def policy_step(params, obs, explore, key):
+        key, sample_key, uniform_key = jax.random.split(key, 3)
+        action, _ = sample_action(actor, params["actor"], obs, sample_key, scale, bias)
+        uniform = jax.random.uniform(uniform_key, action.shape, minval=low, maxval=high)
+        return jnp.where(explore, uniform, action), key
+
+    return policy_step
+
+
+def evaluation_player(args: Args, built):
+    """The evaluation's policy(params, obs, core, key) -> (actions, None, None, None, key): the
+    deterministic policy, tanh(mean) x scale + bias; its initial core (none). utils/evaluate.py
+    calls it too."""
+    (actor, _), _, (scale, bias, _, _), _, _ = built
+
+    @jax.jit
+    def policy(params, obs, core, key):
+        mean, _ = actor.apply(params["actor"], obs)
+        return jnp.tanh(mean) * scale + bias, None, None, None, key
+
+    return policy, lambda num_envs: None
+
+
+class Collector:
+    """An actor's envs, stepped one split at a time (`recv` returns the split whose step finished,
+    Sample Factory §3.2), in chunks of `num_steps` steps of every env: the rows the replay buffer
+    stores, as envpool returned them with the action taken on each."""
+
+    def __init__(self, envs, policy_step, args: Args, key, thread: int, shared, start_step: int):
+        self.envs, self.policy_step, self.args, self.key, self.shared = envs, policy_step, args, key, shared
+        self.start_step, self.thread = start_step, thread
+        self.stats = tasks.EpisodeStats(args.num_envs)
+        self.timing = shared.timing
+        envs.async_reset()
+
+    def collect(self, params, version: int) -> dict:
+        """One chunk: num_steps x num_splits recv()s, each with its env ids, obs, actions, rewards,
+        terminated, truncated and elapsed steps; `version`: the parameters' (for the policy lag)."""
+        rows, timing = [], self.timing
+        for _ in range(self.args.num_steps * self.args.num_splits):
+            start = time.perf_counter()
+            obs, reward, terminated, truncated, info = self.envs.recv()
+            timing["env"] += (now := time.perf_counter()) - start
+            env_ids = info["env_id"]
+            reward = np.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's reward is undefined (dm_control: NaN at times)
+            explore = self.start_step + int(self.shared.sampled.sum()) < self.args.learning_starts
+            action, self.key = self.policy_step(params, obs, np.bool_(explore), self.key)
+            action = np.asarray(action)
+            timing["inference"] += (start := time.perf_counter()) - now
+            self.envs.send(tasks.env_action(action, self.envs.action_space), env_ids)
+            self.stats.update(env_ids, reward, terminated, truncated, info)
+            rows.append((env_ids + self.thread * self.args.num_envs, obs, action, reward, terminated, truncated,
+                         info["elapsed_step"]))
+            self.shared.sampled[self.thread] += len(env_ids)
+            timing["bookkeeping"] += time.perf_counter() - start
+        return dict(rows=rows, version=version, games=self.stats.pop())
+
+
+def actor_loop(collector, shared, chunk_queue, device, num_chunks: int):
+    """Collect chunks with the newest published parameters (copied to this actor's device once
+    per update) and queue them for the learner, which waits for them when data is short; the
+    actor waits on a full queue when the learner is behind: the replay ratio holds."""
+    held = params = None
+    for _ in range(num_chunks):
+        latest, version = shared.latest
+        if version != held:
+            held, params = version, devices.to_actor(device, latest)
+        chunk = collector.collect(params, held)
+        start = time.perf_counter()
+        if not threads.put(chunk_queue, chunk, shared.stop):
+            return
+        shared.timing["queue_put"] += time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------------------------
+# Learning
+# ---------------------------------------------------------------------------------------------
+
+
+def make_update(networks, optimizers, args: Args, bounds, mesh=None):
+    """The jitted round: one gradient step on each of the `batches` [S, batch, ...] in turn, each
+    a critic step, then every --policy-frequency steps that many policy and temperature steps
+    (CleanRL), and the targets' Polyak step every --target-network-frequency. Returns the state and
+    the round's mean diagnostics."""
+    (actor, critic), (actor_opt, q_opt, alpha_opt), (scale, bias, _, _) = networks, optimizers, bounds
+    target_entropy = -float(np.prod(scale.shape))
+
+    def critic_step(state, batch, key):
+        alpha = jnp.exp(state["log_alpha"])
+        next_action, next_log_prob = sample_action(actor, state["params"]["actor"], batch["next_obs"], key, scale, bias)
+        next_q = critics(critic, state["target_q"], batch["next_obs"], next_action)
+        target = jax.lax.stop_gradient(soft_q_target(next_q, next_log_prob, batch["reward"], batch["discount"], alpha))
+
+        def loss(q_params):  # CleanRL: the sum of each critic's mean squared error
+            q = critics(critic, q_params, batch["obs"], batch["action"])
+            return jnp.sum(jnp.mean(jnp.square(q - target), axis=1)), q
+
+        (q_loss, q), grads = jax.value_and_grad(loss, has_aux=True)(state["params"]["q"])
+        updates, q_state = q_opt.update(grads, state["opt_state"]["q"], state["params"]["q"])
+        params = dict(state["params"], q=optax.apply_updates(state["params"]["q"], updates))
+        return dict(state, params=params, opt_state=dict(state["opt_state"], q=q_state)), {"qf_loss": q_loss,
+                                                                                           "q_values": q.mean()}
+
+    def policy_step(state, batch, key):
+        actor_key, alpha_key = jax.random.split(key)
+        alpha = jnp.exp(state["log_alpha"])
+
+        def loss(actor_params):  # E[α log π(a|s) - min_k Q_k(s, a)], a ~ π(s) (Haarnoja et al. 2018, eq. 7)
+            action, log_prob = sample_action(actor, actor_params, batch["obs"], actor_key, scale, bias)
+            return jnp.mean(alpha * log_prob - jnp.min(critics(critic, state["params"]["q"], batch["obs"], action), 0))
+
+        actor_loss, grads = jax.value_and_grad(loss)(state["params"]["actor"])
+        updates, actor_state = actor_opt.update(grads, state["opt_state"]["actor"], state["params"]["actor"])
+        params = dict(state["params"], actor=optax.apply_updates(state["params"]["actor"], updates))
+        _, log_prob = sample_action(actor, params["actor"], batch["obs"], alpha_key, scale, bias)  # the new policy's
+        alpha_loss, grad = jax.value_and_grad(temperature_loss)(state["log_alpha"], log_prob, target_entropy)
+        log_alpha, alpha_state = state["log_alpha"], state["opt_state"]["alpha"]
+        if args.autotune:
+            updates, alpha_state = alpha_opt.update(grad, alpha_state, log_alpha)
+            log_alpha = optax.apply_updates(log_alpha, updates)
+        opt_state = dict(state["opt_state"], actor=actor_state, alpha=alpha_state)
+        return dict(state, params=params, opt_state=opt_state, log_alpha=log_alpha), {
+            "actor_loss": actor_loss, "alpha_loss": alpha_loss, "entropy": -jnp.mean(log_prob)}
+
+    def step(state, batch_key):
+        batch, key = batch_key
+        if mesh is not None:  # each learner device takes its share of the batch: data parallel
+            batch = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, devices.split_envs(mesh, 0)), batch)
+        keys = jax.random.split(key, args.policy_frequency + 1)
+        state, diagnostics = critic_step(state, batch, keys[0])
+
+        def policy_steps(state):
+            for i in range(args.policy_frequency):
+                state, policy_diagnostics = policy_step(state, batch, keys[i + 1])
+            return state, policy_diagnostics
+
+        due = state["gradient_step"] % args.policy_frequency == 0
+        zeros = {"actor_loss": 0.0, "alpha_loss": 0.0, "entropy": 0.0}
+        state, policy_diagnostics = jax.lax.cond(due, policy_steps, lambda s: (s, jax.tree.map(jnp.float32, zeros)), state)
+        sync = state["gradient_step"] % args.target_network_frequency == 0
+        target_q = jax.tree.map(lambda p, t: jnp.where(sync, args.tau * p + (1 - args.tau) * t, t),
+                                state["params"]["q"], state["target_q"])
+        state = dict(state, target_q=target_q, gradient_step=state["gradient_step"] + 1)
+        return state, dict(diagnostics, **policy_diagnostics, policy_step=due)
+
+    @jax.jit
+    def update(state, batches, key):
+        keys = jax.random.split(key, jax.tree.leaves(batches)[0].shape[0])
+        state, steps = jax.lax.scan(step, state, (batches, keys))
+        diagnostics = {k: jnp.mean(v) for k, v in steps.items() if k in ("qf_loss", "q_values")}
+        policy = jnp.maximum(jnp.sum(steps["policy_step"]), 1)  # the means over the steps that updated the policy
+        diagnostics.update({k: jnp.sum(v) / policy for k, v in steps.items() if k in ("actor_loss", "alpha_loss", "entropy")})
+        diagnostics["alpha"] = jnp.exp(state["log_alpha"])
+        finite = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(state["params"])]
+        diagnostics["finite"] = jnp.isfinite(diagnostics["qf_loss"]) & jnp.all(jnp.array(finite))
+        return dict(state, policy_version=state["policy_version"] + 1), diagnostics
+
+    return update
+
+
+class Learner:
+    """The learner's side of a round, the same in both modes: add each actor's chunk to the
+    buffer (it owns it), then, once --learning-starts env steps are in, sample the round's batches
+    and update."""
+
+    def __init__(self, run, replay, update, rng, timing: dict):
+        self.run, self.replay, self.update, self.rng, self.timing = run, replay, update, rng, timing
+        self.args, self.steps, self.key = run.args, gradient_steps(run.args), run.update_key
+        self.warm_at = run.start_step + run.args.learning_starts  # a resumed run refills its buffer first
+        self.sampled = self.learned_from = 0  # transitions sampled; env steps since the first update
+        timing["replay"] = 0.0
+
+    def round(self, chunks: list) -> dict:
+        run, args, state = self.run, self.args, self.run.state
+        start = time.perf_counter()
+        for chunk in chunks:
+            for env_ids, obs, action, reward, terminated, truncated, elapsed in chunk["rows"]:
+                self.replay.add(env_ids, obs, action, reward, terminated, truncated, elapsed)
+        step = run.global_step + run.batch_size  # the env steps once this round is counted
+        lag = [int(state["policy_version"]) - chunk["version"] for chunk in chunks]
+        extra = {"async/policy_lag_mean": float(np.mean(lag)), "replay/fill": len(self.replay) / args.buffer_size}
+        diagnostics = {"finite": True}
+        if step > self.warm_at:
+            batches = self.replay.sample(args.batch_size, self.rng, 0.0, self.steps)
+            del batches["slots"], batches["weights"]
+            self.timing["replay"] += (now := time.perf_counter()) - start
+            self.key, key = jax.random.split(self.key)
+            state, diagnostics = self.update(state, devices.to_learner(run.mesh, batches), key)
+            diagnostics = jax.device_get(diagnostics)
+            self.timing["update"] += time.perf_counter() - now
+            self.sampled += self.steps * args.batch_size
+            self.learned_from += run.batch_size
+            extra["replay/ratio"] = self.sampled / self.learned_from
+        else:
+            state = dict(state, policy_version=state["policy_version"] + 1)
+            self.timing["replay"] += time.perf_counter() - start
+        return run.learned(state, dict(diagnostics, learning_rate=args.policy_lr), self.timing, extra)
+
+
+def learner_loop(run, learner, shared, queues):
+    """Take one chunk from every actor thread's queue, learn from the buffer, publish the
+    parameters and their version after each round: from run.start_update to run.num_updates,
+    or until the run stops."""
+    for _ in range(run.start_update, run.num_updates):
+        start = time.perf_counter()
+        chunks = [threads.get(q, run.stop) for q in queues]
+        shared.timing["queue_get"] += time.perf_counter() - start
+        if run.should_stop(None in chunks, [game for chunk in chunks if chunk for game in chunk["games"]]):
+            break
+        state = learner.round(chunks)
+        shared.latest = (state["params"], int(state["policy_version"]))
+
+
+def serial_loop(run, learner, collectors, device):
+    """rlpyt's serial mode: the same collection and round in one thread, in turn."""
+    for _ in range(run.start_update, run.num_updates):
+        chunks = [c.collect(devices.to_actor(device, run.state["params"]), int(run.state["policy_version"]))
+                  for c in collectors]
+        if run.should_stop(False, [game for chunk in chunks for game in chunk["games"]]):
+            break
+        learner.round(chunks)
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------
+
+
+def build(args: Args, key):
+    """((actor, critic), optimizers, action bounds (scale, bias, low, high), normalizer, initial
+    state) of a run with these flags; a checkpoint restores into `dict(state, **normalizer.state())`
+    (utils/evaluate.py does too)."""
+    obs_space, action_space = tasks.spaces(args.env_id)
+    low, high = (np.asarray(x, np.float32) for x in (action_space.low, action_space.high))
+    bounds = ((high - low) / 2, (high + low) / 2, low, high)  # CleanRL's action_scale and action_bias
+    actor, critic = Actor(int(np.prod(action_space.shape)), tasks.encoders(obs_space)), Critic(tasks.encoders(obs_space))
+    obs, action = tasks.zeros_like_space(obs_space, 1), np.zeros((1, *action_space.shape), np.float32)
+    actor_key, q_key = jax.random.split(key)
+    params = {"actor": actor.init(actor_key, obs),
+              "q": jax.vmap(critic.init, in_axes=(0, None, None))(jax.random.split(q_key, 2), obs, action)}
+    optimizers = optax.adam(args.policy_lr), optax.adam(args.q_lr), optax.adam(args.policy_lr)
+    log_alpha = jnp.asarray(0.0 if args.autotune else math.log(max(args.alpha, 1e-30)), jnp.float32)
+    normalizer = Normalizer(tasks.zeros_like_space(obs_space), devices.local_envs(args), False, False, args.gamma)
+    opt_state = {"actor": optimizers[0].init(params["actor"]), "q": optimizers[1].init(params["q"]),
+                 "alpha": optimizers[2].init(log_alpha)}
+    state = {"params": params, "target_q": params["q"], "log_alpha": log_alpha, "opt_state": opt_state,
+             "gradient_step": 0, "global_step": 0, "policy_version": 0}
+    return (actor, critic), optimizers, bounds, normalizer, state
+
+
+def make_replay(args: Args, envs):
+    """The learner's buffer over all this process's envs (1-step transitions)."""
+    obs_space, action_space = tasks.spaces(args.env_id)
+    return Replay(args.buffer_size, devices.local_envs(args), tasks.zeros_like_space(obs_space, 1),
+                  np.zeros((1, *action_space.shape), np.float32), 1, args.gamma)
+
+
+def main(args: Args, given=None) -> int:
+    """Train; return the exit code. `given`: the flags named on the command line, which replace a
+    resumed run's own (None: those that differ from Args' defaults)."""
+    if args.distributed:  # refused before the Run joins any process
+        raise UsageError("--distributed: sac_envpool.py learns in one process (its buffer is that process's)")
+    with runs.Run(args, given, __file__, resolve_args) as run:
+        if run.finished:
+            return 0
+        args = run.args
+        built = (actor, _), optimizers, bounds, normalizer, state = build(args, run.init_key)
+        state = run.open(state, normalizer)
+        actors = run.actors()  # (device, env seed, action key) of each actor thread
+        envs = [tasks.make_env(args.env_id, args.num_envs, seed, run.env_threads, train=True,
+                               batch_size=args.num_envs // args.num_splits) for _, seed, _ in actors]
+        policy_step = make_policy_step(actor, *bounds)
+        shared = threads.Shared(state["params"], state["policy_version"], normalizer, run.sampled, run.stop,
+                                run.report_episodes)
+        collectors = [Collector(envs[i], policy_step, args, key, i, shared, run.start_step)
+                      for i, (_, _, key) in enumerate(actors)]
+        learner = Learner(run, make_replay(args, envs), make_update(built[0], optimizers, args, bounds, run.mesh),
+                          np.random.default_rng(run.seed), shared.timing)
+        run.begin(f"{gradient_steps(args)} gradient steps a round{', serial' if args.serial else ''}")
+        if args.serial:
+            try:
+                run.threads.run("training loop", serial_loop, run, learner, collectors, actors[0][0])
+            finally:
+                for e in envs:
+                    e.close()
+        else:
+            queues = [queue.Queue(maxsize=args.queue_size) for _ in actors]
+            for i, (device, _, _) in enumerate(actors):
+                run.threads.start(f"actor {i}" if i else "actor", actor_loop, collectors[i], shared, queues[i], device,
+                                  run.num_updates - run.start_update, owns=envs[i])
+            run.wait(run.threads.start("learner", learner_loop, run, learner, shared, queues))
+        return run.finish(*evaluation_player(args, built))
+
+
+if __name__ == "__main__":
+    flags.command_line(main, Args, PRESETS)

@@ -1,0 +1,508 @@
+"""Asynchronous TD3 and DDPG on envpool, in JAX: rlpyt's third family (Q-value policy gradient).
+
+TD3 (Fujimoto et al. 2018): a deterministic policy with Gaussian exploration noise, twin critics
+(the smaller of the two in every target), delayed policy and target updates, and target policy
+smoothing (clipped noise on the target policy's action). DDPG (Lillicrap et al. 2016) is TD3 with
+those three switched off: `--no-twin-q --policy-delay 1 --target-noise 0`. The defaults are
+CleanRL's `td3_continuous_action.py` (its flags carry over).
+
+Sampling and optimisation run asynchronously, as dqn_envpool.py's (rlpyt's async mode):
+- actor threads step envpool splits (double buffering, Sample Factory §3.2) with the newest
+  parameters, uniform random actions for the first --learning-starts steps (as CleanRL does),
+  and hand the learner chunks of `num_steps` steps of every env;
+- the learner owns the replay buffer (jax_async_rl.replay): it adds a chunk, runs
+  `replay_ratio x chunk / batch_size` gradient steps on batches sampled from it, publishes.
+  One chunk per round through a bounded queue holds the replay ratio whichever side is faster.
+`--serial` runs the same functions in one thread, collect then update (rlpyt's serial mode).
+
+The run itself (flags, folders, checkpoints, logs, devices) is the installed package
+`jax_async_rl`: this file holds the algorithm. Usage: python td3_envpool.py --env-id HalfCheetah-v4
+"""
+
+import dataclasses
+import queue
+import signal
+import time
+from dataclasses import dataclass
+from typing import Annotated
+
+if __name__ == "__main__":  # Ctrl-C while the libraries below import (seconds): exit 130, no traceback
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jax_async_rl import devices, flags, runs, tasks, threads
+from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, UNIT, UsageError
+from jax_async_rl.normalize import Normalizer
+from jax_async_rl.replay import Replay
+
+@dataclass
+class Args(flags.RunArgs):
+    """Asynchronous TD3, or DDPG with --no-twin-q --policy-delay 1 --target-noise 0 (actor and
+    learner threads, or --serial) for continuous actions. Every size is in agent steps. The defaults
+    are CleanRL's td3_continuous_action.py."""
+
+    env_id: str = "HalfCheetah-v4"
+    """envpool task id with continuous (float Box) actions: MuJoCo (HalfCheetah-v4), dm_control
+    (CheetahRun-v1), classic control (Pendulum-v1), Box2D, MetaWorld, ... (or your own Gymnasium env)"""
+    num_envs: Annotated[int, POSITIVE] = 1
+    """number of parallel environments of each actor thread (see --num-actor-threads)"""
+    num_splits: Annotated[int, POSITIVE] = 1
+    """envpool splits for double-buffered sampling (Sample Factory §3.2); 1 disables it"""
+    num_steps: Annotated[int, POSITIVE] = 32
+    """steps of every env in each chunk an actor hands the learner; the learner's round (one chunk,
+    then its gradient steps) is an "update" in the logs and checkpoints"""
+    queue_size: Annotated[int, POSITIVE] = 1
+    """chunks an actor may queue ahead of the learner before it waits (backpressure)"""
+    serial: bool = False
+    """one thread: collect a chunk, then learn from the buffer, in turn (rlpyt's serial mode)"""
+    buffer_size: Annotated[int, POSITIVE] = 1_000_000
+    """replay buffer capacity in transitions (the oldest are overwritten)"""
+    learning_starts: Annotated[int, NON_NEGATIVE] = 25_000
+    """env steps of uniform random actions before the first gradient step (a resumed run refills its
+    buffer this long, acting with its policy)"""
+    replay_ratio: Annotated[float, POSITIVE] = 256.0
+    """transitions the learner samples per env step (CleanRL: one batch every step); each round's
+    gradient steps are this x the chunk / --batch-size, a whole number"""
+    batch_size: Annotated[int, POSITIVE] = 256
+    """transitions in each gradient step's batch"""
+    learning_rate: Annotated[float, POSITIVE] = 3e-4
+    """Adam learning rate of the policy and of the Q-networks"""
+    gamma: Annotated[float, UNIT] = 0.99
+    """discount factor"""
+    tau: Annotated[float, UNIT] = 0.005
+    """target networks' Polyak rate: target <- tau x online + (1 - tau) x target"""
+    policy_delay: Annotated[int, POSITIVE] = 2
+    """gradient steps between policy steps, which also move the targets (TD3's delayed update, §5.2; DDPG: 1)"""
+    twin_q: bool = True
+    """two critics, the smaller in the target (TD3's clipped double Q-learning, §4.2); off: DDPG's one"""
+    target_noise: Annotated[float, NON_NEGATIVE] = 0.2
+    """std of the Gaussian noise on the target policy's action, x the action scale (TD3's target
+    policy smoothing, §5.3; DDPG: 0)"""
+    noise_clip: Annotated[float, NON_NEGATIVE] = 0.5
+    """that noise clipped to [-this, this], x the action scale"""
+    exploration_noise: Annotated[float, NON_NEGATIVE] = 0.1
+    """std of the Gaussian noise on the actors' actions, x the action scale"""
+    num_threads: Annotated[int, NON_NEGATIVE] = 0
+    """envpool worker threads of each actor thread (0: the CPU cores shared among the actor threads)"""
+    num_actor_threads: Annotated[int, POSITIVE] = 1
+    """actor threads on each actor device, each with num_envs envs of its own; a round takes one
+    chunk from each"""
+    save_interval: Annotated[int, NON_NEGATIVE] = 1000
+    """write a checkpoint every this many rounds (0: only at the end)"""
+    log_frequency: Annotated[int, POSITIVE] = 20
+    """log losses, timings and SPS every this many rounds and after the last (returns: always)"""
+
+
+PRESETS = {}  # one configuration for every task: Args' defaults
+
+
+def resolve_args(args: Args) -> Args:
+    """The flags checked: UsageError, one line, before anything starts (runs.checked holds the
+    checks every script's flags take)."""
+    tasks.preset_values(args, {"classic": {}})  # the task known and checked
+    if hasattr(tasks.spaces(args.env_id)[1], "n"):
+        raise UsageError(f"--env-id {args.env_id} has discrete actions; this script's policy is a continuous "
+                         "deterministic one: use dqn_envpool.py (or appo_envpool.py)")
+    space = tasks.spaces(args.env_id)[1]
+    if not (np.all(np.isfinite(space.low)) and np.all(np.isfinite(space.high))):
+        raise UsageError(f"--env-id {args.env_id} has unbounded actions; the tanh policy needs finite bounds")
+    args = runs.checked(args)
+    if args.num_envs % args.num_splits:
+        raise UsageError(f"--num-splits {args.num_splits} must divide --num-envs {args.num_envs}")
+    chunk = devices.global_envs(args) * args.num_steps
+    steps = args.replay_ratio * chunk / args.batch_size
+    if steps < 1 or abs(steps - round(steps)) > 1e-6:
+        raise UsageError(f"--replay-ratio {args.replay_ratio} x a round's {chunk} env steps ({devices.describe_batch(args)}) "
+                         f"/ --batch-size {args.batch_size} = {steps:g} gradient steps: make it a whole number")
+    if args.batch_size % len(args.learner_device_ids):
+        raise UsageError(f"--batch-size {args.batch_size} must divide over the {len(args.learner_device_ids)} learner devices")
+    if args.buffer_size < 2 * chunk or args.buffer_size // devices.local_envs(args) <= 5:
+        raise UsageError(f"--buffer-size {args.buffer_size} must hold two rounds ({chunk} env steps) and more than "
+                         f"5 steps of each of the {devices.local_envs(args)} envs")
+    return args
+
+
+def gradient_steps(args: Args) -> int:
+    """Gradient steps of each round: --replay-ratio x the round's env steps / --batch-size."""
+    return round(args.replay_ratio * devices.global_envs(args) * args.num_steps / args.batch_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# Networks
+# ---------------------------------------------------------------------------------------------
+
+
+def encode(obs, encoders: tuple):
+    """The features [B, F] of an observation pytree: one encoder per leaf (`tasks.leaf_encoder`),
+    concatenated. Called inside a module's `nn.compact` method, whose layers it adds."""
+
+    def conv(x, size, kernel, stride=1):
+        return nn.relu(nn.Conv(size, (kernel, kernel), (stride, stride), "VALID")(x))
+
+    features = []
+    for x, (kind, arg) in zip(jax.tree.leaves(obs), encoders, strict=True):
+        if kind in ("nature", "grid") and arg == "chw":
+            x = jnp.transpose(x, (0, 2, 3, 1))  # [B, C, H, W] -> [B, H, W, C]
+        if kind == "nature":  # Mnih et al. 2015
+            x = conv(conv(conv(x.astype(jnp.float32) / 255.0, 32, 8, 4), 64, 4, 2), 64, 3)
+        elif kind == "grid":  # rl-starter-files' (torch-ac's) MiniGrid network: 2x2 convs, a max-pool
+            x = nn.max_pool(conv(x.astype(jnp.float32), 16, 2), (2, 2), (2, 2))
+            x = conv(conv(x, 32, 2), 64, 2)
+        else:
+            x = jax.nn.one_hot(x - arg[1], arg[0]) if kind == "onehot" else x.astype(jnp.float32) * arg
+        features.append(x.reshape(x.shape[0], -1))
+    return jnp.concatenate(features, axis=-1)
+
+
+class Critic(nn.Module):
+    """Q(s, a) [B]: `encode`d observation and the action, through a 256-256 ReLU MLP (CleanRL).
+    Twin critics are one parameter tree with a leading axis of 2 (`critics`; DDPG: 1)."""
+
+    encoders: tuple
+
+    @nn.compact
+    def __call__(self, obs, action):
+        x = jnp.concatenate([encode(obs, self.encoders), action], axis=-1)
+        for size in [256, 256]:
+            x = nn.relu(nn.Dense(size)(x))
+        return nn.Dense(1)(x)[:, 0]
+
+
+class Actor(nn.Module):
+    """The deterministic policy: obs [B, ...] -> tanh(...) x scale + bias [B, A] (CleanRL)."""
+
+    action_dim: int
+    encoders: tuple
+    scale: tuple
+    bias: tuple
+
+    @nn.compact
+    def __call__(self, obs):
+        x = encode(obs, self.encoders)
+        for size in [256, 256]:
+            x = nn.relu(nn.Dense(size)(x))
+        return jnp.tanh(nn.Dense(self.action_dim)(x)) * jnp.asarray(self.scale) + jnp.asarray(self.bias)
+
+
+# ---------------------------------------------------------------------------------------------
+# Math (pure functions; tests import them)
+# ---------------------------------------------------------------------------------------------
+
+
+def smoothed_target_action(target_action, noise, noise_clip, scale, low, high):
+    """TD3's target policy smoothing (Fujimoto et al. 2018, eq. 14): the target policy's action
+    plus `noise` [B, A] (N(0, --target-noise)) clipped to [-noise_clip, noise_clip], both x the
+    action scale, then clipped to the action bounds."""
+    return jnp.clip(target_action + jnp.clip(noise, -noise_clip, noise_clip) * scale, low, high)
+
+
+def critics(critic, q_params, obs, action):
+    """Every critic's Q(s, a) [K, B], from parameters stacked on a leading axis of K."""
+    return jax.vmap(critic.apply, in_axes=(0, None, None))(q_params, obs, action)
+
+
+def td3_target(next_q, reward, discount):
+    """The clipped double-Q target [B] (Fujimoto et al. 2018, eq. 10): reward + discount x
+    min_k Q'_k(s', ã'); with one critic (K = 1) DDPG's reward + discount x Q'(s', μ'(s')).
+    next_q: [K, B]; discount: gamma, or 0 after a termination."""
+    return reward + discount * jnp.min(next_q, axis=0)
+
+
+def policy_due(gradient_step, delay: int):
+    """Whether gradient step `gradient_step` (counted over the run) also updates the policy and the
+    targets: every `delay`-th, from the first (TD3's delayed updates, §5.2)."""
+    return gradient_step % delay == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling
+# ---------------------------------------------------------------------------------------------
+
+
+def make_policy_step(actor, noise, scale, low, high):
+    """One jitted call per environment step: the policy's actions [B, A] plus N(0, `noise` x scale),
+    clipped to the bounds, or uniform in them where `explore` (the first --learning-starts steps),
+    and the key."""
+
+    @jax.jit
+    def policy_step(params, obs, explore, key):
+        key, noise_key, uniform_key = jax.random.split(key, 3)
+        action = actor.apply(params["actor"], obs)
+        action = jnp.clip(action + noise * scale * jax.random.normal(noise_key, action.shape), low, high)
+        uniform = jax.random.uniform(uniform_key, action.shape, minval=low, maxval=high)
+        return jnp.where(explore, uniform, action), key
+
+    return policy_step
+
+
+def evaluation_player(args: Args, built):
+    """The evaluation's policy(params, obs, core, key) -> (actions, None, None, None, key): the
+    deterministic policy, without exploration noise; its initial core (none). utils/evaluate.py
+    calls it too."""
+    (actor, _), _, _, _, _ = built
+
+    @jax.jit
+    def policy(params, obs, core, key):
+        return actor.apply(params["actor"], obs), None, None, None, key
+
+    return policy, lambda num_envs: None
+
+
+class Collector:
+    """An actor's envs, stepped one split at a time (`recv` returns the split whose step finished,
+    Sample Factory §3.2), in chunks of `num_steps` steps of every env: the rows the replay buffer
+    stores, as envpool returned them with the action taken on each."""
+
+    def __init__(self, envs, policy_step, args: Args, key, thread: int, shared, start_step: int):
+        self.envs, self.policy_step, self.args, self.key, self.shared = envs, policy_step, args, key, shared
+        self.start_step, self.thread = start_step, thread
+        self.stats = tasks.EpisodeStats(args.num_envs)
+        self.timing = shared.timing
+        envs.async_reset()
+
+    def collect(self, params, version: int) -> dict:
+        """One chunk: num_steps x num_splits recv()s, each with its env ids, obs, actions, rewards,
+        terminated, truncated and elapsed steps; `version`: the parameters' (for the policy lag)."""
+        rows, timing = [], self.timing
+        for _ in range(self.args.num_steps * self.args.num_splits):
+            start = time.perf_counter()
+            obs, reward, terminated, truncated, info = self.envs.recv()
+            timing["env"] += (now := time.perf_counter()) - start
+            env_ids = info["env_id"]
+            reward = np.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's reward is undefined (dm_control: NaN at times)
+            explore = self.start_step + int(self.shared.sampled.sum()) < self.args.learning_starts
+            action, self.key = self.policy_step(params, obs, np.bool_(explore), self.key)
+            action = np.asarray(action)
+            timing["inference"] += (start := time.perf_counter()) - now
+            self.envs.send(tasks.env_action(action, self.envs.action_space), env_ids)
+            self.stats.update(env_ids, reward, terminated, truncated, info)
+            rows.append((env_ids + self.thread * self.args.num_envs, obs, action, reward, terminated, truncated,
+                         info["elapsed_step"]))
+            self.shared.sampled[self.thread] += len(env_ids)
+            timing["bookkeeping"] += time.perf_counter() - start
+        return dict(rows=rows, version=version, games=self.stats.pop())
+
+
+def actor_loop(collector, shared, chunk_queue, device, num_chunks: int):
+    """Collect chunks with the newest published parameters (copied to this actor's device once
+    per update) and queue them for the learner, which waits for them when data is short; the
+    actor waits on a full queue when the learner is behind: the replay ratio holds."""
+    held = params = None
+    for _ in range(num_chunks):
+        latest, version = shared.latest
+        if version != held:
+            held, params = version, devices.to_actor(device, latest)
+        chunk = collector.collect(params, held)
+        start = time.perf_counter()
+        if not threads.put(chunk_queue, chunk, shared.stop):
+            return
+        shared.timing["queue_put"] += time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------------------------
+# Learning
+# ---------------------------------------------------------------------------------------------
+
+
+def make_update(networks, optimizer, args: Args, bounds, mesh=None):
+    """The jitted round: one gradient step on each of the `batches` [S, batch, ...] in turn, each
+    a critic step, and every --policy-delay steps a policy step and the targets' Polyak step
+    (TD3's delayed updates). Returns the state and the round's mean diagnostics."""
+    (actor, critic), (scale, _, low, high) = networks, bounds
+
+    def critic_step(state, batch, key):
+        next_action = actor.apply(state["target_actor"], batch["next_obs"])
+        noise = args.target_noise * jax.random.normal(key, next_action.shape)
+        next_action = smoothed_target_action(next_action, noise, args.noise_clip, scale, low, high)
+        next_q = critics(critic, state["target_q"], batch["next_obs"], next_action)
+        target = jax.lax.stop_gradient(td3_target(next_q, batch["reward"], batch["discount"]))
+
+        def loss(q_params):  # CleanRL: the sum of each critic's mean squared error
+            q = critics(critic, q_params, batch["obs"], batch["action"])
+            return jnp.sum(jnp.mean(jnp.square(q - target), axis=1)), q
+
+        (q_loss, q), grads = jax.value_and_grad(loss, has_aux=True)(state["params"]["q"])
+        updates, q_state = optimizer.update(grads, state["opt_state"]["q"], state["params"]["q"])
+        params = dict(state["params"], q=optax.apply_updates(state["params"]["q"], updates))
+        return dict(state, params=params, opt_state=dict(state["opt_state"], q=q_state)), {"qf_loss": q_loss,
+                                                                                           "q_values": q.mean()}
+
+    def policy_step(state, batch):
+        def loss(actor_params):  # -Q_1(s, μ(s)): the deterministic policy gradient (Silver et al. 2014)
+            q_params = jax.tree.map(lambda p: p[:1], state["params"]["q"])
+            return -jnp.mean(critics(critic, q_params, batch["obs"], actor.apply(actor_params, batch["obs"])))
+
+        actor_loss, grads = jax.value_and_grad(loss)(state["params"]["actor"])
+        updates, actor_state = optimizer.update(grads, state["opt_state"]["actor"], state["params"]["actor"])
+        params = dict(state["params"], actor=optax.apply_updates(state["params"]["actor"], updates))
+        polyak = lambda p, t: args.tau * p + (1 - args.tau) * t  # noqa: E731
+        return dict(state, params=params, opt_state=dict(state["opt_state"], actor=actor_state),
+                    target_actor=jax.tree.map(polyak, params["actor"], state["target_actor"]),
+                    target_q=jax.tree.map(polyak, params["q"], state["target_q"])), {"actor_loss": actor_loss}
+
+    def step(state, batch_key):
+        batch, key = batch_key
+        if mesh is not None:  # each learner device takes its share of the batch: data parallel
+            batch = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, devices.split_envs(mesh, 0)), batch)
+        state, diagnostics = critic_step(state, batch, key)
+        due = policy_due(state["gradient_step"], args.policy_delay)
+        state, policy_diagnostics = jax.lax.cond(due, policy_step, lambda s, b: (s, {"actor_loss": jnp.float32(0)}),
+                                                 state, batch)
+        state = dict(state, gradient_step=state["gradient_step"] + 1)
+        return state, dict(diagnostics, **policy_diagnostics, policy_step=due)
+
+    @jax.jit
+    def update(state, batches, key):
+        keys = jax.random.split(key, jax.tree.leaves(batches)[0].shape[0])
+        state, steps = jax.lax.scan(step, state, (batches, keys))
+        diagnostics = {k: jnp.mean(v) for k, v in steps.items() if k in ("qf_loss", "q_values")}
+        policy = jnp.maximum(jnp.sum(steps["policy_step"]), 1)  # the mean over the steps that updated the policy
+        diagnostics["actor_loss"] = jnp.sum(steps["actor_loss"]) / policy
+        finite = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(state["params"])]
+        diagnostics["finite"] = jnp.isfinite(diagnostics["qf_loss"]) & jnp.all(jnp.array(finite))
+        return dict(state, policy_version=state["policy_version"] + 1), diagnostics
+
+    return update
+
+
+class Learner:
+    """The learner's side of a round, the same in both modes: add each actor's chunk to the
+    buffer (it owns it), then, once --learning-starts env steps are in, sample the round's batches
+    and update."""
+
+    def __init__(self, run, replay, update, rng, timing: dict):
+        self.run, self.replay, self.update, self.rng, self.timing = run, replay, update, rng, timing
+        self.args, self.steps, self.key = run.args, gradient_steps(run.args), run.update_key
+        self.warm_at = run.start_step + run.args.learning_starts  # a resumed run refills its buffer first
+        self.sampled = self.learned_from = 0  # transitions sampled; env steps since the first update
+        timing["replay"] = 0.0
+
+    def round(self, chunks: list) -> dict:
+        run, args, state = self.run, self.args, self.run.state
+        start = time.perf_counter()
+        for chunk in chunks:
+            for env_ids, obs, action, reward, terminated, truncated, elapsed in chunk["rows"]:
+                self.replay.add(env_ids, obs, action, reward, terminated, truncated, elapsed)
+        step = run.global_step + run.batch_size  # the env steps once this round is counted
+        lag = [int(state["policy_version"]) - chunk["version"] for chunk in chunks]
+        extra = {"async/policy_lag_mean": float(np.mean(lag)), "replay/fill": len(self.replay) / args.buffer_size}
+        diagnostics = {"finite": True}
+        if step > self.warm_at:
+            batches = self.replay.sample(args.batch_size, self.rng, 0.0, self.steps)
+            del batches["slots"], batches["weights"]
+            self.timing["replay"] += (now := time.perf_counter()) - start
+            self.key, key = jax.random.split(self.key)
+            state, diagnostics = self.update(state, devices.to_learner(run.mesh, batches), key)
+            diagnostics = jax.device_get(diagnostics)
+            self.timing["update"] += time.perf_counter() - now
+            self.sampled += self.steps * args.batch_size
+            self.learned_from += run.batch_size
+            extra["replay/ratio"] = self.sampled / self.learned_from
+        else:
+            state = dict(state, policy_version=state["policy_version"] + 1)
+            self.timing["replay"] += time.perf_counter() - start
+        return run.learned(state, dict(diagnostics, learning_rate=args.learning_rate), self.timing, extra)
+
+
+def learner_loop(run, learner, shared, queues):
+    """Take one chunk from every actor thread's queue, learn from the buffer, publish the
+    parameters and their version after each round: from run.start_update to run.num_updates,
+    or until the run stops."""
+    for _ in range(run.start_update, run.num_updates):
+        start = time.perf_counter()
+        chunks = [threads.get(q, run.stop) for q in queues]
+        shared.timing["queue_get"] += time.perf_counter() - start
+        if run.should_stop(None in chunks, [game for chunk in chunks if chunk for game in chunk["games"]]):
+            break
+        state = learner.round(chunks)
+        shared.latest = (state["params"], int(state["policy_version"]))
+
+
+def serial_loop(run, learner, collectors, device):
+    """rlpyt's serial mode: the same collection and round in one thread, in turn."""
+    for _ in range(run.start_update, run.num_updates):
+        chunks = [c.collect(devices.to_actor(device, run.state["params"]), int(run.state["policy_version"]))
+                  for c in collectors]
+        if run.should_stop(False, [game for chunk in chunks for game in chunk["games"]]):
+            break
+        learner.round(chunks)
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------
+
+
+def build(args: Args, key):
+    """((actor, critic), optimizer, action bounds (scale, bias, low, high), normalizer, initial
+    state) of a run with these flags; a checkpoint restores into `dict(state, **normalizer.state())`
+    (utils/evaluate.py does too)."""
+    obs_space, action_space = tasks.spaces(args.env_id)
+    low, high = (np.asarray(x, np.float32) for x in (action_space.low, action_space.high))
+    bounds = ((high - low) / 2, (high + low) / 2, low, high)  # CleanRL's action_scale and action_bias
+    actor = Actor(int(np.prod(action_space.shape)), tasks.encoders(obs_space), tuple(bounds[0].tolist()),
+                  tuple(bounds[1].tolist()))
+    critic = Critic(tasks.encoders(obs_space))
+    obs, action = tasks.zeros_like_space(obs_space, 1), np.zeros((1, *action_space.shape), np.float32)
+    actor_key, q_key = jax.random.split(key)
+    params = {"actor": actor.init(actor_key, obs),
+              "q": jax.vmap(critic.init, in_axes=(0, None, None))(jax.random.split(q_key, 1 + args.twin_q), obs, action)}
+    optimizer = optax.adam(args.learning_rate)
+    normalizer = Normalizer(tasks.zeros_like_space(obs_space), devices.local_envs(args), False, False, args.gamma)
+    opt_state = {"actor": optimizer.init(params["actor"]), "q": optimizer.init(params["q"])}
+    state = {"params": params, "target_actor": params["actor"], "target_q": params["q"], "opt_state": opt_state,
+             "gradient_step": 0, "global_step": 0, "policy_version": 0}
+    return (actor, critic), optimizer, bounds, normalizer, state
+
+
+def make_replay(args: Args, envs):
+    """The learner's buffer over all this process's envs (1-step transitions)."""
+    obs_space, action_space = tasks.spaces(args.env_id)
+    return Replay(args.buffer_size, devices.local_envs(args), tasks.zeros_like_space(obs_space, 1),
+                  np.zeros((1, *action_space.shape), np.float32), 1, args.gamma)
+
+
+def main(args: Args, given=None) -> int:
+    """Train; return the exit code. `given`: the flags named on the command line, which replace a
+    resumed run's own (None: those that differ from Args' defaults)."""
+    if args.distributed:  # refused before the Run joins any process
+        raise UsageError("--distributed: td3_envpool.py learns in one process (its buffer is that process's)")
+    with runs.Run(args, given, __file__, resolve_args) as run:
+        if run.finished:
+            return 0
+        args = run.args
+        built = (actor, _), optimizer, bounds, normalizer, state = build(args, run.init_key)
+        state = run.open(state, normalizer)
+        actors = run.actors()  # (device, env seed, action key) of each actor thread
+        envs = [tasks.make_env(args.env_id, args.num_envs, seed, run.env_threads, train=True,
+                               batch_size=args.num_envs // args.num_splits) for _, seed, _ in actors]
+        policy_step = make_policy_step(actor, args.exploration_noise, bounds[0], *bounds[2:])
+        shared = threads.Shared(state["params"], state["policy_version"], normalizer, run.sampled, run.stop,
+                                run.report_episodes)
+        collectors = [Collector(envs[i], policy_step, args, key, i, shared, run.start_step)
+                      for i, (_, _, key) in enumerate(actors)]
+        learner = Learner(run, make_replay(args, envs), make_update(built[0], optimizer, args, bounds, run.mesh),
+                          np.random.default_rng(run.seed), shared.timing)
+        run.begin(f"{gradient_steps(args)} gradient steps a round{', serial' if args.serial else ''}")
+        if args.serial:
+            try:
+                run.threads.run("training loop", serial_loop, run, learner, collectors, actors[0][0])
+            finally:
+                for e in envs:
+                    e.close()
+        else:
+            queues = [queue.Queue(maxsize=args.queue_size) for _ in actors]
+            for i, (device, _, _) in enumerate(actors):
+                run.threads.start(f"actor {i}" if i else "actor", actor_loop, collectors[i], shared, queues[i], device,
+                                  run.num_updates - run.start_update, owns=envs[i])
+            run.wait(run.threads.start("learner", learner_loop, run, learner, shared, queues))
+        return run.finish(*evaluation_player(args, built))
+
+
+if __name__ == "__main__":
+    flags.command_line(main, Args, PRESETS)
