@@ -109,10 +109,10 @@ def resolve_args(args: Args) -> Args:
     tasks.preset_values(args, {"classic": {}})  # the task known and checked
     if hasattr(tasks.spaces(args.env_id)[1], "n"):
         raise UsageError(f"--env-id {args.env_id} has discrete actions; this script's policy is a continuous "
-                         "Gaussian: use dqn_envpool.py (or appo_envpool.py)")
+                         "one: use dqn_envpool.py (or appo_envpool.py)")
     space = tasks.spaces(args.env_id)[1]
     if not (np.all(np.isfinite(space.low)) and np.all(np.isfinite(space.high))):
-        raise UsageError(f"--env-id {args.env_id} has unbounded actions; the squashed policy needs finite bounds")
+        raise UsageError(f"--env-id {args.env_id} has unbounded actions; the policy's tanh needs finite bounds")
     args = runs.checked(args)
     if args.num_envs % args.num_splits:
         raise UsageError(f"--num-splits {args.num_splits} must divide --num-envs {args.num_envs}")
@@ -163,7 +163,7 @@ def encode(obs, encoders: tuple):
 
 class Critic(nn.Module):
     """Q(s, a) [B]: `encode`d observation and the action, through a 256-256 ReLU MLP (CleanRL).
-    Twin critics are one parameter tree with a leading axis of 2 (`critics`)."""
+    K critics are one parameter tree with a leading axis of K (`critics`): TD3's and SAC's two, DDPG's one."""
 
     encoders: tuple
 
@@ -318,11 +318,9 @@ def actor_loop(collector, shared, chunk_queue, device, num_chunks: int):
 # ---------------------------------------------------------------------------------------------
 
 
-def make_update(networks, optimizers, args: Args, bounds, mesh=None):
-    """The jitted round: one gradient step on each of the `batches` [S, batch, ...] in turn, each
-    a critic step, then every --policy-frequency steps that many policy and temperature steps
-    (CleanRL), and the targets' Polyak step every --target-network-frequency. Returns the state and
-    the round's mean diagnostics."""
+def make_gradient_steps(networks, optimizers, args: Args, bounds):
+    """(critic_step, policy_step), each (state, batch, key) -> (state, diagnostics): one Adam step
+    of the twin critics toward the soft target, and one of the policy with the temperature's."""
     (actor, critic), (actor_opt, q_opt, alpha_opt), (scale, bias, _, _) = networks, optimizers, bounds
     target_entropy = -float(np.prod(scale.shape))
 
@@ -362,6 +360,16 @@ def make_update(networks, optimizers, args: Args, bounds, mesh=None):
         opt_state = dict(state["opt_state"], actor=actor_state, alpha=alpha_state)
         return dict(state, params=params, opt_state=opt_state, log_alpha=log_alpha), {
             "actor_loss": actor_loss, "alpha_loss": alpha_loss, "entropy": -jnp.mean(log_prob)}
+
+    return critic_step, policy_step
+
+
+def make_update(networks, optimizers, args: Args, bounds, mesh=None):
+    """The jitted round: one gradient step on each of the `batches` [S, batch, ...] in turn, each
+    a critic step, then every --policy-frequency steps that many policy and temperature steps
+    (CleanRL), and the targets' Polyak step every --target-network-frequency. Returns the state and
+    the round's mean diagnostics."""
+    critic_step, policy_step = make_gradient_steps(networks, optimizers, args, bounds)
 
     def step(state, batch_key):
         batch, key = batch_key

@@ -107,10 +107,10 @@ def resolve_args(args: Args) -> Args:
     tasks.preset_values(args, {"classic": {}})  # the task known and checked
     if hasattr(tasks.spaces(args.env_id)[1], "n"):
         raise UsageError(f"--env-id {args.env_id} has discrete actions; this script's policy is a continuous "
-                         "deterministic one: use dqn_envpool.py (or appo_envpool.py)")
+                         "one: use dqn_envpool.py (or appo_envpool.py)")
     space = tasks.spaces(args.env_id)[1]
     if not (np.all(np.isfinite(space.low)) and np.all(np.isfinite(space.high))):
-        raise UsageError(f"--env-id {args.env_id} has unbounded actions; the tanh policy needs finite bounds")
+        raise UsageError(f"--env-id {args.env_id} has unbounded actions; the policy's tanh needs finite bounds")
     args = runs.checked(args)
     if args.num_envs % args.num_splits:
         raise UsageError(f"--num-splits {args.num_splits} must divide --num-envs {args.num_envs}")
@@ -161,7 +161,7 @@ def encode(obs, encoders: tuple):
 
 class Critic(nn.Module):
     """Q(s, a) [B]: `encode`d observation and the action, through a 256-256 ReLU MLP (CleanRL).
-    Twin critics are one parameter tree with a leading axis of 2 (`critics`; DDPG: 1)."""
+    K critics are one parameter tree with a leading axis of K (`critics`): TD3's and SAC's two, DDPG's one."""
 
     encoders: tuple
 
@@ -309,10 +309,10 @@ def actor_loop(collector, shared, chunk_queue, device, num_chunks: int):
 # ---------------------------------------------------------------------------------------------
 
 
-def make_update(networks, optimizer, args: Args, bounds, mesh=None):
-    """The jitted round: one gradient step on each of the `batches` [S, batch, ...] in turn, each
-    a critic step, and every --policy-delay steps a policy step and the targets' Polyak step
-    (TD3's delayed updates). Returns the state and the round's mean diagnostics."""
+def make_gradient_steps(networks, optimizer, args: Args, bounds):
+    """(critic_step, policy_step), each (state, batch, key) -> (state, diagnostics): one Adam step
+    of the critics toward the smoothed, clipped target, and one of the policy with the targets'
+    Polyak step."""
     (actor, critic), (scale, _, low, high) = networks, bounds
 
     def critic_step(state, batch, key):
@@ -332,7 +332,7 @@ def make_update(networks, optimizer, args: Args, bounds, mesh=None):
         return dict(state, params=params, opt_state=dict(state["opt_state"], q=q_state)), {"qf_loss": q_loss,
                                                                                            "q_values": q.mean()}
 
-    def policy_step(state, batch):
+    def policy_step(state, batch, key):
         def loss(actor_params):  # -Q_1(s, μ(s)): the deterministic policy gradient (Silver et al. 2014)
             q_params = jax.tree.map(lambda p: p[:1], state["params"]["q"])
             return -jnp.mean(critics(critic, q_params, batch["obs"], actor.apply(actor_params, batch["obs"])))
@@ -345,14 +345,23 @@ def make_update(networks, optimizer, args: Args, bounds, mesh=None):
                     target_actor=jax.tree.map(polyak, params["actor"], state["target_actor"]),
                     target_q=jax.tree.map(polyak, params["q"], state["target_q"])), {"actor_loss": actor_loss}
 
+    return critic_step, policy_step
+
+
+def make_update(networks, optimizer, args: Args, bounds, mesh=None):
+    """The jitted round: one gradient step on each of the `batches` [S, batch, ...] in turn, each
+    a critic step, and every --policy-delay steps a policy step and the targets' Polyak step
+    (TD3's delayed updates). Returns the state and the round's mean diagnostics."""
+    critic_step, policy_step = make_gradient_steps(networks, optimizer, args, bounds)
+
     def step(state, batch_key):
         batch, key = batch_key
         if mesh is not None:  # each learner device takes its share of the batch: data parallel
             batch = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, devices.split_envs(mesh, 0)), batch)
         state, diagnostics = critic_step(state, batch, key)
         due = policy_due(state["gradient_step"], args.policy_delay)
-        state, policy_diagnostics = jax.lax.cond(due, policy_step, lambda s, b: (s, {"actor_loss": jnp.float32(0)}),
-                                                 state, batch)
+        state, policy_diagnostics = jax.lax.cond(due, policy_step, lambda s, b, k: (s, {"actor_loss": jnp.float32(0)}),
+                                                 state, batch, key)
         state = dict(state, gradient_step=state["gradient_step"] + 1)
         return state, dict(diagnostics, **policy_diagnostics, policy_step=due)
 

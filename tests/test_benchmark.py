@@ -113,13 +113,17 @@ def test_replay_part_times_both_modes_and_reports_the_ratio(bench_module, tmp_pa
     reaches (5 rounds past --learning-starts 1000); the report tabulates both and their SPS ratio."""
     rows = []
     for serial in (False, True):
-        measured = bench_module.measure_replay("CartPole-v1", serial, 2048, 475.0, str(tmp_path))
+        measured = bench_module.measure_replay("dqn_envpool.py", "CartPole-v1", serial, 2048, 475.0, str(tmp_path))
         assert measured["replay_ratio"] == pytest.approx(32.0) and measured["target_ratio"] == 32.0
         assert measured["sps"] > 0 and measured["steps_to_threshold"] is None and measured["updates"] == 5
         assert measured["policy_lag"] == 0 or not serial  # serial: each chunk learned by the parameters that made it
-        rows.append(dict(kind="replay", serial=serial, threshold=475.0, fps=measured["sps"], **measured))
+        rows.append(dict(kind="replay", script="dqn_envpool.py", serial=serial, threshold=475.0, fps=measured["sps"],
+                         **measured))
+    # --replay-script sac_envpool.py: its critic's loss marks the updates; CleanRL's ratio, a batch of 256 a step.
+    sac = bench_module.measure_replay("sac_envpool.py", "Pendulum-v1", True, 5000 + 4 * 32, -200.0, str(tmp_path))
+    assert sac["replay_ratio"] == pytest.approx(256.0) and sac["updates"] == 4
     machine = dict(cpu_count=2, jax_backend="cpu", processor="x")
     bench_module.write_report(str(tmp_path), dict(env_id="CartPole-v1", machine=machine, measurements=rows), True)
     table = (tmp_path / "results.md").read_text()
-    assert "| async |" in table and "| serial |" in table and table.count("| not reached |") == 2
+    assert "## Replay (dqn_envpool.py:" in table and "| async |" in table and "| serial |" in table and table.count("| not reached |") == 2
     assert f"Async / serial SPS: **{rows[0]['sps'] / rows[1]['sps']:.2f}x**." in table

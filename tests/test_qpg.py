@@ -272,8 +272,9 @@ def test_bad_input_gets_one_line_and_exit_2(script, flags, fragments, tmp_path, 
 # Learning
 # ------------------------------------------------------------------------------------------------
 
-# Pendulum-v1 at default flags but --learning-starts (README, SAC and TD3: measured, 2 seeds a mode).
-PENDULUM = {"sac_envpool.py": 12_000, "td3_envpool.py": 12_000}
+# Pendulum-v1 at default flags (README, SAC and TD3: 2 seeds a mode measured; the suite runs seed 1): SAC
+# learns from 5k steps (--learning-starts) and holds about -120 from 8-9k; TD3 from 25k, and by 32-33k.
+PENDULUM = {"sac_envpool.py": 15_000, "td3_envpool.py": 40_000}
 PENDULUM_THRESHOLD = -250.0
 
 
@@ -282,14 +283,11 @@ PENDULUM_THRESHOLD = -250.0
 @pytest.mark.parametrize("script", list(SCRIPTS))
 @pytest.mark.parametrize("serial", [False, True])
 def test_learns_pendulum_async_and_serial(script, serial, tmp_path, capsys):
-    budget = PENDULUM[script]
-    code, _, err = run_main(script, ["--env-id", "Pendulum-v1", "--run-dir", tmp_path / "r", "--total-timesteps", budget,
-                                     "--learning-starts", 1000, "--eval-episodes", 0, *(["--serial"] if serial else [])],
-                            capsys)
+    code, _, err = run_main(script, ["--env-id", "Pendulum-v1", "--run-dir", tmp_path / "r", "--total-timesteps",
+                                     PENDULUM[script], "--eval-episodes", 0, *(["--serial"] if serial else [])], capsys)
     assert code == 0, err
     records = read_metrics(tmp_path / "r")
-    returns = tag_values(records, "charts/episodic_return")
-    last = np.mean(returns[-10:])
+    last = np.mean(tag_values(records, "charts/episodic_return")[-10:])
     assert last >= PENDULUM_THRESHOLD, f"last 10-episode mean {last:.1f}"
     assert tag_values(records, "replay/ratio")[-1] == pytest.approx(256.0, rel=0.05)
     assert json.loads((tmp_path / "r" / "config.json").read_text())["serial"] == serial

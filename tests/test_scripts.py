@@ -46,10 +46,10 @@ from helpers import (
 # ---------------------------------------------------------------------------------------------
 
 LINE_BUDGET = {"ppo_sync_baseline.py": 650, "appo_envpool.py": 900, "impala_envpool.py": 850, "appo_envpool_xla.py": 1050,
-               "dqn_envpool.py": 900}
+               "dqn_envpool.py": 900, "sac_envpool.py": 900, "td3_envpool.py": 900}
 # Lines that `diff A B` adds (`grep -c '^>'`): what B changes, and only that.
 ADDED_LINES = [("ppo_sync_baseline.py", "appo_envpool.py", 350), ("appo_envpool.py", "impala_envpool.py", 100),
-               ("appo_envpool.py", "appo_envpool_xla.py", 250)]
+               ("appo_envpool.py", "appo_envpool_xla.py", 250), ("sac_envpool.py", "td3_envpool.py", 150)]
 LIBRARY_MODULE_BUDGET = 400
 
 
@@ -101,10 +101,13 @@ SAME_TEXT = [
     (["ppo_sync_baseline.py", "appo_envpool.py", "appo_envpool_xla.py"],  # PPO
      ["ppo_loss", "compute_gae", "time_limit_bootstrap", "minibatches", "make_optimizer", "PRESETS"]),
     (["appo_envpool.py", "appo_envpool_xla.py"], ["targets", "make_update", "resolve_args"]),  # APPO
+    (["dqn_envpool.py", "sac_envpool.py", "td3_envpool.py"], ["encode", "actor_loop", "learner_loop", "serial_loop",
+                                                              "gradient_steps"]),  # replay
+    (["sac_envpool.py", "td3_envpool.py"], ["Critic", "critics", "Collector", "resolve_args", "make_replay"]),
 ]
 
 
-@pytest.mark.parametrize(("scripts", "parts"), SAME_TEXT, ids=["all", "asynchronous", "python-actor", "ppo", "appo"])
+@pytest.mark.parametrize(("scripts", "parts"), SAME_TEXT, ids=["all", "asynchronous", "python-actor", "ppo", "appo", "replay", "qpg"])
 def test_what_is_the_same_algorithm_is_the_same_text(scripts, parts):
     import inspect
 

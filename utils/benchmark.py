@@ -9,7 +9,8 @@
                and appo_envpool_xla.py's actor (one jitted loop a rollout) at 1 and 2 splits;
 3. end_to_end: training throughput of the scripts with matching flags over a sweep of
                --num-envs, with the fraction of wall time each stage is busy;
-4. replay:     (with --parts ... replay) dqn_envpool.py at its preset, asynchronous and --serial
+4. replay:     (with --parts ... replay) --replay-script (dqn_envpool.py, sac_envpool.py or
+               td3_envpool.py) at its defaults, asynchronous and --serial
                (rlpyt's two modes, the same replay ratio), each trained for --replay-budget env
                steps: SPS, steps and seconds to a 20-episode mean of --replay-threshold, the
                replay ratio achieved and the policy lag;
@@ -24,6 +25,8 @@ SPS counts agent steps; FPS counts environment frames (agent steps x frame skip)
 Usage: python utils/benchmark.py [--quick] [--env-id Pong-v5]
        python utils/benchmark.py --env-id CartPole-v1 --parts scaling     (the scaling sweep alone)
        python utils/benchmark.py --env-id CartPole-v1 --parts replay      (DQN, async vs serial)
+       python utils/benchmark.py --env-id HalfCheetah-v4 --parts replay --replay-script sac_envpool.py \
+           --replay-budget 300000 --replay-threshold 3000                  (SAC, async vs serial)
 """
 
 import dataclasses
@@ -53,7 +56,7 @@ ROOT = str(Path(__file__).resolve().parent.parent)
 # The training scripts, in the repository root; the first is the baseline the others are compared with.
 SCRIPTS = ("ppo_sync_baseline.py", "appo_envpool.py", "impala_envpool.py", "appo_envpool_xla.py")
 XLA_SCRIPT = "appo_envpool_xla.py"
-DQN_SCRIPT = "dqn_envpool.py"
+REPLAY_SCRIPTS = ("dqn_envpool.py", "sac_envpool.py", "td3_envpool.py")
 PARTS = ("ceiling", "sampler", "end_to_end", "replay", "scaling")
 
 
@@ -93,8 +96,10 @@ class Args:
     """training scripts of the end-to-end part (empty: skip it)"""
     parts: tuple[str, ...] = ("ceiling", "sampler", "end_to_end")
     """which measurements to run, of ceiling, sampler, end_to_end, replay and scaling"""
+    replay_script: str = "dqn_envpool.py"
+    """replay: the replay-family script measured: dqn_envpool.py, sac_envpool.py or td3_envpool.py"""
     replay_budget: int = 60_000
-    """replay: env steps each dqn_envpool.py run trains (async, then --serial)"""
+    """replay: env steps each --replay-script run trains (async, then --serial)"""
     replay_threshold: float = 475.0
     """replay: the 20-episode mean return whose first crossing is timed"""
     scaling_learners: tuple[int, ...] = (1, 2, 4)
@@ -341,21 +346,21 @@ def measure_end_to_end(script, env_id, num_envs, num_steps, seconds, out_dir, ex
     return sps, busy, len(updates), busy.get("update", 0.0) * wall / (len(updates) - 1)
 
 
-def measure_replay(env_id, serial: bool, budget: int, threshold: float, out_dir):
-    """dqn_envpool.py at its preset, asynchronous or --serial, trained for `budget` env steps:
+def measure_replay(script, env_id, serial: bool, budget: int, threshold: float, out_dir):
+    """A replay-family script at its defaults, asynchronous or --serial, trained for `budget` env steps:
     SPS between its first and last update, env steps and seconds (from the first update) to the
     first 20-episode mean at `threshold` (None: not reached), the replay ratio it logged last and
     its mean policy lag (rounds between the parameters a chunk was collected with and the update)."""
     run_dir = os.path.join(out_dir, "replay", "serial" if serial else "async")
     shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = [sys.executable, os.path.join(ROOT, DQN_SCRIPT), "--env-id", env_id, "--total-timesteps", str(budget),
+    cmd = [sys.executable, os.path.join(ROOT, script), "--env-id", env_id, "--total-timesteps", str(budget),
            "--eval-episodes", "0", "--save-interval", "0", "--log-frequency", "1", "--run-dir", run_dir,
            *(["--serial"] if serial else [])]
     proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"{DQN_SCRIPT} exited with code {proc.returncode}:\n{proc.stderr[-2000:]}")
+        raise RuntimeError(f"{script} exited with code {proc.returncode}:\n{proc.stderr[-2000:]}")
     records = read_metrics(os.path.join(run_dir, METRICS))
-    updates = [r for r in records if r["tag"] == "losses/loss"]
+    updates = [r for r in records if r["tag"] in ("losses/loss", "losses/qf_loss")]  # DQN's, SAC's and TD3's
     if len(updates) < 2:
         return None
     first, last = updates[0], updates[-1]
@@ -444,7 +449,7 @@ def write_report(out_dir, results, quick):
                          f"{r['fps']:.0f} | {ratio} | {r['updates']} | {busy} |")
     replay = [r for r in rows if r["kind"] == "replay"]
     if replay:
-        lines += ["", f"## Replay ({DQN_SCRIPT}: asynchronous vs --serial, the same replay ratio)", "",
+        lines += ["", f"## Replay ({replay[0]['script']}: asynchronous vs --serial, the same replay ratio)", "",
                   f"| mode | SPS | steps to a 20-episode mean of {replay[0]['threshold']:g} | seconds to it | best mean | "
                   "replay ratio achieved (set) | policy lag | rounds |", "|---|---|---|---|---|---|---|---|"]
         for r in replay:
@@ -515,6 +520,8 @@ def main(args: Args) -> int:
     unknown = [s for s in args.scripts if s not in SCRIPTS]
     if unknown:
         raise UsageError(f"--scripts: unknown {unknown}; choose from {list(SCRIPTS)}")
+    if args.replay_script not in REPLAY_SCRIPTS:
+        raise UsageError(f"--replay-script {args.replay_script!r}: choose from {', '.join(REPLAY_SCRIPTS)}")
     seconds = args.seconds or (5.0 if args.quick else 15.0)
     e2e_seconds = args.e2e_seconds or (25.0 if args.quick else 60.0)
     sweep = args.sweep_num_envs or ((8,) if args.quick else (4, 8, 16))
@@ -547,11 +554,11 @@ def main(args: Args) -> int:
             threads = param or min(os.cpu_count() or 1, args.num_envs)
             row.update(num_threads=threads, sps=measure_ceiling(args.env_id, args.num_envs, threads, seconds))
         elif kind == "replay":
-            measured = measure_replay(args.env_id, param, args.replay_budget, args.replay_threshold, out_dir)
+            measured = measure_replay(args.replay_script, args.env_id, param, args.replay_budget, args.replay_threshold, out_dir)
             if measured is None:
-                print(f"    {DQN_SCRIPT} made fewer than 2 updates in --replay-budget {args.replay_budget}", flush=True)
+                print(f"    {args.replay_script} made fewer than 2 updates in --replay-budget {args.replay_budget}", flush=True)
                 continue
-            row.update(script=DQN_SCRIPT, serial=param, num_envs=None, threshold=args.replay_threshold, **measured)
+            row.update(script=args.replay_script, serial=param, num_envs=None, threshold=args.replay_threshold, **measured)
         elif kind == "sampler":
             num_splits, lstm, xla = param
             sps, busy, layout = measure_sampler(args.env_id, args.num_envs, num_splits, args.num_steps, seconds, args.pin, lstm, xla,
