@@ -73,9 +73,9 @@ class Args(flags.RunArgs):
     batch_size: Annotated[int, POSITIVE] = 256
     """transitions in each gradient step's batch"""
     policy_lr: Annotated[float, POSITIVE] = 3e-4
-    """Adam learning rate of the policy (and of the temperature)"""
+    """Adam learning rate of the policy"""
     q_lr: Annotated[float, POSITIVE] = 1e-3
-    """Adam learning rate of the Q-networks"""
+    """Adam learning rate of the Q-networks and of the temperature (CleanRL's)"""
     gamma: Annotated[float, UNIT] = 0.99
     """discount factor"""
     tau: Annotated[float, UNIT] = 0.005
@@ -487,7 +487,7 @@ def build(args: Args, key):
     actor_key, q_key = jax.random.split(key)
     params = {"actor": actor.init(actor_key, obs),
               "q": jax.vmap(critic.init, in_axes=(0, None, None))(jax.random.split(q_key, 2), obs, action)}
-    optimizers = optax.adam(args.policy_lr), optax.adam(args.q_lr), optax.adam(args.policy_lr)
+    optimizers = optax.adam(args.policy_lr), optax.adam(args.q_lr), optax.adam(args.q_lr)
     log_alpha = jnp.asarray(0.0 if args.autotune else math.log(max(args.alpha, 1e-30)), jnp.float32)
     normalizer = Normalizer(tasks.zeros_like_space(obs_space), devices.local_envs(args), False, False, args.gamma)
     opt_state = {"actor": optimizers[0].init(params["actor"]), "q": optimizers[1].init(params["q"]),
