@@ -200,7 +200,7 @@ def help_text(prog: str, args_class, presets: dict) -> str:
                                   initial_indent="  ", subsequent_indent="      ") for name, values in presets.items()]
     paragraphs = inspect.cleandoc(args_class.__doc__).split("\n\n")
     description = "\n\n".join(textwrap.fill(" ".join(p.split()), 100) for p in paragraphs)
-    out = [f"usage: {prog} [--flag VALUE ...]", "", description, "", "presets:", *preset_lines]
+    out = [f"usage: {prog} [--flag VALUE ...]", "", description, *(["", "presets:", *preset_lines] if presets else [])]
     for group, entries in groups.items():
         if entries:
             out += ["", f"{group} flags:", *entries]
@@ -210,7 +210,7 @@ def help_text(prog: str, args_class, presets: dict) -> str:
 def describe_presets(args_class, presets: dict) -> str:
     """--help's description: the Args docstring and the values each preset gives."""
     lines = [f"  {name}: " + ", ".join(f"{k}={v}" for k, v in values.items()) for name, values in presets.items()]
-    return "\n".join([inspect.cleandoc(args_class.__doc__), "", "Presets:", *lines])
+    return "\n".join([inspect.cleandoc(args_class.__doc__), *(["", "Presets:", *lines] if lines else [])])
 
 
 def flags_given(argv, args_class) -> set:
