@@ -19,7 +19,6 @@ The run itself (flags, folders, checkpoints, logs, devices) is the installed pac
 """
 
 import dataclasses
-import functools
 import queue
 import signal
 import time
@@ -38,7 +37,7 @@ import optax
 from jax_async_rl import devices, flags, runs, tasks, threads
 from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, PRESET, UNIT, UsageError
 from jax_async_rl.normalize import Normalizer
-from jax_async_rl.replay import Replay
+from jax_async_rl.replay import Replay, check_rounds, gradient_steps
 
 SPLITS = flags.default_is("2 with image observations, else 1")
 EVAL_EPSILON = 0.001  # ε of the evaluation games (Dopamine's Rainbow: a greedy Atari agent can stall)
@@ -162,28 +161,12 @@ def resolve_args(args: Args) -> Args:
     if args.num_splits is None:
         fill["num_splits"] = 2 if "nature" in dict(tasks.encoders(tasks.spaces(args.env_id)[0])) else 1
     args = runs.checked(dataclasses.replace(args, **fill))
-    if args.num_envs % args.num_splits:
-        raise UsageError(f"--num-splits {args.num_splits} must divide --num-envs {args.num_envs}")
-    chunk = devices.global_envs(args) * args.num_steps
-    steps = args.replay_ratio * chunk / args.batch_size
-    if steps < 1 or abs(steps - round(steps)) > 1e-6:
-        raise UsageError(f"--replay-ratio {args.replay_ratio} x a round's {chunk} env steps ({devices.describe_batch(args)}) "
-                         f"/ --batch-size {args.batch_size} = {steps:g} gradient steps: make it a whole number")
-    if args.batch_size % len(args.learner_device_ids):
-        raise UsageError(f"--batch-size {args.batch_size} must divide over the {len(args.learner_device_ids)} learner devices")
-    if args.buffer_size < 2 * chunk or args.buffer_size // devices.local_envs(args) <= args.n_step + 4:
-        raise UsageError(f"--buffer-size {args.buffer_size} must hold two rounds ({chunk} env steps) and more than "
-                         f"--n-step + 4 steps of each of the {devices.local_envs(args)} envs")
+    check_rounds(args, args.n_step + 4)
     if args.c51 and not args.v_min < args.v_max:
         raise UsageError(f"--v-min {args.v_min} must be below --v-max {args.v_max}")
     if args.c51 and args.num_atoms < 2:
         raise UsageError(f"--num-atoms {args.num_atoms}: C51 needs at least 2")
     return args
-
-
-def gradient_steps(args: Args) -> int:
-    """Gradient steps of each round: --replay-ratio x the round's env steps / --batch-size."""
-    return round(args.replay_ratio * devices.global_envs(args) * args.num_steps / args.batch_size)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ The run itself (flags, folders, checkpoints, logs, devices) is the installed pac
 `jax_async_rl`: this file holds the algorithm. Usage: python sac_envpool.py --env-id HalfCheetah-v4
 """
 
-import dataclasses
 import math
 import queue
 import signal
@@ -38,7 +37,7 @@ import optax
 from jax_async_rl import devices, flags, runs, tasks, threads
 from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, UNIT, UsageError
 from jax_async_rl.normalize import Normalizer
-from jax_async_rl.replay import Replay
+from jax_async_rl.replay import Replay, check_rounds, gradient_steps
 
 LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0  # CleanRL's bounds of the policy's log standard deviation
 
@@ -114,24 +113,8 @@ def resolve_args(args: Args) -> Args:
     if not (np.all(np.isfinite(space.low)) and np.all(np.isfinite(space.high))):
         raise UsageError(f"--env-id {args.env_id} has unbounded actions; the policy's tanh needs finite bounds")
     args = runs.checked(args)
-    if args.num_envs % args.num_splits:
-        raise UsageError(f"--num-splits {args.num_splits} must divide --num-envs {args.num_envs}")
-    chunk = devices.global_envs(args) * args.num_steps
-    steps = args.replay_ratio * chunk / args.batch_size
-    if steps < 1 or abs(steps - round(steps)) > 1e-6:
-        raise UsageError(f"--replay-ratio {args.replay_ratio} x a round's {chunk} env steps ({devices.describe_batch(args)}) "
-                         f"/ --batch-size {args.batch_size} = {steps:g} gradient steps: make it a whole number")
-    if args.batch_size % len(args.learner_device_ids):
-        raise UsageError(f"--batch-size {args.batch_size} must divide over the {len(args.learner_device_ids)} learner devices")
-    if args.buffer_size < 2 * chunk or args.buffer_size // devices.local_envs(args) <= 5:
-        raise UsageError(f"--buffer-size {args.buffer_size} must hold two rounds ({chunk} env steps) and more than "
-                         f"5 steps of each of the {devices.local_envs(args)} envs")
+    check_rounds(args, 5)
     return args
-
-
-def gradient_steps(args: Args) -> int:
-    """Gradient steps of each round: --replay-ratio x the round's env steps / --batch-size."""
-    return round(args.replay_ratio * devices.global_envs(args) * args.num_steps / args.batch_size)
 
 
 # ---------------------------------------------------------------------------------------------

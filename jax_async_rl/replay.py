@@ -25,6 +25,32 @@ et al. 2016, proportional) `(|td| + eps)^alpha`, new transitions the largest so 
 import numpy as np
 import jax
 
+from jax_async_rl import devices
+from jax_async_rl.flags import UsageError
+
+
+def check_rounds(args, min_rows: int):
+    """The flags of a replay script's rounds (each actor thread's chunk of --num-steps steps of its
+    --num-envs envs, then --replay-ratio x the round / --batch-size gradient steps), checked:
+    UsageError, one line. `min_rows`: the rows each env's ring must hold beyond that (n-step + stack)."""
+    if args.num_envs % args.num_splits:
+        raise UsageError(f"--num-splits {args.num_splits} must divide --num-envs {args.num_envs}")
+    chunk = devices.global_envs(args) * args.num_steps
+    steps = args.replay_ratio * chunk / args.batch_size
+    if steps < 1 or abs(steps - round(steps)) > 1e-6:
+        raise UsageError(f"--replay-ratio {args.replay_ratio} x a round's {chunk} env steps ({devices.describe_batch(args)}) "
+                         f"/ --batch-size {args.batch_size} = {steps:g} gradient steps: make it a whole number")
+    if args.batch_size % len(args.learner_device_ids):
+        raise UsageError(f"--batch-size {args.batch_size} must divide over the {len(args.learner_device_ids)} learner devices")
+    if args.buffer_size < 2 * chunk or args.buffer_size // devices.local_envs(args) <= min_rows:
+        raise UsageError(f"--buffer-size {args.buffer_size} must hold two rounds ({chunk} env steps) and more than "
+                         f"{min_rows} steps of each of the {devices.local_envs(args)} envs")
+
+
+def gradient_steps(args) -> int:
+    """Gradient steps of each round: --replay-ratio x the round's env steps / --batch-size."""
+    return round(args.replay_ratio * devices.global_envs(args) * args.num_steps / args.batch_size)
+
 
 class SumTree:
     """Sums over `capacity` leaves in a flat binary tree (root at 1); `update` and `find` work on

@@ -400,3 +400,20 @@ def random_rollout(rng, T=13, B=5, gamma=0.97):
     discounts = (gamma * (1.0 - dones)).astype(np.float32)
     assert (discounts == 0).any() and (discounts > 0).any()
     return rewards, values, bootstrap_value, discounts
+
+
+def fail_on_call(monkeypatch, cls, method: str, n: int, message: str) -> list:
+    """Make `cls.method` raise RuntimeError(message) on its n-th call (fault injection into a
+    thread's work); returns the list that receives the time.monotonic() of the failure."""
+    calls, failed_at = [], []
+    original = getattr(cls, method)
+
+    def faulty(self, *a):
+        calls.append(1)
+        if len(calls) == n:
+            failed_at.append(time.monotonic())
+            raise RuntimeError(message)
+        return original(self, *a)
+
+    monkeypatch.setattr(cls, method, faulty)
+    return failed_at

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import (count_complete_lines, load_script, read_checkpoint, read_metrics, run_main, run_script,
+from helpers import (fail_on_call, count_complete_lines, load_script, read_checkpoint, read_metrics, run_main, run_script,
                      sigterm_when, tag_steps, tag_values)
 
 SCRIPT = "dqn_envpool.py"
@@ -235,18 +235,8 @@ def test_sigterm_stops_with_a_checkpoint_and_resume_finishes(tmp_path):
 def test_a_thread_error_stops_the_run_within_seconds(where, tmp_path, capsys, monkeypatch):
     """The actor's 4th chunk, or the learner's 4th round, raises: the run exits 1 within
     seconds with the traceback, naming the thread."""
-    calls, failed_at = [], []
-    method = "collect" if where == "actor" else "round"
-    original = getattr(dqn.Collector if where == "actor" else dqn.Learner, method)
-
-    def faulty(self, *a):
-        calls.append(1)
-        if len(calls) == 4:
-            failed_at.append(time.monotonic())
-            raise RuntimeError(f"injected {where} fault")
-        return original(self, *a)
-
-    monkeypatch.setattr(dqn.Collector if where == "actor" else dqn.Learner, method, faulty)
+    cls = dqn.Collector if where == "actor" else dqn.Learner
+    failed_at = fail_on_call(monkeypatch, cls, "collect" if where == "actor" else "round", 4, f"injected {where} fault")
     code, _, err = run_main(SCRIPT, argv(run_dir=tmp_path / "r", total_timesteps=64 * 1000), capsys)
     assert code == 1 and f"RuntimeError: injected {where} fault" in err and "in faulty" in err, err[-3000:]
     assert f"error in the {where} thread" in err and time.monotonic() - failed_at[0] < 20

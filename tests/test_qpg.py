@@ -9,7 +9,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from helpers import (count_complete_lines, load_script, read_checkpoint, read_metrics, run_main, sigterm_when,
+from helpers import (fail_on_call, count_complete_lines, load_script, read_checkpoint, read_metrics, run_main, sigterm_when,
                      tag_steps, tag_values)
 
 sac = load_script("sac_envpool.py")
@@ -250,18 +250,8 @@ def test_sigterm_stops_with_a_checkpoint_and_resume_finishes(script, tmp_path):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("where", ["actor", "learner"])
 def test_a_thread_error_stops_the_run_within_seconds(where, tmp_path, capsys, monkeypatch):
-    calls, failed_at = [], []
-    method = "collect" if where == "actor" else "round"
-    original = getattr(sac.Collector if where == "actor" else sac.Learner, method)
-
-    def faulty(self, *a):
-        calls.append(1)
-        if len(calls) == 4:
-            failed_at.append(time.monotonic())
-            raise RuntimeError(f"injected {where} fault")
-        return original(self, *a)
-
-    monkeypatch.setattr(sac.Collector if where == "actor" else sac.Learner, method, faulty)
+    cls = sac.Collector if where == "actor" else sac.Learner
+    failed_at = fail_on_call(monkeypatch, cls, "collect" if where == "actor" else "round", 4, f"injected {where} fault")
     code, _, err = run_main("sac_envpool.py", argv(run_dir=tmp_path / "r", total_timesteps=32 * 1000), capsys)
     assert code == 1 and f"RuntimeError: injected {where} fault" in err and "in faulty" in err, err[-3000:]
     assert f"error in the {where} thread" in err and time.monotonic() - failed_at[0] < 20

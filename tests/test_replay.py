@@ -170,3 +170,21 @@ def test_prioritised_frequencies_and_importance_weights():
     assert ((hits - expected) ** 2 / expected).sum() < chi2_bound(len(live) - 1)
     # New transitions come in at the largest priority so far.
     assert replay.max_priority == pytest.approx(np.abs(td).max() + replay.eps)
+
+
+def test_round_flags_are_checked_and_give_whole_gradient_steps():
+    """check_rounds: the replay scripts' round flags, one line each; gradient_steps: ratio x round / batch."""
+    from types import SimpleNamespace
+
+    from jax_async_rl.flags import UsageError
+    from jax_async_rl.replay import check_rounds, gradient_steps
+
+    good = dict(num_envs=4, num_splits=2, num_steps=8, replay_ratio=2.0, batch_size=16, buffer_size=1000,
+                learner_device_ids=[0], actor_device_ids=[0])
+    check_rounds(SimpleNamespace(**good), 5)
+    assert gradient_steps(SimpleNamespace(**good)) == 4  # 2 x 32 env steps / 16
+    for change, flag in [(dict(num_splits=3), "--num-splits"), (dict(replay_ratio=1.7), "--replay-ratio"),
+                         (dict(replay_ratio=0.25), "--replay-ratio"), (dict(buffer_size=63), "--buffer-size"),
+                         (dict(buffer_size=20 * 4), "--buffer-size"), (dict(learner_device_ids=[0, 1, 2]), "--batch-size")]:
+        with pytest.raises(UsageError, match=flag):
+            check_rounds(SimpleNamespace(**{**good, **change}), 20)
