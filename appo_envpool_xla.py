@@ -84,6 +84,9 @@ class Args(flags.RunArgs):
     """normalise advantages within each minibatch"""
     clip_coef: Annotated[Optional[float], PRESET, POSITIVE] = None
     """PPO ratio clipping epsilon"""
+    anneal_clip: Annotated[Optional[bool], PRESET] = None
+    """decay the clip epsilon linearly to 0 over the run, as the learning rate (rl-baselines3-zoo's
+    `clip_range: lin_0.2`); off where the preset does not name it"""
     ent_coef: Annotated[Optional[float], PRESET, NON_NEGATIVE] = None
     """weight of the entropy bonus"""
     vf_coef: Annotated[float, NON_NEGATIVE] = 0.5
@@ -125,7 +128,7 @@ PRESETS = {
                     update_epochs=4, clip_coef=0.2, ent_coef=0.01, **NO_NORM),
     # rl-baselines3-zoo's tuned PPO (hyperparams/ppo.yml): CartPole solves within 100k steps.
     "CartPole": dict(num_steps=32, learning_rate=1e-3, gamma=0.98, gae_lambda=0.8, num_minibatches=1,
-                     update_epochs=20, clip_coef=0.2, ent_coef=0.0, **NO_NORM),
+                     update_epochs=20, clip_coef=0.2, anneal_clip=True, ent_coef=0.0, **NO_NORM),
     "Acrobot": dict(num_steps=256, learning_rate=3e-4, gamma=0.99, gae_lambda=0.94, num_minibatches=32,
                     update_epochs=4, clip_coef=0.2, ent_coef=0.0, norm_obs=True, norm_reward=True),
     "MountainCar": dict(num_steps=16, learning_rate=3e-4, gamma=0.99, gae_lambda=0.98, num_minibatches=2,
@@ -156,6 +159,8 @@ def resolve_args(args: Args) -> Args:
     """The flags left at None filled from the task's preset, and all checked: UsageError, one
     line, before anything starts (runs.checked holds the checks every script's flags take)."""
     fill = tasks.preset_values(args, PRESETS)
+    if args.anneal_clip is None:  # the presets that do not name it: off
+        fill.setdefault("anneal_clip", False)
     if args.lstm and "num_minibatches" in fill:  # whole env sequences: a preset's count that divides num_envs
         fill["num_minibatches"] = int(np.gcd(fill["num_minibatches"], devices.global_envs(args)))
     if args.num_splits is None:  # double buffering for the Nature CNN's images (see --num-splits)
@@ -367,6 +372,14 @@ def learning_rate_at(args: Args, global_step, total_timesteps):
     if not args.anneal_lr:
         return args.learning_rate
     return args.learning_rate * jnp.clip(1.0 - global_step * (1.0 / total_timesteps), 0.0, 1.0)
+
+
+def clip_coef_at(args: Args, global_step, total_timesteps):
+    """PPO's clip epsilon in the update that starts at env step `global_step`: with --anneal-clip
+    it falls linearly to 0 at --total-timesteps, as the learning rate does (a resumed run goes on)."""
+    if not args.anneal_clip:
+        return args.clip_coef
+    return args.clip_coef * jnp.clip(1.0 - global_step * (1.0 / total_timesteps), 0.0, 1.0)
 
 
 def masked_mean(x, mask):
@@ -665,7 +678,7 @@ def minibatches(key, data, num_minibatches: int):
     return dict(sequences, state=state)
 
 
-def targets(network, state, rollout, args: Args, continuous: bool):
+def targets(network, state, rollout, args: Args, continuous: bool, clip_coef):
     """What the loss learns from a rollout [T, B]: (advantages, returns, the mask of transitions
     that count, diagnostics): V-trace (or GAE) from the current parameters, and policy-lag
     control (Sample Factory §3.4): transitions from too old a policy do not count."""
@@ -688,7 +701,7 @@ def targets(network, state, rollout, args: Args, continuous: bool):
         "async/policy_lag_mean": masked_mean(lag, rollout["valid"]),
         "async/policy_lag_max": jnp.max(jnp.where(rollout["valid"] > 0, lag, 0)),
         "async/stale_fraction": masked_mean(1.0 - fresh, rollout["valid"]),
-        "async/start_clipfrac": masked_mean((jnp.abs(ratio - 1) > args.clip_coef).astype(jnp.float32), rollout["valid"]),
+        "async/start_clipfrac": masked_mean((jnp.abs(ratio - 1) > clip_coef).astype(jnp.float32), rollout["valid"]),
         "async/start_kl": masked_mean(ratio - 1 - log_ratio, rollout["valid"]),
         "async/rho_clipfrac": masked_mean((ratio > args.vtrace_rho_bar).astype(jnp.float32), rollout["valid"]),
     }
@@ -699,15 +712,15 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
     """The jitted learner step: the targets (V-trace or GAE, lag masking), then epochs x
     minibatches of PPO-clip against the behaviour policy (Sample Factory's APPO)."""
 
-    def loss_fn(params, mb):
+    def loss_fn(params, mb, clip_coef):
         pi, values, _ = network.apply(params, mb["obs"], (mb["state"], mb["first"]) if "state" in mb else None)
         logprobs, entropy = log_prob_entropy(pi, mb["actions"], continuous)
         return ppo_loss(logprobs, mb["logprobs"], mb["advantages"], values, mb["returns"], entropy, mb["valid"],
-                        args.clip_coef, args.vf_coef, args.ent_coef, args.norm_adv)
+                        clip_coef, args.vf_coef, args.ent_coef, args.norm_adv)
 
-    def minibatch_step(learning_rate, carry, mb):
+    def minibatch_step(learning_rate, clip_coef, carry, mb):
         params, opt_state = carry
-        (loss, diagnostics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
+        (loss, diagnostics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb, clip_coef)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, jax.tree.map(lambda u: -learning_rate * u, updates))
         return (params, opt_state), {"loss": loss, "grad_norm": optax.global_norm(grads), **diagnostics}
@@ -719,7 +732,8 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
         # images unroll up to 16 minibatch steps (Atari's 4 x 4; CarRacing's 10 x 32: 9 GiB, 5+ min).
         images = any(kind in ("nature", "grid") for kind, _ in network.encoders)
         unroll = jax.default_backend() == "cpu" and images and args.update_epochs * args.num_minibatches <= 16
-        advantages, returns, valid, diagnostics = targets(network, state, rollout, args, continuous)
+        clip_coef = clip_coef_at(args, state["global_step"], total_timesteps)
+        advantages, returns, valid, diagnostics = targets(network, state, rollout, args, continuous, clip_coef)
         data = {
             "obs": rollout["obs"],
             "actions": rollout["actions"],
@@ -737,12 +751,14 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
             if mesh is not None:  # each learner device takes its share of every minibatch: data parallel
                 epoch_data = jax.tree_util.tree_map_with_path(lambda path, x: jax.lax.with_sharding_constraint(
                     x, devices.split_envs(mesh, 1 + (devices.env_axis(path) if "state" in data else 0))), epoch_data)
-            return jax.lax.scan(functools.partial(minibatch_step, learning_rate), carry, epoch_data, unroll=unroll)
+            return jax.lax.scan(functools.partial(minibatch_step, learning_rate, clip_coef), carry, epoch_data, unroll=unroll)
 
         (params, opt_state), losses = jax.lax.scan(
             epoch, (params, opt_state), jax.random.split(key, args.update_epochs), unroll=unroll
         )
         diagnostics.update(jax.tree.map(jnp.mean, losses), learning_rate=learning_rate)
+        if args.anneal_clip:
+            diagnostics["clip_coef"] = clip_coef
         leaves = jax.tree.leaves(params)
         diagnostics["finite"] = jnp.isfinite(diagnostics["loss"]) & jnp.all(
             jnp.array([jnp.all(jnp.isfinite(x)) for x in leaves])

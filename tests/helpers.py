@@ -69,7 +69,8 @@ PPO_BAD_INPUTS = {
 }
 # rl-baselines3-zoo hyperparams/ppo.yml (batch_size 64 -> minibatch counts at 8 envs), CleanRL.
 PPO_PRESETS = {
-    "CartPole-v1": dict(num_steps=32, learning_rate=1e-3, gamma=0.98, gae_lambda=0.8, update_epochs=20, ent_coef=0.0),
+    "CartPole-v1": dict(num_steps=32, learning_rate=1e-3, gamma=0.98, gae_lambda=0.8, update_epochs=20, ent_coef=0.0,
+                        anneal_clip=True),
     "Pendulum-v1": dict(num_steps=1024, learning_rate=1e-3, gamma=0.9, gae_lambda=0.95, update_epochs=10, norm_obs=False),
     "LunarLander-v2": dict(num_steps=1024, gamma=0.999, gae_lambda=0.98, update_epochs=4, ent_coef=0.01, num_minibatches=128),
     "Acrobot-v1": dict(num_steps=256, gamma=0.99, gae_lambda=0.94, update_epochs=4, norm_obs=True, norm_reward=True),

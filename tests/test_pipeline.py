@@ -416,6 +416,39 @@ def test_the_update_measures_pi_against_mu_before_it_moves(script):
     assert float(apart["async/start_kl"]) == pytest.approx(2 / 3 - 1 - np.log(2 / 3), rel=1e-4)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("script", ["ppo_sync_baseline.py", "appo_envpool.py", "appo_envpool_xla.py"])
+def test_the_clip_anneals_with_the_budget(script):
+    """--anneal-clip (the CartPole preset's): the clip epsilon is clip_coef x (1 - step / budget),
+    and the loss clips at it: with pi/mu = 1/1.15 everywhere (|r - 1| = 0.13), one epoch of one
+    minibatch measures no clipped transition at the start (0.2) and all of them half-way (0.1).
+    The scheduled clip is logged; without the flag it is neither logged nor annealed."""
+    module = load_script(script)
+    asynchronous = {"max_policy_lag": 100, "num_splits": 1} if hasattr(module.Args, "max_policy_lag") else {}
+    args = module.resolve_args(dataclasses.replace(
+        module.Args(env_id="CartPole-v1"), **{**tiny_flags(script), "num_envs": 5, "num_steps": 6, "total_timesteps": 3000,
+                                                 "update_epochs": 1, "num_minibatches": 1, **asynchronous}))
+    assert args.anneal_clip and args.clip_coef == 0.2  # the preset
+    network = TinyActorCritic(3)
+    params = network.init(jax.random.PRNGKey(0), np.zeros((1, 3), np.float32))
+    optimizer = module.make_optimizer(args)
+    rollout = synthetic_rollout(0)
+    T, B = STAMPS.shape
+    logits, values, _ = network.apply(params, rollout["obs"].reshape(T * B, 3))
+    pi = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), rollout["actions"].reshape(-1, 1), 1).reshape(T, B)
+    rollout = dict(rollout, logprobs=pi + np.log(1.15).astype(np.float32), values=np.asarray(values).reshape(T, B),
+                   policy_version=np.full((T, B), LEARNER_VERSION, np.int32))
+    for flag, step, clip, clipfrac in [(True, 0, 0.2, 0.0), (True, 1000, 0.2 * 2 / 3, 0.0), (True, 1500, 0.1, 1.0),
+                                       (True, 3000, 0.0, 1.0), (False, 1500, None, 0.0)]:
+        update = module.make_update(network, optimizer, dataclasses.replace(args, anneal_clip=flag), False)
+        state = {"params": params, "opt_state": optimizer.init(params), "global_step": step, "policy_version": LEARNER_VERSION}
+        _, diagnostics = update(state, rollout, jax.random.PRNGKey(1), 3000)
+        assert float(diagnostics["clipfrac"]) == clipfrac, (flag, step)
+        assert ("clip_coef" in diagnostics) == flag
+        if flag:
+            assert float(diagnostics["clip_coef"]) == pytest.approx(clip, abs=1e-7)
+
+
 @pytest.mark.parametrize("script", ["appo_envpool.py", "appo_envpool_xla.py"])
 def test_appo_advantages_carry_one_importance_weight(script):
     """APPO's targets with V-trace, pi 1.5x mu's probability on some transitions and 0.5x on
