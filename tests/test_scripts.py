@@ -367,9 +367,10 @@ def test_learns_halfcheetah_with_normalisation(script_name, tmp_path):
 # which policy version acts); seed 1 of the XLA actor's script (APPO's learner, tested against a
 # replay in test_xla_actor.py) and of IMPALA (its 1M steps are the suite's longest CartPole run;
 # its parity runs, seeds 1-3, reached 475 at 103k +- 21k steps: README, Learning parity).
-# Known to fail at times, with sync too: a run can stick near a return of 110-130 for 100k steps
-# (sync seed 5 from 100k on, deterministically; one APPO seed-2 run in the suite of 2026-12-04,
-# best 446 at 150k, of 14 APPO runs since the advantage lost its rho: README, Learning parity).
+# Known to fail at times before the CartPole preset annealed its clip (--anneal-clip, rl-baselines3-zoo's
+# lin_0.2): a run could stick near 110-130 for 100k steps (sync seed 5 from 100k on, deterministically;
+# one APPO seed-2 run in the suite). With it, seeds 1-5 of sync and APPO all end at 500 (README,
+# Learning parity).
 CARTPOLE_SEEDS = [(name, seed) for name in SCRIPT_TABLE
                   for seed in ([1] if name in ("appo_envpool_xla.py", "impala_envpool.py") else [1, 2])]
 
