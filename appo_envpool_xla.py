@@ -146,6 +146,10 @@ PRESETS = {
     # MiniGrid and BabyAI: rl-starter-files' PPO (torch-ac): 128 steps an env, minibatches of 256, lr 1e-3.
     "minigrid": dict(num_steps=128, learning_rate=1e-3, gamma=0.99, gae_lambda=0.95, num_minibatches=4,
                      update_epochs=4, clip_coef=0.2, ent_coef=0.01, **NO_NORM),
+    # MiniGrid's memory task: Pleines et al. 2022's recurrent PPO on MiniGrid-Memory (their
+    # configs/minigrid.yaml: 256 steps an env, 8 minibatches, 4 epochs, lr 2e-4, entropy 0.001).
+    "MiniGrid-MemoryS7": dict(num_steps=256, learning_rate=2e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=8,
+                              update_epochs=4, clip_coef=0.2, ent_coef=0.001, **NO_NORM),
     # highway-env's scripts/sb3_highway_ppo.py: gamma 0.8, 10 epochs of minibatches of 64, lr 5e-4.
     "highway": dict(num_steps=128, learning_rate=5e-4, gamma=0.8, gae_lambda=0.95, num_minibatches=16,
                     update_epochs=10, clip_coef=0.2, ent_coef=0.0, **NO_NORM),

@@ -265,6 +265,8 @@ def test_family_presets():
             "CheetahRun-v1": ("dm_control", dict(num_steps=256, learning_rate=3e-4, norm_obs=True)),
             "MiniGrid-Empty-5x5-v0": ("minigrid", dict(num_steps=128, learning_rate=1e-3, num_minibatches=4, ent_coef=0.01)),
             "BabyAI-GoToRedBallGrey-v0": ("minigrid", dict(num_steps=128, learning_rate=1e-3)),
+            "MiniGrid-MemoryS7-v0": ("MiniGrid-MemoryS7", dict(num_steps=256, learning_rate=2e-4, num_minibatches=8,
+                                                             ent_coef=0.001, anneal_clip=False)),
             "Highway-v0": ("highway", dict(gamma=0.8, learning_rate=5e-4, update_epochs=10)),
             "gfootball/academy_empty_goal_close-v1": ("gfootball", dict(num_steps=512, gamma=0.993, clip_coef=0.08)),
             "CarRacing-v3": ("CarRacing", dict(num_steps=512, learning_rate=1e-4, norm_reward=True, norm_obs=False)),
