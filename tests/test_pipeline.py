@@ -464,7 +464,7 @@ def test_appo_advantages_carry_one_importance_weight(script):
     logprobs, _, values, bootstrap_value = module.rollout_forward(network, state["params"], rollout, False)
     shift = np.where(np.arange(STAMPS.size).reshape(STAMPS.shape) % 2, np.log(1.5), np.log(0.5)).astype(np.float32)
     rollout["logprobs"] = np.asarray(logprobs) - shift  # log rho = shift
-    advantages, returns, _, _ = module.targets(network, state, rollout, args, False)
+    advantages, returns, _, _ = module.targets(network, state, rollout, args, False, args.clip_coef)
     rewards = module.time_limit_bootstrap(rollout["rewards"], values, bootstrap_value, rollout["truncated"], args.gamma)
     inputs = (shift, args.gamma * (1.0 - rollout["dones"]), np.asarray(rewards), np.asarray(values), np.asarray(bootstrap_value))
     want_vs, want_advantages = vtrace_by_definition(*inputs, 1.0, 1.0, None, lam=args.gae_lambda)
