@@ -370,17 +370,18 @@ def learning_rate_at(args: Args, global_step, total_timesteps):
     linearly to 0 at --total-timesteps (CleanRL). A function of steps, not of an optimiser count,
     so a resumed run continues its schedule, also with another budget or batch size; the budget
     is an argument of the jitted update, so that a larger one compiles nothing new."""
-    if not args.anneal_lr:
-        return args.learning_rate
-    return args.learning_rate * jnp.clip(1.0 - global_step * (1.0 / total_timesteps), 0.0, 1.0)
+    return linear_decay(args.learning_rate, global_step, total_timesteps) if args.anneal_lr else args.learning_rate
+
+
+def linear_decay(value, global_step, total_timesteps):
+    """`value` scaled by the fraction of the budget left at env step `global_step` (0 past it)."""
+    return value * jnp.clip(1.0 - global_step * (1.0 / total_timesteps), 0.0, 1.0)
 
 
 def clip_coef_at(args: Args, global_step, total_timesteps):
     """PPO's clip epsilon in the update that starts at env step `global_step`: with --anneal-clip
     it falls linearly to 0 at --total-timesteps, as the learning rate does (a resumed run goes on)."""
-    if not args.anneal_clip:
-        return args.clip_coef
-    return args.clip_coef * jnp.clip(1.0 - global_step * (1.0 / total_timesteps), 0.0, 1.0)
+    return linear_decay(args.clip_coef, global_step, total_timesteps) if args.anneal_clip else args.clip_coef
 
 
 def masked_mean(x, mask):

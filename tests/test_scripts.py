@@ -95,7 +95,7 @@ def test_the_run_library_is_small_modules_that_import_no_script():
 # (the networks are what people edit; tests/test_families.py builds every task's network with one).
 SAME_TEXT = [
     (list(SCRIPT_TABLE), ["LSTMCore", "zero_core", "ActorCritic", "sample_action", "log_prob_entropy", "make_policy_step",
-                          "learning_rate_at", "masked_mean", "rollout_forward", "build"]),
+                          "learning_rate_at", "linear_decay", "masked_mean", "rollout_forward", "build"]),
     (["appo_envpool.py", "impala_envpool.py", "appo_envpool_xla.py"], ["vtrace", "learner_loop", "new_rollout"]),
     (["appo_envpool.py", "impala_envpool.py"], ["write", "Trajectories", "actor_loop", "main"]),  # the Python actor
     (["ppo_sync_baseline.py", "appo_envpool.py", "appo_envpool_xla.py"],  # PPO
