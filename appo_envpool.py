@@ -55,6 +55,10 @@ class Args(flags.RunArgs):
     """rollout length: steps per environment in each rollout"""
     queue_size: Annotated[int, POSITIVE] = 2
     """rollouts the actor may queue ahead of the learner before it blocks (backpressure)"""
+    lag_one: bool = False
+    """the actor starts each rollout with the update on the rollout two before it (Cleanba's
+    actor): the learner learns from data one update old, not up to --queue-size + 1 when it is the
+    bottleneck; no throughput lost while either side is"""
     max_policy_lag: Annotated[int, NON_NEGATIVE] = 25
     """transitions chosen by a policy more than this many updates old are masked out of the loss"""
     vtrace: bool = True
@@ -544,6 +548,8 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
         obs = shared.normalizer.observe(obs)
         if memory is not None:  # the envs' states, and which observations start an episode
             core = jax.tree.map(lambda s: s[env_ids], memory), trajectories.prev_dones[env_ids] | (index == 0)
+        if not shared.wait_to_act(thread, int(index.max()) // T, pushed):  # the first update; --lag-one
+            return
         latest, version = shared.latest  # fast weight sync (§3.4): newest parameters every call,
         if version != held:  # copied to this actor's device once per update
             held, params = version, devices.to_actor(device, latest)
@@ -572,8 +578,6 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
                 return
             timing["queue_put"] += time.perf_counter() - start
             pushed += 1
-            if pushed == 1 and not shared.first_rollout_done(held):
-                return
 
 
 # ---------------------------------------------------------------------------------------------
@@ -775,7 +779,7 @@ def main(args: Args, given=None) -> int:
         policy_step = make_policy_step(network, continuous, values=False)  # the actor needs no values
         update = make_update(network, optimizer, args, continuous, run.mesh)
         shared = threads.Shared(state["params"], state["policy_version"], normalizer, run.sampled, run.stop,
-                                run.report_episodes, learning=True)
+                                run.report_episodes, learning=True, lag_one=args.lag_one)
         run.begin(f"preset {tasks.preset_name(args.env_id, PRESETS)}, {args.num_splits} split{'s' * (args.num_splits > 1)}")
         queues = [queue.Queue(maxsize=args.queue_size) for _ in actors]
         for i, (device, _, key) in enumerate(actors):

@@ -21,22 +21,35 @@ class Shared:
     timings, the run's `stop` and `report(games)` (runs.Run.report_episodes). Left out (in tests),
     these are a fresh counter and event, a normaliser that passes everything, and no reports."""
 
-    def __init__(self, params, version, normalizer=None, sampled=None, stop=None, report=None, learning=False):
+    def __init__(self, params, version, normalizer=None, sampled=None, stop=None, report=None, learning=False,
+                 lag_one=False):
         self.latest = (params, int(version))
-        self.learning = learning  # a learner publishes updates: actors wait for its first (first_rollout_done)
+        self.learning = learning  # a learner publishes updates: actors wait for them (wait_to_act)
+        self.lag_one, self.first = lag_one, {}  # first: the version of each actor thread's first step
         self.normalizer = normalizer or Normalizer(np.zeros(()), 0, False, False, 0.0)
         self.sampled = np.zeros(1, np.int64) if sampled is None else sampled
         self.stop = stop or threading.Event()
         self.report = report or (lambda games: None)
         self.timing = dict.fromkeys(["env", "inference", "bookkeeping", "device_get", "queue_put", "queue_get", "update"], 0.0)
 
-    def first_rollout_done(self, version: int) -> bool:
-        """An actor's first rollout (sampled with parameters `version`) is queued: with a learner,
-        wait until it publishes the update after it. That update compiles, for seconds in which the
-        actor would otherwise sample with the initial parameters until the queue is full (queue
-        plus one in flight: 4 rollouts of them, where the sync baseline samples 1; MiniGrid-Empty
-        took APPO 1.45x sync's steps to 0.9 for that alone). False when the run stops."""
-        while self.learning and self.latest[1] == version and not self.stop.is_set():
+    def wait_to_act(self, thread: int, rollout: int, pushed: int) -> bool:
+        """Actor thread `thread` is about to act on a step of its rollout number `rollout` (counted
+        from 0 as it started), having queued `pushed` rollouts. With a learner, wait until it has
+        published the updates that step must see, counted from the version of the thread's first
+        step:
+        - from rollout 1 on, the update on rollout 0. That update compiles, for seconds in which
+          the actor would otherwise sample with the initial parameters until the queue is full
+          (queue plus one in flight: 4 rollouts of them, where the sync baseline samples 1;
+          MiniGrid-Empty took APPO 1.45x sync's steps to 0.9 for that alone);
+        - with `lag_one` (--lag-one, Cleanba's actor), from rollout m >= 2 on, the update on
+          rollout m - 2: rollout m is then one update old when the learner takes it, where a full
+          queue makes it --queue-size + 1 old. While the learner is the bottleneck that rollout
+          would only have waited in the queue; while the actor is, the update is already there.
+        Never an update on a rollout not queued yet (with splits, an env may start rollout m
+        before another ends rollout m - 1). False when the run stops."""
+        first = self.first.setdefault(thread, self.latest[1])
+        need = max(min(rollout, 1), rollout - 1) if self.lag_one else min(rollout, 1)
+        while self.learning and self.latest[1] < first + min(need, pushed) and not self.stop.is_set():
             time.sleep(0.005)
         return not self.stop.is_set()
 

@@ -20,6 +20,8 @@ from helpers import (
     ASYNC_SCRIPTS,
     PYTHON_ACTOR_SCRIPTS,
     REPO_ROOT,
+    TINY_BATCH,
+    TINY_FLAGS,
     describe,
     load_script,
     read_metrics,
@@ -629,6 +631,33 @@ def check_fault_exit(script, where, tmp_path, actor_fault_call, first_update_sec
 # The actor's call that fails: its 200th inference call (the Python actor, one call per recv());
 # the XLA actor's 3rd rollout call, by when its 2 rollouts fill the queue.
 ACTOR_FAULT_CALL = {"appo_envpool_xla.py": 3}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("script", ["appo_envpool.py", "impala_envpool.py", "appo_envpool_xla.py"])
+def test_lag_one_keeps_the_data_one_update_old(script, tmp_path, monkeypatch):
+    """A learner far slower than the actor (each update sleeps 0.2 s first), one split, queue 2:
+    the queue fills and the learner learns from rollouts 3 updates old; with --lag-one no
+    transition is more than one update old when learned. The XLA actor chooses a rollout's row 0
+    at the end of the call before, so that row is 2 updates old: a mean lag of 1 + 1/T."""
+    module = load_script(script)
+    make_update = module.make_update
+
+    def slow_update(*args, **kwargs):
+        update = make_update(*args, **kwargs)
+        return lambda *a, **k: time.sleep(0.2) or update(*a, **k)
+
+    monkeypatch.setattr(module, "make_update", slow_update)
+    lags, means = {}, {}
+    for lag_one in (False, True):
+        flags = dict(tiny_flags(script), env_id="CartPole-v1", num_splits=1, queue_size=2, lag_one=lag_one,
+                     total_timesteps=10 * TINY_BATCH, run_dir=str(tmp_path / str(lag_one)))
+        assert module.main(dataclasses.replace(module.Args(), **flags)) == 0
+        records = read_metrics(tmp_path / str(lag_one))
+        lags[lag_one], means[lag_one] = (tag_values(records, f"async/policy_lag_{x}") for x in ("max", "mean"))
+    row_zero = script == "appo_envpool_xla.py"
+    assert len(lags[True]) == 10 and max(lags[True]) <= 1 + row_zero and max(lags[False]) >= 3, lags
+    assert max(means[True]) <= 1 + row_zero / TINY_FLAGS["num_steps"] + 0.03 and max(means[False]) >= 2.5, means
 
 
 @pytest.mark.timeout(200)
