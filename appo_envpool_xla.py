@@ -70,10 +70,6 @@ class Args(flags.RunArgs):
     """V-trace clipping threshold of the importance ratio in the targets (rho bar)"""
     vtrace_c_bar: Annotated[float, POSITIVE] = 1.0
     """V-trace clipping threshold of the trace-cutting coefficients (c bar)"""
-    decoupled_clip: bool = False
-    """PPO's clip around the learner's policy as the update starts (pi_prox), not around the
-    behaviour policy mu that data older than an update left behind; each sample weighted by
-    min(rho bar, pi_prox / mu) (Hilton et al. 2021's decoupled objective): sync PPO's update on fresh data"""
     learning_rate: Annotated[Optional[float], PRESET, POSITIVE] = None
     """Adam learning rate, the start of the schedule when --anneal-lr"""
     anneal_lr: bool = True
@@ -400,12 +396,6 @@ def masked_mean(x, mask):
     return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def normalized(x, mask):
-    """`x` less its mean, over its standard deviation, both over the entries where `mask` is 1."""
-    mean = masked_mean(x, mask)
-    return (x - mean) / (jnp.sqrt(masked_mean((x - mean) ** 2, mask)) + 1e-8)
-
-
 def ppo_loss(logprobs, old_logprobs, advantages, values, returns, entropy, mask, clip_coef, vf_coef, ent_coef, norm_adv):
     """PPO-clip surrogate (Schulman et al. 2017, eq. 7) + value regression - entropy bonus, on
     advantages normalised over the minibatch when `norm_adv` (CleanRL's detail 7).
@@ -414,7 +404,8 @@ def ppo_loss(logprobs, old_logprobs, advantages, values, returns, entropy, mask,
     Returns (loss, diagnostics).
     """
     if norm_adv:
-        advantages = normalized(advantages, mask)
+        mean = masked_mean(advantages, mask)
+        advantages = (advantages - mean) / (jnp.sqrt(masked_mean((advantages - mean) ** 2, mask)) + 1e-8)
     log_ratio = logprobs - old_logprobs
     ratio = jnp.exp(log_ratio)
     pg_loss = masked_mean(jnp.maximum(-advantages * ratio, -advantages * jnp.clip(ratio, 1 - clip_coef, 1 + clip_coef)), mask)
@@ -723,11 +714,7 @@ def targets(network, state, rollout, args: Args, continuous: bool, clip_coef):
         "async/start_kl": masked_mean(ratio - 1 - log_ratio, rollout["valid"]),
         "async/rho_clipfrac": masked_mean((ratio > args.vtrace_rho_bar).astype(jnp.float32), rollout["valid"]),
     }
-    if args.decoupled_clip:  # Hilton et al. 2021, eq. 3: the clip around pi_prox, the weight pi_prox / mu
-        behaviour = {"logprobs": logprobs, "weights": jnp.minimum(args.vtrace_rho_bar, ratio)}
-    else:
-        behaviour = {"logprobs": rollout["logprobs"]}
-    return advantages, returns, rollout["valid"] * fresh, behaviour, diagnostics
+    return advantages, returns, rollout["valid"] * fresh, diagnostics
 
 
 def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
@@ -737,11 +724,8 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
     def loss_fn(params, mb, clip_coef):
         pi, values, _ = network.apply(params, mb["obs"], (mb["state"], mb["first"]) if "state" in mb else None)
         logprobs, entropy = log_prob_entropy(pi, mb["actions"], continuous)
-        advantages, norm_adv = mb["advantages"], args.norm_adv
-        if "weights" in mb:  # --decoupled-clip: normalised as PPO does, then weighted by pi_prox / mu
-            advantages, norm_adv = (normalized(advantages, mb["valid"]) if norm_adv else advantages) * mb["weights"], False
-        return ppo_loss(logprobs, mb["logprobs"], advantages, values, mb["returns"], entropy, mb["valid"],
-                        clip_coef, args.vf_coef, args.ent_coef, norm_adv)
+        return ppo_loss(logprobs, mb["logprobs"], mb["advantages"], values, mb["returns"], entropy, mb["valid"],
+                        clip_coef, args.vf_coef, args.ent_coef, args.norm_adv)
 
     def minibatch_step(learning_rate, clip_coef, carry, mb):
         params, opt_state = carry
@@ -758,11 +742,11 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
         images = any(kind in ("nature", "grid") for kind, _ in network.encoders)
         unroll = jax.default_backend() == "cpu" and images and args.update_epochs * args.num_minibatches <= 16
         clip_coef = clip_coef_at(args, state["global_step"], total_timesteps)
-        advantages, returns, valid, behaviour, diagnostics = targets(network, state, rollout, args, continuous, clip_coef)
+        advantages, returns, valid, diagnostics = targets(network, state, rollout, args, continuous, clip_coef)
         data = {
             "obs": rollout["obs"],
             "actions": rollout["actions"],
-            **behaviour,
+            "logprobs": rollout["logprobs"],
             "valid": valid,
             "advantages": advantages,
             "returns": returns,
@@ -784,8 +768,10 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
         diagnostics.update(jax.tree.map(jnp.mean, losses), learning_rate=learning_rate)
         if args.anneal_clip:
             diagnostics["clip_coef"] = clip_coef
-        finite = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]
-        diagnostics["finite"] = jnp.isfinite(diagnostics["loss"]) & jnp.all(jnp.array(finite))
+        leaves = jax.tree.leaves(params)
+        diagnostics["finite"] = jnp.isfinite(diagnostics["loss"]) & jnp.all(
+            jnp.array([jnp.all(jnp.isfinite(x)) for x in leaves])
+        )
         new_state = dict(state, params=params, opt_state=opt_state, policy_version=state["policy_version"] + 1)
         return new_state, diagnostics
 

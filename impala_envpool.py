@@ -574,8 +574,10 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
         diagnostics["async/policy_lag_mean"] = masked_mean(lag, rollout["valid"])
         diagnostics["async/policy_lag_max"] = jnp.max(jnp.where(rollout["valid"] > 0, lag, 0))
         diagnostics["async/stale_fraction"] = masked_mean(1.0 - fresh, rollout["valid"])
-        finite = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]
-        diagnostics["finite"] = jnp.isfinite(diagnostics["loss"]) & jnp.all(jnp.array(finite))
+        leaves = jax.tree.leaves(params)
+        diagnostics["finite"] = jnp.isfinite(diagnostics["loss"]) & jnp.all(
+            jnp.array([jnp.all(jnp.isfinite(x)) for x in leaves])
+        )
         new_state = dict(state, params=params, opt_state=opt_state, policy_version=state["policy_version"] + 1)
         return new_state, diagnostics
 

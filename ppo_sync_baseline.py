@@ -331,12 +331,6 @@ def masked_mean(x, mask):
     return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def normalized(x, mask):
-    """`x` less its mean, over its standard deviation, both over the entries where `mask` is 1."""
-    mean = masked_mean(x, mask)
-    return (x - mean) / (jnp.sqrt(masked_mean((x - mean) ** 2, mask)) + 1e-8)
-
-
 def ppo_loss(logprobs, old_logprobs, advantages, values, returns, entropy, mask, clip_coef, vf_coef, ent_coef, norm_adv):
     """PPO-clip surrogate (Schulman et al. 2017, eq. 7) + value regression - entropy bonus, on
     advantages normalised over the minibatch when `norm_adv` (CleanRL's detail 7).
@@ -345,7 +339,8 @@ def ppo_loss(logprobs, old_logprobs, advantages, values, returns, entropy, mask,
     Returns (loss, diagnostics).
     """
     if norm_adv:
-        advantages = normalized(advantages, mask)
+        mean = masked_mean(advantages, mask)
+        advantages = (advantages - mean) / (jnp.sqrt(masked_mean((advantages - mean) ** 2, mask)) + 1e-8)
     log_ratio = logprobs - old_logprobs
     ratio = jnp.exp(log_ratio)
     pg_loss = masked_mean(jnp.maximum(-advantages * ratio, -advantages * jnp.clip(ratio, 1 - clip_coef, 1 + clip_coef)), mask)
@@ -552,8 +547,10 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
         diagnostics.update(jax.tree.map(jnp.mean, losses), learning_rate=learning_rate)
         if args.anneal_clip:
             diagnostics["clip_coef"] = clip_coef
-        finite = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]
-        diagnostics["finite"] = jnp.isfinite(diagnostics["loss"]) & jnp.all(jnp.array(finite))
+        leaves = jax.tree.leaves(params)
+        diagnostics["finite"] = jnp.isfinite(diagnostics["loss"]) & jnp.all(
+            jnp.array([jnp.all(jnp.isfinite(x)) for x in leaves])
+        )
         new_state = dict(state, params=params, opt_state=opt_state, policy_version=state["policy_version"] + 1)
         return new_state, diagnostics
 

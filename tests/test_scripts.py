@@ -99,7 +99,7 @@ SAME_TEXT = [
     (["appo_envpool.py", "impala_envpool.py", "appo_envpool_xla.py"], ["vtrace", "learner_loop", "new_rollout"]),
     (["appo_envpool.py", "impala_envpool.py"], ["write", "Trajectories", "actor_loop", "main"]),  # the Python actor
     (["ppo_sync_baseline.py", "appo_envpool.py", "appo_envpool_xla.py"],  # PPO
-     ["normalized", "ppo_loss", "compute_gae", "time_limit_bootstrap", "minibatches", "make_optimizer", "clip_coef_at", "PRESETS"]),
+     ["ppo_loss", "compute_gae", "time_limit_bootstrap", "minibatches", "make_optimizer", "clip_coef_at", "PRESETS"]),
     (["appo_envpool.py", "appo_envpool_xla.py"], ["targets", "make_update", "resolve_args"]),  # APPO
     (["dqn_envpool.py", "sac_envpool.py", "td3_envpool.py"], ["encode", "actor_loop", "learner_loop", "serial_loop"]),  # replay
     (["sac_envpool.py", "td3_envpool.py"], ["Critic", "critics", "Collector", "resolve_args", "make_replay"]),
