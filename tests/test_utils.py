@@ -137,6 +137,34 @@ def test_plot_tabulates_steps_and_seconds_to_a_threshold(tmp_path):
     assert "| 1/2 | 3584 ± 0 | 56.0 ± 0.0 | 64.50 |" in row, row
 
 
+def binary_run(folder, episodes, p_win, seed):
+    """A run of `episodes` games of 6 steps, each won (return 1) with probability `p_win`."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"exp_name": "sync", "env_id": "MiniGrid-MemoryS7-v0", "seed": seed}))
+    wins = np.random.default_rng(seed).random(episodes) < p_win
+    records = [{"step": 6 * (i + 1), "wall_time": 1.0e9 + i, "tag": RETURN_TAG, "value": float(w)} for i, w in enumerate(wins)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return folder
+
+
+def test_plot_notes_a_threshold_a_short_window_crosses_by_chance(tmp_path):
+    """Games won at 62% and never more: the best 20-game mean of 30,000 games passes 0.9 by
+    chance alone, and plot.py says so (its estimate of the excess within 15% of the excess
+    measured); over 2,000 games no window reaches 0.7 and there is no note; a steadily learning
+    run (returns 0, 1, 2, ...) gets none either."""
+    plot = load_script(REPO_ROOT / PLOT)
+    run = plot.read_run(str(binary_run(tmp_path / "memory", 30_000, 0.62, 1)))
+    means = plot.full_windows(run, 20)[0]
+    assert plot.reached(run, 20, 0.9) is not None  # a plateau of 0.62 "reaches" 0.9
+    assert plot.chance_excess(run, 20) == pytest.approx(means.max() - 0.62, rel=0.15)
+    notes = plot.noise_notes({("MiniGrid-MemoryS7-v0", "sync"): [run]}, 20, 0.9)
+    assert len(notes) == 1 and "--window" in notes[0], notes
+    assert plot.reached(run, 2000, 0.7) is None
+    assert plot.noise_notes({("MiniGrid-MemoryS7-v0", "sync"): [run]}, 2000, 0.7) == []
+    learning = plot.read_run(str(fake_run(tmp_path / "learning", 1, 1.0, 100, 1.0)))
+    assert plot.chance_excess(learning, 20) < 1 and plot.noise_notes({("CartPole-v1", "sync"): [learning]}, 20, 45.0) == []
+
+
 def no_metrics(tmp_path):
     folder = tmp_path / "empty_run"
     folder.mkdir()

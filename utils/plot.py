@@ -221,6 +221,34 @@ def full_windows(run: Run, window: int):
     return smooth(run.returns[order], window)[first:], order[first:]
 
 
+def chance_excess(run: Run, window: int) -> float:
+    """About how far the best of a run's `window`-episode means lands above its level by chance
+    alone: the standard error of one such mean (the episode-to-episode spread of its last 10 x
+    `window` games, from successive differences so that a trend does not count, over
+    sqrt(window)) times sqrt(2 ln K), the expected maximum of K independent standard normals (K:
+    its episodes // window). Large where episodes are short and near-binary: MiniGrid-MemoryS7
+    (300,000 games at 62% won) 0.47 at a 20-episode window, 0.05 at 1,000."""
+    k, tail = len(run.returns) // window, run.returns[-10 * window:]
+    if k < 2 or len(tail) < 3:
+        return 0.0
+    return float(np.std(np.diff(tail)) / np.sqrt(2 * window) * np.sqrt(2 * np.log(k)))
+
+
+def noise_notes(groups: dict, window: int, threshold: float) -> list:
+    """A note for each (env, script) whose runs' chance_excess is over 10% of the threshold (or
+    of the returns' range, if larger): its steps to the threshold may count a lucky window."""
+    notes = []
+    for (env_id, script), runs in sorted(groups.items()):
+        excess = max(chance_excess(run, window) for run in runs)
+        scale = max(abs(threshold), max(float(np.ptp(run.returns)) for run in runs))
+        if excess > 0.1 * scale:
+            notes.append(f"note: {env_id} {script}: the best of these runs' {window}-episode means lands about "
+                         f"{excess:.3g} above their level by chance alone (the spread of their last games over "
+                         f"sqrt({window}), with {min(len(run.returns) for run in runs) // window}+ windows a run), so a "
+                         f"first {window}-episode mean at {threshold:g} may be a lucky one: read it with a larger --window")
+    return notes
+
+
 def spread(values) -> str:
     digits = 1 if len(values) and abs(np.mean(values)) < 100 else 0  # seconds of a short run
     return f"{np.mean(values):.{digits}f} ± {np.std(values):.{digits}f}" if len(values) else "-"
@@ -277,6 +305,8 @@ def main(args: PlotArgs) -> int:
     with open(os.path.join(out_dir, "summary.md"), "w") as f:
         f.write(table)
     print(table)
+    for note in noise_notes(groups, args.window, args.threshold) if args.threshold is not None else []:
+        print(note)
     for path in pngs:
         print(f"wrote {path}")
     print(f"wrote {os.path.join(out_dir, 'summary.md')}")
