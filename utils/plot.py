@@ -227,7 +227,7 @@ def chance_excess(run: Run, window: int) -> float:
     `window` games, from successive differences so that a trend does not count, over
     sqrt(window)) times sqrt(2 ln K), the expected maximum of K independent standard normals (K:
     its episodes // window). Large where episodes are short and near-binary: MiniGrid-MemoryS7
-    (300,000 games at 62% won) 0.47 at a 20-episode window, 0.05 at 1,000."""
+    (300,000 games at 62% won) about 0.5 at a 20-episode window, 0.05 at 1,000."""
     k, tail = len(run.returns) // window, run.returns[-10 * window:]
     if k < 2 or len(tail) < 3:
         return 0.0
