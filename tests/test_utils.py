@@ -153,12 +153,15 @@ def test_plot_notes_a_threshold_a_short_window_crosses_by_chance(tmp_path):
     measured); over 2,000 games no window reaches 0.7 and there is no note; a steadily learning
     run (returns 0, 1, 2, ...) gets none either."""
     plot = load_script(REPO_ROOT / PLOT)
-    run = plot.read_run(str(binary_run(tmp_path / "memory", 30_000, 0.62, 1)))
+    folder = binary_run(tmp_path / "memory", 30_000, 0.62, 1)
+    run = plot.read_run(str(folder))
     means = plot.full_windows(run, 20)[0]
     assert plot.reached(run, 20, 0.9) is not None  # a plateau of 0.62 "reaches" 0.9
     assert plot.chance_excess(run, 20) == pytest.approx(means.max() - 0.62, rel=0.15)
     notes = plot.noise_notes({("MiniGrid-MemoryS7-v0", "sync"): [run]}, 20, 0.9)
     assert len(notes) == 1 and "--window" in notes[0], notes
+    assert plot.main(plot.PlotArgs(runs=[str(folder)], out=str(tmp_path / "plots"), threshold=0.9)) == 0
+    assert notes[0] in (tmp_path / "plots" / "summary.md").read_text()  # the table's reader sees it too
     assert plot.reached(run, 2000, 0.7) is None
     assert plot.noise_notes({("MiniGrid-MemoryS7-v0", "sync"): [run]}, 2000, 0.7) == []
     learning = plot.read_run(str(fake_run(tmp_path / "learning", 1, 1.0, 100, 1.0)))

@@ -302,10 +302,11 @@ def main(args: PlotArgs) -> int:
     pngs = [plot_env(env_id, scripts, args, out_dir) for env_id, scripts in sorted(by_env.items())]
 
     table = summary_table(groups, args.last_episodes, args.threshold, args.window)
+    notes = noise_notes(groups, args.window, args.threshold) if args.threshold is not None else []
     with open(os.path.join(out_dir, "summary.md"), "w") as f:
-        f.write(table)
+        f.write(table + "".join(f"\n{note}\n" for note in notes))
     print(table)
-    for note in noise_notes(groups, args.window, args.threshold) if args.threshold is not None else []:
+    for note in notes:
         print(note)
     for path in pngs:
         print(f"wrote {path}")
