@@ -90,13 +90,18 @@ def test_plot_curves_and_summary(two_seed_runs, pass_parent, band, tmp_path):
 def fake_run(folder, seed, compile_seconds, episodes, seconds_per_episode):
     """A run folder as a script writes it: a config, games every `seconds_per_episode` after the
     first update, which ends `compile_seconds` after the run's first record."""
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps({"exp_name": "sync", "env_id": "CartPole-v1", "seed": seed}))
     t0 = 1.0e9
     records = [{"step": 0, "wall_time": t0, "tag": RETURN_TAG, "value": 10.0},  # a game while compiling
                {"step": 64, "wall_time": t0 + compile_seconds, "tag": "charts/SPS", "value": 100.0}]
     records += [{"step": 64 * (i + 1), "wall_time": t0 + compile_seconds + seconds_per_episode * (i + 1),
                  "tag": RETURN_TAG, "value": float(i)} for i in range(episodes)]
+    return write_run(folder, "CartPole-v1", seed, records)
+
+
+def write_run(folder, env_id, seed, records):
+    """A run folder as a script writes it: its config and its metrics records."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"exp_name": "sync", "env_id": env_id, "seed": seed}))
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return folder
 
@@ -139,12 +144,9 @@ def test_plot_tabulates_steps_and_seconds_to_a_threshold(tmp_path):
 
 def binary_run(folder, episodes, p_win, seed):
     """A run of `episodes` games of 6 steps, each won (return 1) with probability `p_win`."""
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps({"exp_name": "sync", "env_id": "MiniGrid-MemoryS7-v0", "seed": seed}))
     wins = np.random.default_rng(seed).random(episodes) < p_win
     records = [{"step": 6 * (i + 1), "wall_time": 1.0e9 + i, "tag": RETURN_TAG, "value": float(w)} for i, w in enumerate(wins)]
-    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    return folder
+    return write_run(folder, "MiniGrid-MemoryS7-v0", seed, records)
 
 
 def test_plot_notes_a_threshold_a_short_window_crosses_by_chance(tmp_path):
