@@ -55,10 +55,10 @@ class Args(flags.RunArgs):
     """rollout length: steps per environment in each rollout"""
     queue_size: Annotated[int, POSITIVE] = 2
     """rollouts the actor may queue ahead of the learner before it blocks (backpressure)"""
-    lag_one: bool = False
+    lag_one: bool = True
     """the actor starts each rollout with the update on the rollout two before it (Cleanba's
-    actor): the learner learns from data one update old, not up to --queue-size + 1 when it is the
-    bottleneck; no throughput lost while either side is"""
+    actor): the learner learns from data one update old; --no-lag-one lets a learner that is the
+    bottleneck learn from a full queue's, up to --queue-size + 1 old. No throughput lost either way"""
     max_policy_lag: Annotated[int, NON_NEGATIVE] = 25
     """transitions chosen by a policy more than this many updates old are masked out of the loss"""
     vtrace: bool = True
