@@ -19,9 +19,7 @@ The run itself (flags, folders, checkpoints, logs, devices) is the installed pac
 """
 
 import math
-import queue
 import signal
-import time
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -34,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_async_rl import devices, flags, runs, tasks, threads
+from jax_async_rl import devices, flags, rounds, runs, tasks, threads
 from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, UNIT, UsageError
 from jax_async_rl.normalize import Normalizer
 from jax_async_rl.replay import Replay, check_rounds, gradient_steps
@@ -231,6 +229,19 @@ def make_policy_step(actor, scale, bias, low, high):
     return policy_step
 
 
+def make_act(policy_step, args: Args, key):
+    """One actor thread's behaviour policy, act(params, obs, env_ids, step) -> actions, for
+    jax_async_rl.rounds: uniform in the bounds for the run's first --learning-starts env steps,
+    the policy's after; it keeps the thread's key."""
+
+    def act(params, obs, env_ids, step):
+        nonlocal key
+        action, key = policy_step(params, obs, np.bool_(step < args.learning_starts), key)
+        return action
+
+    return act
+
+
 def evaluation_player(args: Args, built):
     """The evaluation's policy(params, obs, core, key) -> (actions, None, None, None, key): the
     deterministic policy, tanh(mean) x scale + bias; its initial core (none). utils/evaluate.py
@@ -243,57 +254,6 @@ def evaluation_player(args: Args, built):
         return jnp.tanh(mean) * scale + bias, None, None, None, key
 
     return policy, lambda num_envs: None
-
-
-class Collector:
-    """An actor's envs, stepped one split at a time (`recv` returns the split whose step finished,
-    Sample Factory §3.2), in chunks of `num_steps` steps of every env: the rows the replay buffer
-    stores, as envpool returned them with the action taken on each."""
-
-    def __init__(self, envs, policy_step, args: Args, key, thread: int, shared, start_step: int):
-        self.envs, self.policy_step, self.args, self.key, self.shared = envs, policy_step, args, key, shared
-        self.start_step, self.thread = start_step, thread
-        self.stats = tasks.EpisodeStats(args.num_envs)
-        self.timing = shared.timing
-        envs.async_reset()
-
-    def collect(self, params, version: int) -> dict:
-        """One chunk: num_steps x num_splits recv()s, each with its env ids, obs, actions, rewards,
-        terminated, truncated and elapsed steps; `version`: the parameters' (for the policy lag)."""
-        rows, timing = [], self.timing
-        for _ in range(self.args.num_steps * self.args.num_splits):
-            start = time.perf_counter()
-            obs, reward, terminated, truncated, info = self.envs.recv()
-            timing["env"] += (now := time.perf_counter()) - start
-            env_ids = info["env_id"]
-            reward = np.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's reward is undefined (dm_control: NaN at times)
-            explore = self.start_step + int(self.shared.sampled.sum()) < self.args.learning_starts
-            action, self.key = self.policy_step(params, obs, np.bool_(explore), self.key)
-            action = np.asarray(action)
-            timing["inference"] += (start := time.perf_counter()) - now
-            self.envs.send(tasks.env_action(action, self.envs.action_space), env_ids)
-            self.stats.update(env_ids, reward, terminated, truncated, info)
-            rows.append((env_ids + self.thread * self.args.num_envs, obs, action, reward, terminated, truncated,
-                         info["elapsed_step"]))
-            self.shared.sampled[self.thread] += len(env_ids)
-            timing["bookkeeping"] += time.perf_counter() - start
-        return dict(rows=rows, version=version, games=self.stats.pop())
-
-
-def actor_loop(collector, shared, chunk_queue, device, num_chunks: int):
-    """Collect chunks with the newest published parameters (copied to this actor's device once
-    per update) and queue them for the learner, which waits for them when data is short; the
-    actor waits on a full queue when the learner is behind: the replay ratio holds."""
-    held = params = None
-    for _ in range(num_chunks):
-        latest, version = shared.latest
-        if version != held:
-            held, params = version, devices.to_actor(device, latest)
-        chunk = collector.collect(params, held)
-        start = time.perf_counter()
-        if not threads.put(chunk_queue, chunk, shared.stop):
-            return
-        shared.timing["queue_put"] += time.perf_counter() - start
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,69 +350,6 @@ def make_update(networks, optimizers, args: Args, bounds, mesh=None):
     return update
 
 
-class Learner:
-    """The learner's side of a round, the same in both modes: add each actor's chunk to the
-    buffer (it owns it), then, once --learning-starts env steps are in, sample the round's batches
-    and update."""
-
-    def __init__(self, run, replay, update, rng, timing: dict):
-        self.run, self.replay, self.update, self.rng, self.timing = run, replay, update, rng, timing
-        self.args, self.steps, self.key = run.args, gradient_steps(run.args), run.update_key
-        self.warm_at = run.start_step + run.args.learning_starts  # a resumed run refills its buffer first
-        self.sampled = self.learned_from = 0  # transitions sampled; env steps since the first update
-        timing["replay"] = 0.0
-
-    def round(self, chunks: list) -> dict:
-        run, args, state = self.run, self.args, self.run.state
-        start = time.perf_counter()
-        for chunk in chunks:
-            for env_ids, obs, action, reward, terminated, truncated, elapsed in chunk["rows"]:
-                self.replay.add(env_ids, obs, action, reward, terminated, truncated, elapsed)
-        step = run.global_step + run.batch_size  # the env steps once this round is counted
-        lag = [int(state["policy_version"]) - chunk["version"] for chunk in chunks]
-        extra = {"async/policy_lag_mean": float(np.mean(lag)), "replay/fill": len(self.replay) / args.buffer_size}
-        diagnostics = {"finite": True}
-        if step > self.warm_at:
-            batches = self.replay.sample(args.batch_size, self.rng, 0.0, self.steps)
-            del batches["slots"], batches["weights"]
-            self.timing["replay"] += (now := time.perf_counter()) - start
-            self.key, key = jax.random.split(self.key)
-            state, diagnostics = self.update(state, devices.to_learner(run.mesh, batches), key)
-            diagnostics = jax.device_get(diagnostics)
-            self.timing["update"] += time.perf_counter() - now
-            self.sampled += self.steps * args.batch_size
-            self.learned_from += run.batch_size
-            extra["replay/ratio"] = self.sampled / self.learned_from
-        else:
-            state = dict(state, policy_version=state["policy_version"] + 1)
-            self.timing["replay"] += time.perf_counter() - start
-        return run.learned(state, dict(diagnostics, learning_rate=args.policy_lr), self.timing, extra)
-
-
-def learner_loop(run, learner, shared, queues):
-    """Take one chunk from every actor thread's queue, learn from the buffer, publish the
-    parameters and their version after each round: from run.start_update to run.num_updates,
-    or until the run stops."""
-    for _ in range(run.start_update, run.num_updates):
-        start = time.perf_counter()
-        chunks = [threads.get(q, run.stop) for q in queues]
-        shared.timing["queue_get"] += time.perf_counter() - start
-        if run.should_stop(None in chunks, [game for chunk in chunks if chunk for game in chunk["games"]]):
-            break
-        state = learner.round(chunks)
-        shared.latest = (state["params"], int(state["policy_version"]))
-
-
-def serial_loop(run, learner, collectors, device):
-    """rlpyt's serial mode: the same collection and round in one thread, in turn."""
-    for _ in range(run.start_update, run.num_updates):
-        chunks = [c.collect(devices.to_actor(device, run.state["params"]), int(run.state["policy_version"]))
-                  for c in collectors]
-        if run.should_stop(False, [game for chunk in chunks for game in chunk["games"]]):
-            break
-        learner.round(chunks)
-
-
 # ---------------------------------------------------------------------------------------------
 # Main
 # ---------------------------------------------------------------------------------------------
@@ -504,23 +401,13 @@ def main(args: Args, given=None) -> int:
         policy_step = make_policy_step(actor, *bounds)
         shared = threads.Shared(state["params"], state["policy_version"], normalizer, run.sampled, run.stop,
                                 run.report_episodes)
-        collectors = [Collector(envs[i], policy_step, args, key, i, shared, run.start_step)
+        collectors = [rounds.Collector(envs[i], make_act(policy_step, args, key), args, i, shared, run.start_step)
                       for i, (_, _, key) in enumerate(actors)]
-        learner = Learner(run, make_replay(args, envs), make_update(built[0], optimizers, args, bounds, run.mesh),
-                          np.random.default_rng(run.seed), shared.timing)
+        update = make_update(built[0], optimizers, args, bounds, run.mesh)
+        learner = rounds.Learner(run, make_replay(args, envs), lambda state, batches, step, key: update(state, batches, key),
+                                 np.random.default_rng(run.seed), shared.timing, args.policy_lr)
         run.begin(f"{gradient_steps(args)} gradient steps a round{', serial' if args.serial else ''}")
-        if args.serial:
-            try:
-                run.threads.run("training loop", serial_loop, run, learner, collectors, actors[0][0])
-            finally:
-                for e in envs:
-                    e.close()
-        else:
-            queues = [queue.Queue(maxsize=args.queue_size) for _ in actors]
-            for i, (device, _, _) in enumerate(actors):
-                run.threads.start(f"actor {i}" if i else "actor", actor_loop, collectors[i], shared, queues[i], device,
-                                  run.num_updates - run.start_update, owns=envs[i])
-            run.wait(run.threads.start("learner", learner_loop, run, learner, shared, queues))
+        rounds.train(run, learner, collectors, actors, args.queue_size, args.serial)
         return run.finish(*evaluation_player(args, built))
 
 

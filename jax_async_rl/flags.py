@@ -288,7 +288,7 @@ def command_line(main, args_class, presets: dict):
                     flags_given(argv, args_class))
 
     exit_code = reported(call)
-    if any(t.name.startswith(("actor", "learner")) and t.is_alive() for t in threading.enumerate()):
+    if any(t.name.startswith(("actor", "learner", "training loop")) and t.is_alive() for t in threading.enumerate()):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(exit_code)

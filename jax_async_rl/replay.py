@@ -140,8 +140,14 @@ class Replay:
         return (t % self.rows) * self.num_envs + e
 
     def add(self, env_ids, obs, action, reward, terminated, truncated, elapsed):
+        """Write one row for each of `env_ids`: one split's step, or a whole chunk of them, where
+        an env's rows come in the order it stepped (the k-th row of env e goes to its row
+        count[e] + k). One call for a chunk pays numpy's per-call cost once."""
         e = np.asarray(env_ids, np.int64)
-        t = self.count[e]
+        order = np.argsort(e, kind="stable")
+        before = np.empty_like(e)
+        before[order] = np.arange(len(e)) - np.searchsorted(e[order], e[order])  # its env's rows before it
+        t = self.count[e] + before
         rows = t % self.rows
         for store, value in zip(jax.tree.leaves(self.obs), jax.tree.leaves(obs)):
             value = np.asarray(value)
@@ -151,12 +157,13 @@ class Replay:
         self.terminated[rows, e] = terminated
         self.truncated[rows, e] = truncated
         self.back[rows, e] = np.minimum(np.asarray(elapsed), self.stack - 1)
-        self.count[e] = t + 1
-        # This row can no longer start a transition, nor can the rows whose stack reaches back
-        # to the one it overwrote; the row n before it now has its whole n-step target.
+        self.count += np.bincount(e, minlength=self.num_envs)
+        # A written row can no longer start a transition, nor can the rows whose stack reaches
+        # back to the one it overwrote; the row n before it now has its whole n-step target, and
+        # starts one unless the call overwrote it or a row its stack reaches back to.
         stale = np.concatenate([self.slot(t + k, e) for k in range(self.stack)])
         start = t - self.n_step
-        ready = (start >= 0) & (start >= t + 1 - self.rows + self.stack - 1)
+        ready = (start >= 0) & (start >= self.count[e] - self.rows + self.stack - 1)
         start, ready_e = start[ready], e[ready]
         ended = self.terminated[start % self.rows, ready_e] | self.truncated[start % self.rows, ready_e]
         fresh = self.slot(start[~ended], ready_e[~ended])

@@ -85,7 +85,8 @@ class Threads:
         self.threads = []  # (thread, what it owns: closed once it has ended)
 
     def start(self, name: str, fn, *args, owns=None) -> threading.Thread:
-        """Run fn(*args) in a daemon thread named `name`; `owns` (its envs, say) is closed when it has ended."""
+        """Run fn(*args) in a daemon thread named `name`; `owns` (its envs, say: one or a list) is
+        closed when it has ended."""
 
         def target():
             try:
@@ -116,4 +117,5 @@ class Threads:
             thread.join(timeout=max(0.0, deadline - time.time()))
         for thread, owned in self.threads:
             if owned is not None and not thread.is_alive():
-                owned.close()
+                for item in owned if isinstance(owned, list) else [owned]:
+                    item.close()

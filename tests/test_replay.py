@@ -87,6 +87,30 @@ def test_n_step_targets_and_exactly_the_complete_transitions(n_step):
             assert batch["action"][i] == replay.action[t % rows, e]
 
 
+@pytest.mark.parametrize("n_step, stack", [(1, 1), (3, 4)])
+def test_a_chunk_added_in_one_call_is_its_steps_added_one_by_one(n_step, stack):
+    """The rounds add a whole chunk at once (each env several times, splits out of turn): the
+    buffer, its counts and its sum tree end exactly as after the chunk's steps one at a time,
+    over the ring's wrap, episode ends and stacks that reach back to overwritten rows."""
+    num_envs, split, rows = 6, 3, 12
+    stream, rng = Stream(num_envs, seed=stack), np.random.default_rng(1)
+    obs_example = np.zeros((1, stack, 2), np.float32) if stack > 1 else np.zeros((1, 2), np.float32)
+    one, chunked = (Replay(rows * num_envs, num_envs, obs_example, np.zeros(1, np.int32), n_step=n_step,
+                           frame_stack=stack, alpha=0.5) for _ in range(2))
+    for _ in range(40):  # chunks of up to 12 steps: an env's rows in one call can wrap its ring of 12
+        steps = []
+        for _ in range(int(rng.integers(1, 13))):
+            env_ids = np.arange(split) + split * int(rng.integers(2))
+            obs, reward, terminated, truncated, elapsed = stream.step(env_ids)
+            obs = np.repeat(obs[:, None], stack, 1) if stack > 1 else obs
+            steps.append((env_ids, obs, rng.integers(0, 4, split), reward, terminated, truncated, elapsed))
+            one.add(*steps[-1])
+        chunked.add(*(np.concatenate(x) for x in zip(*steps)))
+        for name in ("obs", "action", "reward", "terminated", "truncated", "back", "count"):
+            np.testing.assert_array_equal(getattr(chunked, name), getattr(one, name), err_msg=name)
+        np.testing.assert_array_equal(chunked.tree.tree, one.tree.tree)
+
+
 def test_frame_storage_rebuilds_envpools_stacks_over_episode_starts():
     """Pong-v5, 2 splits stepped as the actors step them, episodes truncated every 15 steps, a
     ring of 30 rows an env: every row a sample could take (and its bootstrap) has the stack

@@ -101,8 +101,8 @@ SAME_TEXT = [
     (["ppo_sync_baseline.py", "appo_envpool.py", "appo_envpool_xla.py"],  # PPO
      ["ppo_loss", "compute_gae", "time_limit_bootstrap", "minibatches", "make_optimizer", "clip_coef_at", "PRESETS"]),
     (["appo_envpool.py", "appo_envpool_xla.py"], ["targets", "make_update", "resolve_args"]),  # APPO
-    (["dqn_envpool.py", "sac_envpool.py", "td3_envpool.py"], ["encode", "actor_loop", "learner_loop", "serial_loop"]),  # replay
-    (["sac_envpool.py", "td3_envpool.py"], ["Critic", "critics", "Collector", "resolve_args", "make_replay"]),
+    (["dqn_envpool.py", "sac_envpool.py", "td3_envpool.py"], ["encode"]),  # replay (its rounds: jax_async_rl.rounds)
+    (["sac_envpool.py", "td3_envpool.py"], ["Critic", "critics", "make_act", "resolve_args", "make_replay"]),
 ]
 
 

@@ -12,7 +12,7 @@ import numpy as np
 
 class Faulty(gymnasium.Env):
     """A short-episode env that writes its pid under `pid_dir`, then at its `at`-th step raises
-    (how="raise") or SIGKILLs its own process (how="kill")."""
+    (how="raise"), SIGKILLs its own process (how="kill") or never returns (how="hang")."""
 
     observation_space = gymnasium.spaces.Box(-1.0, 1.0, (2,), np.float32)
     action_space = gymnasium.spaces.Discrete(2)
@@ -33,6 +33,8 @@ class Faulty(gymnasium.Env):
                 Path(self.pid_dir, f"fault-{os.getpid()}").write_text(repr(time.time()))
             if self.how == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            while self.how == "hang":
+                time.sleep(60)
             raise ValueError("injected failure in the user's env")
         return np.full(2, 0.5, np.float32), float(action), self.t >= 5, False, {}
 
