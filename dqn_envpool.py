@@ -74,6 +74,9 @@ class Args(flags.RunArgs):
     """Adam learning rate"""
     adam_eps: Annotated[Optional[float], PRESET, POSITIVE] = None
     """Adam's epsilon"""
+    huber_delta: Annotated[Optional[float], PRESET, NON_NEGATIVE] = None
+    """TD errors beyond this get a constant gradient (the Huber loss: Mnih et al. 2015's error
+    clipping, for clipped rewards); 0: the squared error (CleanRL). Not used by --c51"""
     max_grad_norm: Annotated[float, POSITIVE] = 10.0
     """global gradient-norm clipping threshold (rlpyt's and Stable-Baselines3's DQN: 10)"""
     gamma: Annotated[Optional[float], PRESET, UNIT] = None
@@ -134,17 +137,17 @@ PRESETS = {
     "atari": dict(num_steps=4, buffer_size=1_000_000, learning_starts=20_000, replay_ratio=8.0, batch_size=32,
                   learning_rate=6.25e-5, adam_eps=1.5e-4, gamma=0.99, target_network_frequency=8000, start_e=1.0,
                   end_e=0.01, exploration_fraction=0.1, double_dqn=True, dueling=True, n_step=3,
-                  prioritized_replay=True, c51=True),
+                  prioritized_replay=True, c51=True, huber_delta=1.0),
     # Any other vector task: CleanRL's dqn.py (batches of 128 every 10 steps, target every 500).
     "classic": dict(num_steps=5, buffer_size=10_000, learning_starts=10_000, replay_ratio=12.8, batch_size=128,
                     learning_rate=2.5e-4, adam_eps=1e-8, gamma=0.99, target_network_frequency=500, start_e=1.0,
-                    end_e=0.05, exploration_fraction=0.5, **PLAIN),
+                    end_e=0.05, exploration_fraction=0.5, huber_delta=0.0, **PLAIN),
     # rl-baselines3-zoo's tuned DQN (hyperparams/dqn.yml: 128 gradient steps of 64 every 256 steps)
     # with three changes measured here (README, DQN): its learning rate 2.3e-3 -> 1e-3, 3-step
     # returns and Double DQN (as published, 2 of 4 seeds peaked below 250 and none reached 475).
     "CartPole": dict(num_steps=32, buffer_size=100_000, learning_starts=1000, replay_ratio=32.0, batch_size=64,
                      learning_rate=1e-3, adam_eps=1e-8, gamma=0.99, target_network_frequency=10, start_e=1.0,
-                     end_e=0.04, exploration_fraction=0.16, **dict(PLAIN, n_step=3, double_dqn=True)),
+                     end_e=0.04, exploration_fraction=0.16, huber_delta=0.0, **dict(PLAIN, n_step=3, double_dqn=True)),
 }
 RAINBOW = {k: v for k, v in PRESETS["atari"].items() if k in PLAIN}  # the five switches, for any task
 
@@ -304,7 +307,7 @@ def dqn_loss(params, target_params, network, batch, args: Args, support):
                                                  args.double_dqn))
         q_taken = jnp.take_along_axis(q, action, axis=-1)[:, 0]
         errors = q_taken - target
-        losses = optax.huber_loss(q_taken, target, delta=1.0)
+        losses = optax.huber_loss(q_taken, target, delta=args.huber_delta) if args.huber_delta else 0.5 * errors**2
     return jnp.mean(batch["weights"] * losses), (errors, q_taken)
 
 
@@ -313,44 +316,47 @@ def dqn_loss(params, target_params, network, batch, args: Args, support):
 # ---------------------------------------------------------------------------------------------
 
 
-def make_policy_step(network, c51: bool, support):
-    """One jitted call per environment step: ε-greedy actions [B] for `epsilon` [B], the key.
-    The evaluation calls it through `evaluation_player`."""
+def make_greedy(network, c51: bool, support):
+    """One jitted call: the greedy actions [B] of a batch of observations (C51: by the expected
+    values)."""
 
     @jax.jit
-    def policy_step(params, obs, epsilon, key):
-        key, explore, pick = jax.random.split(key, 3)
+    def greedy(params, obs):
         q = network.apply(params, obs)
-        q = jnp.sum(jax.nn.softmax(q) * support, axis=-1) if c51 else q
-        greedy = jnp.argmax(q, axis=-1)
-        random = jax.random.randint(pick, greedy.shape, 0, q.shape[-1])
-        return jnp.where(jax.random.uniform(explore, greedy.shape) < epsilon, random, greedy), key
+        return jnp.argmax(jnp.sum(jax.nn.softmax(q) * support, axis=-1) if c51 else q, axis=-1)
 
-    return policy_step
+    return greedy
 
 
-def make_act(policy_step, args: Args, key):
+def epsilon_greedy(greedy, params, obs, epsilon, num_actions: int, rng: np.random.Generator):
+    """ε-greedy actions [B] for `epsilon` [B]: the draws on the host, and the network called only
+    where an env acts greedily (as CleanRL's loop, which skips it while it explores)."""
+    explore = rng.random(len(epsilon)) < epsilon
+    action = rng.integers(0, num_actions, len(epsilon))
+    if explore.all():
+        return action
+    return np.where(explore, action, np.asarray(greedy(params, obs)))
+
+
+def make_act(greedy, args: Args, num_actions: int, rng: np.random.Generator):
     """One actor thread's behaviour policy, act(params, obs, env_ids, step) -> actions, for
-    jax_async_rl.rounds: ε-greedy with each env's ε at the run's env step (epsilon_at); it keeps
-    the thread's key."""
+    jax_async_rl.rounds: ε-greedy with each env's ε at the run's env step (epsilon_at)."""
 
     def act(params, obs, env_ids, step):
-        nonlocal key
-        action, key = policy_step(params, obs, epsilon_at(args, step)[env_ids], key)
-        return action
+        return epsilon_greedy(greedy, params, obs, epsilon_at(args, step)[env_ids], num_actions, rng)
 
     return act
 
 
 def evaluation_player(args: Args, built):
-    """The evaluation's policy(params, obs, core, key) -> (actions, None, None, None, key) at
-    EVAL_EPSILON, and its initial core (none), for a run's `build`; utils/evaluate.py calls it too."""
+    """The evaluation's policy(params, obs, core, key) -> (actions, None, None, None, key): ε-greedy
+    at EVAL_EPSILON; its initial core (none), for a run's `build`; utils/evaluate.py calls it too."""
     network, _, support, _, _ = built
-    policy_step = make_policy_step(network, args.c51, support)
+    greedy, rng = make_greedy(network, args.c51, support), np.random.default_rng(args.seed)
 
     def policy(params, obs, core, key):
-        action, key = policy_step(params, obs, np.float32(EVAL_EPSILON), key)
-        return action, None, None, None, key
+        epsilon = np.full(len(jax.tree.leaves(obs)[0]), EVAL_EPSILON)
+        return epsilon_greedy(greedy, params, obs, epsilon, network.action_dim, rng), None, None, None, key
 
     return policy, lambda num_envs: None
 
@@ -442,13 +448,12 @@ def main(args: Args, given=None) -> int:
         actors = run.actors()  # (device, env seed, action key) of each actor thread
         envs = [tasks.make_env(args.env_id, args.num_envs, seed, run.env_threads, train=True,
                                batch_size=args.num_envs // args.num_splits) for _, seed, _ in actors]
-        policy_step = make_policy_step(network, args.c51, support)
+        greedy = make_greedy(network, args.c51, support)
         shared = threads.Shared(state["params"], state["policy_version"], normalizer, run.sampled, run.stop,
                                 run.report_episodes)
-        collectors = [rounds.Collector(envs[i], make_act(policy_step, args, key), args, i, shared, run.start_step)
-                      for i, (_, _, key) in enumerate(actors)]
-        update = make_update(network, optimizer, args, support, run.mesh)
-        learner = rounds.Learner(run, make_replay(args, envs), lambda state, batches, step, key: update(state, batches, step),
+        collectors = [rounds.Collector(envs[i], make_act(greedy, args, network.action_dim, np.random.default_rng(seed)),
+                                       args, i, shared, run.start_step) for i, (_, seed, _) in enumerate(actors)]
+        learner = rounds.Learner(run, make_replay(args, envs), make_update(network, optimizer, args, support, run.mesh),
                                  np.random.default_rng(run.seed), shared.timing, args.learning_rate,
                                  beta=lambda step: importance_exponent(args, step), scalars=lambda step: {
                                      "charts/epsilon": float(np.mean(epsilon_at(args, step)))})

@@ -350,6 +350,18 @@ def make_update(networks, optimizers, args: Args, bounds, mesh=None):
     return update
 
 
+def make_learn(update, key):
+    """The learner's round, learn(state, batches, step) -> (state, diagnostics), for
+    jax_async_rl.rounds: the jitted update with a key of its own each round."""
+
+    def learn(state, batches, step):
+        nonlocal key
+        key, round_key = jax.random.split(key)
+        return update(state, batches, round_key)
+
+    return learn
+
+
 # ---------------------------------------------------------------------------------------------
 # Main
 # ---------------------------------------------------------------------------------------------
@@ -403,9 +415,9 @@ def main(args: Args, given=None) -> int:
                                 run.report_episodes)
         collectors = [rounds.Collector(envs[i], make_act(policy_step, args, key), args, i, shared, run.start_step)
                       for i, (_, _, key) in enumerate(actors)]
-        update = make_update(built[0], optimizers, args, bounds, run.mesh)
-        learner = rounds.Learner(run, make_replay(args, envs), lambda state, batches, step, key: update(state, batches, key),
-                                 np.random.default_rng(run.seed), shared.timing, args.policy_lr)
+        learn = make_learn(make_update(built[0], optimizers, args, bounds, run.mesh), run.update_key)
+        learner = rounds.Learner(run, make_replay(args, envs), learn, np.random.default_rng(run.seed), shared.timing,
+                                 args.policy_lr)
         run.begin(f"{gradient_steps(args)} gradient steps a round{', serial' if args.serial else ''}")
         rounds.train(run, learner, collectors, actors, args.queue_size, args.serial)
         return run.finish(*evaluation_player(args, built))

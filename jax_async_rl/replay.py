@@ -17,9 +17,10 @@ and the stack is rebuilt when sampling: frame j of `obs_t` is the newest frame o
 `t - min(stack - 1 - j, elapsed_t)`, because envpool starts an episode's stack with copies of its
 first frame. 1M Atari rows take 1M x (84 x 84 + 11) bytes, 7.07 GB (whole stacks: 28 GB).
 
-Sampling goes through a sum tree over every slot, vectorised per level (no Python loop per
-sample): uniform replay gives every complete transition priority 1, prioritised replay (Schaul
-et al. 2016, proportional) `(|td| + eps)^alpha`, new transitions the largest so far.
+`live` marks the slots that start a complete transition. Uniform replay draws them with
+replacement (slots drawn over the ring, those not live drawn again); prioritised replay (Schaul
+et al. 2016, proportional: `(|td| + eps)^alpha`, new transitions the largest so far) samples down
+a sum tree over every slot, vectorised per level (no Python loop per sample), stratified.
 """
 
 import numpy as np
@@ -124,12 +125,13 @@ class Replay:
         self.truncated = np.zeros((self.rows, num_envs), bool)
         self.back = np.zeros((self.rows, num_envs), np.uint8)  # min(elapsed, stack - 1)
         self.count = np.zeros(num_envs, np.int64)  # rows written to each env
-        self.tree = SumTree(self.rows * num_envs)
+        self.live = np.zeros(self.rows * num_envs, bool)  # slots that start a complete transition
+        self.tree = SumTree(self.rows * num_envs) if alpha else None  # prioritised replay's
         self.max_priority = 1.0
 
     def __len__(self) -> int:
         """Complete transitions that can be sampled."""
-        return int(np.count_nonzero(self.tree.tree[self.tree.leaves:] > 0))
+        return int(np.count_nonzero(self.live))
 
     @property
     def transitions(self) -> int:
@@ -167,8 +169,10 @@ class Replay:
         start, ready_e = start[ready], e[ready]
         ended = self.terminated[start % self.rows, ready_e] | self.truncated[start % self.rows, ready_e]
         fresh = self.slot(start[~ended], ready_e[~ended])
-        priority = self.max_priority ** self.alpha if self.alpha else 1.0
-        self.tree.update(np.concatenate([stale, fresh]), np.r_[np.zeros(len(stale)), np.full(len(fresh), priority)])
+        self.live[stale], self.live[fresh] = False, True
+        if self.tree is not None:
+            self.tree.update(np.concatenate([stale, fresh]),
+                             np.r_[np.zeros(len(stale)), np.full(len(fresh), self.max_priority ** self.alpha)])
 
     def row_of(self, slots):
         """(row number, env id) of slots: the newest row of the env kept in each."""
@@ -185,22 +189,35 @@ class Replay:
 
     def sample(self, batch_size: int, rng: np.random.Generator, beta: float = 0.0, num_batches: int = 0):
         """One batch, or with `num_batches` that many [num_batches, batch_size, ...] drawn at once
-        (one pass down the tree for a learner's round: the numpy calls are paid once)."""
-        total, count = self.tree.total, batch_size * max(num_batches, 1)
-        if total <= 0:
+        (a learner's round: the numpy calls are paid once)."""
+        count = batch_size * max(num_batches, 1)
+        if not self.live.any():
             raise RuntimeError("sample from a replay buffer without a complete transition")
-        # Stratified, as in Schaul et al.: one target in each of `count` equal segments, shuffled
-        # so that each batch spans the whole buffer.
-        targets = (np.arange(count) + rng.random(count)) * (total / count)
-        slots = self.tree.find(rng.permutation(targets) if num_batches else targets)
-        batch = self.gather(slots, beta, total)
+        if self.tree is not None:
+            # Stratified, as in Schaul et al.: one target in each of `count` equal segments,
+            # shuffled so that each batch spans the whole buffer; one pass down the tree.
+            targets = (np.arange(count) + rng.random(count)) * (self.tree.total / count)
+            slots = self.tree.find(rng.permutation(targets) if num_batches else targets)
+        else:
+            slots = self.uniform_slots(count, rng)
+        batch = self.gather(slots, beta)
         if num_batches:
             batch = jax.tree.map(lambda x: x.reshape(num_batches, batch_size, *x.shape[1:]), batch)
         # rlpyt: importance weights normalised by the largest of their batch
         batch["weights"] = (batch["weights"] / batch["weights"].max(axis=-1, keepdims=True)).astype(np.float32)
         return batch
 
-    def gather(self, slots, beta: float, total: float):
+    def uniform_slots(self, count: int, rng: np.random.Generator):
+        """`count` complete transitions drawn uniformly, with replacement (as CleanRL's and rlpyt's
+        uniform buffers): slots drawn over the whole ring and those that start no transition
+        redrawn, a few times cheaper than a pass down the tree."""
+        accept, slots = len(self) / len(self.live), np.empty(0, np.int64)
+        while len(slots) < count:
+            drawn = rng.integers(0, len(self.live), int((count - len(slots)) / accept * 1.1) + 16)
+            slots = np.concatenate([slots, drawn[self.live[drawn]]])
+        return slots[:count]
+
+    def gather(self, slots, beta: float):
         """The transitions starting at `slots`: n-step targets, stacks, importance weights."""
         batch_size = len(slots)
         t, e = self.row_of(slots)
@@ -217,8 +234,8 @@ class Replay:
             discount = np.where(alive & terminated, 0.0, discount)
             alive &= ~(terminated | truncated)
         weights = np.ones(batch_size, np.float32)
-        if self.alpha and beta:
-            probs = self.tree.get(slots) / total
+        if self.tree is not None and beta:
+            probs = self.tree.get(slots) / self.tree.total
             weights = (len(self) * probs) ** -beta  # normalised by `sample`
         return dict(obs=self.stacked(t, e), action=self.action[t % self.rows, e], reward=reward,
                     discount=discount, next_obs=self.stacked(next_t, e), slots=slots, weights=weights)
@@ -226,5 +243,5 @@ class Replay:
     def update_priorities(self, slots, td_errors):
         priorities = np.abs(np.asarray(td_errors, np.float64)) + self.eps
         self.max_priority = max(self.max_priority, float(priorities.max()))
-        live = self.tree.get(slots) > 0  # a slot overwritten since it was sampled stays out
+        live = self.live[slots]  # a slot overwritten since it was sampled stays out
         self.tree.update(np.asarray(slots)[live], priorities[live] ** self.alpha)

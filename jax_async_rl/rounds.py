@@ -15,7 +15,7 @@ The algorithm stays in the script, which passes two functions:
     act(params, obs, env_ids, step) -> actions    # its behaviour policy on one split's batch
                                                   # (env ids counted over the process's actor
                                                   # threads; step: env steps sampled in the run)
-    learn(state, batches, step, key) -> (state, diagnostics)   # the round's gradient steps on
+    learn(state, batches, step) -> (state, diagnostics)   # the round's gradient steps on
                                                   # batches [S, batch, ...]; step: the env steps
                                                   # once the round counts; a "priorities" entry
                                                   # [S, batch] (prioritised replay) is written back
@@ -75,7 +75,7 @@ class Learner:
     def __init__(self, run, replay, learn, rng, timing: dict, learning_rate: float, beta=None, scalars=None):
         self.run, self.replay, self.learn, self.rng, self.timing = run, replay, learn, rng, timing
         self.learning_rate, self.beta, self.scalars = learning_rate, beta, scalars
-        self.args, self.steps, self.key = run.args, gradient_steps(run.args), run.update_key
+        self.args, self.steps = run.args, gradient_steps(run.args)
         self.warm_at = run.start_step + run.args.learning_starts
         self.sampled = self.learned_from = 0  # transitions sampled; env steps since the first update
         timing["replay"] = 0.0
@@ -94,8 +94,7 @@ class Learner:
             batches = self.replay.sample(args.batch_size, self.rng, self.beta(step) if self.beta else 0.0, self.steps)
             slots = batches.pop("slots")
             self.timing["replay"] += (now := time.perf_counter()) - start
-            self.key, key = jax.random.split(self.key)
-            state, diagnostics = self.learn(state, devices.to_learner(run.mesh, batches), step, key)
+            state, diagnostics = self.learn(state, devices.to_learner(run.mesh, batches), step)
             diagnostics = jax.device_get(diagnostics)
             if "priorities" in diagnostics:
                 self.replay.update_priorities(slots.ravel(), diagnostics.pop("priorities").ravel())

@@ -80,6 +80,10 @@ class Run:
 
     def start_up(self):
         """Flags (resumed, resolved, checked), processes, devices; UsageError before anything starts."""
+        # XLA:CPU runs each call in the calling thread, not handed to a thread of its own (set
+        # before the backend starts): an actor's per-step inference waits for no hand-off on busy
+        # cores (docs/DESIGN.md, the run's start-up); the GIL is still released while a call runs.
+        jax.config.update("jax_cpu_enable_async_dispatch", False)
         folders.probe(self.args)  # another run in the folder: say so first
         args, self.payload, self.changed = checkpoints.resume_args(self.args, self.given, self.script)
         args = dataclasses.replace(args, exp_name=args.exp_name or Path(self.script).stem)

@@ -86,19 +86,21 @@ def test_c51_projection_against_bellemare_algorithm_1():
     np.testing.assert_allclose(got.sum(axis=1), 1.0, atol=1e-5)  # no mass lost
 
 
-def test_losses_and_priorities():
-    """Huber on the target for DQN; C51's cross-entropy to the projected target; TD errors for the priorities."""
+@pytest.mark.parametrize("huber_delta", [0.0, 1.0])
+def test_losses_and_priorities(huber_delta):
+    """The squared error (--huber-delta 0) or Huber on the target for DQN; C51's cross-entropy to
+    the projected target; TD errors for the priorities."""
     rng = np.random.default_rng(2)
     obs_space = np.zeros((1, 3), np.float32)
     batch = dict(obs=rng.normal(size=(6, 3)).astype(np.float32), next_obs=rng.normal(size=(6, 3)).astype(np.float32),
-                 action=rng.integers(0, 2, 6), reward=rng.normal(size=6).astype(np.float32),
+                 action=rng.integers(0, 2, 6), reward=rng.normal(size=6).astype(np.float32) * 3,
                  discount=np.full(6, 0.9, np.float32), weights=rng.random(6).astype(np.float32))
     support = jnp.linspace(-10.0, 10.0, 11)
     for c51 in (False, True):
         net = dqn.QNetwork(2, (("flat", 1.0),), dueling=True, num_atoms=11 if c51 else 0)
         params = net.init(jax.random.PRNGKey(0), obs_space)
         target = net.init(jax.random.PRNGKey(1), obs_space)
-        args = dqn.Args(double_dqn=True, c51=c51)
+        args = dqn.Args(double_dqn=True, c51=c51, huber_delta=huber_delta)
         loss, (errors, q_taken) = dqn.dqn_loss(params, target, net, batch, args, support)
         q, nt, no = (np.asarray(net.apply(p, batch[k])) for p, k in [(params, "obs"), (target, "next_obs"),
                                                                       (params, "next_obs")])
@@ -115,9 +117,10 @@ def test_losses_and_priorities():
         else:
             y = batch["reward"] + 0.9 * nt[np.arange(6), np.argmax(no, axis=1)]
             d = q[np.arange(6), a] - y
-            huber = np.where(np.abs(d) <= 1, 0.5 * d**2, np.abs(d) - 0.5)
+            assert np.abs(d).max() > 1  # both branches of Huber are exercised
+            per = (np.where(np.abs(d) <= 1, 0.5 * d**2, np.abs(d) - 0.5) if huber_delta else 0.5 * d**2)
             np.testing.assert_allclose(errors, d, rtol=1e-5, atol=1e-6)
-            assert float(loss) == pytest.approx(np.mean(batch["weights"] * huber), rel=1e-5)
+            assert float(loss) == pytest.approx(np.mean(batch["weights"] * per), rel=1e-5)
 
 
 def test_dueling_head_and_exploration_schedules():
@@ -151,7 +154,7 @@ def test_rounds_hold_the_replay_ratio_and_log(serial, tmp_path, capsys):
     assert "4 gradient steps a round" in out and ("serial" in out) == serial
     state = read_checkpoint(tmp_path / "r")["state"]
     assert int(state["global_step"]) == 192 and int(state["policy_version"]) == 3
-    # The target network was synced at the first update (every 500 env steps): the online one moved on.
+    # No multiple of 500 env steps was crossed, so the target was never synced: the online one moved on.
     flat = lambda tree: np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])
     assert not np.array_equal(flat(state["params"]), flat(state["target_params"]))
 

@@ -73,7 +73,7 @@ def test_n_step_targets_and_exactly_the_complete_transitions(n_step):
             for t in range(max(0, count - rows), count - n_step):
                 if not (stream.rows[e][t][1] or stream.rows[e][t][2]):
                     expected.add((t, e))
-        live = np.flatnonzero(replay.tree.tree[replay.tree.leaves:] > 0)
+        live = np.flatnonzero(replay.live)
         assert set(zip(*(a.tolist() for a in replay.row_of(live)))) == expected
         assert len(replay) == len(expected)
         batch = replay.sample(64, rng)
@@ -90,7 +90,7 @@ def test_n_step_targets_and_exactly_the_complete_transitions(n_step):
 @pytest.mark.parametrize("n_step, stack", [(1, 1), (3, 4)])
 def test_a_chunk_added_in_one_call_is_its_steps_added_one_by_one(n_step, stack):
     """The rounds add a whole chunk at once (each env several times, splits out of turn): the
-    buffer, its counts and its sum tree end exactly as after the chunk's steps one at a time,
+    buffer, its counts, its live slots and its sum tree end exactly as after the chunk's steps one at a time,
     over the ring's wrap, episode ends and stacks that reach back to overwritten rows."""
     num_envs, split, rows = 6, 3, 12
     stream, rng = Stream(num_envs, seed=stack), np.random.default_rng(1)
@@ -108,6 +108,7 @@ def test_a_chunk_added_in_one_call_is_its_steps_added_one_by_one(n_step, stack):
         chunked.add(*(np.concatenate(x) for x in zip(*steps)))
         for name in ("obs", "action", "reward", "terminated", "truncated", "back", "count"):
             np.testing.assert_array_equal(getattr(chunked, name), getattr(one, name), err_msg=name)
+        np.testing.assert_array_equal(chunked.live, one.live)
         np.testing.assert_array_equal(chunked.tree.tree, one.tree.tree)
 
 
@@ -166,6 +167,25 @@ def test_sum_tree_finds_in_proportion_and_updates_repeated_indices():
     assert tree.find([tree.total * (1 - 1e-16)])[0] == np.flatnonzero(values)[-1]
 
 
+def test_uniform_draws_every_complete_transition_equally_often_and_nothing_else():
+    """Uniform replay (rejection over the ring): the frequencies of 10^5 draws against equal ones
+    (chi-squared), in a buffer where a third of the slots start no transition; weights all 1."""
+    num_envs, rows = 3, 50
+    stream, rng = Stream(num_envs, seed=7), np.random.default_rng(3)
+    replay = Replay(rows * num_envs, num_envs, np.zeros((1, 2), np.float32), np.zeros(1, np.int32), n_step=3)
+    for _ in range(40):  # the ring not full: slots of rows not written yet start nothing either
+        obs, reward, terminated, truncated, elapsed = stream.step(np.arange(num_envs))
+        replay.add(np.arange(num_envs), obs, np.zeros(num_envs, np.int32), reward, terminated, truncated, elapsed)
+    live = np.flatnonzero(replay.live)
+    assert 0 < len(live) < 0.8 * rows * num_envs
+    batch = replay.sample(1000, rng, num_batches=100)
+    assert batch["obs"].shape == (100, 1000, 2) and np.all(batch["weights"] == 1)
+    hits = np.bincount(np.ravel(batch["slots"]), minlength=rows * num_envs)
+    assert hits.sum() == hits[live].sum() == 100_000
+    expected = 100_000 / len(live)
+    assert ((hits[live] - expected) ** 2 / expected).sum() < chi2_bound(len(live) - 1)
+
+
 def test_prioritised_frequencies_and_importance_weights():
     num_envs, rows, alpha, beta = 2, 64, 0.6, 0.4
     replay = Replay(rows * num_envs, num_envs, np.zeros((1, 2), np.float32), np.zeros(1, np.int32), alpha=alpha)
@@ -173,7 +193,7 @@ def test_prioritised_frequencies_and_importance_weights():
         replay.add(np.arange(num_envs), np.zeros((2, 2), np.float32), np.zeros(2, np.int32), np.zeros(2),
                    np.zeros(2, bool), np.zeros(2, bool), np.full(2, t))
     assert len(replay) == num_envs * (rows - 1)
-    live = np.flatnonzero(replay.tree.tree[replay.tree.leaves:] > 0)
+    live = np.flatnonzero(replay.live)
     rng = np.random.default_rng(1)
     td = rng.normal(size=len(live)) * 3
     replay.update_priorities(live, td)

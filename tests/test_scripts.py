@@ -102,7 +102,7 @@ SAME_TEXT = [
      ["ppo_loss", "compute_gae", "time_limit_bootstrap", "minibatches", "make_optimizer", "clip_coef_at", "PRESETS"]),
     (["appo_envpool.py", "appo_envpool_xla.py"], ["targets", "make_update", "resolve_args"]),  # APPO
     (["dqn_envpool.py", "sac_envpool.py", "td3_envpool.py"], ["encode"]),  # replay (its rounds: jax_async_rl.rounds)
-    (["sac_envpool.py", "td3_envpool.py"], ["Critic", "critics", "make_act", "resolve_args", "make_replay"]),
+    (["sac_envpool.py", "td3_envpool.py"], ["Critic", "critics", "make_act", "make_learn", "resolve_args", "make_replay"]),
 ]
 
 
