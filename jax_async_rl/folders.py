@@ -10,6 +10,7 @@ import fcntl
 import itertools
 import json
 import os
+import shutil
 import socket
 import sys
 import time
@@ -127,6 +128,20 @@ def make(args, resumed: bool):
         except FileExistsError:
             continue
         return run_dir, True, claim(run_dir)
+
+
+def remove_new(folder: str, kept):
+    """Remove what a new run wrote: `folder` itself if the run made it (`kept` None), else every
+    entry but `kept`, the names it held before (a launcher's log.txt stays)."""
+    if kept is None:
+        shutil.rmtree(folder, ignore_errors=True)
+        return
+    for name in set(os.listdir(folder)) - set(kept):
+        path = os.path.join(folder, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.remove(path)
 
 
 def read_config(path: str) -> dict:

@@ -18,7 +18,6 @@ and once per update the learner calls `run.should_stop(...)` (stop together, gat
 import dataclasses
 import importlib.util
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -116,8 +115,11 @@ class Run:
         self.num_updates = self.start_update + (self.args.total_timesteps - self.global_step) // self.batch_size
         self.sampled = np.zeros(devices.actor_threads(self.args), np.int64)  # env steps each actor sent actions for
         if jax.process_index() == 0:
+            own = folders.own_folder(self.args)
+            before = set(os.listdir(own)) if own and os.path.isdir(own) else None  # a launcher's log.txt
             self.run_dir, created, self.lock = folders.make(self.args, self.payload is not None)
-            self.signals.new_run_dir = self.run_dir if created and self.payload is None else None
+            if self.payload is None:  # a new run stopped before its first update removes what it wrote
+                self.signals.new_run = (self.run_dir, None if created else before)
             path = checkpoints.checkpoint_path(self.args.resume) if self.payload else None
             if path and not os.path.exists(path) and folders.same_folder(os.path.dirname(path), self.run_dir):
                 checkpoints.finish_rename(path)  # resumed from a complete .tmp: make it the checkpoint
@@ -353,10 +355,11 @@ class Signals:
     writes a checkpoint and exits 128 + signal. Before `started` (the first update) there is
     nothing to save, and the main thread may be inside an XLA compile that Python cannot
     interrupt: a thread woken through `signal.set_wakeup_fd` then exits at once, no traceback,
-    removing the folder of a new run (`new_run_dir`), which holds nothing to resume from."""
+    removing what a new run wrote (`new_run`: its folder, and what the folder held before), which
+    holds nothing to resume from and would stop the same command from starting again."""
 
     def __init__(self):
-        self.received, self.stop, self.started, self.new_run_dir = [], threading.Event(), threading.Event(), None
+        self.received, self.stop, self.started, self.new_run = [], threading.Event(), threading.Event(), None
         self.handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         self.read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)
@@ -371,8 +374,8 @@ class Signals:
     def watch(self):
         while data := os.read(self.read_fd, 1):  # one byte per signal; b"" once `close` runs
             if not self.started.is_set():
-                if self.new_run_dir:
-                    shutil.rmtree(self.new_run_dir, ignore_errors=True)
+                if self.new_run:
+                    folders.remove_new(*self.new_run)
                 print(f"stopped by signal {data[0]} during start-up: nothing to save", file=sys.stderr, flush=True)
                 os._exit(128 + data[0])
 

@@ -240,8 +240,10 @@ def test_compile_cache_keeps_the_update(tmp_path, monkeypatch):
 @pytest.mark.timeout(300)
 def test_ctrl_c_during_start_up(tmp_path):
     """Ctrl-C one second after the header line (the policy and the update are compiling): exit
-    130 within seconds, one line on stderr, no traceback; the new run's folder is removed, but a
-    folder the run did not create keeps what was in it."""
+    130 within seconds, one line on stderr, no traceback; the new run's folder is removed, and a
+    folder the run did not create (a launcher's, holding its log.txt) keeps what was in it and
+    nothing else, so that the same command starts again (it left config.json: "holds a run that
+    saved no checkpoint", for good)."""
     logs = tmp_path / "logs"
     proc = start_script(HOST, ["--env-id", "Pong-v5", "--run-dir", tmp_path / "run", *COLD], logs)
     wait_until(lambda: count_complete_lines(logs / "stdout.txt", "updates of") == 1, proc, 240)
@@ -255,11 +257,14 @@ def test_ctrl_c_during_start_up(tmp_path):
     folder = tmp_path / "runs"
     (folder / "another_run").mkdir(parents=True)
     (folder / "another_run" / "notes.txt").write_text("keep me")
+    (folder / "log.txt").write_text("a launcher's log\n")
     proc = start_script(HOST, ["--env-id", "Pong-v5", "--run-dir", folder, *COLD], logs)
     wait_until(lambda: count_complete_lines(logs / "stdout.txt", "updates of") == 1, proc, 240)
+    assert (folder / "config.json").exists()
     returncode, _, stderr = interrupt(proc, signal.SIGINT, logs)
     assert returncode == 128 + signal.SIGINT and "during start-up" in stderr, stderr
     assert (folder / "another_run" / "notes.txt").read_text() == "keep me"
+    assert sorted(path.name for path in folder.iterdir()) == ["another_run", "log.txt"]
 
 
 @pytest.mark.timeout(300)
