@@ -153,7 +153,8 @@ class Run:
               f"updates of {devices.describe_batch(self.args)} -> {self.run_dir or 'the run folder of process 0'}", flush=True)
         processes = jax.process_count()  # sampled: as if every process sampled at this one's pace
         self.progress = Progress(self.args.total_timesteps,
-                                 lambda: (self.start_step + int(self.sampled.sum()) * processes, self.global_step))
+                                 lambda: (self.start_step + int(self.sampled.sum()) * processes, self.global_step),
+                                 learning_from=self.start_step + getattr(self.args, "learning_starts", 0))
         self.start_time = time.time()
 
     @property
