@@ -59,15 +59,20 @@ def probe(args):
     """UsageError, naming the holder, if another run holds the folder this run would write (a
     check at start-up: `claim` takes the lock when the run opens its folder)."""
     folder = own_folder(args)
-    path = os.path.join(folder, LOCK) if folder else None
-    if path is None or not os.path.isfile(path):
-        return
+    if folder and (holder := held(folder)):
+        raise UsageError(f"{folder} is in use by another run ({holder}); wait for it to end, or pick another folder")
+
+
+def held(folder: str):
+    """The holder of `folder`'s lock ("pid N on host", or "unknown") if another process holds it, else None."""
+    path = os.path.join(folder, LOCK)
+    if not os.path.isfile(path):
+        return None
     with open(path, "r+") as f:  # an exclusive lock needs a file open for writing (NFS)
         if lock(f, path):
             fcntl.flock(f, fcntl.LOCK_UN)
-        else:
-            raise UsageError(f"{folder} is in use by another run ({f.read().strip() or 'unknown'}); "
-                             "wait for it to end, or pick another folder")
+            return None
+        return f.read().strip() or "unknown"
 
 
 def lock(f, path: str) -> bool:
@@ -86,17 +91,17 @@ def lock(f, path: str) -> bool:
     return False
 
 
-def claim(folder: str):
+def claim(folder: str, owner: str = "run"):
     """An exclusive lock on `folder`, held until the returned file is closed (or the process
     ends, however it ends: a dead run's lock never blocks). UsageError, naming the holder's pid
-    and host, if another run holds it."""
+    and host, if another `owner` (a run, a sweep's launcher) holds it."""
     path = os.path.join(folder, LOCK)
     f = open(path, "a+")
     if not lock(f, path):
         f.seek(0)
         holder = f.read().strip() or "unknown"
         f.close()
-        raise UsageError(f"{folder} is in use by another run ({holder}); wait for it to end, or pick another folder")
+        raise UsageError(f"{folder} is in use by another {owner} ({holder}); wait for it to end, or pick another folder")
     f.seek(0)
     f.truncate()
     f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
