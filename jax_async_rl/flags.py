@@ -143,6 +143,24 @@ def check_bounds(args):
             raise UsageError(f"--{flag_name(field.name)} must be a finite number, got {value}")
 
 
+def default_exp_name(stem: str, args) -> str:
+    """--exp-name left out: the script's name (`stem`) and the names of the variants the flags
+    make (the script's `Args.NAMED`: {name: {flag: value}}, e.g. TD3's `ddpg`, the replay
+    scripts' `serial`), so that runs of two variants are told apart by their folders and headers."""
+    named = [name for name, values in getattr(type(args), "NAMED", {}).items()
+             if all(getattr(args, flag) == value for flag, value in values.items())]
+    return "__".join([stem, *named])
+
+
+def budget_note(total: int, step: int, batch: int, batch_text: str):
+    """The line saying what a budget that is not a whole number of updates trains, else None."""
+    if (total - step) % batch == 0:
+        return None
+    updates = (total - step) // batch
+    return (f"note: --total-timesteps {total} is not a whole number of updates of {batch_text}: {updates} updates "
+            f"will train, to step {step + updates * batch}")
+
+
 # --help's groups: flags not named here are the algorithm's (or, in RunArgs, the run's).
 ENVIRONMENT = ("env_id", "env_module", "env_kwargs", "seed", "num_envs", "num_splits", "num_threads", "norm_obs", "norm_reward")
 DEVICES = ("actor_device_ids", "learner_device_ids", "num_actor_threads", "distributed", "coordinator_address",

@@ -10,6 +10,7 @@ import fcntl
 import itertools
 import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -125,7 +126,7 @@ def make(args, resumed: bool):
             lock.close()
             raise
         return run_dir, not existed, lock
-    base = os.path.join("runs", f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}")
+    base = os.path.join("runs", path_safe(f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"))
     for n in itertools.count(1):
         run_dir = base if n == 1 else f"{base}_{n}"
         try:
@@ -147,6 +148,12 @@ def remove_new(folder: str, kept):
             shutil.rmtree(path, ignore_errors=True)
         else:
             os.remove(path)
+
+
+def path_safe(name: str) -> str:
+    """`name` with each run of characters awkward in a path (`:` of a user's env id, `/`, spaces,
+    quotes) replaced by `-`."""
+    return re.sub(r"[^A-Za-z0-9._=+,-]+", "-", name)
 
 
 def read_config(path: str) -> dict:

@@ -30,7 +30,8 @@ import numpy as np
 
 from jax_async_rl import checkpoints, devices, evaluation, folders, tasks
 from jax_async_rl.checkpoints import CHECKPOINT
-from jax_async_rl.flags import UsageError, check_bounds, describe_os_error, is_file_system_error
+from jax_async_rl.flags import (UsageError, budget_note, check_bounds, default_exp_name, describe_os_error,
+                                is_file_system_error)
 from jax_async_rl.logs import Logger, Progress
 from jax_async_rl.threads import Threads
 
@@ -81,7 +82,7 @@ class Run:
         """Flags (resumed, resolved, checked), processes, devices; UsageError before anything starts."""
         folders.probe(self.args)  # another run in the folder: say so first
         args, self.payload, self.changed = checkpoints.resume_args(self.args, self.given, self.script)
-        args = dataclasses.replace(args, exp_name=args.exp_name or Path(self.script).stem)
+        args = dataclasses.replace(args, exp_name=args.exp_name or default_exp_name(Path(self.script).stem, args))
         devices.start_processes(args)
         self.args, self.actor_devices, self.mesh = prepare(args, self.resolve, self.payload is not None)
         self.batch_size = devices.global_envs(self.args) * self.args.num_steps
@@ -95,6 +96,8 @@ class Run:
             print(f"{self.args.resume}: finished, {self.global_step} of --total-timesteps {self.args.total_timesteps} "
                   "steps trained; pass a larger --total-timesteps to train on")
             return
+        if note := budget_note(self.args.total_timesteps, self.global_step, self.batch_size, devices.describe_batch(self.args)):
+            print(note, file=sys.stderr, flush=True)
         print(f"jax {jax.__version__} on {jax.default_backend()}: {', '.join(map(str, jax.local_devices()))}", flush=True)
         self.seed = (self.args.seed + self.global_step) % 2**31  # a resumed run draws new env seeds and noise
         self.key, self.init_key, self.update_key = jax.random.split(jax.random.PRNGKey(self.seed), 3)
@@ -149,7 +152,8 @@ class Run:
 
     def begin(self, details: str):
         """The header line (`details`: the preset, the splits, ...), the clock and the progress line."""
-        print(f"{os.path.basename(self.script)}: {self.args.env_id} ({details}), {self.num_updates - self.start_update} "
+        name = os.path.basename(self.script) + ("" if self.args.exp_name == Path(self.script).stem else f" ({self.args.exp_name})")
+        print(f"{name}: {self.args.env_id} ({details}), {self.num_updates - self.start_update} "
               f"updates of {devices.describe_batch(self.args)} -> {self.run_dir or 'the run folder of process 0'}", flush=True)
         processes = jax.process_count()  # sampled: as if every process sampled at this one's pace
         self.progress = Progress(self.args.total_timesteps,
