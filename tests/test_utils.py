@@ -275,6 +275,24 @@ def test_plot_rejects_folder_without_returns(make_folder, fragment, tmp_path):
     assert not out.exists()
 
 
+TOOLS = ["utils/plot.py", "utils/evaluate.py", "utils/launch.py", "utils/benchmark.py"]
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_a_tools_help_is_in_the_scripts_style(tool):
+    """--help of a tool reads as a script's (flags.help_text: usage, description, its arguments,
+    its flags each with a plain metavar, text and default, within 100 columns), not tyro's box;
+    a misspelt flag is one line naming the nearest."""
+    result = run_script(tool, ["--help"], timeout=100)
+    assert_ok(result)
+    text = result.stdout
+    assert text.startswith(f"usage: {tool.split('/')[1]} ") and "\nflags:\n" in text, text
+    assert "╭" not in text and "{None}" not in text and max(len(line) for line in text.splitlines()) <= 100
+    assert text.endswith("  -h, --help\n      show this help and exit\n")
+    result = run_script(tool, ["--outt", "x"], timeout=100)
+    assert_usage_error(result, "unknown flag --outt; did you mean --out?")
+
+
 # ---------------------------------------------------------------------------------------------
 # evaluate.py
 # ---------------------------------------------------------------------------------------------

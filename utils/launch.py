@@ -31,12 +31,13 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
 import tyro
 
 from jax_async_rl import folders
 from jax_async_rl.checkpoints import CHECKPOINT, CONFIG, complete_tmp
-from jax_async_rl.flags import UsageError, reported
+from jax_async_rl.flags import UsageError, run_tool
 from jax_async_rl.logs import clock_time
 
 SWEEP = "sweep.json"
@@ -48,7 +49,7 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 class LaunchArgs:
     """Run a grid of flags x seeds of one training script (flags after `--` go to every run)."""
 
-    script: tyro.conf.Positional[str]
+    script: Annotated[tyro.conf.Positional[str], tyro.conf.arg(metavar="SCRIPT")]
     """the training script (a repository script or a user's copy)"""
     name: str
     """the sweep's name: its runs go under DIR/NAME/"""
@@ -334,7 +335,5 @@ def summary(runs: list, stop: list) -> int:
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
-    common = argv[argv.index("--") + 1:] if "--" in argv else []
-    own = argv[: argv.index("--")] if "--" in argv else argv
-    parsed = tyro.cli(LaunchArgs, args=own)
-    sys.exit(reported(lambda: main(parsed, common)))
+    split = argv.index("--") if "--" in argv else len(argv)
+    run_tool(lambda args: main(args, argv[split + 1:]), LaunchArgs, argv[:split])
