@@ -152,13 +152,16 @@ def default_exp_name(stem: str, args) -> str:
     return "__".join([stem, *named])
 
 
-def budget_note(total: int, step: int, batch: int, batch_text: str):
-    """The line saying what a budget that is not a whole number of updates trains, else None."""
-    if (total - step) % batch == 0:
+def budget_note(args, given, step: int, batch: int, batch_text: str):
+    """The line saying what a --total-timesteps named on the command line (`given`; None: one
+    that differs from the default) trains from `step` when it is not a whole number of updates of
+    `batch`, else None (a default's remainder is no number the user chose)."""
+    named = "total_timesteps" in given if given is not None else args.total_timesteps != type(args)().total_timesteps
+    if not named or (args.total_timesteps - step) % batch == 0:
         return None
-    updates = (total - step) // batch
-    return (f"note: --total-timesteps {total} is not a whole number of updates of {batch_text}: {updates} updates "
-            f"will train, to step {step + updates * batch}")
+    updates = (args.total_timesteps - step) // batch
+    return (f"note: --total-timesteps {args.total_timesteps} is not a whole number of updates of {batch_text}: "
+            f"{updates} updates will train, to step {step + updates * batch}")
 
 
 # --help's groups: flags not named here are the algorithm's (or, in RunArgs, the run's).

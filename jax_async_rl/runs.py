@@ -96,7 +96,8 @@ class Run:
             print(f"{self.args.resume}: finished, {self.global_step} of --total-timesteps {self.args.total_timesteps} "
                   "steps trained; pass a larger --total-timesteps to train on")
             return
-        if note := budget_note(self.args.total_timesteps, self.global_step, self.batch_size, devices.describe_batch(self.args)):
+        note = budget_note(self.args, self.given, self.global_step, self.batch_size, devices.describe_batch(self.args))
+        if note:
             print(note, file=sys.stderr, flush=True)
         print(f"jax {jax.__version__} on {jax.default_backend()}: {', '.join(map(str, jax.local_devices()))}", flush=True)
         self.seed = (self.args.seed + self.global_step) % 2**31  # a resumed run draws new env seeds and noise
@@ -152,7 +153,8 @@ class Run:
 
     def begin(self, details: str):
         """The header line (`details`: the preset, the splits, ...), the clock and the progress line."""
-        name = os.path.basename(self.script) + ("" if self.args.exp_name == Path(self.script).stem else f" ({self.args.exp_name})")
+        variant = "" if self.args.exp_name == Path(self.script).stem else f" ({self.args.exp_name})"
+        name = os.path.basename(self.script) + variant
         print(f"{name}: {self.args.env_id} ({details}), {self.num_updates - self.start_update} "
               f"updates of {devices.describe_batch(self.args)} -> {self.run_dir or 'the run folder of process 0'}", flush=True)
         processes = jax.process_count()  # sampled: as if every process sampled at this one's pace

@@ -291,8 +291,9 @@ def test_the_sweep_eta_counts_each_runs_time_left(tmp_path):
     now, runs = 1000.0, []
     for name, eta in (("a", "0:01:00"), ("b", "0:00:30"), ("c", None)):
         log = tmp_path / f"{name}.txt"
+        progress = f"step 128 sampled 64 learned of 99  SPS 10  ETA {eta}\n" if eta else ""
         log.write_text("jax ...\nstep 64 sampled 0 learned of 99  SPS     n/a  return(last 20) n/a  ETA n/a (compiling "
-                       "the first update)\n" + (f"step 128 sampled 64 learned of 99  SPS 10  ETA {eta}\n" if eta else ""))
+                       "the first update)\n" + progress)
         runs.append({"state": "running" if eta else "queued", "start": now - 30, "log": str(log)})
     # a: 60 s left, b: 30 s, then c (a run takes about (30 + 60 + 30 + 30) / 2 = 75 s) on b's slot: 105 s
     assert launcher.sweep_eta(runs, [], 2, now) == "0:01:45"
@@ -317,8 +318,8 @@ def test_the_slurm_script_quotes_every_value(tmp_path):
     as they are; nothing runs that the user did not write."""
     out = tmp_path / "it's $HOME dir"
     common = [*COMMON, "--wandb-project", "$(touch MARKER); `touch MARKER2`"]
-    result = subprocess.run([sys.executable, LAUNCH, str(REPO_ROOT / SCRIPT), "--out", str(out), "--name", "q", "--slurm", "--",
-                             *common], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, LAUNCH, str(REPO_ROOT / SCRIPT), "--out", str(out), "--name", "q",
+                             "--slurm", "--", *common], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     text = (out / "q" / "sweep.sbatch").read_text()
     assert f"#SBATCH --output='{tmp_path}/it'\"'\"'s $HOME dir/q/slurm_%a.out'" in text
@@ -327,7 +328,8 @@ def test_the_slurm_script_quotes_every_value(tmp_path):
     (bin_dir / "python").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > argv.txt\n')
     (bin_dir / "python").chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_ARRAY_TASK_ID="0")
-    ran = subprocess.run(["bash", str(out / "q" / "sweep.sbatch")], cwd=tmp_path, env=env, capture_output=True, text=True)
+    ran = subprocess.run(["bash", str(out / "q" / "sweep.sbatch")], cwd=tmp_path, env=env, capture_output=True,
+                         text=True)
     assert ran.returncode == 0, ran.stderr
     argv = (tmp_path / "argv.txt").read_text().splitlines()
     assert argv[argv.index("--wandb-project") + 1] == "$(touch MARKER); `touch MARKER2`"

@@ -85,7 +85,8 @@ def test_the_eta_counts_the_phases_left():
     clock, steps = [0.0], [0]
     progress = Progress(12_000, lambda: (steps[0], steps[0]), interval=3600, clock=lambda: clock[0], start=False,
                         learning_from=5_000)
-    assert progress.line().endswith("SPS     n/a  return(last 20) n/a  ETA n/a (compiling; learning starts at step 5000)")
+    assert progress.line().endswith("SPS     n/a  return(last 20) n/a  ETA n/a (compiling; learning starts at step "
+                                    "5000)")
     while steps[0] + 64 <= 5_000:
         clock[0] += 0.1
         steps[0] += 64
