@@ -289,8 +289,9 @@ def stop_all(procs):
 
 def progress_line(runs: list, durations: list, parallel: int, elapsed: float) -> str:
     count = {s: sum(r["state"] == s for r in runs) for s in ("done", "running", "queued", "failed", "stopped")}
+    stopped = f", {count['stopped']} stopped" if count["stopped"] else ""
     return (f"sweep: {count['done']} done, {count['running']} running, {count['queued']} queued, "
-            f"{count['failed']} failed  ({elapsed:.0f} s)  ETA {sweep_eta(runs, durations, parallel, time.time())}")
+            f"{count['failed']} failed{stopped}  ({elapsed:.0f} s)  ETA {sweep_eta(runs, durations, parallel, time.time())}")
 
 
 def sweep_eta(runs: list, durations: list, parallel: int, now: float) -> str:
