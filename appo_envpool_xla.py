@@ -23,7 +23,7 @@ import queue
 import signal
 import time
 from dataclasses import dataclass
-from typing import Annotated, Optional
+from typing import Annotated, ClassVar, Optional
 
 if __name__ == "__main__":  # Ctrl-C while the libraries below import (seconds): exit 130, no traceback
     signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -113,6 +113,8 @@ class Args(flags.RunArgs):
     """actor threads on each actor device, each with num_envs envs and splits of its own; an update
     takes one rollout from each, so its global batch is processes x actor devices x actor threads x
     num_envs x num_steps env steps (config.json records it)"""
+    # The variants these flags make: the default --exp-name (the run's folder, its header line) names them.
+    NAMED: ClassVar[dict] = {"lstm": dict(lstm=True)}
 
 
 # Defaults of the flags left at None: a task's own preset (by name, without its version), else its

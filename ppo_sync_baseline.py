@@ -17,7 +17,7 @@ import functools
 import signal
 import time
 from dataclasses import dataclass
-from typing import Annotated, Optional
+from typing import Annotated, ClassVar, Optional
 
 if __name__ == "__main__":  # Ctrl-C while the libraries below import (seconds): exit 130, no traceback
     signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -85,6 +85,8 @@ class Args(flags.RunArgs):
     num_threads: Annotated[int, NON_NEGATIVE] = 0
     """envpool worker threads stepping the environments (your Gymnasium env's: worker processes; 0:
     one per CPU core, at most num_envs)"""
+    # The variants these flags make: the default --exp-name (the run's folder, its header line) names them.
+    NAMED: ClassVar[dict] = {"lstm": dict(lstm=True)}
 
 
 # Defaults of the flags left at None: a task's own preset (by name, without its version), else its

@@ -21,7 +21,7 @@ The run itself (flags, folders, checkpoints, logs, devices) is the installed pac
 
 import signal
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 if __name__ == "__main__":  # Ctrl-C while the libraries below import (seconds): exit 130, no traceback
     signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -93,6 +93,8 @@ class Args(flags.RunArgs):
     """write a checkpoint every this many rounds (0: only at the end)"""
     log_frequency: Annotated[int, POSITIVE] = 20
     """log losses, timings and SPS every this many rounds and after the last (returns: always)"""
+    # The variants these flags make: the default --exp-name (the run's folder, its header line) names them.
+    NAMED: ClassVar[dict] = {"ddpg": dict(twin_q=False, policy_delay=1, target_noise=0.0), "serial": dict(serial=True)}
 
 
 PRESETS = {}  # one configuration for every task: Args' defaults

@@ -144,7 +144,10 @@ def load_checkpoint(payload: dict, template: dict, path: str) -> dict:
         )
     if not all(jax.tree.leaves(shapes_match)):
         raise UsageError(f"--resume: {path} has parameters of other shapes; use the flags of the run that wrote it")
-    return state
+    # A Python number of the template (a fresh run's counters) is weakly typed in JAX, and stays so
+    # through every update; the file holds it as a numpy scalar. Restored as a Python number, the
+    # first update after a resume is the one the fresh run compiled (and the compile cache holds).
+    return jax.tree.map(lambda a, b: type(a)(b) if isinstance(a, (bool, int, float)) else b, template, state)
 
 
 def resume_args(args, given, script: str):

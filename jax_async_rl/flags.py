@@ -143,6 +143,27 @@ def check_bounds(args):
             raise UsageError(f"--{flag_name(field.name)} must be a finite number, got {value}")
 
 
+def default_exp_name(stem: str, args) -> str:
+    """--exp-name left out: the script's name (`stem`) and the names of the variants the flags
+    make (the script's `Args.NAMED`: {name: {flag: value}}, e.g. TD3's `ddpg`, the replay
+    scripts' `serial`), so that runs of two variants are told apart by their folders and headers."""
+    named = [name for name, values in getattr(type(args), "NAMED", {}).items()
+             if all(getattr(args, flag) == value for flag, value in values.items())]
+    return "__".join([stem, *named])
+
+
+def budget_note(args, given, step: int, batch: int, batch_text: str):
+    """The line saying what a --total-timesteps named on the command line (`given`; None: one
+    that differs from the default) trains from `step` when it is not a whole number of updates of
+    `batch`, else None (a default's remainder is no number the user chose)."""
+    named = "total_timesteps" in given if given is not None else args.total_timesteps != type(args)().total_timesteps
+    if not named or (args.total_timesteps - step) % batch == 0:
+        return None
+    updates = (args.total_timesteps - step) // batch
+    return (f"note: --total-timesteps {args.total_timesteps} is not a whole number of updates of {batch_text}: "
+            f"{updates} updates will train, to step {step + updates * batch}")
+
+
 # --help's groups: flags not named here are the algorithm's (or, in RunArgs, the run's).
 ENVIRONMENT = ("env_id", "env_module", "env_kwargs", "seed", "num_envs", "num_splits", "num_threads", "norm_obs", "norm_reward")
 DEVICES = ("actor_device_ids", "learner_device_ids", "num_actor_threads", "distributed", "coordinator_address",
@@ -167,32 +188,42 @@ def field_docs(cls) -> dict:
 
 def metavar(hint) -> str:
     """A plain metavar for a type hint: INT, FLOAT, STR, INT..., True|False."""
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    args = [a for a in typing.get_args(hint) if a is not type(None) and a is not Ellipsis]
     if typing.get_origin(hint) is typing.Literal:
         return "{" + ",".join(map(str, args)) + "}"
-    if typing.get_origin(hint) is list:
+    if typing.get_origin(hint) in (list, tuple):
         return metavar(args[0]) + "..."
     if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
         return "True|False" if args[0] is bool else metavar(args[0])
     return {int: "INT", float: "FLOAT", str: "STR", bool: ""}.get(hint, "VALUE")
 
 
+POSITIONAL = typing.get_args(tyro.conf.Positional[int])[1]  # tyro's mark of an argument given without a flag
+
+
 def help_text(prog: str, args_class, presets: dict) -> str:
-    """--help: the description and presets, then the flags in groups (algorithm, environment,
-    run, devices), each with a plain metavar, its meaning and its default, wrapped to 100 columns."""
-    docs, defaults = field_docs(args_class), args_class()
-    hints = typing.get_type_hints(args_class, include_extras=True)
+    """--help: the description and presets, then the arguments and the flags in groups (a
+    script's: algorithm, environment, run, devices; a tool's: one), each with a plain metavar, its
+    meaning and its default, wrapped to 100 columns."""
+    docs, hints = field_docs(args_class), typing.get_type_hints(args_class, include_extras=True)
     run_fields = {f.name for f in dataclasses.fields(RunArgs)}
-    groups = {"algorithm": [], "environment": [], "run": [], "devices": []}
+    script = issubclass(args_class, RunArgs)
+    groups = {"arguments": [], "algorithm flags": [], "environment flags": [], "run flags": [], "devices flags": [],
+              "flags": []}
     for field in dataclasses.fields(args_class):
-        name = field.name
-        group = ("environment" if name in ENVIRONMENT else "devices" if name in DEVICES
-                 else "run" if name in run_fields else "algorithm")
+        name, meta = field.name, getattr(hints[field.name], "__metadata__", ())
         hint = hints[name].__origin__ if typing.get_origin(hints[name]) is Annotated else hints[name]
-        shown = [m.help_behavior_hint for m in getattr(hints[name], "__metadata__", ()) if getattr(m, "help_behavior_hint", None)]
-        value = getattr(defaults, name)
+        label = next((m.metavar for m in meta if getattr(m, "metavar", None)), None) or metavar(hint)
+        shown = [m.help_behavior_hint for m in meta if getattr(m, "help_behavior_hint", None)]
+        value = field.default if field.default_factory is dataclasses.MISSING else field.default_factory()
         default = shown[0] if shown else f"(default: {value!r})" if isinstance(value, str) else f"(default: {value})"
-        flag = f"--{flag_name(name)}" + (f" / --no-{flag_name(name)}" if hint is bool else f" {metavar(hint)}")
+        if POSITIONAL in meta:
+            group, flag, default = "arguments", label, ""
+        else:
+            group = ("flags" if not script else "environment flags" if name in ENVIRONMENT else "devices flags"
+                     if name in DEVICES else "run flags" if name in run_fields else "algorithm flags")
+            flag = f"--{flag_name(name)}" + (f" / --no-{flag_name(name)}" if hint is bool else f" {label}")
+            default = "(required)" if value is dataclasses.MISSING else default
         text = textwrap.fill(f"{docs.get(name, '')} {default}".strip(), 100, initial_indent=" " * 6,
                              subsequent_indent=" " * 6)
         groups[group].append(f"  {flag}\n{text}")
@@ -200,10 +231,12 @@ def help_text(prog: str, args_class, presets: dict) -> str:
                                   initial_indent="  ", subsequent_indent="      ") for name, values in presets.items()]
     paragraphs = inspect.cleandoc(args_class.__doc__).split("\n\n")
     description = "\n\n".join(textwrap.fill(" ".join(p.split()), 100) for p in paragraphs)
-    out = [f"usage: {prog} [--flag VALUE ...]", "", description, *(["", "presets:", *preset_lines] if presets else [])]
+    arguments = "".join(f"{entry.split(chr(10))[0].strip()} " for entry in groups["arguments"])
+    out = [f"usage: {prog} {arguments}[--flag VALUE ...]", "", description,
+           *(["", "presets:", *preset_lines] if presets else [])]
     for group, entries in groups.items():
         if entries:
-            out += ["", f"{group} flags:", *entries]
+            out += ["", f"{group}:", *entries]
     return "\n".join([*out, "", "  -h, --help\n      show this help and exit"]) + "\n"
 
 
@@ -295,7 +328,16 @@ def command_line(main, args_class, presets: dict):
     sys.exit(exit_code)
 
 
-def run_tool(main, config_class):
-    """A tool's entry point (utils/): parse `config_class`, exit with `main(config)`'s code (see `reported`)."""
-    config = tyro.cli(config_class)
-    sys.exit(reported(lambda: main(config)))
+def run_tool(main, config_class, argv=None):
+    """A tool's entry point (utils/): parse `argv` (the command line's) into `config_class`, exit
+    with `main(config)`'s code (see `reported`); --help as the scripts' (`help_text`)."""
+    argv = sys.argv[1:] if argv is None else argv
+
+    def call():
+        if {"-h", "--help"} & set(argv):
+            print(help_text(os.path.basename(sys.argv[0]), config_class, {}), end="")
+            return 0
+        check_names(argv, config_class)
+        return main(tyro.cli(config_class, args=argv))
+
+    sys.exit(reported(call))

@@ -10,6 +10,8 @@ import fcntl
 import itertools
 import json
 import os
+import re
+import shutil
 import socket
 import sys
 import time
@@ -58,15 +60,20 @@ def probe(args):
     """UsageError, naming the holder, if another run holds the folder this run would write (a
     check at start-up: `claim` takes the lock when the run opens its folder)."""
     folder = own_folder(args)
-    path = os.path.join(folder, LOCK) if folder else None
-    if path is None or not os.path.isfile(path):
-        return
+    if folder and (holder := held(folder)):
+        raise UsageError(f"{folder} is in use by another run ({holder}); wait for it to end, or pick another folder")
+
+
+def held(folder: str):
+    """The holder of `folder`'s lock ("pid N on host", or "unknown") if another process holds it, else None."""
+    path = os.path.join(folder, LOCK)
+    if not os.path.isfile(path):
+        return None
     with open(path, "r+") as f:  # an exclusive lock needs a file open for writing (NFS)
         if lock(f, path):
             fcntl.flock(f, fcntl.LOCK_UN)
-        else:
-            raise UsageError(f"{folder} is in use by another run ({f.read().strip() or 'unknown'}); "
-                             "wait for it to end, or pick another folder")
+            return None
+        return f.read().strip() or "unknown"
 
 
 def lock(f, path: str) -> bool:
@@ -85,17 +92,17 @@ def lock(f, path: str) -> bool:
     return False
 
 
-def claim(folder: str):
+def claim(folder: str, owner: str = "run"):
     """An exclusive lock on `folder`, held until the returned file is closed (or the process
     ends, however it ends: a dead run's lock never blocks). UsageError, naming the holder's pid
-    and host, if another run holds it."""
+    and host, if another `owner` (a run, a sweep's launcher) holds it."""
     path = os.path.join(folder, LOCK)
     f = open(path, "a+")
     if not lock(f, path):
         f.seek(0)
         holder = f.read().strip() or "unknown"
         f.close()
-        raise UsageError(f"{folder} is in use by another run ({holder}); wait for it to end, or pick another folder")
+        raise UsageError(f"{folder} is in use by another {owner} ({holder}); wait for it to end, or pick another folder")
     f.seek(0)
     f.truncate()
     f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
@@ -119,7 +126,7 @@ def make(args, resumed: bool):
             lock.close()
             raise
         return run_dir, not existed, lock
-    base = os.path.join("runs", f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}")
+    base = os.path.join("runs", path_safe(f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"))
     for n in itertools.count(1):
         run_dir = base if n == 1 else f"{base}_{n}"
         try:
@@ -127,6 +134,26 @@ def make(args, resumed: bool):
         except FileExistsError:
             continue
         return run_dir, True, claim(run_dir)
+
+
+def remove_new(folder: str, kept):
+    """Remove what a new run wrote: `folder` itself if the run made it (`kept` None), else every
+    entry but `kept`, the names it held before (a launcher's log.txt stays)."""
+    if kept is None:
+        shutil.rmtree(folder, ignore_errors=True)
+        return
+    for name in set(os.listdir(folder)) - set(kept):
+        path = os.path.join(folder, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.remove(path)
+
+
+def path_safe(name: str) -> str:
+    """`name` with each run of characters awkward in a path (`:` of a user's env id, `/`, spaces,
+    quotes) replaced by `-`."""
+    return re.sub(r"[^A-Za-z0-9._=+,-]+", "-", name)
 
 
 def read_config(path: str) -> dict:

@@ -64,16 +64,25 @@ class Logger:
 
 class Progress:
     """The terminal line, every `interval` s from a thread of its own, so that it never waits for a
-    compile or an update: env steps sampled and learned, SPS (sampled) over the last 30 s, the
-    mean game score of the last 20 episodes, and the time left. The ETA comes from the learner's
-    pace between update completions (`updated`) over the last `window` s, never from the first
-    update (which compiles): "compiling" until that one is done, n/a until a second one."""
+    compile or an update: env steps sampled and learned, SPS (sampled) over the last 30 s since
+    the last compile, the mean game score of the last 20 episodes, and the time left.
 
-    def __init__(self, total: int, counts, interval: float = 5.0, window: float = 60.0, clock=time.time, start=True):
+    The ETA comes from the learner's pace between update completions (`updated`) over the last
+    `window` s, and counts only what it has measured. A replay run first fills its buffer up to
+    step `learning_from` (its rounds learn nothing and are fast): the line gives the time to
+    learning's start, no ETA. The first update, and a replay run's first learning round, compile:
+    "compiling" and no SPS (the actor waits) until it ends; the ETA is n/a until a second one."""
+
+    def __init__(self, total: int, counts, interval: float = 5.0, window: float = 60.0, clock=time.time, start=True,
+                 learning_from: int = 0):
         self.total, self.counts, self.interval, self.span, self.clock = total, counts, interval, window, clock
+        self.learning_from = learning_from
         self.returns = deque(maxlen=20)
         self.window = deque([(clock(), *counts())], maxlen=7)
-        self.updates = deque()  # (time, learned) at each update's end
+        self.updates = deque()  # (time, learned) at each learning update's end
+        self.filling = []  # (time, learned) at the end of the first and the last round that learned nothing
+        self.round = None  # the steps of a round that learned nothing (the last two apart)
+        self.compiled = False  # no compile pending: the update (or the learning round) has run once
         self.lock = threading.Lock()
         self.done = threading.Event()
         self.thread = threading.Thread(target=self.run, name="progress", daemon=True)
@@ -84,29 +93,53 @@ class Progress:
         """An update ended: `learned` env steps are learned from."""
         with self.lock:
             now = self.clock()
-            self.updates.append((now, learned))
-            while len(self.updates) > 2 and self.updates[1][0] < now - self.span:
-                self.updates.popleft()
+            if learned <= self.learning_from:  # a replay round that filled the buffer
+                self.round = learned - self.filling[-1][1] if self.filling else None
+                self.filling = [*self.filling[:1], (now, learned)]
+            else:
+                self.updates.append((now, learned))
+                while len(self.updates) > 2 and self.updates[1][0] < now - self.span:
+                    self.updates.popleft()
+            if not self.compiled or len(self.updates) == 1:  # a compile just ended: SPS counts from here
+                self.window = deque([(now, *self.counts())], maxlen=7)
+            self.compiled = not self.compiling()
+
+    def compiling(self) -> bool:
+        """Whether the next update compiles: none has ended, or the filling is over and no learning
+        update has ended (the next round passes `learning_from`)."""
+        if self.updates:
+            return False
+        return not self.filling or self.round is not None and self.learning_from - self.filling[-1][1] < self.round
 
     def eta(self, now: float) -> str:
         with self.lock:
-            updates = list(self.updates)
-        if not updates:
+            updates, filling, compiling = list(self.updates), list(self.filling), self.compiling()
+        starts = f"learning starts at step {self.learning_from}" if self.learning_from < self.total else ""
+        if compiling and (filling or not self.learning_from):
             return "n/a (compiling the first update)"
+        if compiling:
+            return f"n/a (compiling; {starts})" if starts else "n/a (compiling)"
+        if not updates:  # filling the buffer: its pace says when learning starts, not when it ends
+            (t0, learned0), (t1, learned1) = filling[0], filling[-1]
+            if t1 <= t0 or learned1 <= learned0:
+                return f"n/a ({starts or 'no update learns'})"
+            left = (min(self.learning_from, self.total) - learned1) / ((learned1 - learned0) / (t1 - t0)) - (now - t1)
+            return f"n/a ({starts} in {clock_time(left)})" if starts else clock_time(left)
         (t0, learned0), (t1, learned1) = updates[0], updates[-1]
         if t1 <= t0 or learned1 <= learned0:
             return "n/a"
-        left = max((self.total - learned1) / ((learned1 - learned0) / (t1 - t0)) - (now - t1), 0.0)
-        return f"{int(left // 3600)}:{int(left % 3600 // 60):02d}:{int(left % 60):02d}"
+        return clock_time((self.total - learned1) / ((learned1 - learned0) / (t1 - t0)) - (now - t1))
 
     def line(self) -> str:
         sampled, learned = self.counts()
-        self.window.append((self.clock(), sampled, learned))
-        (then, sampled_then, _), now = self.window[0], self.window[-1][0]
-        sps = (sampled - sampled_then) / max(now - then, 1e-9)
+        with self.lock:
+            self.window.append((self.clock(), sampled, learned))
+            (then, sampled_then, _), now = self.window[0], self.window[-1][0]
+            known = self.compiled and now - then >= 1.0
+        sps = f"{(sampled - sampled_then) / (now - then):7.0f}" if known else f"{'n/a':>7}"
         returns = list(self.returns)
         mean_ret = f"{np.mean(returns):.1f}" if returns else "n/a"
-        return (f"step {sampled:>10d} sampled {learned:>10d} learned of {self.total}  SPS {sps:7.0f}  "
+        return (f"step {sampled:>10d} sampled {learned:>10d} learned of {self.total}  SPS {sps}  "
                 f"return(last 20) {mean_ret}  ETA {self.eta(now)}")
 
     def run(self):
@@ -117,3 +150,9 @@ class Progress:
         self.done.set()
         if self.thread.is_alive():
             self.thread.join()
+
+
+def clock_time(seconds: float) -> str:
+    """H:MM:SS of a time left (0 once past it)."""
+    seconds = max(seconds, 0.0)
+    return f"{int(seconds // 3600)}:{int(seconds % 3600 // 60):02d}:{int(seconds % 60):02d}"

@@ -18,7 +18,6 @@ and once per update the learner calls `run.should_stop(...)` (stop together, gat
 import dataclasses
 import importlib.util
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -31,7 +30,8 @@ import numpy as np
 
 from jax_async_rl import checkpoints, devices, evaluation, folders, tasks
 from jax_async_rl.checkpoints import CHECKPOINT
-from jax_async_rl.flags import UsageError, check_bounds, describe_os_error, is_file_system_error
+from jax_async_rl.flags import (UsageError, budget_note, check_bounds, default_exp_name, describe_os_error,
+                                is_file_system_error)
 from jax_async_rl.logs import Logger, Progress
 from jax_async_rl.threads import Threads
 
@@ -86,7 +86,7 @@ class Run:
         jax.config.update("jax_cpu_enable_async_dispatch", False)
         folders.probe(self.args)  # another run in the folder: say so first
         args, self.payload, self.changed = checkpoints.resume_args(self.args, self.given, self.script)
-        args = dataclasses.replace(args, exp_name=args.exp_name or Path(self.script).stem)
+        args = dataclasses.replace(args, exp_name=args.exp_name or default_exp_name(Path(self.script).stem, args))
         devices.start_processes(args)
         self.args, self.actor_devices, self.mesh = prepare(args, self.resolve, self.payload is not None)
         self.batch_size = devices.global_envs(self.args) * self.args.num_steps
@@ -100,6 +100,9 @@ class Run:
             print(f"{self.args.resume}: finished, {self.global_step} of --total-timesteps {self.args.total_timesteps} "
                   "steps trained; pass a larger --total-timesteps to train on")
             return
+        note = budget_note(self.args, self.given, self.global_step, self.batch_size, devices.describe_batch(self.args))
+        if note:
+            print(note, file=sys.stderr, flush=True)
         print(f"jax {jax.__version__} on {jax.default_backend()}: {', '.join(map(str, jax.local_devices()))}", flush=True)
         self.seed = (self.args.seed + self.global_step) % 2**31  # a resumed run draws new env seeds and noise
         self.key, self.init_key, self.update_key = jax.random.split(jax.random.PRNGKey(self.seed), 3)
@@ -120,8 +123,11 @@ class Run:
         self.num_updates = self.start_update + (self.args.total_timesteps - self.global_step) // self.batch_size
         self.sampled = np.zeros(devices.actor_threads(self.args), np.int64)  # env steps each actor sent actions for
         if jax.process_index() == 0:
+            own = folders.own_folder(self.args)
+            before = set(os.listdir(own)) if own and os.path.isdir(own) else None  # a launcher's log.txt
             self.run_dir, created, self.lock = folders.make(self.args, self.payload is not None)
-            self.signals.new_run_dir = self.run_dir if created and self.payload is None else None
+            if self.payload is None:  # a new run stopped before its first update removes what it wrote
+                self.signals.new_run = (self.run_dir, None if created else before)
             path = checkpoints.checkpoint_path(self.args.resume) if self.payload else None
             if path and not os.path.exists(path) and folders.same_folder(os.path.dirname(path), self.run_dir):
                 checkpoints.finish_rename(path)  # resumed from a complete .tmp: make it the checkpoint
@@ -151,11 +157,14 @@ class Run:
 
     def begin(self, details: str):
         """The header line (`details`: the preset, the splits, ...), the clock and the progress line."""
-        print(f"{os.path.basename(self.script)}: {self.args.env_id} ({details}), {self.num_updates - self.start_update} "
+        variant = "" if self.args.exp_name == Path(self.script).stem else f" ({self.args.exp_name})"
+        name = os.path.basename(self.script) + variant
+        print(f"{name}: {self.args.env_id} ({details}), {self.num_updates - self.start_update} "
               f"updates of {devices.describe_batch(self.args)} -> {self.run_dir or 'the run folder of process 0'}", flush=True)
         processes = jax.process_count()  # sampled: as if every process sampled at this one's pace
         self.progress = Progress(self.args.total_timesteps,
-                                 lambda: (self.start_step + int(self.sampled.sum()) * processes, self.global_step))
+                                 lambda: (self.start_step + int(self.sampled.sum()) * processes, self.global_step),
+                                 learning_from=self.start_step + getattr(self.args, "learning_starts", 0))
         self.start_time = time.time()
 
     @property
@@ -357,10 +366,11 @@ class Signals:
     writes a checkpoint and exits 128 + signal. Before `started` (the first update) there is
     nothing to save, and the main thread may be inside an XLA compile that Python cannot
     interrupt: a thread woken through `signal.set_wakeup_fd` then exits at once, no traceback,
-    removing the folder of a new run (`new_run_dir`), which holds nothing to resume from."""
+    removing what a new run wrote (`new_run`: its folder, and what the folder held before), which
+    holds nothing to resume from and would stop the same command from starting again."""
 
     def __init__(self):
-        self.received, self.stop, self.started, self.new_run_dir = [], threading.Event(), threading.Event(), None
+        self.received, self.stop, self.started, self.new_run = [], threading.Event(), threading.Event(), None
         self.handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         self.read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)
@@ -375,8 +385,8 @@ class Signals:
     def watch(self):
         while data := os.read(self.read_fd, 1):  # one byte per signal; b"" once `close` runs
             if not self.started.is_set():
-                if self.new_run_dir:
-                    shutil.rmtree(self.new_run_dir, ignore_errors=True)
+                if self.new_run:
+                    folders.remove_new(*self.new_run)
                 print(f"stopped by signal {data[0]} during start-up: nothing to save", file=sys.stderr, flush=True)
                 os._exit(128 + data[0])
 

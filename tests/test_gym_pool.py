@@ -86,7 +86,7 @@ def test_the_pool_steps_as_envpool_does_with_splits_out_of_order(processes):
         ref_obs, _ = reference(4, 10, [])
         assert np.array_equal(np.concatenate([first[0], first[2]]), np.stack(ref_obs))
         sent = []
-        for step in range(30):
+        for _ in range(30):
             split = int(rng.integers(2))  # send the splits in any order, one at a time
             ids = np.arange(2 * split, 2 * split + 2)
             actions = rng.integers(0, 3, 2)

@@ -4,15 +4,17 @@ stopped sweep resumed by the same command, no run trained twice or lost; Ctrl-C 
 process; the plot and the table from the sweep folder; the SLURM script naming every run."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from helpers import REPO_ROOT, load_script, read_checkpoint, wait_until
+from helpers import REPO_ROOT, count_complete_lines, load_script, read_checkpoint, wait_until
 
 LAUNCH = str(REPO_ROOT / "utils" / "launch.py")
 SCRIPT = "ppo_sync_baseline.py"
@@ -20,9 +22,9 @@ COMMON = ["--env-id", "CartPole-v1", "--num-steps", "16", "--num-minibatches", "
           "--eval-episodes", "0", "--compile-cache", ""]
 
 
-def launch(tmp_path, *argv, budget=256, wait=True):
+def launch(tmp_path, *argv, budget=256, wait=True, common=COMMON):
     cmd = [sys.executable, LAUNCH, SCRIPT, "--out", str(tmp_path), *map(str, argv), "--",
-           *COMMON, "--total-timesteps", str(budget)]
+           *common, "--total-timesteps", str(budget)]
     if not wait:
         return subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
@@ -164,3 +166,172 @@ def test_a_sweep_refuses_other_flags_under_its_name(tmp_path):
 def test_bad_launcher_input_is_one_line(tmp_path, argv, fragment):
     result = launch(tmp_path, *argv)
     assert result.returncode == 2 and fragment in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.mark.timeout(600)
+def test_a_sweep_stopped_during_start_up_resumes(tmp_path):
+    """Ctrl-C while the run compiles (Pong's update, after its header line): the launcher exits 130;
+    the same command again trains the run to its budget. (The run left its config.json in the
+    folder the launcher had made for log.txt, and every re-run failed: "holds a run that saved
+    no checkpoint".)"""
+    pong = ["--env-id", "Pong-v5", *COMMON[2:]]
+    proc = launch(tmp_path, "--name", "startup", common=pong, budget=128, wait=False)
+    log = tmp_path / "startup" / "default__seed1" / "log.txt"
+    try:
+        wait_until(lambda: count_complete_lines(log, "updates of") == 1, proc, 240)
+        assert "losses/" not in (log.parent / "metrics.jsonl").read_text()  # still compiling
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "during start-up" in log.read_text(), out + err
+    result = launch(tmp_path, "--name", "startup", common=pong, budget=128)
+    assert result.returncode == 0, result.stdout + result.stderr + log.read_text()[-3000:]
+    assert [r["state"] for r in sweep_record(tmp_path, "startup")["runs"]] == ["done"]
+    assert int(read_checkpoint(log.parent)["state"]["global_step"]) == 128
+
+
+def test_a_run_that_saved_no_checkpoint_starts_afresh(tmp_path):
+    """A run killed before its first checkpoint (kill -9, the OOM killer) leaves its config.json:
+    the launcher clears that attempt, keeps its log, and starts the run again (it failed: "holds
+    a run that saved no checkpoint", for good)."""
+    folder = tmp_path / "afresh" / "default__seed1"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "metrics.jsonl").write_text("")
+    (folder / "log.txt").write_text("the first attempt's output\n")
+    result = launch(tmp_path, "--name", "afresh")
+    assert result.returncode == 0, result.stdout + result.stderr + (folder / "log.txt").read_text()
+    assert (folder / "log.txt").read_text().startswith("the first attempt's output\nlaunch.py: the attempt before")
+    assert int(read_checkpoint(folder)["state"]["global_step"]) == 256
+
+
+@pytest.mark.timeout(600)
+def test_one_launcher_per_sweep(tmp_path):
+    """A second launcher of a running sweep exits 2 with one line naming the first (both wrote
+    sweep.json.tmp, one crashed, and one SIGKILLed its training child); the first goes on."""
+    first = launch(tmp_path, "--name", "twice", budget=40_000, wait=False)
+    folder = tmp_path / "twice" / "default__seed1"
+    try:
+        wait_until(lambda: (folder / "metrics.jsonl").exists() and '"losses/' in (folder / "metrics.jsonl").read_text(),
+                   first, 240)
+        second = launch(tmp_path, "--name", "twice", budget=40_000)
+        assert second.returncode == 2, second.stdout + second.stderr
+        assert second.stderr.splitlines() == [f"error: {tmp_path / 'twice'} is in use by another launcher (pid "
+                                              f"{first.pid} on {os.uname().nodename}); wait for it to end, or pick "
+                                              "another folder"], second.stderr
+        assert first.poll() is None and [r["state"] for r in sweep_record(tmp_path, "twice")["runs"]] == ["running"]
+        first.send_signal(signal.SIGINT)
+        first.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 130
+
+
+@pytest.mark.timeout(600)
+def test_kill_9_of_the_launcher_stops_its_runs_and_a_relaunch_finishes_them(tmp_path):
+    """kill -9 of the launcher while its run trains: the run stops within 10 s with a checkpoint
+    (it kept training, orphaned); a relaunch at once waits for it to stop, resumes it and
+    finishes: sweep.json says done (it said failed, "in use", and kept saying so)."""
+    budget = 200_000  # 15 s of training on this machine: more than the 10 s the run is given to stop
+    proc, relaunch = launch(tmp_path, "--name", "kill", budget=budget, wait=False), None
+    folder = tmp_path / "kill" / "default__seed1"
+    try:
+        wait_until(lambda: (folder / "metrics.jsonl").exists() and '"losses/' in (folder / "metrics.jsonl").read_text(),
+                   proc, 240)
+        (child,) = processes_naming(str(folder))
+        proc.kill()
+        proc.wait(timeout=10)
+        killed = time.monotonic()
+        relaunch = launch(tmp_path, "--name", "kill", budget=budget, wait=False)
+        while time.monotonic() - killed < 10 and child in processes_naming(str(folder)):
+            time.sleep(0.1)
+        assert child not in processes_naming(str(folder)), "the run outlived its launcher by 10 s"
+        out, err = relaunch.communicate(timeout=300)
+    finally:
+        for p in (proc, relaunch):
+            if p is not None and p.poll() is None:
+                p.kill()
+    assert relaunch.returncode == 0, out + err
+    assert [r["state"] for r in sweep_record(tmp_path, "kill")["runs"]] == ["done"]
+    config = json.loads((folder / "config.json").read_text())
+    assert len(config["resumes"]) == 1 and int(read_checkpoint(folder)["state"]["global_step"]) == budget // 128 * 128
+
+
+def test_the_sweep_record_is_written_whole_by_concurrent_writers(tmp_path):
+    """Writers of sweep.json at the same time (two launchers before the lock; a launcher and a
+    tool) each write a temporary file of their own: none fails, the record is always whole JSON
+    and no temporary file is left (a shared sweep.json.tmp: "No such file or directory")."""
+    launcher = load_script(REPO_ROOT / "utils" / "launch.py")
+    errors = []
+
+    def write(n):
+        try:
+            for i in range(200):
+                launcher.save(tmp_path, {"writer": n, "i": i, "runs": [{"name": "x" * 1000}]})
+        except Exception as e:  # noqa: BLE001 (any failure is the finding)
+            errors.append(repr(e))
+
+    writers = [threading.Thread(target=write, args=(n,)) for n in range(3)]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join()
+    assert errors == [] and json.loads((tmp_path / "sweep.json").read_text())["i"] == 199
+    assert [p.name for p in tmp_path.iterdir()] == ["sweep.json"]
+
+
+def test_the_sweep_eta_counts_each_runs_time_left(tmp_path):
+    """The sweep's ETA from each running run's own ETA (its log's last progress line) and the
+    queued runs, placed --parallel at a time; n/a while no run has one (it said "23 s" and stayed
+    there: the mean duration of the runs that had ended, whatever the running ones had left)."""
+    launcher = load_script(REPO_ROOT / "utils" / "launch.py")
+    now, runs = 1000.0, []
+    for name, eta in (("a", "0:01:00"), ("b", "0:00:30"), ("c", None)):
+        log = tmp_path / f"{name}.txt"
+        progress = f"step 128 sampled 64 learned of 99  SPS 10  ETA {eta}\n" if eta else ""
+        log.write_text("jax ...\nstep 64 sampled 0 learned of 99  SPS     n/a  return(last 20) n/a  ETA n/a (compiling "
+                       "the first update)\n" + progress)
+        runs.append({"state": "running" if eta else "queued", "start": now - 30, "log": str(log)})
+    # a: 60 s left, b: 30 s, then c (a run takes about (30 + 60 + 30 + 30) / 2 = 75 s) on b's slot: 105 s
+    assert launcher.sweep_eta(runs, [], 2, now) == "0:01:45"
+    assert launcher.sweep_eta(runs, [40.0], 2, now) == "0:01:10"  # a run took 40 s: c after b, 30 + 40
+    assert launcher.sweep_eta(runs, [40.0], 2, now + 20) == "0:01:10"  # each run's own ETA (its log) counts down
+    runs[1]["log"] = runs[0]["log"] = str(tmp_path / "c.txt")  # compiling: no ETA
+    assert launcher.sweep_eta(runs, [], 2, now) == "n/a (no run has an ETA yet)"
+
+
+@pytest.mark.parametrize("name", ["lr\ntouch MARKER", "a/b", ".."])
+def test_a_name_that_is_not_a_plain_folder_name_is_one_line(tmp_path, name):
+    """--name is a folder and SLURM's job name: a newline made #SBATCH --job-name end early and the
+    rest of the line run as a command."""
+    result = launch(tmp_path, "--name", name, "--slurm")
+    assert result.returncode == 2 and "--name" in result.stderr and len(result.stderr.splitlines()) == 1, result.stderr
+    assert not list(tmp_path.rglob("sweep.sbatch"))
+
+
+def test_the_slurm_script_quotes_every_value(tmp_path):
+    """Run by bash (with a `python` that records its arguments), the SLURM script passes a folder
+    with a space, a quote and a dollar sign, and a flag value that holds a command substitution,
+    as they are; nothing runs that the user did not write."""
+    out = tmp_path / "it's $HOME dir"
+    common = [*COMMON, "--wandb-project", "$(touch MARKER); `touch MARKER2`"]
+    result = subprocess.run([sys.executable, LAUNCH, str(REPO_ROOT / SCRIPT), "--out", str(out), "--name", "q",
+                             "--slurm", "--", *common], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    text = (out / "q" / "sweep.sbatch").read_text()
+    assert f"#SBATCH --output='{tmp_path}/it'\"'\"'s $HOME dir/q/slurm_%a.out'" in text
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > argv.txt\n')
+    (bin_dir / "python").chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_ARRAY_TASK_ID="0")
+    ran = subprocess.run(["bash", str(out / "q" / "sweep.sbatch")], cwd=tmp_path, env=env, capture_output=True,
+                         text=True)
+    assert ran.returncode == 0, ran.stderr
+    argv = (tmp_path / "argv.txt").read_text().splitlines()
+    assert argv[argv.index("--wandb-project") + 1] == "$(touch MARKER); `touch MARKER2`"
+    assert argv[argv.index("--run-dir") + 1] == str(out / "q" / "default__seed1")
+    assert not list(tmp_path.glob("MARKER*"))

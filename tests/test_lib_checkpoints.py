@@ -4,6 +4,7 @@ which script and task a run folder belongs to."""
 
 import dataclasses
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import Annotated, Optional
@@ -72,6 +73,44 @@ def test_a_checkpoint_round_trip_restores_every_leaf_and_leaves_no_temporary_fil
     other["params"]["params"]["Dense_0"]["kernel"] = np.zeros((5, 3), np.float32)
     with pytest.raises(UsageError, match="other shapes"):
         checkpoints.load_checkpoint(payload, other, str(path))
+
+
+def test_a_resumed_state_compiles_nothing_that_a_fresh_one_did_not(tmp_path):
+    """A fresh state's counters are Python ints, which JAX types weakly, and an update keeps them
+    weak; the checkpoint stores them as numpy int32. Restored as stored, the update jitted on the
+    fresh state compiled again for the resumed one (and missed the persistent compile cache: 45 s
+    on Pong)."""
+    normalizer = Normalizer(np.zeros(3), 2, True, True, 0.99)
+    fresh = dict(small_state(), policy_version=0)
+    update = jax.jit(lambda s: dict(s, policy_version=s["policy_version"] + 1))
+    compiles = []
+    with jax.log_compiles(), LogRecords(compiles, "Compiling"):
+        state = update(jax.device_put(fresh))
+        path = str(tmp_path / CHECKPOINT)
+        checkpoints.save_checkpoint(path, state, ToyArgs(env_id="HalfCheetah-v4"), normalizer, "toy_script.py")
+        template = dict(fresh, **normalizer.state())
+        restored = checkpoints.load_checkpoint(checkpoints.read_checkpoint(path), template, path)
+        jax.block_until_ready(update(jax.device_put({k: restored[k] for k in fresh})))
+    assert len(compiles) == 1, compiles
+
+
+class LogRecords(logging.Handler):
+    """The log messages that contain `text`, collected while the block runs (jax's loggers)."""
+
+    def __init__(self, into: list, text: str):
+        super().__init__()
+        self.into, self.text = into, text
+
+    def emit(self, record):
+        if self.text in record.getMessage():
+            self.into.append(record.getMessage()[:200])
+
+    def __enter__(self):
+        logging.getLogger("jax").addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger("jax").removeHandler(self)
 
 
 def test_a_crash_during_a_write_keeps_the_previous_file(tmp_path, monkeypatch):

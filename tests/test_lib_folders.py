@@ -47,6 +47,17 @@ def test_a_folder_has_one_owner_and_a_dead_owner_does_not_block(tmp_path):
     folders.claim(str(tmp_path)).close()
 
 
+def test_a_run_folders_name_holds_no_character_awkward_in_a_path(tmp_path, monkeypatch):
+    """A user's env id `module:callable` gave runs/myenvs:LineWorld__...; an --exp-name with a
+    slash made a nested folder. Each run of such characters becomes `-`."""
+    monkeypatch.chdir(tmp_path)
+    args = SimpleNamespace(run_dir=None, resume=None, env_id="myenvs:LineWorld", exp_name="my/exp 'a'", seed=1)
+    folder, created, lock = folders.make(args, resumed=False)
+    lock.close()
+    name = os.path.basename(folder)
+    assert os.path.dirname(folder) == "runs" and name.startswith("myenvs-LineWorld__my-exp-a-__1__"), folder
+
+
 def test_make_refuses_a_folder_taken_after_the_start_up_checks(tmp_path):
     """Run A and run B both passed the start-up check of an empty --run-dir; A then claimed it and
     wrote its config. B, claiming after A ended, is refused: the folder now holds a run."""

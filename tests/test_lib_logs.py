@@ -51,27 +51,66 @@ def test_a_process_other_than_0_logs_nothing(tmp_path):
 
 
 def test_the_progress_line():
-    """Steps sampled and learned, SPS over the window, the mean of the last 20 games; the ETA
-    says "compiling" before the first update, n/a after it (the first update's time is compile
-    time, never a rate), then the time left at the pace between update ends."""
+    """Steps sampled and learned, SPS over the window, the mean of the last 20 games; while the
+    first update compiles no SPS (the actor waits: it read 0) and no ETA, "compiling"; after it
+    no ETA (its time is compile time, never a rate), then the time left at the pace between
+    update ends, and SPS over the time since the compile."""
     counts, clock = [0, 0], [1000.0]
     progress = Progress(10_000, lambda: tuple(counts), interval=3600, clock=lambda: clock[0])
-    assert progress.line().endswith("return(last 20) n/a  ETA n/a (compiling the first update)")
+    assert progress.line().endswith("SPS     n/a  return(last 20) n/a  ETA n/a (compiling the first update)")
     counts[:] = [1000, 500]
     clock[0] += 10
     progress.updated(500)
     progress.returns.extend([10.0, 20.0])
     line = progress.line()
-    assert line.startswith("step       1000 sampled        500 learned of 10000") and "SPS     100" in line
+    assert line.startswith("step       1000 sampled        500 learned of 10000") and "SPS     n/a" in line
     assert "return(last 20) 15.0" in line and line.endswith("ETA n/a")
     clock[0] += 10
-    counts[1] = 1000
+    counts[:] = [2000, 1000]
     progress.updated(1000)
-    assert progress.line().endswith("ETA 0:03:00")  # 9000 steps left at 50 a second
+    line = progress.line()
+    assert "SPS     100" in line and line.endswith("ETA 0:03:00")  # 9000 steps left at 50 a second
     clock[0] += 4
     assert progress.line().endswith("ETA 0:02:56")  # and it counts down between updates
     progress.close()
     assert not progress.thread.is_alive()
+
+
+def test_the_eta_counts_the_phases_left():
+    """A replay run (TD3's: 12,000 steps, learning from step 5,000): rounds of 64 steps every
+    0.1 s fill the buffer with random actions, then the first learning round compiles for 20 s,
+    then each takes 1 s. While filling, the line gives the time to learning's start and no ETA
+    (the learning pace is unknown: it read 0:00:00 at step 5,088); while the learner compiles,
+    "compiling" and no SPS (it read 0:00:01 while SAC compiled); then the learning pace alone."""
+    clock, steps = [0.0], [0]
+    progress = Progress(12_000, lambda: (steps[0], steps[0]), interval=3600, clock=lambda: clock[0], start=False,
+                        learning_from=5_000)
+    assert progress.line().endswith("SPS     n/a  return(last 20) n/a  ETA n/a (compiling; learning starts at step "
+                                    "5000)")
+    while steps[0] + 64 <= 5_000:
+        clock[0] += 0.1
+        steps[0] += 64
+        progress.updated(steps[0])
+        if steps[0] == 2_560:
+            line = progress.line()
+            assert "SPS     640" in line and line.endswith("ETA n/a (learning starts at step 5000 in 0:00:03)"), line
+    assert steps[0] == 4_992
+    clock[0] += 10
+    assert progress.line().endswith("SPS     n/a  return(last 20) n/a  ETA n/a (compiling the first update)")
+    for seconds in (10, 1, 1, 1):
+        clock[0] += seconds
+        steps[0] += 64
+        progress.updated(steps[0])
+    assert steps[0] == 5_248 and progress.line().endswith("ETA 0:01:45")  # 6,752 steps left at 64 a second
+    progress.close()
+
+    never = Progress(12_000, lambda: (steps[0], steps[0]), interval=3600, clock=lambda: clock[0], start=False,
+                     learning_from=25_000)  # a budget that ends before learning would start: filling is the run
+    assert never.line().endswith("ETA n/a (compiling)")
+    for steps[0] in (64, 128, 192):
+        clock[0] += 0.1
+        never.updated(steps[0])
+    assert never.line().endswith("ETA 0:00:18")  # 11,808 steps left at 640 a second
 
 
 @pytest.mark.parametrize("seconds_per_update", [3.7, 13.0, 41.0])

@@ -162,6 +162,24 @@ def test_runs_started_in_the_same_second_get_their_own_folders(tmp_path, monkeyp
     assert (folder, created) == (names[0], False)
 
 
+def test_the_run_name_says_which_variant_and_a_partial_update_is_said(tmp_path, monkeypatch, capsys):
+    """Without --exp-name, the folder and the header name the variant the flags make (the
+    script's Args.NAMED: here `--lstm`; an async and a --serial run, TD3 and DDPG, got the same
+    name); a budget that is not a whole number of updates is one line saying what will train (it
+    stopped short without a word)."""
+    monkeypatch.chdir(tmp_path)
+    argv = cli(HOST, lstm=True, total_timesteps=3 * TINY_BATCH + 10)
+    code, out, err = run_main(HOST, argv, capsys)
+    assert code == 0, err
+    (folder,) = (tmp_path / "runs").iterdir()
+    assert folder.name.startswith("CartPole-v1__ppo_sync_baseline__lstm__1__"), folder.name
+    assert f"{HOST} (ppo_sync_baseline__lstm): CartPole-v1 (preset CartPole), 3 updates of " in out, out
+    assert err.splitlines() == [f"note: --total-timesteps {3 * TINY_BATCH + 10} is not a whole number of updates of 1 "
+                                f"process x 4 envs x 16 steps = {TINY_BATCH} env steps: 3 updates will train, to step "
+                                f"{3 * TINY_BATCH}"], err
+    assert int(read_checkpoint(folder)["state"]["global_step"]) == 3 * TINY_BATCH
+
+
 def test_resume_continues_the_run(host_run_copy, capsys):
     """`--resume RUN` alone takes the run's own flags (no --env-id: the default is Pong-v5); a
     finished run says so and changes nothing; a larger --total-timesteps trains exactly the steps
@@ -240,8 +258,10 @@ def test_compile_cache_keeps_the_update(tmp_path, monkeypatch):
 @pytest.mark.timeout(300)
 def test_ctrl_c_during_start_up(tmp_path):
     """Ctrl-C one second after the header line (the policy and the update are compiling): exit
-    130 within seconds, one line on stderr, no traceback; the new run's folder is removed, but a
-    folder the run did not create keeps what was in it."""
+    130 within seconds, one line on stderr, no traceback; the new run's folder is removed, and a
+    folder the run did not create (a launcher's, holding its log.txt) keeps what was in it and
+    nothing else, so that the same command starts again (it left config.json: "holds a run that
+    saved no checkpoint", for good)."""
     logs = tmp_path / "logs"
     proc = start_script(HOST, ["--env-id", "Pong-v5", "--run-dir", tmp_path / "run", *COLD], logs)
     wait_until(lambda: count_complete_lines(logs / "stdout.txt", "updates of") == 1, proc, 240)
@@ -255,11 +275,14 @@ def test_ctrl_c_during_start_up(tmp_path):
     folder = tmp_path / "runs"
     (folder / "another_run").mkdir(parents=True)
     (folder / "another_run" / "notes.txt").write_text("keep me")
+    (folder / "log.txt").write_text("a launcher's log\n")
     proc = start_script(HOST, ["--env-id", "Pong-v5", "--run-dir", folder, *COLD], logs)
     wait_until(lambda: count_complete_lines(logs / "stdout.txt", "updates of") == 1, proc, 240)
+    assert (folder / "config.json").exists()
     returncode, _, stderr = interrupt(proc, signal.SIGINT, logs)
     assert returncode == 128 + signal.SIGINT and "during start-up" in stderr, stderr
     assert (folder / "another_run" / "notes.txt").read_text() == "keep me"
+    assert sorted(path.name for path in folder.iterdir()) == ["another_run", "log.txt"]
 
 
 @pytest.mark.timeout(300)

@@ -27,9 +27,9 @@ def gae_by_definition(rewards, values, bootstrap_value, discounts, gae_lambda):
     for b in range(B):
         for t in range(T):
             weight, total = 1.0, 0.0
-            for l in range(T - t):
-                total += weight * deltas[t + l, b]
-                weight *= gae_lambda * discounts[t + l, b]
+            for k in range(T - t):
+                total += weight * deltas[t + k, b]
+                weight *= gae_lambda * discounts[t + k, b]
             advantages[t, b] = total
     return advantages
 

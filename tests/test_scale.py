@@ -115,7 +115,7 @@ def test_update_matches_one_device(script, tmp_path, devices):
         np.testing.assert_allclose(values, reference, rtol=RTOL, atol=ATOL, err_msg=f"learner devices {ids}")
 
 
-SPLIT_PROGRAM = """
+SPLIT_PROGRAM = r"""
 import dataclasses, re, sys
 import jax
 sys.path.insert(0, {tests_dir!r})

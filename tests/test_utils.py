@@ -142,6 +142,86 @@ def test_plot_tabulates_steps_and_seconds_to_a_threshold(tmp_path):
     assert "| 1/2 | 3584 ± 0 | 56.0 ± 0.0 | 64.50 |" in row, row
 
 
+def configured_run(folder, env_id, seed, flags, start=1.0e9, value=1.0):
+    """A run folder with a config.json of `flags` (as a script writes it: every flag) and 10 games."""
+    write_run(folder, env_id, seed, [{"step": 64 * (i + 1), "wall_time": start + i, "tag": RETURN_TAG, "value": value}
+                                     for i in range(10)])
+    config = dict(flags, env_id=env_id, seed=seed, run_dir=str(folder), compile_cache="/somewhere", save_interval=50)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_plot_groups_runs_by_their_whole_configuration(tmp_path, capsys):
+    """An async and a --serial DQN run of seed 1 and two Acrobot runs of seed 1 with other budgets
+    were each merged into one curve ("1: 488.05, 1: 340.85"). Runs group by every flag but the
+    seed and those of the record (folder, cache, checkpoints), labelled by what differs: the async
+    runs' two seeds are one group; the serial run and each budget are their own."""
+    plot = load_script(REPO_ROOT / PLOT)
+    dqn = {"exp_name": "dqn_envpool", "learning_rate": 1e-4}
+    configured_run(tmp_path / "async1", "CartPole-v1", 1, dict(dqn, serial=False), value=488.0)
+    configured_run(tmp_path / "async2", "CartPole-v1", 2, dict(dqn, serial=False), value=400.0)
+    configured_run(tmp_path / "serial1", "CartPole-v1", 1, dict(dqn, serial=True), value=340.0)
+    for budget in (20_000, 40_000):
+        configured_run(tmp_path / f"acrobot{budget}", "Acrobot-v1", 1, {"exp_name": "ppo", "total_timesteps": budget})
+    assert plot.main(plot.PlotArgs(runs=[str(tmp_path)], out=str(tmp_path / "plots"))) == 0
+    rows = summary_rows((tmp_path / "plots" / "summary.md").read_text())
+    assert [row[:3] + row[4:5] + row[5:] for row in rows] == [
+        ["Acrobot-v1", "ppo total-timesteps=20000", "1", "1.00 ± 0.00", "1: 1.00"],
+        ["Acrobot-v1", "ppo total-timesteps=40000", "1", "1.00 ± 0.00", "1: 1.00"],
+        ["CartPole-v1", "dqn_envpool no-serial", "2", "444.00 ± 44.00", "1: 488.00, 2: 400.00"],
+        ["CartPole-v1", "dqn_envpool serial", "1", "340.00 ± 0.00", "1: 340.00"],
+    ], rows
+    assert capsys.readouterr().err == ""
+
+
+def test_plot_draws_two_runs_of_one_seed_apart(tmp_path, capsys):
+    """Two runs of the same configuration and seed (a repeat of an asynchronous run) are no two
+    seeds: drawn apart, "repeat 2", with a warning naming the second (they were averaged)."""
+    plot = load_script(REPO_ROOT / PLOT)
+    configured_run(tmp_path / "a", "CartPole-v1", 1, {"exp_name": "appo"}, value=500.0)
+    configured_run(tmp_path / "b", "CartPole-v1", 1, {"exp_name": "appo"}, value=100.0)
+    configured_run(tmp_path / "c", "CartPole-v1", 2, {"exp_name": "appo"}, value=300.0)
+    assert plot.main(plot.PlotArgs(runs=[str(tmp_path)], out=str(tmp_path / "plots"))) == 0
+    rows = summary_rows((tmp_path / "plots" / "summary.md").read_text())
+    assert [(row[1], row[2], row[5]) for row in rows] == [("appo", "2", "1: 500.00, 2: 300.00"),
+                                                          ("appo repeat 2", "1", "1: 100.00")], rows
+    assert capsys.readouterr().err.splitlines() == [
+        f"warning: {tmp_path / 'b'} has the configuration and the seed (1) of another run: drawn apart, as repeat 2"]
+
+
+def test_plot_wall_clock_counts_training_time_only(tmp_path, monkeypatch):
+    """A run stopped after 100 s and resumed 900 s later: the time axis counts each start from its
+    first update to its last record (95 s, then 90 s), not the 900 s between (a flat line that made
+    the resumed configuration look 5x slower), and marks the resume. The axis label fits in the
+    PNG (it was cut off at the right edge)."""
+    plot = load_script(REPO_ROOT / PLOT)
+    t0, records = 1.0e9, []
+    for start, first_step in ((t0, 0), (t0 + 1000, 6400)):  # each start: a game while compiling, the update at 5/10 s
+        compile_seconds = 5 if start == t0 else 10
+        records += [{"step": first_step, "wall_time": start, "tag": RETURN_TAG, "value": 1.0},
+                    {"step": first_step + 64, "wall_time": start + compile_seconds, "tag": "charts/SPS", "value": 1.0}]
+        records += [{"step": first_step + 64 * (i + 1), "wall_time": start + compile_seconds + i + 1,
+                     "tag": RETURN_TAG, "value": 2.0} for i in range(100 - compile_seconds)]
+    folder = write_run(tmp_path / "run", "CartPole-v1", 1, records)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(config, resumes=[{"step": 6400, "wall_time": t0 + 1000}])))
+    run = plot.read_run(str(folder))
+    assert run.seconds.max() == pytest.approx(95 + 90) and run.resumed_at == [pytest.approx(95)]
+    assert run.seconds[run.steps == 6400] == 95 and run.seconds[run.steps == 6400 + 64] == pytest.approx(95 + 1)
+
+    figures = []
+    monkeypatch.setattr(plot.plt, "close", figures.append)
+    plot.plot_env("CartPole-v1", {"sync": [run]}, plot.PlotArgs(runs=[str(folder)]), str(tmp_path))
+    renderer = figures[0].canvas.get_renderer()
+    for ax in figures[0].axes:
+        box = ax.xaxis.label.get_window_extent(renderer)
+        assert 0 <= box.x0 and box.x1 <= figures[0].bbox.x1, (ax.xaxis.label.get_text(), box, figures[0].bbox)
+    dotted = [line for line in figures[0].axes[1].get_lines() if line.get_linestyle() == ":"]
+    assert [line.get_xdata()[0] for line in dotted] == [pytest.approx(95)]
+    monkeypatch.undo()
+    plot.plt.close(figures[0])
+
+
 def binary_run(folder, episodes, p_win, seed):
     """A run of `episodes` games of 6 steps, each won (return 1) with probability `p_win`."""
     wins = np.random.default_rng(seed).random(episodes) < p_win
@@ -193,6 +273,24 @@ def test_plot_rejects_folder_without_returns(make_folder, fragment, tmp_path):
     result = run_script(PLOT, [make_folder(tmp_path), "--out", out], timeout=100)
     assert_usage_error(result, fragment)
     assert not out.exists()
+
+
+TOOLS = ["utils/plot.py", "utils/evaluate.py", "utils/launch.py", "utils/benchmark.py"]
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_a_tools_help_is_in_the_scripts_style(tool):
+    """--help of a tool reads as a script's (flags.help_text: usage, description, its arguments,
+    its flags each with a plain metavar, text and default, within 100 columns), not tyro's box;
+    a misspelt flag is one line naming the nearest."""
+    result = run_script(tool, ["--help"], timeout=100)
+    assert_ok(result)
+    text = result.stdout
+    assert text.startswith(f"usage: {tool.split('/')[1]} ") and "\nflags:\n" in text, text
+    assert "╭" not in text and "{None}" not in text and max(len(line) for line in text.splitlines()) <= 100
+    assert text.endswith("  -h, --help\n      show this help and exit\n")
+    result = run_script(tool, ["--outt", "x"], timeout=100)
+    assert_usage_error(result, "unknown flag --outt; did you mean --out?")
 
 
 # ---------------------------------------------------------------------------------------------

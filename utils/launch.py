@@ -8,34 +8,48 @@ Each run trains in DIR/NAME/<varied flags>__seed<S>/ with `--exp-name NAME__<var
 `utils/plot.py DIR/NAME` draws one curve per configuration (mean and spread over seeds) and
 tabulates each configuration's final return. DIR/NAME/sweep.json records the grid and each
 run's state (queued, running, done, failed, stopped) and exit code; each run's output goes to
-its folder's log.txt. The same command again skips finished runs and resumes stopped ones
-(`--resume`). Ctrl-C or SIGTERM stops every run cleanly (each writes its checkpoint).
+its folder's log.txt. The same command again skips finished runs, resumes those that saved a
+checkpoint (`--resume`) and starts the others afresh. Ctrl-C or SIGTERM stops every run cleanly
+(each writes its checkpoint).
+
+One launcher runs a sweep at a time (a lock in DIR/NAME, as run folders have). Its runs die with
+it however it dies: the kernel sends each SIGTERM when the launcher ends (Linux's
+PR_SET_PDEATHSIG), so that a kill -9 of the launcher stops them cleanly, with a checkpoint; a
+relaunch waits for any run still stopping before it resumes it.
 """
 
+import ctypes
 import itertools
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
 import tyro
 
-from jax_async_rl.checkpoints import CHECKPOINT, write_atomically
-from jax_async_rl.flags import UsageError, reported
+from jax_async_rl import folders
+from jax_async_rl.checkpoints import CHECKPOINT, CONFIG, complete_tmp
+from jax_async_rl.flags import UsageError, run_tool
+from jax_async_rl.logs import clock_time
 
 SWEEP = "sweep.json"
+LOG = "log.txt"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @dataclass
 class LaunchArgs:
     """Run a grid of flags x seeds of one training script (flags after `--` go to every run)."""
 
-    script: tyro.conf.Positional[str]
+    script: Annotated[tyro.conf.Positional[str], tyro.conf.arg(metavar="SCRIPT")]
     """the training script (a repository script or a user's copy)"""
     name: str
     """the sweep's name: its runs go under DIR/NAME/"""
@@ -49,6 +63,18 @@ class LaunchArgs:
     """DIR, the folder that holds the sweep's folder"""
     slurm: bool = False
     """write DIR/NAME/sweep.sbatch, a SLURM array script with one task a run, instead of running"""
+
+
+def check_names(args: LaunchArgs):
+    """UsageError for text that would not stay one line where the launcher writes it: --name is a
+    folder and SLURM's job name (a plain name), --out is in an #SBATCH line (sbatch reads a
+    backslash as an escape), and a grid value is in a folder's name (no control character)."""
+    if not re.fullmatch(r"[A-Za-z0-9._+=,-]+", args.name) or args.name in (".", ".."):
+        raise UsageError(f"--name {args.name!r}: a sweep's name is a folder name: letters, digits and . _ - + = , only")
+    for what, text in [("--out", args.out), *(("--grid", entry) for entry in args.grid)]:
+        if any(ord(c) < 32 or ord(c) == 127 for c in text) or what == "--out" and "\\" in text:
+            raise UsageError(f"{what} {text!r} holds a control character{' or a backslash' * (what == '--out')}; "
+                             "pass plain text")
 
 
 def parse_grid(grid: list) -> list:
@@ -96,21 +122,40 @@ def new_run(script: str, run: dict, common: list, exp_name: str) -> list:
             "--exp-name", f"{exp_name}__{run['config']}"]
 
 
-def command(script: str, run: dict, common: list, exp_name: str) -> list:
-    """A run's command: a new run, or `--resume` of one that saved a checkpoint."""
-    if os.path.exists(os.path.join(run["dir"], CHECKPOINT)):
+def command(script: str, run: dict, common: list, exp_name: str, log) -> list:
+    """A run's command: `--resume` of one that saved a checkpoint, else a new run. An earlier
+    attempt that saved none (a run killed before its first checkpoint) is cleared first, its
+    log kept: nothing in it can be resumed, and a new run refuses a folder holding it."""
+    ckpt = os.path.join(run["dir"], CHECKPOINT)
+    if os.path.exists(ckpt) or complete_tmp(ckpt):
         return [sys.executable, script, "--resume", run["dir"]]
+    if os.path.exists(os.path.join(run["dir"], CONFIG)) and not folders.held(run["dir"]):
+        folders.remove_new(run["dir"], {LOG})
+        print(f"launch.py: the attempt before saved no checkpoint; starting {run['name']} afresh", file=log, flush=True)
     return [sys.executable, *new_run(script, run, common, exp_name)]
 
 
 def save(sweep_dir: Path, record: dict):
-    write_atomically(str(sweep_dir / SWEEP), json.dumps(record, indent=2).encode())
+    """sweep.json, written whole: a temporary file of this launcher's own name, fsync, rename."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{SWEEP}.", suffix=".tmp", dir=sweep_dir)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, sweep_dir / SWEEP)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def slurm_script(args: LaunchArgs, runs: list, common: list) -> str:
-    """An sbatch array script: task i runs (or resumes) run i, in the same folders."""
-    lines = ["#!/bin/bash", f"#SBATCH --job-name={args.name}", f"#SBATCH --array=0-{len(runs) - 1}",
-             f"#SBATCH --output={Path(args.out) / args.name}/slurm_%a.out", "", "case $SLURM_ARRAY_TASK_ID in"]
+    """An sbatch array script: task i runs (or resumes) run i, in the same folders. Every value is
+    quoted (sbatch reads quotes in #SBATCH lines as the shell does); check_names refused those
+    that no quoting keeps on one line."""
+    output = shlex.quote(f"{Path(args.out) / args.name}/slurm_%a.out")
+    lines = ["#!/bin/bash", f"#SBATCH --job-name={shlex.quote(args.name)}", f"#SBATCH --array=0-{len(runs) - 1}",
+             f"#SBATCH --output={output}", "", "case $SLURM_ARRAY_TASK_ID in"]
     for i, run in enumerate(runs):
         new = " ".join(shlex.quote(token) for token in new_run(args.script, run, common, args.name))
         lines.append(f"  {i}) if [ -f {shlex.quote(run['dir'])}/{CHECKPOINT} ]; then python {shlex.quote(args.script)} "
@@ -123,8 +168,19 @@ def main(args: LaunchArgs, common: list) -> int:
         raise UsageError(f"{args.script}: no such training script")
     if args.parallel < 1 or not args.seeds:
         raise UsageError("--parallel must be positive and --seeds must name at least one seed")
+    check_names(args)
     runs, sweep_dir = plan(args, common), Path(args.out) / args.name
     sweep_dir.mkdir(parents=True, exist_ok=True)
+    lock = folders.claim(str(sweep_dir), "launcher")  # held for this launcher's life
+    try:
+        return launch(args, common, runs, sweep_dir)
+    finally:
+        lock.close()
+
+
+def launch(args: LaunchArgs, common: list, runs: list, sweep_dir: Path) -> int:
+    """The SLURM script, or the sweep run here: its record read, the runs a dead launcher left
+    waited for, then the queue."""
     if args.slurm:
         (sweep_dir / "sweep.sbatch").write_text(slurm_script(args, runs, common))
         print(f"{len(runs)} runs: submit with `sbatch {sweep_dir / 'sweep.sbatch'}`")
@@ -138,16 +194,46 @@ def main(args: LaunchArgs, common: list) -> int:
         previous = {r["name"]: r for r in before.get("runs", [])}
     for run in runs:
         run.update(state="done" if previous.get(run["name"], {}).get("state") == "done" else "queued", exit_code=None)
-        run["log"] = str(Path(run["dir"]) / "log.txt")
+        run["log"] = str(Path(run["dir"]) / LOG)
+    for run in previous.values():
+        if orphan(run):  # a run of a launcher that died: it got SIGTERM with its death and is stopping
+            print(f"waiting for {run['name']} (pid {run['pid']}), left by a launcher that died, to stop", flush=True)
+            while orphan(run):
+                time.sleep(0.2)
     record = {"script": args.script, "grid": args.grid, "seeds": args.seeds, "common": common, "runs": runs}
     return run_queue(args, record, sweep_dir, common)
+
+
+def orphan(run: dict) -> bool:
+    """Whether the process recorded as running `run` is still alive and runs it (its command line
+    names the run's folder: a pid the system gave to another process since is not it)."""
+    try:
+        with open(f"/proc/{int(run['pid'])}/cmdline", "rb") as f:
+            return run.get("state") == "running" and os.fsencode(run["dir"]) in f.read()
+    except (KeyError, TypeError, ValueError, OSError):
+        return False
+
+
+def tie_to(launcher: int):
+    """In a run's process, before it executes the script: the kernel sends it SIGTERM when the
+    launcher dies, however it dies, so that it stops cleanly (Linux; elsewhere a relaunch waits
+    for it: `orphan`)."""
+    prctl = getattr(ctypes.CDLL(None), "prctl", None) if sys.platform.startswith("linux") else None
+
+    def in_child():
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != launcher:  # the launcher died before the tie was made
+            os._exit(128 + signal.SIGTERM)
+
+    return in_child
 
 
 def run_queue(args: LaunchArgs, record: dict, sweep_dir: Path, common: list) -> int:
     """Start runs `--parallel` at a time until none is queued; a progress line every 5 s."""
     runs, procs, stop, started = record["runs"], {}, [], time.time()
     handlers = {s: signal.signal(s, lambda signum, frame: stop.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
-    durations, last_line, signalled = [], 0.0, set()
+    durations, last_line, signalled, tie = [], 0.0, set(), tie_to(os.getpid())
     try:
         while True:
             if stop:
@@ -163,16 +249,16 @@ def run_queue(args: LaunchArgs, record: dict, sweep_dir: Path, common: list) -> 
                     stopped = proc.returncode > 128 or (proc.returncode < 0 and i in signalled)
                     run["state"] = "done" if proc.returncode == 0 else "stopped" if stopped else "failed"
                     durations.append(time.time() - run.pop("start"))
+                    run.pop("pid")
                     del procs[i]
             queued = [i for i, run in enumerate(runs) if run["state"] == "queued"]
             while not stop and queued and len(procs) < args.parallel:
                 i = queued.pop(0)
-                Path(runs[i]["dir"]).parent.mkdir(parents=True, exist_ok=True)
                 os.makedirs(runs[i]["dir"], exist_ok=True)
-                log = open(runs[i]["log"], "a")
-                procs[i] = subprocess.Popen(command(args.script, runs[i], common, args.name), stdout=log,
-                                            stderr=subprocess.STDOUT, start_new_session=True)
-                runs[i].update(state="running", start=time.time())
+                with open(runs[i]["log"], "a") as log:
+                    procs[i] = subprocess.Popen(command(args.script, runs[i], common, args.name, log), stdout=log,
+                                                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=tie)
+                runs[i].update(state="running", start=time.time(), pid=procs[i].pid)
             save(sweep_dir, {**record, "runs": [{k: v for k, v in r.items() if k != "start"} for r in runs]})
             if not procs and (stop or not queued):
                 break
@@ -181,19 +267,60 @@ def run_queue(args: LaunchArgs, record: dict, sweep_dir: Path, common: list) -> 
                 print(progress_line(runs, durations, args.parallel, time.time() - started), flush=True)
             time.sleep(0.2)
     finally:
-        for proc in procs.values():
-            proc.kill()
+        stop_all(procs.values())
         for s, handler in handlers.items():
             signal.signal(s, handler)
     return summary(runs, stop)
 
 
+def stop_all(procs):
+    """After an error in the launcher: SIGTERM to the runs still going (each writes its
+    checkpoint), SIGKILL to those not gone within a minute."""
+    procs = list(procs)
+    for proc in procs:
+        proc.terminate()
+    deadline = time.time() + 60
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(deadline - time.time(), 0.1))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def progress_line(runs: list, durations: list, parallel: int, elapsed: float) -> str:
     count = {s: sum(r["state"] == s for r in runs) for s in ("done", "running", "queued", "failed", "stopped")}
-    left = count["queued"] + count["running"]
-    eta = f"{int(sum(durations) / len(durations) * left / parallel)} s" if durations else "n/a"
+    stopped = f", {count['stopped']} stopped" if count["stopped"] else ""
     return (f"sweep: {count['done']} done, {count['running']} running, {count['queued']} queued, "
-            f"{count['failed']} failed  ({elapsed:.0f} s)  ETA {eta}")
+            f"{count['failed']} failed{stopped}  ({elapsed:.0f} s)  ETA {sweep_eta(runs, durations, parallel, time.time())}")
+
+
+def sweep_eta(runs: list, durations: list, parallel: int, now: float) -> str:
+    """The time left: each running run's own ETA (its last progress line), a queued run the mean
+    time a run took (or, before any ended, the running runs' elapsed + ETA), the runs placed
+    `parallel` at a time as the queue places them."""
+    running = [(now - run["start"], run_eta(run["log"])) for run in runs if run["state"] == "running"]
+    guesses = durations or [elapsed + left for elapsed, left in running if left is not None]
+    if not guesses:
+        return "n/a (no run has an ETA yet)"
+    typical = sum(guesses) / len(guesses)
+    slots = sorted([left if left is not None else max(typical - elapsed, 0.0) for elapsed, left in running]
+                   + [0.0] * max(parallel - len(running), 0))
+    for _ in range(sum(run["state"] == "queued" for run in runs)):
+        slots[0] += typical
+        slots.sort()
+    return clock_time(max(slots, default=0.0))
+
+
+def run_eta(log: str):
+    """The seconds a run's last progress line (in its log) gives as its ETA, or None (n/a)."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(os.fstat(f.fileno()).st_size - 4096, 0))
+            lines = [line for line in f.read().decode(errors="replace").splitlines() if " ETA " in line]
+    except OSError:
+        return None
+    match = re.search(r" ETA (\d+):(\d\d):(\d\d)$", lines[-1].rstrip()) if lines else None
+    return int(match[1]) * 3600 + int(match[2]) * 60 + int(match[3]) if match else None
 
 
 def summary(runs: list, stop: list) -> int:
@@ -209,7 +336,5 @@ def summary(runs: list, stop: list) -> int:
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
-    common = argv[argv.index("--") + 1:] if "--" in argv else []
-    own = argv[: argv.index("--")] if "--" in argv else argv
-    parsed = tyro.cli(LaunchArgs, args=own)
-    sys.exit(reported(lambda: main(parsed, common)))
+    split = argv.index("--") if "--" in argv else len(argv)
+    run_tool(lambda args: main(args, argv[split + 1:]), LaunchArgs, argv[:split])

@@ -1,13 +1,18 @@
 """Learning curves and a table of final returns from any set of run folders.
 
-Runs are grouped by (script, env_id); the script is config.json's `exp_name` (which defaults to
-the script's name). Each seed's episodic returns are smoothed (trailing mean over a window of
-episodes), resampled on a grid common to the group's seeds, and drawn as the mean over seeds with
-a band (std or min-max, drawn only where every seed has data), against environment steps and
-against wall-clock time since the run's first update (so that compile time, which the compile
-cache may save one seed and not another, does not shift the curves; a resumed run's clock
-includes the time it was stopped). Past the shortest seed the line is the mean of the seeds
-still running. A sweep folder of utils/launch.py gives one curve per configuration. One PNG per environment (every script on it, two panels) and summary.md, a
+Runs are grouped by their whole configuration: the env, the script (config.json's `exp_name`,
+which defaults to the script's name) and every flag but the seed and those that only say where and
+how the run was recorded (config.json, with each resume's changes). Each group is labelled by the
+flags that tell it apart from the other groups of its script; two runs of one group with the same
+seed are drawn apart ("repeat 2"), never averaged as two seeds. Each seed's episodic returns are
+smoothed (trailing mean over a window of episodes), resampled on a grid common to the group's
+seeds, and drawn as the mean over seeds with a band (std or min-max, drawn only where every seed
+has data), against environment steps and against training time: the seconds from each of the
+run's starts (its first update, so that compile time, which the compile cache may save one seed
+and not another, does not shift the curves) to its last record, summed over its resumes, so that
+the time between a stop and its resume is not counted; each resume is marked. Past the shortest
+seed the line is the mean of the seeds still running. A sweep folder of utils/launch.py gives one
+curve per configuration. One PNG per environment (every group on it, two panels) and summary.md, a
 markdown table of final returns, also printed on stdout.
 
 Usage:
@@ -33,11 +38,16 @@ import matplotlib.pyplot as plt  # noqa: E402 (the backend is chosen before pypl
 import numpy as np  # noqa: E402
 import tyro  # noqa: E402
 
-from jax_async_rl.checkpoints import METRICS, run_identity  # noqa: E402
+from jax_async_rl.checkpoints import CONFIG, METRICS, run_identity  # noqa: E402
 from jax_async_rl.flags import UsageError, run_tool  # noqa: E402
 
 RETURN_TAG = "charts/episodic_return"
 FIRST_UPDATE_TAG = "charts/SPS"  # logged at every run's first update
+# config.json entries that are no part of a run's configuration: the seed, and where and how it is
+# recorded (a group's runs differ in these); the batch in words follows from the flags.
+NOT_CONFIGURATION = ("seed", "run_dir", "resume", "resumes", "save_interval", "log_frequency", "eval_episodes",
+                     "capture_video", "track", "wandb_project", "compile_cache", "global_batch", "process_id",
+                     "coordinator_address")
 
 
 @dataclass
@@ -72,9 +82,11 @@ class Run:
     env_id: str
     seed: object
     steps: np.ndarray  # [N] environment steps at which each episode ended
-    seconds: np.ndarray  # [N] wall-clock seconds since the run's first update (games before it: 0)
+    seconds: np.ndarray  # [N] training seconds (training_seconds) at which each episode ended
     returns: np.ndarray  # [N] game scores, in the order logged
     last_step: int  # the largest step of any record
+    config: dict  # the flags that make its configuration (NOT_CONFIGURATION left out), each resume's changes in
+    resumed_at: list  # the training seconds at which each resume started
 
 
 def find_runs(paths: list[str]) -> list[tuple[str, bool]]:
@@ -99,7 +111,7 @@ def read_run(folder: str) -> Run:
     """A run's episodic returns with their steps and times. A last line still being written is skipped."""
     with open(os.path.join(folder, METRICS)) as f:
         lines = f.read().split("\n")
-    steps, times, returns, first_update, last_step = [], [], [], None, 0
+    steps, times, returns, updates, records, last_step = [], [], [], [], [], 0
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -110,8 +122,9 @@ def read_run(folder: str) -> Run:
             if number == len(lines):  # no newline yet: a record in the middle of being written
                 break
             raise UsageError(f"{folder}/{METRICS} line {number} is not a metrics record ({type(e).__name__})")
-        if tag == FIRST_UPDATE_TAG and first_update is None:
-            first_update = wall_time
+        if tag == FIRST_UPDATE_TAG:
+            updates.append(wall_time)
+        records.append(wall_time)
         last_step = max(last_step, step)
         if tag == RETURN_TAG and math.isfinite(value):
             steps.append(step)
@@ -119,11 +132,52 @@ def read_run(folder: str) -> Run:
             returns.append(value)
     if not returns:
         raise NoEpisodes(f"{folder}/{METRICS} has no {RETURN_TAG} yet: no episode has finished; train longer")
-    start = first_update if first_update is not None else times[0]  # no update logged yet: the first game
-    seconds = np.maximum(np.array(times) - start, 0.0)
-    identity = run_identity(folder)
+    identity, config = run_identity(folder), read_config(folder)
+    resumes = [float(r["wall_time"]) for r in config.get("resumes", []) if isinstance(r, dict) and "wall_time" in r]
+    seconds, resumed_at = training_seconds(np.array(times), np.array(records), np.array(updates), resumes)
     return Run(folder, identity["script"], identity["env_id"], identity["seed"], np.array(steps, np.float64),
-               seconds, np.array(returns), last_step)
+               seconds, np.array(returns), last_step, configuration(config), resumed_at)
+
+
+def read_config(folder: str) -> dict:
+    """A run's config.json ({} without one: a run known by its checkpoint alone)."""
+    path = os.path.join(folder, CONFIG)
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        config = json.load(f)  # run_identity has read it already: it is an object
+    return config
+
+
+def configuration(config: dict) -> dict:
+    """The flags that make a run's configuration: config.json's, each resume's changes applied, those
+    in NOT_CONFIGURATION left out."""
+    flags = dict(config)
+    for resume in config.get("resumes", []):
+        flags.update(resume.get("changed", {}) if isinstance(resume, dict) else {})
+    return {k: v for k, v in flags.items() if k not in NOT_CONFIGURATION}
+
+
+def training_seconds(times: np.ndarray, records: np.ndarray, updates: np.ndarray, resumes: list):
+    """(The training seconds at each of `times`, those at which each resume started.) A run's
+    records fall into sessions, split at its resumes' start times; a session counts from its
+    first update (`updates`: the times of charts/SPS records; compiling is not training) to its
+    last record, and the sessions before it are added, so that the time from a stop to its
+    resume is not counted. A time before its session's first update counts as that update's."""
+    bounds = [-np.inf, *sorted(resumes), np.inf]
+    seconds, offset, resumed_at = np.zeros(len(times)), 0.0, []
+    for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        inside = records[(records >= lo) & (records < hi)]
+        starts = updates[(updates >= lo) & (updates < hi)]
+        if i:
+            resumed_at.append(offset)
+        if not len(inside):
+            continue
+        start = starts[0] if len(starts) else inside[0]  # no update logged yet: the first record
+        mine = (times >= lo) & (times < hi)
+        seconds[mine] = offset + np.maximum(times[mine] - start, 0.0)
+        offset += max(inside[-1] - start, 0.0)
+    return seconds, resumed_at
 
 
 def read_runs(paths: list[str]) -> list[Run]:
@@ -182,18 +236,23 @@ def draw(ax, grid, ys, band: str, label: str):
 
 
 def plot_env(env_id: str, groups: dict, args: PlotArgs, out_dir: str) -> str:
-    """One PNG, two panels (return vs steps, vs seconds), one line per script on this env."""
+    """One PNG, two panels (return vs steps, vs training time), one line per group on this env;
+    on the time panel each run's resumes are dotted lines in its group's colour."""
     fig, (ax_steps, ax_time) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for script, runs in sorted(groups.items()):
-        label = f"{script} ({len(runs)} seed{'s' if len(runs) > 1 else ''})"
+    for label, runs in sorted(groups.items()):
+        label = f"{label} ({len(runs)} seed{'s' if len(runs) > 1 else ''})"
         for ax, axis in ((ax_steps, "steps"), (ax_time, "seconds")):
             orders = [np.argsort(getattr(run, axis), kind="stable") for run in runs]  # resumed runs may step back
             curves = [(getattr(run, axis)[o], smooth(run.returns[o], args.window)) for run, o in zip(runs, orders)]
             grid, ys = resample(curves, args.points)
             draw(ax, grid, ys, args.band, label)
+        colour = ax_time.get_lines()[-1].get_color()
+        for x in {x for run in runs for x in run.resumed_at}:
+            ax_time.axvline(x, color=colour, linestyle=":", linewidth=1)
     spread = "std" if args.band == "std" else "min-max"
     ax_steps.set_xlabel("environment steps")
-    ax_time.set_xlabel("wall-clock time (s since the run's first update; compilation before it not counted)")
+    ax_time.set_xlabel("training time (s): from each start's first update, so without compiles\n"
+                       "nor the time between a stop and its resume (dotted: a resume)")
     for ax in (ax_steps, ax_time):
         ax.set_ylabel(f"episodic return (mean of last {args.window} episodes)")
         ax.grid(alpha=0.3)
@@ -201,7 +260,7 @@ def plot_env(env_id: str, groups: dict, args: PlotArgs, out_dir: str) -> str:
     fig.suptitle(f"{env_id}: mean over seeds, band = {spread}")
     fig.tight_layout()
     path = os.path.join(out_dir, re.sub(r"[^A-Za-z0-9._-]+", "_", env_id) + ".png")
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, bbox_inches="tight")  # nothing cut off at the edges
     plt.close(fig)
     return path
 
@@ -235,14 +294,14 @@ def chance_excess(run: Run, window: int) -> float:
 
 
 def noise_notes(groups: dict, window: int, threshold: float) -> list:
-    """A note for each (env, script) whose runs' chance_excess is over 10% of the threshold (or
+    """A note for each (env, group) whose runs' chance_excess is over 10% of the threshold (or
     of the returns' range, if larger): its steps to the threshold may count a lucky window."""
     notes = []
-    for (env_id, script), runs in sorted(groups.items()):
+    for (env_id, label), runs in sorted(groups.items()):
         excess = max(chance_excess(run, window) for run in runs)
         scale = max(abs(threshold), max(float(np.ptp(run.returns)) for run in runs))
         if excess > 0.1 * scale:
-            notes.append(f"note: {env_id} {script}: the best of these runs' {window}-episode means lands about "
+            notes.append(f"note: {env_id} {label}: the best of these runs' {window}-episode means lands about "
                          f"{excess:.3g} above their level by chance alone (the spread of their last games over "
                          f"sqrt({window}), with {min(len(run.returns) for run in runs) // window}+ windows a run), so a "
                          f"first {window}-episode mean at {threshold:g} may be a lucky one: read it with a larger --window")
@@ -255,7 +314,7 @@ def spread(values) -> str:
 
 
 def summary_table(groups: dict, last_episodes: int, threshold=None, window: int = 20) -> str:
-    """Markdown: per (env, script), the mean +- std over seeds of each seed's last-episodes mean
+    """Markdown: per (env, group), the mean +- std over seeds of each seed's last-episodes mean
     (and with a threshold: the steps and seconds to it over the seeds that reached it, and the
     best `window`-episode mean)."""
     extra = f" | seeds at {threshold:g} | steps to {threshold:g} | seconds to {threshold:g} | best" if threshold is not None else ""
@@ -264,10 +323,10 @@ def summary_table(groups: dict, last_episodes: int, threshold=None, window: int 
         "mean ± std (population) over seeds." + (f" Steps and seconds to {threshold:g}: the first {window}-episode "
                                                   "mean at or above it, over the seeds that reached it." if extra else ""),
         "",
-        f"| env_id | script | seeds | env steps | final return{extra} | per seed |",
+        f"| env_id | configuration | seeds | env steps | final return{extra} | per seed |",
         "|---|---|---:|---:|---" + "|---:|---|---|---" * bool(extra) + "|---|",
     ]
-    for (env_id, script), runs in sorted(groups.items()):
+    for (env_id, label), runs in sorted(groups.items()):
         finals = np.array([np.mean(run.returns[-last_episodes:]) for run in runs])
         steps = min(run.last_step for run in runs)
         per_seed = ", ".join(f"{run.seed}: {final:.2f}" for run, final in zip(runs, finals))
@@ -278,9 +337,50 @@ def summary_table(groups: dict, last_episodes: int, threshold=None, window: int 
             cells = (f" | {len(hits)}/{len(runs)} | {spread([h[0] for h in hits])} | {spread([h[1] for h in hits])}"
                      f" | {best.mean():.2f}")
         lines.append(
-            f"| {env_id} | {script} | {len(runs)} | {steps} | {finals.mean():.2f} ± {finals.std():.2f}{cells} | {per_seed} |"
+            f"| {env_id} | {label} | {len(runs)} | {steps} | {finals.mean():.2f} ± {finals.std():.2f}{cells} | {per_seed} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def group_runs(runs: list) -> dict:
+    """{(env_id, label): runs}: one group per configuration (the env, the script, `Run.config`), and
+    within one, the k-th run of a seed in "repeat k" (said on stderr), so that no two runs of a
+    group share a seed. Labelled by `labels`."""
+    by_config = defaultdict(list)
+    for run in sorted(runs, key=lambda r: (str(r.seed), r.folder)):
+        by_config[(run.env_id, run.script, json.dumps(run.config, sort_keys=True, default=str))].append(run)
+    groups = {}
+    for key, group in by_config.items():
+        count = defaultdict(int)
+        for run in group:
+            count[str(run.seed)] += 1
+            groups.setdefault((*key, count[str(run.seed)]), []).append(run)
+            if count[str(run.seed)] > 1:
+                print(f"warning: {run.folder} has the configuration and the seed ({run.seed}) of another run: drawn "
+                      f"apart, as repeat {count[str(run.seed)]}", file=sys.stderr)
+    names = labels(groups)
+    return {(key[0], names[key]): group for key, group in groups.items()}
+
+
+def labels(groups: dict) -> dict:
+    """Each group's label: its script, then the flags whose values tell it apart from the other
+    groups of that script on its env (`serial`, `total-timesteps=20000`), then "repeat k"."""
+    names = {}
+    for env_id, script in {(key[0], key[1]) for key in groups}:
+        keys = [key for key in groups if key[:2] == (env_id, script)]
+        configs = {key: json.loads(key[2]) for key in keys}
+        flags = sorted({flag for config in configs.values() for flag in config})
+        differ = [f for f in flags if len({json.dumps(c.get(f, "?"), default=str) for c in configs.values()}) > 1]
+        for key in keys:
+            parts = [describe(flag, configs[key].get(flag, "?")) for flag in differ]
+            names[key] = " ".join([script, *parts, *([f"repeat {key[3]}"] if key[3] > 1 else [])])
+    return names
+
+
+def describe(flag: str, value) -> str:
+    """A flag's value as a label shows it: `serial`, `no-serial`, `total-timesteps=20000`."""
+    name = flag.replace("_", "-")
+    return name if value is True else f"no-{name}" if value is False else f"{name}={value}"
 
 
 def main(args: PlotArgs) -> int:
@@ -293,13 +393,11 @@ def main(args: PlotArgs) -> int:
     out_dir = args.out or os.path.join("runs", f"plots__{int(time.time())}")
     os.makedirs(out_dir, exist_ok=True)
 
-    groups = defaultdict(list)
-    for run in sorted(runs, key=lambda r: (str(r.seed), r.folder)):
-        groups[(run.env_id, run.script)].append(run)
+    groups = group_runs(runs)
     by_env = defaultdict(dict)
-    for (env_id, script), group in groups.items():
-        by_env[env_id][script] = group
-    pngs = [plot_env(env_id, scripts, args, out_dir) for env_id, scripts in sorted(by_env.items())]
+    for (env_id, label), group in groups.items():
+        by_env[env_id][label] = group
+    pngs = [plot_env(env_id, labelled, args, out_dir) for env_id, labelled in sorted(by_env.items())]
 
     table = summary_table(groups, args.last_episodes, args.threshold, args.window)
     notes = noise_notes(groups, args.window, args.threshold) if args.threshold is not None else []
