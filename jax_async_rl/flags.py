@@ -82,6 +82,9 @@ class RunArgs:
     directory or sys.path); or pass --env-id module:callable (a gymnasium.Env class or a function)"""
     env_kwargs: str = ""
     """keyword arguments of your Gymnasium env, as a JSON object, e.g. '{"length": 10}'"""
+    trust_env_module: bool = False
+    """with --resume: import the env module the run recorded (--env-module, or --env-id's module)
+    without naming it again; a run folder is data, and runs no code you did not choose"""
     seed: int = 1
     """seed of the environments, the network initialisation and action sampling"""
     total_timesteps: Annotated[int, POSITIVE] = 10_000_000
@@ -144,7 +147,8 @@ def check_bounds(args):
 
 
 # --help's groups: flags not named here are the algorithm's (or, in RunArgs, the run's).
-ENVIRONMENT = ("env_id", "env_module", "env_kwargs", "seed", "num_envs", "num_splits", "num_threads", "norm_obs", "norm_reward")
+ENVIRONMENT = ("env_id", "env_module", "env_kwargs", "trust_env_module", "seed", "num_envs", "num_splits", "num_threads",
+               "norm_obs", "norm_reward")
 DEVICES = ("actor_device_ids", "learner_device_ids", "num_actor_threads", "distributed", "coordinator_address",
            "num_processes", "process_id")
 

@@ -74,9 +74,11 @@ def test_dict_observations_evaluation_video_and_resume(tmp_path, capsys):
     assert code == 0 and "eval: 2 episodes" in out, err
     step = int(read_checkpoint(run_dir)["state"]["global_step"])
     evaluate = load_script(REPO_ROOT / "utils" / "evaluate.py")  # rebuilds the user's env from the config
-    assert evaluate.main(evaluate.EvalArgs(run=str(run_dir), episodes=2)) == 0
+    assert evaluate.main(evaluate.EvalArgs(run=str(run_dir), episodes=2, trust_env_module=True)) == 0
     assert json.loads((run_dir / "eval.json").read_text())["episodes"] == 2
-    assert run_main("appo_envpool.py", ["--resume", run_dir, "--total-timesteps", 3 * step]) == 0
+    # The env's module named again: it is the user's choice, not the folder's.
+    argv = ["--resume", run_dir, "--total-timesteps", 3 * step, "--env-id", "tests.user_envs:dict_env"]
+    assert run_main("appo_envpool.py", argv) == 0
     assert int(read_checkpoint(run_dir)["state"]["global_step"]) == 3 * step
     video_run = tmp_path / "video"
     code, _, err = run_main(HOST, cli(HOST, env_id="Corridor-v0", env_module="examples.corridor", eval_episodes=2,
@@ -133,7 +135,8 @@ def test_sigterm_checkpoints_and_the_run_resumes(tmp_path):
         if proc.poll() is None:
             proc.kill()
     step = int(read_checkpoint(run_dir)["state"]["global_step"])
-    result = run_script("appo_envpool.py", ["--resume", run_dir, "--total-timesteps", step + 2048, "--eval-episodes", 0])
+    result = run_script("appo_envpool.py", ["--resume", run_dir, "--total-timesteps", step + 2048, "--eval-episodes", 0,
+                                            "--trust-env-module"])
     assert result.returncode == 0, result.stderr[-2000:]
     assert int(read_checkpoint(run_dir)["state"]["global_step"]) > step
 
