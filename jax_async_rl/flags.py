@@ -82,6 +82,9 @@ class RunArgs:
     directory or sys.path); or pass --env-id module:callable (a gymnasium.Env class or a function)"""
     env_kwargs: str = ""
     """keyword arguments of your Gymnasium env, as a JSON object, e.g. '{"length": 10}'"""
+    env_timeout: Annotated[float, POSITIVE] = 300.0
+    """seconds your Gymnasium env may take to answer a reset or step (its worker making it
+    included) before the run stops and names it: a hung env"""
     trust_env_module: bool = False
     """with --resume: import the env module the run recorded (--env-module, or --env-id's module)
     without naming it again; a run folder is data, and runs no code you did not choose"""
@@ -147,7 +150,7 @@ def check_bounds(args):
 
 
 # --help's groups: flags not named here are the algorithm's (or, in RunArgs, the run's).
-ENVIRONMENT = ("env_id", "env_module", "env_kwargs", "trust_env_module", "seed", "num_envs", "num_splits", "num_threads",
+ENVIRONMENT = ("env_id", "env_module", "env_kwargs", "env_timeout", "trust_env_module", "seed", "num_envs", "num_splits", "num_threads",
                "norm_obs", "norm_reward")
 DEVICES = ("actor_device_ids", "learner_device_ids", "num_actor_threads", "distributed", "coordinator_address",
            "num_processes", "process_id")

@@ -32,6 +32,7 @@ import numpy as np
 from jax_async_rl import checkpoints, devices, evaluation, folders, tasks
 from jax_async_rl.checkpoints import CHECKPOINT
 from jax_async_rl.flags import UsageError, check_bounds, describe_os_error, is_file_system_error
+from jax_async_rl.gym_pool import EnvError
 from jax_async_rl.logs import Logger, Progress
 from jax_async_rl.threads import Threads
 
@@ -54,9 +55,11 @@ class Run:
     def __enter__(self):
         warnings.filterwarnings("ignore", message=".*precision lowered.*")  # gymnasium's Box casts
         self.signals = Signals()
+        tasks.RUN_STOP[0] = self.signals.stop
         try:
             self.start_up()
         except BaseException:
+            tasks.RUN_STOP[0] = None
             self.signals.close()
             raise
         self.threads = Threads(self.signals.stop)
@@ -71,6 +74,7 @@ class Run:
         finally:
             if self.lock is not None:
                 self.lock.close()
+            tasks.RUN_STOP[0] = None
             self.signals.close()
             if self.peer_lost:  # JAX's shutdown would wait for the dead process, then abort this one
                 sys.stdout.flush()
@@ -238,7 +242,7 @@ class Run:
         if self.pending:
             self.logger.log(*self.pending)
         self.peer_lost = any(devices.peer_failure(error) for _, error, _ in self.threads.errors)
-        if not report_errors(self.threads.errors, self.checkpoint_file, self.global_step):
+        if not report_errors(self.threads.errors, self.checkpoint_file, self.global_step, self.args.env_id):
             self.save()
         if self.threads.errors:
             return 1
@@ -325,13 +329,20 @@ def use_compile_cache(path: str):
     jax.config.update("jax_compilation_cache_dir", path)
 
 
-def report_errors(errors, ckpt_file: str, global_step: int) -> bool:
-    """Print the threads' errors: one line for another process gone, a file system error or a
-    non-finite loss, else the traceback. True if the last good checkpoint must stay (a
-    non-finite state, a disk that failed, a run that lost a process: nothing more is written)."""
+def report_errors(errors, ckpt_file: str, global_step: int, env_id: str = "") -> bool:
+    """Print the threads' errors: one line for another process gone, a file system error, a
+    non-finite loss or an env's fault (named with `env_id`; an env's own traceback above it),
+    else the traceback. True if the last good checkpoint must stay (a non-finite state, a disk
+    that failed, a run that lost a process: nothing more is written)."""
     kept = f"the last good checkpoint is kept: {ckpt_file}" if os.path.exists(ckpt_file) else "no checkpoint written"
-    keep = False
+    keep = traced = False
     for where, error, trace in errors:
+        if isinstance(error, EnvError):  # the learning is sound: checkpointed
+            if error.details:
+                print(error.details.rstrip(), file=sys.stderr)
+            print(f"error in {where}: --env-id {env_id}: {error.line}; stopped at step {global_step}, checkpoint: "
+                  f"{ckpt_file}", file=sys.stderr)
+            continue
         if devices.peer_failure(error):
             print(f"error in {where}: {devices.describe_dead(error)}; {kept}", file=sys.stderr)
         elif is_file_system_error(error):
@@ -341,9 +352,10 @@ def report_errors(errors, ckpt_file: str, global_step: int) -> bool:
                   file=sys.stderr)
         else:
             print(f"error in {where}:\n{trace}", file=sys.stderr)
+            traced = True
             continue
         keep = True
-    if errors and not keep:
+    if traced and not keep:
         print(f"stopped by an error at step {global_step}; checkpoint: {ckpt_file}", file=sys.stderr)
     return keep
 

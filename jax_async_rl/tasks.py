@@ -21,8 +21,12 @@ FAMILIES = {"atari": "atari", "mujoco.dmc": "dm_control", "minigrid": "minigrid"
             "vizdoom": "vizdoom"}
 # VizDoom's buttons as one Discrete action: envpool's default is a float Box over [DBL_MIN, DBL_MAX].
 VIZDOOM = dict(use_combined_action=True)
-# A user's Gymnasium envs (--env-id module:callable, or --env-module): env id -> its maker.
-USER_ENVS = {}
+# A user's Gymnasium envs (--env-id module:callable, or --env-module): env id -> its maker, and
+# the seconds it may take to answer (--env-timeout).
+USER_ENVS, ENV_TIMEOUTS = {}, {}
+# The stop event of the run in this process (runs.Run sets it): a user env's training pool stops
+# waiting on it (evaluation's, after training has stopped, does not).
+RUN_STOP = [None]
 
 
 def register_user_env(args):
@@ -30,6 +34,7 @@ def register_user_env(args):
     maker = gym_pool.user_maker(args.env_id, getattr(args, "env_module", None), getattr(args, "env_kwargs", ""))
     if maker is not None:
         USER_ENVS[args.env_id] = maker
+        ENV_TIMEOUTS[args.env_id] = getattr(args, "env_timeout", 300.0)
         spaces.cache_clear()
 
 
@@ -128,7 +133,8 @@ def make_env(env_id: str, num_envs: int, seed: int, num_threads: int, train: boo
     if env_id in USER_ENVS:  # a user's Gymnasium env, in worker processes behind envpool's interface
         extra = {"render_mode": kwargs["render_mode"]} if "render_mode" in kwargs else {}
         maker = functools.partial(USER_ENVS[env_id], **extra) if extra else USER_ENVS[env_id]
-        return gym_pool.GymPool(maker, num_envs, kwargs.get("batch_size", num_envs), seed, num_threads or os.cpu_count() or 1)
+        return gym_pool.GymPool(maker, num_envs, kwargs.get("batch_size", num_envs), seed, num_threads or os.cpu_count() or 1,
+                                ENV_TIMEOUTS.get(env_id, 300.0), RUN_STOP[0] if train else None)
     kind = env_kind(env_id)
     kwargs.update(dict(episodic_life=train, reward_clip=train, noop_max=30) if kind == "atari" else {})
     kwargs.update(VIZDOOM if kind == "vizdoom" else {})

@@ -121,6 +121,46 @@ def test_a_failing_user_env_stops_the_run_and_leaves_no_worker(script, how, tmp_
     assert live(pids) == [], "worker processes left behind"
 
 
+def gone_within(pids, seconds: float) -> list:
+    """The processes of `pids` still alive after up to `seconds` (the process table, /proc)."""
+    deadline = time.monotonic() + seconds
+    while live(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return live(pids)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("script, end", [(HOST, "SIGTERM"), (HOST, "SIGKILL"), (HOST, "env-timeout"),
+                                         ("appo_envpool.py", "SIGTERM")])  # the sync loop, an actor thread
+def test_no_process_outlives_a_run_whose_env_hangs(script, end, tmp_path):
+    """An env that starts a process of its own (a simulator) and then hangs in step(): however the
+    run ends (SIGTERM, SIGKILL of the training process, or --env-timeout, which names the env and
+    the call in one line), its workers and the processes its envs started are gone within 10 s."""
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    argv = cli(script, env_id="tests.user_envs:Stuck", env_kwargs=json.dumps({"pid_dir": str(pid_dir), "at": 30}),
+               run_dir=tmp_path / "run", total_timesteps=10**6)
+    proc = start_script(script, [*argv, *(["--env-timeout", 8] if end == "env-timeout" else [])], tmp_path / "logs")
+    try:
+        wait_until(lambda: (pid_dir / "hung").exists(), proc, 200)
+        if end != "env-timeout":
+            proc.send_signal(getattr(signal, end))
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = (tmp_path / "logs" / "stderr.txt").read_text()
+    pids = [int(p.name) for p in pid_dir.iterdir() if p.name.isdigit()]
+    assert len(pids) >= 4, pids  # the workers (2) and their envs' children (4), the probes made in the run's process
+    assert gone_within(pids, 10) == [], f"processes left behind; stderr:\n{err[-3000:]}"
+    if end == "env-timeout":
+        lines = [line for line in err.splitlines() if line.startswith("error")]
+        assert code == 1 and "Traceback" not in err, err[-3000:]
+        assert "tests.user_envs:Stuck" in lines[0] and "step()" in lines[0] and "--env-timeout 8" in lines[0], err
+    else:
+        assert code in (128 + getattr(signal, end), -signal.SIGKILL), (code, err[-3000:])
+
+
 @pytest.mark.timeout(300)
 def test_sigterm_checkpoints_and_the_run_resumes(tmp_path):
     run_dir = tmp_path / "run"

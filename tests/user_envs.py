@@ -3,6 +3,7 @@ training scripts' worker processes."""
 
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -35,6 +36,35 @@ class Faulty(gymnasium.Env):
                 os.kill(os.getpid(), signal.SIGKILL)
             raise ValueError("injected failure in the user's env")
         return np.full(2, 0.5, np.float32), float(action), self.t >= 5, False, {}
+
+
+class Stuck(gymnasium.Env):
+    """An env that starts a process of its own (`sleep`, as a simulator would) and writes its
+    process's and that child's pids under `pid_dir`; at its `at`-th step it hangs for good
+    (writing `hung` first)."""
+
+    observation_space = gymnasium.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = gymnasium.spaces.Discrete(2)
+
+    def __init__(self, pid_dir: str = "", at: int = 10**9):
+        self.at, self.steps, self.pid_dir = at, 0, pid_dir
+        self.child = subprocess.Popen(["sleep", "1000"])
+        for pid in (os.getpid(), self.child.pid):
+            Path(pid_dir, str(pid)).touch()
+
+    def reset(self, seed=None, options=None):
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        self.steps += 1
+        if self.steps >= self.at:
+            Path(self.pid_dir, "hung").touch()
+            time.sleep(10**6)
+        return np.zeros(2, np.float32), 1.0, self.steps % 5 == 0, False, {}
+
+    def close(self):
+        self.child.kill()
+        self.child.wait()
 
 
 def dict_env(length: int = 3):
