@@ -42,8 +42,7 @@ class Run:
     folder; the others keep `run_dir` None."""
 
     def __init__(self, args, given, script: str, resolve):
-        self.given, self.script, self.resolve = given, script, resolve
-        self.args = args
+        self.given, self.script, self.resolve, self.args = given, script, resolve, args
         self.pending = None  # (step, scalars) of the last update, not logged yet
         self.episodes = deque()  # with many processes: games finished here, gathered once per update (`should_stop`)
         self.saving = threading.Lock()  # one checkpoint write at a time (the learner's and the main thread's)
@@ -55,11 +54,9 @@ class Run:
     def __enter__(self):
         warnings.filterwarnings("ignore", message=".*precision lowered.*")  # gymnasium's Box casts
         self.signals = Signals()
-        tasks.RUN_STOP[0] = self.signals.stop
         try:
             self.start_up()
         except BaseException:
-            tasks.RUN_STOP[0] = None
             self.signals.close()
             raise
         self.threads = Threads(self.signals.stop)
@@ -74,7 +71,6 @@ class Run:
         finally:
             if self.lock is not None:
                 self.lock.close()
-            tasks.RUN_STOP[0] = None
             self.signals.close()
             if self.peer_lost:  # JAX's shutdown would wait for the dead process, then abort this one
                 sys.stdout.flush()
@@ -100,8 +96,12 @@ class Run:
             print(f"{self.args.resume}: finished, {self.global_step} of --total-timesteps {self.args.total_timesteps} "
                   "steps trained; pass a larger --total-timesteps to train on")
             return
+        trained = (self.args.total_timesteps - self.global_step) // self.batch_size * self.batch_size
+        if getattr(self.args, "learning_starts", 0) >= trained:  # replay: a run (or resume) fills its buffer first
+            raise UsageError(f"--learning-starts {self.args.learning_starts} is not below the {trained} env steps left of "
+                             f"--total-timesteps {self.args.total_timesteps}: no gradient step would run; lower it or raise the budget")
         print(f"jax {jax.__version__} on {jax.default_backend()}: {', '.join(map(str, jax.local_devices()))}", flush=True)
-        self.seed = (self.args.seed + self.global_step) % 2**31  # a resumed run draws new env seeds and noise
+        self.seed = (self.args.seed + self.global_step) % 2**30  # a resumed run draws new seeds; within int32 (flags.SEED)
         self.key, self.init_key, self.update_key = jax.random.split(jax.random.PRNGKey(self.seed), 3)
 
     def open(self, state: dict, normalizer) -> dict:
@@ -365,10 +365,12 @@ class Signals:
     writes a checkpoint and exits 128 + signal. Before `started` (the first update) there is
     nothing to save, and the main thread may be inside an XLA compile that Python cannot
     interrupt: a thread woken through `signal.set_wakeup_fd` then exits at once, no traceback,
-    removing the folder of a new run (`new_run_dir`), which holds nothing to resume from."""
+    removing the folder of a new run (`new_run_dir`), which holds nothing to resume from. While
+    the run lasts, a user env's pool gives up waiting on `stop` too (tasks.RUN_STOP)."""
 
     def __init__(self):
         self.received, self.stop, self.started, self.new_run_dir = [], threading.Event(), threading.Event(), None
+        tasks.RUN_STOP[0] = self.stop
         self.handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         self.read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)
@@ -389,6 +391,7 @@ class Signals:
                 os._exit(128 + data[0])
 
     def close(self):
+        tasks.RUN_STOP[0] = None
         os.close(signal.set_wakeup_fd(self.previous_fd))
         self.watcher.join()
         os.close(self.read_fd)
