@@ -20,13 +20,12 @@ too, a worker stuck in `step` included. Each worker is also tied to the run by t
 
 `--env-id module:callable` (a `gymnasium.Env` subclass or a function that returns one) or
 `--env-id ID --env-module MODULE` (an id that importing MODULE registers with Gymnasium), with
-`--env-kwargs JSON`, makes such a pool (`user_maker`; `tasks` dispatches on it).
+`--env-kwargs JSON`, makes such a pool (`tasks.user_maker` checks them; `make_user_env` makes
+one, in any process).
 """
 
 import ctypes
-import functools
 import importlib
-import json
 import os
 import signal
 import socket
@@ -40,7 +39,6 @@ from multiprocessing.connection import Connection, wait
 import gymnasium
 import numpy as np
 
-from jax_async_rl.flags import UsageError
 
 
 class EnvError(RuntimeError):
@@ -57,6 +55,29 @@ def stack(items: list):
     if isinstance(items[0], dict):
         return {key: stack([item[key] for item in items]) for key in items[0]}
     return np.stack([np.asarray(item) for item in items])
+
+
+def leaves(obs, path: str = "") -> list:
+    """(path, array) of each leaf of an observation (or a batch), `[key]` into Dicts."""
+    if isinstance(obs, dict):
+        return [leaf for key in obs for leaf in leaves(obs[key], f"{path}[{key!r}]")]
+    return [(path, np.asarray(obs))]
+
+
+def fault(obs: list, first: list, env_ids, elapsed):
+    """(env id, what it returned) of the first env whose observation differs in its leaves, shape
+    or dtype from `first` ((path, shape, dtype) of the worker's first), or holds a NaN or an inf."""
+    for k, o in enumerate(obs):
+        if [path for path, _ in leaves(o)] != [path for path, _, _ in first]:
+            return env_ids[k], (f"returned an observation of keys {[p for p, _ in leaves(o)]} where its first had "
+                                f"{[p for p, _, _ in first]}")
+        when = f"at step {elapsed[k]} of its episode"
+        for (path, x), (_, shape, dtype) in zip(leaves(o), first):
+            if (x.shape, x.dtype) != (shape, dtype):
+                return env_ids[k], f"returned an observation{path} of shape {x.shape} {x.dtype} {when}, where its first had {shape} {dtype}"
+            if x.dtype.kind == "f" and not np.isfinite(x).all():
+                return env_ids[k], f"returned a non-finite observation{path} ({x[~np.isfinite(x)][0]}) {when}"
+    return None
 
 
 # The guard of a pool's process group (`python -S -c GUARD`, a few MB): its stdin is a pipe from the
@@ -104,7 +125,7 @@ def worker(conn, make, env_ids: list, seed: int):
             current = i
             envs.append(make())
         elapsed = np.zeros(len(envs), np.int32)
-        done = np.zeros(len(envs), bool)
+        done, first = np.zeros(len(envs), bool), None
         while True:
             command, actions = conn.recv()
             if command == "close":
@@ -124,7 +145,19 @@ def worker(conn, make, env_ids: list, seed: int):
                     elapsed[k] += 1
                     done[k] = terminated[k] or truncated[k]
                 obs.append(o)
-            conn.send((stack(obs), rewards, terminated, truncated, elapsed.copy()))
+            # What the network cannot take is named here, once per reply on the batch (the failure
+            # path alone looks at each env): a shape or dtype that changed, a NaN or an inf.
+            first = first or [(path, x.shape, x.dtype) for path, x in leaves(obs[0])]
+            try:
+                batch = stack(obs)
+            except ValueError:
+                batch = None
+            if (batch is None or [(p, x.shape[1:], x.dtype) for p, x in leaves(batch)] != first
+                    or not all(np.isfinite(x).all() for _, x in leaves(batch) if x.dtype.kind == "f")):
+                if (bad := fault(obs, first, env_ids, elapsed)) is not None:
+                    conn.send(("fault", *bad))
+                    continue
+            conn.send((stack(obs) if batch is None else batch, rewards, terminated, truncated, elapsed.copy()))
     except (EOFError, KeyboardInterrupt):
         return
     except BaseException:
@@ -250,6 +283,8 @@ class GymPool:
             raise EnvError(f"the worker of {self.envs_of(i)} died (exit code {self.procs[i].returncode})")
         if isinstance(reply, tuple) and len(reply) == 3 and reply[0] == "error":
             raise EnvError(f"env {reply[1]} raised in its worker (its traceback above)", reply[2])
+        if isinstance(reply, tuple) and len(reply) == 3 and reply[0] == "fault":
+            raise EnvError(f"env {reply[1]} {reply[2]}")
         return reply
 
     def result(self, split: int, replies: list):
@@ -323,61 +358,3 @@ def make_user_env(env_id: str, env_module, kwargs: dict, **extra):
         return gymnasium.make(env_id, **kwargs, **extra)
     module, name = env_id.split(":", 1)
     return getattr(importlib.import_module(module), name)(**kwargs, **extra)
-
-
-def user_maker(env_id: str, env_module, env_kwargs: str):
-    """The maker (picklable) of a user's env, checked by making one; None for an envpool task.
-    UsageError, one line, for a module that does not import, a name or id it does not have,
-    keyword arguments that are not a JSON object or that the env does not take."""
-    if ":" not in env_id and not env_module:
-        if env_kwargs:
-            raise UsageError("--env-kwargs is for a Gymnasium env (--env-id module:callable, or --env-module)")
-        return None
-    try:
-        kwargs = json.loads(env_kwargs) if env_kwargs else {}
-    except ValueError as e:
-        raise UsageError(f"--env-kwargs {env_kwargs!r} is not JSON ({e})")
-    if not isinstance(kwargs, dict):
-        raise UsageError(f"--env-kwargs {env_kwargs!r} is not a JSON object ({{\"name\": value, ...}})")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # the working directory's modules, as `python -m` finds them
-    module = env_module or env_id.split(":", 1)[0]
-    try:
-        importlib.import_module(module)
-    except Exception as e:
-        raise UsageError(f"--env-{'module' if env_module else 'id'} {module}: cannot import it ({type(e).__name__}: {e})")
-    if not env_module and not hasattr(sys.modules[module], env_id.split(":", 1)[1]):
-        raise UsageError(f"--env-id {env_id}: {module} has no {env_id.split(':', 1)[1]!r}")
-    if env_module and env_id not in gymnasium.registry:
-        raise UsageError(f"--env-id {env_id} is not registered by {env_module} (it registers "
-                         f"{', '.join(sorted(set(gymnasium.registry) - BUILT_IN)) or 'nothing'})")
-    make = functools.partial(make_user_env, env_id, env_module, kwargs)
-    try:
-        env = make()
-    except TypeError as e:
-        raise UsageError(f"--env-kwargs {env_kwargs or '{}'}: {env_id} does not take them ({e})")
-    if not isinstance(env, gymnasium.Env):
-        raise UsageError(f"--env-id {env_id} made a {type(env).__name__}, not a gymnasium.Env")
-    try:
-        check_observation(env_id, env.observation_space, env.reset(seed=0)[0], "observation")
-    finally:
-        env.close()
-    return make
-
-
-def check_observation(env_id: str, space, obs, where: str):
-    """UsageError naming the field of a reset's observation that its space does not describe."""
-    if isinstance(space, gymnasium.spaces.Dict):
-        if not isinstance(obs, dict) or set(obs) != set(space.spaces):
-            raise UsageError(f"--env-id {env_id}: reset() returned {where} keys {sorted(obs) if isinstance(obs, dict) else type(obs).__name__}"
-                             f" where observation_space has {sorted(space.spaces)}")
-        for key, sub in space.spaces.items():
-            check_observation(env_id, sub, obs[key], f"{where}[{key!r}]")
-        return
-    shape = np.shape(obs)
-    if shape != tuple(space.shape or ()):
-        raise UsageError(f"--env-id {env_id}: reset() returned {where} of shape {shape} where observation_space "
-                         f"says {tuple(space.shape or ())}")
-
-
-BUILT_IN = set(gymnasium.registry)  # Gymnasium's own ids, to name what a user's module added

@@ -242,7 +242,7 @@ class Run:
         if self.pending:
             self.logger.log(*self.pending)
         self.peer_lost = any(devices.peer_failure(error) for _, error, _ in self.threads.errors)
-        if not report_errors(self.threads.errors, self.checkpoint_file, self.global_step, self.args.env_id):
+        if not report_errors(self.threads.errors, self.checkpoint_file, self.global_step, self.args.env_id, self.lock):
             self.save()
         if self.threads.errors:
             return 1
@@ -329,12 +329,12 @@ def use_compile_cache(path: str):
     jax.config.update("jax_compilation_cache_dir", path)
 
 
-def report_errors(errors, ckpt_file: str, global_step: int, env_id: str = "") -> bool:
+def report_errors(errors, ckpt_file: str, global_step: int, env_id: str = "", lock=None) -> bool:
     """Print the threads' errors: one line for another process gone, a file system error, a
     non-finite loss or an env's fault (named with `env_id`; an env's own traceback above it),
     else the traceback. True if the last good checkpoint must stay (a non-finite state, a disk
-    that failed, a run that lost a process: nothing more is written)."""
-    kept = f"the last good checkpoint is kept: {ckpt_file}" if os.path.exists(ckpt_file) else "no checkpoint written"
+    that failed, a run that lost a process: nothing more is written). `lock`: the run folder's (folders.kept)."""
+    kept = folders.kept(ckpt_file, lock)
     keep = traced = False
     for where, error, trace in errors:
         if isinstance(error, EnvError):  # the learning is sound: checkpointed

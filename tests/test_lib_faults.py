@@ -154,6 +154,24 @@ def test_a_full_disk_stops_with_one_line_and_the_last_checkpoint_resumes(tmp_pat
     assert int(read_checkpoint(run_dir)["state"]["global_step"]) == 4 * TINY_BATCH
 
 
+@pytest.mark.timeout(300)
+def test_a_run_folder_moved_mid_run_is_where_the_message_says(tmp_path):
+    """The run folder renamed while the run trains: the next checkpoint cannot be written (exit
+    1), and the line says where the last good checkpoint is: in the folder's new place."""
+    run_dir, moved = tmp_path / "run", tmp_path / "moved"
+    proc = start_script(HOST, cli(HOST, run_dir=run_dir, total_timesteps=10**6, save_interval=5), tmp_path / "logs")
+    try:
+        wait_until(lambda: (run_dir / CHECKPOINT).exists(), proc, 200)
+        os.rename(run_dir, moved)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    line = one_error_line((tmp_path / "logs" / "stderr.txt").read_text())
+    assert code == 1 and f"the last good checkpoint is kept: {moved / CHECKPOINT} (the run folder was moved" in line, line
+    assert int(read_checkpoint(moved)["state"]["global_step"]) > 0
+
+
 def test_a_full_disk_in_the_writer_itself_keeps_the_old_file(tmp_path, monkeypatch):
     """write_atomically on a full disk: the error names the temporary file, the old content
     stays, no .tmp is left."""

@@ -44,6 +44,9 @@ BAD = {
     "unknown-kwarg": (dict(env_id=CORRIDOR, env_kwargs='{"lengthx": 2}'), ["does not take them", "lengthx"]),
     "kwargs-for-envpool": (dict(env_kwargs='{"a": 1}'), ["--env-kwargs is for a Gymnasium env"]),
     "space-mismatch": (dict(env_id="tests.user_envs:WrongSpace"), ["shape (3,)", "says (2,)"]),
+    "first-reset-raises": (dict(env_id="tests.user_envs:Bad", env_kwargs='{"kind": "reset"}'),
+                           ["--env-id tests.user_envs:Bad", "first reset() raised ValueError: the simulator is not installed",
+                            "user_envs.py"]),
 }
 
 
@@ -88,6 +91,29 @@ def test_dict_observations_evaluation_video_and_resume(tmp_path, capsys):
 
     videos = list((video_run / "videos").glob("*.mp4"))
     assert len(videos) == 1 and imageio.get_reader(videos[0]).get_meta_data()["fps"] == 4
+
+
+# kind -> what the line must say (env 0 goes wrong first: the envs step in turn in their worker)
+WRONG = {
+    "reward": "env 0 returned a non-finite reward (nan) at step 6 of its episode",
+    "observation": "env 0 returned a non-finite observation (inf) at step 6 of its episode",
+    "shape": "env 0 returned an observation of shape (3,) float32 at step 6 of its episode, where its first had (2,) float32",
+    "dtype": "env 0 returned an observation of shape (2,) float64 at step 6 of its episode, where its first had (2,) float32",
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", list(WRONG))
+def test_what_an_env_returns_wrong_is_named(kind, tmp_path, capsys):
+    """A NaN reward, an inf observation, an observation of another shape or dtype mid-episode:
+    the run stops (exit 1) with one line naming the env id and what the env returned, not a
+    non-finite loss nor a traceback from the network."""
+    argv = cli(HOST, env_id="tests.user_envs:Bad", env_kwargs=json.dumps({"kind": kind}), run_dir=tmp_path / "r",
+               total_timesteps=4096, num_threads=1)
+    code, _, err = run_main(HOST, argv, capsys)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 1 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert "--env-id tests.user_envs:Bad: " + WRONG[kind] in lines[0], lines[0]
 
 
 def live(pids) -> list:

@@ -67,6 +67,36 @@ class Stuck(gymnasium.Env):
         self.child.wait()
 
 
+class Bad(gymnasium.Env):
+    """An env that goes wrong as `kind` says: its first reset raises ("reset"), or from its `at`-th
+    step on it returns a NaN reward ("reward"), an inf in its observation ("observation"), an
+    observation of another shape ("shape") or dtype ("dtype")."""
+
+    observation_space = gymnasium.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = gymnasium.spaces.Discrete(2)
+
+    def __init__(self, kind: str = "", at: int = 20):
+        self.kind, self.at, self.steps = kind, at, 0
+
+    def reset(self, seed=None, options=None):
+        if self.kind == "reset":
+            raise ValueError("the simulator is not installed")
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        self.steps += 1
+        obs, reward, bad = np.zeros(2, np.float32), 1.0, self.steps >= self.at
+        if bad and self.kind == "reward":
+            reward = float("nan")
+        elif bad and self.kind == "observation":
+            obs[1] = np.inf
+        elif bad and self.kind == "shape":
+            obs = np.zeros(3, np.float32)
+        elif bad and self.kind == "dtype":
+            obs = obs.astype(np.float64)
+        return obs, reward, self.steps % 7 == 0, False, {}
+
+
 def dict_env(length: int = 3):
     """A function that returns an env (the other form of module:callable), with Dict observations."""
     return DictEnv(length)
