@@ -41,6 +41,7 @@ from jax_async_rl.replay import Replay, check_rounds, gradient_steps
 
 SPLITS = flags.default_is("2 with image observations, else 1")
 EVAL_EPSILON = 0.001  # ε of the evaluation games (Dopamine's Rainbow: a greedy Atari agent can stall)
+EVAL_POLICY = f"ε-greedy at ε {EVAL_EPSILON}"  # evaluation_player's, in words (utils/evaluate.py says it)
 
 
 @dataclass

@@ -40,6 +40,7 @@ from jax_async_rl.normalize import Normalizer
 from jax_async_rl.replay import Replay, check_rounds, gradient_steps
 
 LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0  # CleanRL's bounds of the policy's log standard deviation
+EVAL_POLICY = "the deterministic policy, tanh(mean)"  # evaluation_player's, in words (utils/evaluate.py says it)
 
 
 @dataclass

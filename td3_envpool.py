@@ -39,6 +39,9 @@ from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, UNIT, UsageError, at_most
 from jax_async_rl.normalize import Normalizer
 from jax_async_rl.replay import Replay, check_rounds, gradient_steps
 
+EVAL_POLICY = "the deterministic policy, without exploration noise"  # evaluation_player's, in words (utils/evaluate.py)
+
+
 @dataclass
 class Args(flags.RunArgs):
     """Asynchronous TD3, or DDPG with --no-twin-q --policy-delay 1 --target-noise 0 (actor and

@@ -219,6 +219,7 @@ def test_it_learns_the_optimal_values_of_a_chain(tmp_path, capsys):
     # utils/evaluate.py plays the checkpoint with the script's evaluation policy: straight right, 1 a game.
     result = run_script("utils/evaluate.py", [run, "--episodes", 4, "--trust-env-module"], timeout=300)
     assert result.returncode == 0, result.stderr
+    assert "4 episodes with the run's own evaluation policy, ε-greedy at ε 0.001" in result.stdout, result.stdout
     assert json.loads((run / "eval.json").read_text())["scores"] == [1.0] * 4
 
 

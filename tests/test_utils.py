@@ -226,11 +226,14 @@ def test_evaluate_scores_checkpoint(script, cartpole_run, tmp_path):
     assert len(videos) == 1 and videos[0].stat().st_size > 0, list((run / "videos").rglob("*"))
     assert greedy["videos"] == [str(videos[0])]
     assert f"{greedy['mean']:.2f}" in result.stdout
+    assert "3 episodes with the most likely action" in result.stdout and "evaluation samples" in result.stdout
 
     # The checkpoint file itself, sampled actions, --out.
     out = tmp_path / "sampled" / "result.json"
     result = run_script(EVALUATE, [run / CHECKPOINT, "--episodes", 4, "--out", out], timeout=300)
     assert_ok(result)
+    assert "4 episodes with the run's own evaluation policy, actions sampled from it; the run's own evaluation " \
+           "played 2 at the end of training" in result.stdout, result.stdout
     check_eval_result(json.loads(out.read_text()), 4, run / CHECKPOINT, saved_step, greedy=False)
 
     after = file_contents(run)

@@ -9,8 +9,12 @@ script's `Args` from the stored config, builds the network, normaliser and state
 restores them, and plays with the script's own policy (`make_policy_step`) through the run
 library's evaluation: game scores (unclipped rewards over all lives), as at the end of training.
 
+It plays the run's own evaluation policy, as at the end of training, and says which: actions
+sampled from the policy (the PPO family; `--greedy`: the most likely action instead), ε-greedy
+at ε 0.001 (DQN), the deterministic policy (SAC, TD3), from the script's `EVAL_POLICY`.
+
 Usage:
-    python utils/evaluate.py runs/<run>/                     # 10 sampled episodes -> <run>/eval.json
+    python utils/evaluate.py runs/<run>/                     # 10 episodes -> <run>/eval.json
     python utils/evaluate.py runs/<run>/checkpoint.msgpack --episodes 30 --greedy --video
 """
 
@@ -51,7 +55,9 @@ class EvalArgs:
     episodes: int = 10
     """number of full games (episodes) to play"""
     greedy: bool = False
-    """play the most likely action (the mean for continuous actions) instead of sampling"""
+    """the PPO family: play the most likely action (the mean for continuous actions) instead of
+    sampling (the replay family's evaluation policy is its own: DQN's ε-greedy, SAC's and TD3's
+    deterministic policy)"""
     video: bool = False
     """record an mp4 of the first episode under {run}/videos/evaluate__{timestamp}/"""
     seed: Annotated[Optional[int], tyro.conf.arg(help_behavior_hint="(default: the run's seed)")] = None
@@ -133,6 +139,20 @@ def restore(module, args, payload: dict, path: str):
     return built, normalizer, restored["params"]
 
 
+def player(module, args, built, greedy: bool):
+    """(policy, initial core, the policy in words): the script's evaluation policy, as its run
+    plays it at the end of training; `greedy` (the PPO family): the most likely action."""
+    if hasattr(module, "evaluation_player"):  # the replay family: its evaluation policy is its own
+        policy, initial_core = module.evaluation_player(args, built)
+        words = f"the run's own evaluation policy, {getattr(module, 'EVAL_POLICY', 'its evaluation_player')}"
+        return policy, initial_core, words + (" (--greedy changes nothing for it)" if greedy else "")
+    network, continuous = built[0], built[2]
+    policy = module.make_policy_step(network, continuous, values=False, greedy=greedy)
+    words = ("the most likely action (the mean for continuous actions; the run's own evaluation samples)" if greedy
+             else "the run's own evaluation policy, actions sampled from it")
+    return policy, functools.partial(module.zero_core, network.lstm_size), words
+
+
 def main(cli: EvalArgs) -> int:
     warnings.filterwarnings("ignore", message=".*precision lowered.*")  # gymnasium's Box casts
     if cli.episodes <= 0:
@@ -152,14 +172,9 @@ def main(cli: EvalArgs) -> int:
 
     run_dir = os.path.dirname(os.path.abspath(path))
     video_dir = os.path.join(run_dir, "videos", f"evaluate__{int(time.time())}") if cli.video else None
-    print(f"{Path(module.__file__).name}: {args.env_id}, step {global_step}, "
-          f"{cli.episodes} {'greedy' if cli.greedy else 'sampled'} episodes")
-    if hasattr(module, "evaluation_player"):  # ε-greedy at the script's evaluation ε (--greedy: the same)
-        policy, initial_core = module.evaluation_player(args, built)
-    else:
-        network, continuous = built[0], built[2]
-        policy = module.make_policy_step(network, continuous, values=False, greedy=cli.greedy)
-        initial_core = functools.partial(module.zero_core, network.lstm_size)
+    policy, initial_core, words = player(module, args, built, cli.greedy)
+    own = f"; the run's own evaluation played {args.eval_episodes} at the end of training" if args.eval_episodes else ""
+    print(f"{Path(module.__file__).name}: {args.env_id}, step {global_step}: {cli.episodes} episodes with {words}{own}")
     scores = evaluation.evaluate(policy, params, initial_core, args, normalizer, cli.episodes, video_dir)
     videos = sorted(os.path.join(video_dir, f) for f in os.listdir(video_dir)) if video_dir and os.path.isdir(video_dir) else []
     result = {
@@ -169,7 +184,8 @@ def main(cli: EvalArgs) -> int:
         "scores": [float(s) for s in scores],
         "checkpoint": os.path.abspath(path),
         "global_step": global_step,
-        "greedy": cli.greedy,
+        "greedy": cli.greedy and not hasattr(module, "evaluation_player"),
+        "policy": words,
         "script": payload["script"],
         "env_id": args.env_id,
         "seed": args.seed,
