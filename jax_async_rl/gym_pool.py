@@ -74,7 +74,8 @@ def fault(obs: list, first: list, env_ids, elapsed):
         when = f"at step {elapsed[k]} of its episode"
         for (path, x), (_, shape, dtype) in zip(leaves(o), first):
             if (x.shape, x.dtype) != (shape, dtype):
-                return env_ids[k], f"returned an observation{path} of shape {x.shape} {x.dtype} {when}, where its first had {shape} {dtype}"
+                return env_ids[k], (f"returned an observation{path} of shape {x.shape} {x.dtype} {when}, where its first "
+                                    f"had {shape} {dtype}")
             if x.dtype.kind == "f" and not np.isfinite(x).all():
                 return env_ids[k], f"returned a non-finite observation{path} ({x[~np.isfinite(x)][0]}) {when}"
     return None
