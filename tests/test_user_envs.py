@@ -179,6 +179,8 @@ def test_no_process_outlives_a_run_whose_env_hangs(script, end, tmp_path):
     pids = [int(p.name) for p in pid_dir.iterdir() if p.name.isdigit()]
     assert len(pids) >= 4, pids  # the workers (2) and their envs' children (4), the probes made in the run's process
     assert gone_within(pids, 10) == [], f"processes left behind; stderr:\n{err[-3000:]}"
+    imported = {pid: (pid_dir / str(pid)).read_text() for pid in pids if pid != proc.pid}
+    assert not any(imported.values()), imported  # a worker imports the env, not JAX nor the training script
     if end == "env-timeout":
         lines = [line for line in err.splitlines() if line.startswith("error")]
         assert code == 1 and "Traceback" not in err, err[-3000:]

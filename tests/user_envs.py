@@ -4,6 +4,7 @@ training scripts' worker processes."""
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -40,8 +41,9 @@ class Faulty(gymnasium.Env):
 
 class Stuck(gymnasium.Env):
     """An env that starts a process of its own (`sleep`, as a simulator would) and writes its
-    process's and that child's pids under `pid_dir`; at its `at`-th step it hangs for good
-    (writing `hung` first)."""
+    process's and that child's pids under `pid_dir` (its process's file names what heavy was
+    imported there: `jax`, the training script); at its `at`-th step it hangs for good (writing
+    `hung` first)."""
 
     observation_space = gymnasium.spaces.Box(-1.0, 1.0, (2,), np.float32)
     action_space = gymnasium.spaces.Discrete(2)
@@ -49,8 +51,9 @@ class Stuck(gymnasium.Env):
     def __init__(self, pid_dir: str = "", at: int = 10**9):
         self.at, self.steps, self.pid_dir = at, 0, pid_dir
         self.child = subprocess.Popen(["sleep", "1000"])
-        for pid in (os.getpid(), self.child.pid):
-            Path(pid_dir, str(pid)).touch()
+        Path(pid_dir, str(self.child.pid)).touch()
+        script = os.path.basename(getattr(sys.modules.get("__mp_main__"), "__file__", None) or "")  # spawn's re-import
+        Path(pid_dir, str(os.getpid())).write_text(" ".join(["jax"] * ("jax" in sys.modules) + [script] * bool(script)))
 
     def reset(self, seed=None, options=None):
         return np.zeros(2, np.float32), {}
