@@ -32,7 +32,7 @@ import numpy as np
 import optax
 
 from jax_async_rl import devices, flags, runs, tasks, threads
-from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, PRESET, UNIT, UsageError
+from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, PRESET, UNIT, UsageError, at_most
 from jax_async_rl.normalize import Normalizer
 
 SPLITS = flags.default_is("2 with image observations, else 1")
@@ -46,14 +46,14 @@ class Args(flags.RunArgs):
     PRESETS table in this file); an explicit flag wins, and config.json records the values used.
     """
 
-    num_envs: Annotated[int, POSITIVE] = 8
+    num_envs: Annotated[int, POSITIVE, at_most(65_536)] = 8
     """number of parallel environments of each actor thread (see --num-actor-threads)"""
     num_splits: Annotated[Optional[int], SPLITS, POSITIVE] = None
     """envpool splits for double-buffered sampling (Sample Factory §3.2); 1 disables it. It pays where
     stepping a split costs about one inference call and a core is free for it: images, not vectors"""
-    num_steps: Annotated[Optional[int], PRESET, POSITIVE] = None
+    num_steps: Annotated[Optional[int], PRESET, POSITIVE, at_most(65_536)] = None
     """rollout length: steps per environment in each rollout"""
-    queue_size: Annotated[int, POSITIVE] = 2
+    queue_size: Annotated[int, POSITIVE, at_most(1024)] = 2
     """rollouts the actor may queue ahead of the learner before it blocks (backpressure)"""
     lag_one: bool = True
     """the actor starts each rollout with the update on the rollout two before it (Cleanba's
@@ -79,7 +79,7 @@ class Args(flags.RunArgs):
     """minibatches per epoch; must divide the global batch, the envs of all actors x num_steps
     (with an LSTM: the envs, as minibatches hold whole env sequences, and a preset's count then
     becomes its greatest common divisor with them)"""
-    update_epochs: Annotated[Optional[int], PRESET, POSITIVE] = None
+    update_epochs: Annotated[Optional[int], PRESET, POSITIVE, at_most(1000)] = None
     """passes over each rollout"""
     norm_adv: bool = True
     """normalise advantages within each minibatch"""
@@ -101,12 +101,12 @@ class Args(flags.RunArgs):
     lstm: bool = False
     """an LSTM core between the encoder and the policy/value heads (TorchBeast's --use_lstm, Sample
     Factory's --use_rnn), its state carried per env and reset where an episode starts"""
-    lstm_size: Annotated[int, POSITIVE] = 128
+    lstm_size: Annotated[int, POSITIVE, at_most(8192)] = 128
     """hidden units of the LSTM, the size of its h and of its c (CleanRL's ppo_atari_lstm.py: 128)"""
-    num_threads: Annotated[int, NON_NEGATIVE] = 0
+    num_threads: Annotated[int, NON_NEGATIVE, at_most(1024)] = 0
     """envpool worker threads of each actor thread (your Gymnasium env's: worker processes; 0: the
     CPU cores shared among the actor threads, at most num_envs)"""
-    num_actor_threads: Annotated[int, POSITIVE] = 1
+    num_actor_threads: Annotated[int, POSITIVE, at_most(256)] = 1
     """actor threads on each actor device, each with num_envs envs and splits of its own; an update
     takes one rollout from each, so its global batch is processes x actor devices x actor threads x
     num_envs x num_steps env steps (config.json records it)"""

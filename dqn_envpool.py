@@ -33,12 +33,13 @@ import numpy as np
 import optax
 
 from jax_async_rl import devices, flags, rounds, runs, tasks, threads
-from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, PRESET, UNIT, UsageError
+from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, PRESET, UNIT, UsageError, at_most
 from jax_async_rl.normalize import Normalizer
 from jax_async_rl.replay import Replay, check_rounds, gradient_steps
 
 SPLITS = flags.default_is("2 with image observations, else 1")
 EVAL_EPSILON = 0.001  # ε of the evaluation games (Dopamine's Rainbow: a greedy Atari agent can stall)
+EVAL_POLICY = f"ε-greedy at ε {EVAL_EPSILON}"  # evaluation_player's, in words (utils/evaluate.py says it)
 
 
 @dataclass
@@ -50,14 +51,14 @@ class Args(flags.RunArgs):
     PRESETS table in this file); an explicit flag wins, and config.json records the values used.
     """
 
-    num_envs: Annotated[int, POSITIVE] = 8
+    num_envs: Annotated[int, POSITIVE, at_most(65_536)] = 8
     """number of parallel environments of each actor thread (see --num-actor-threads)"""
     num_splits: Annotated[Optional[int], SPLITS, POSITIVE] = None
     """envpool splits for double-buffered sampling (Sample Factory §3.2); 1 disables it"""
-    num_steps: Annotated[Optional[int], PRESET, POSITIVE] = None
+    num_steps: Annotated[Optional[int], PRESET, POSITIVE, at_most(65_536)] = None
     """steps of every env in each chunk an actor hands the learner; the learner's round (one chunk,
     then its gradient steps) is an "update" in the logs and checkpoints"""
-    queue_size: Annotated[int, POSITIVE] = 1
+    queue_size: Annotated[int, POSITIVE, at_most(1024)] = 1
     """chunks an actor may queue ahead of the learner before it waits (backpressure)"""
     serial: bool = False
     """one thread: collect a chunk, then learn from the buffer, in turn (rlpyt's serial mode)"""
@@ -65,7 +66,7 @@ class Args(flags.RunArgs):
     """replay buffer capacity in transitions (the oldest are overwritten)"""
     learning_starts: Annotated[Optional[int], PRESET, NON_NEGATIVE] = None
     """env steps before the first gradient step (a resumed run refills its buffer this long)"""
-    replay_ratio: Annotated[Optional[float], PRESET, POSITIVE] = None
+    replay_ratio: Annotated[Optional[float], PRESET, POSITIVE, at_most(100_000.0)] = None
     """transitions the learner samples per env step (rlpyt's replay_ratio: batch_size / train
     frequency); each round's gradient steps are this x the chunk / --batch-size, a whole number"""
     batch_size: Annotated[Optional[int], PRESET, POSITIVE] = None
@@ -95,31 +96,31 @@ class Args(flags.RunArgs):
     """Ape-X's fixed ε per env instead of the schedule: env i of N has --apex-base ** (1 + --apex-alpha x i / (N - 1))"""
     apex_base: Annotated[float, UNIT] = 0.4
     """Ape-X's base ε (Horgan et al. 2018)"""
-    apex_alpha: Annotated[float, NON_NEGATIVE] = 7.0
+    apex_alpha: Annotated[float, NON_NEGATIVE, at_most(100.0)] = 7.0
     """Ape-X's exponent spread (Horgan et al. 2018)"""
     double_dqn: Annotated[Optional[bool], PRESET] = None
     """Double DQN: the online network picks the next action, the target network values it"""
     dueling: Annotated[Optional[bool], PRESET] = None
     """the dueling head: a value and mean-centred advantages"""
-    n_step: Annotated[Optional[int], PRESET, POSITIVE] = None
+    n_step: Annotated[Optional[int], PRESET, POSITIVE, at_most(1000)] = None
     """n-step returns: rewards summed over n steps (fewer at an episode's end), then bootstrapped"""
     prioritized_replay: Annotated[Optional[bool], PRESET] = None
     """proportional prioritised replay: priorities (|TD error| + eps) ^ --priority-alpha"""
-    priority_alpha: Annotated[float, NON_NEGATIVE] = 0.5
+    priority_alpha: Annotated[float, UNIT] = 0.5
     """prioritisation exponent α (Rainbow: 0.5)"""
     priority_beta: Annotated[float, UNIT] = 0.4
     """importance-sampling exponent β at the start, annealed linearly to 1 over the run (Rainbow: 0.4)"""
     c51: Annotated[Optional[bool], PRESET] = None
     """distributional C51: a categorical return distribution over --num-atoms fixed atoms"""
-    num_atoms: Annotated[int, POSITIVE] = 51
+    num_atoms: Annotated[int, POSITIVE, at_most(4096)] = 51
     """atoms of C51's support"""
     v_min: float = -10.0
     """C51's smallest return"""
     v_max: float = 10.0
     """C51's largest return"""
-    num_threads: Annotated[int, NON_NEGATIVE] = 0
+    num_threads: Annotated[int, NON_NEGATIVE, at_most(1024)] = 0
     """envpool worker threads of each actor thread (0: the CPU cores shared among the actor threads)"""
-    num_actor_threads: Annotated[int, POSITIVE] = 1
+    num_actor_threads: Annotated[int, POSITIVE, at_most(256)] = 1
     """actor threads on each actor device, each with num_envs envs of its own; a round takes one
     chunk from each"""
     save_interval: Annotated[int, NON_NEGATIVE] = 1000

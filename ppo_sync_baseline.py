@@ -29,7 +29,7 @@ import numpy as np
 import optax
 
 from jax_async_rl import devices, flags, runs, tasks
-from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, PRESET, UNIT, UsageError
+from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, PRESET, UNIT, UsageError, at_most
 from jax_async_rl.normalize import Normalizer
 
 
@@ -41,10 +41,10 @@ class Args(flags.RunArgs):
     PRESETS table in this file); an explicit flag wins, and config.json records the values used.
     """
 
-    num_envs: Annotated[int, POSITIVE] = 8
+    num_envs: Annotated[int, POSITIVE, at_most(65_536)] = 8
     """number of parallel environments of this process; an update's global batch is processes x
     num_envs x num_steps env steps (config.json records it)"""
-    num_steps: Annotated[Optional[int], PRESET, POSITIVE] = None
+    num_steps: Annotated[Optional[int], PRESET, POSITIVE, at_most(65_536)] = None
     """rollout length: steps per environment between two updates"""
     learning_rate: Annotated[Optional[float], PRESET, POSITIVE] = None
     """Adam learning rate, the start of the schedule when --anneal-lr"""
@@ -58,7 +58,7 @@ class Args(flags.RunArgs):
     """minibatches per epoch; must divide the global batch, the envs of all processes x num_steps
     (with an LSTM: the envs, as minibatches hold whole env sequences, and a preset's count then
     becomes its greatest common divisor with them)"""
-    update_epochs: Annotated[Optional[int], PRESET, POSITIVE] = None
+    update_epochs: Annotated[Optional[int], PRESET, POSITIVE, at_most(1000)] = None
     """passes over each rollout"""
     norm_adv: bool = True
     """normalise advantages within each minibatch"""
@@ -80,9 +80,9 @@ class Args(flags.RunArgs):
     lstm: bool = False
     """an LSTM core between the encoder and the policy/value heads (TorchBeast's --use_lstm, Sample
     Factory's --use_rnn), its state carried per env and reset where an episode starts"""
-    lstm_size: Annotated[int, POSITIVE] = 128
+    lstm_size: Annotated[int, POSITIVE, at_most(8192)] = 128
     """hidden units of the LSTM, the size of its h and of its c (CleanRL's ppo_atari_lstm.py: 128)"""
-    num_threads: Annotated[int, NON_NEGATIVE] = 0
+    num_threads: Annotated[int, NON_NEGATIVE, at_most(1024)] = 0
     """envpool worker threads stepping the environments (your Gymnasium env's: worker processes; 0:
     one per CPU core, at most num_envs)"""
     # The variants these flags make: the default --exp-name (the run's folder, its header line) names them.

@@ -33,11 +33,12 @@ import numpy as np
 import optax
 
 from jax_async_rl import devices, flags, rounds, runs, tasks, threads
-from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, UNIT, UsageError
+from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, UNIT, UsageError, at_most
 from jax_async_rl.normalize import Normalizer
 from jax_async_rl.replay import Replay, check_rounds, gradient_steps
 
 LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0  # CleanRL's bounds of the policy's log standard deviation
+EVAL_POLICY = "the deterministic policy, tanh(mean)"  # evaluation_player's, in words (utils/evaluate.py says it)
 
 
 @dataclass
@@ -48,14 +49,14 @@ class Args(flags.RunArgs):
     env_id: str = "HalfCheetah-v4"
     """envpool task id with continuous (float Box) actions: MuJoCo (HalfCheetah-v4), dm_control
     (CheetahRun-v1), classic control (Pendulum-v1), Box2D, MetaWorld, ... (or your own Gymnasium env)"""
-    num_envs: Annotated[int, POSITIVE] = 1
+    num_envs: Annotated[int, POSITIVE, at_most(65_536)] = 1
     """number of parallel environments of each actor thread (see --num-actor-threads)"""
     num_splits: Annotated[int, POSITIVE] = 1
     """envpool splits for double-buffered sampling (Sample Factory §3.2); 1 disables it"""
-    num_steps: Annotated[int, POSITIVE] = 32
+    num_steps: Annotated[int, POSITIVE, at_most(65_536)] = 32
     """steps of every env in each chunk an actor hands the learner; the learner's round (one chunk,
     then its gradient steps) is an "update" in the logs and checkpoints"""
-    queue_size: Annotated[int, POSITIVE] = 1
+    queue_size: Annotated[int, POSITIVE, at_most(1024)] = 1
     """chunks an actor may queue ahead of the learner before it waits (backpressure)"""
     serial: bool = False
     """one thread: collect a chunk, then learn from the buffer, in turn (rlpyt's serial mode)"""
@@ -64,7 +65,7 @@ class Args(flags.RunArgs):
     learning_starts: Annotated[int, NON_NEGATIVE] = 5_000
     """env steps of uniform random actions before the first gradient step (a resumed run refills its
     buffer this long, acting with its policy)"""
-    replay_ratio: Annotated[float, POSITIVE] = 256.0
+    replay_ratio: Annotated[float, POSITIVE, at_most(100_000.0)] = 256.0
     """transitions the learner samples per env step (CleanRL: one batch every step); each round's
     gradient steps are this x the chunk / --batch-size, a whole number"""
     batch_size: Annotated[int, POSITIVE] = 256
@@ -77,7 +78,7 @@ class Args(flags.RunArgs):
     """discount factor"""
     tau: Annotated[float, UNIT] = 0.005
     """target networks' Polyak rate: target <- tau x online + (1 - tau) x target"""
-    policy_frequency: Annotated[int, POSITIVE] = 2
+    policy_frequency: Annotated[int, POSITIVE, at_most(1000)] = 2
     """every this many gradient steps, this many policy (and temperature) steps (CleanRL's delayed
     update, as TD3's, with the count kept)"""
     target_network_frequency: Annotated[int, POSITIVE] = 1
@@ -86,9 +87,9 @@ class Args(flags.RunArgs):
     """the entropy temperature α, fixed with --no-autotune (else its start is 1, as CleanRL's)"""
     autotune: bool = True
     """tune α toward the target entropy -|A| (Haarnoja et al. 2018, §5)"""
-    num_threads: Annotated[int, NON_NEGATIVE] = 0
+    num_threads: Annotated[int, NON_NEGATIVE, at_most(1024)] = 0
     """envpool worker threads of each actor thread (0: the CPU cores shared among the actor threads)"""
-    num_actor_threads: Annotated[int, POSITIVE] = 1
+    num_actor_threads: Annotated[int, POSITIVE, at_most(256)] = 1
     """actor threads on each actor device, each with num_envs envs of its own; a round takes one
     chunk from each"""
     save_interval: Annotated[int, NON_NEGATIVE] = 1000

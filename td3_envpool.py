@@ -33,9 +33,12 @@ import numpy as np
 import optax
 
 from jax_async_rl import devices, flags, rounds, runs, tasks, threads
-from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, UNIT, UsageError
+from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, UNIT, UsageError, at_most
 from jax_async_rl.normalize import Normalizer
 from jax_async_rl.replay import Replay, check_rounds, gradient_steps
+
+EVAL_POLICY = "the deterministic policy, without exploration noise"  # evaluation_player's, in words (utils/evaluate.py)
+
 
 @dataclass
 class Args(flags.RunArgs):
@@ -46,14 +49,14 @@ class Args(flags.RunArgs):
     env_id: str = "HalfCheetah-v4"
     """envpool task id with continuous (float Box) actions: MuJoCo (HalfCheetah-v4), dm_control
     (CheetahRun-v1), classic control (Pendulum-v1), Box2D, MetaWorld, ... (or your own Gymnasium env)"""
-    num_envs: Annotated[int, POSITIVE] = 1
+    num_envs: Annotated[int, POSITIVE, at_most(65_536)] = 1
     """number of parallel environments of each actor thread (see --num-actor-threads)"""
     num_splits: Annotated[int, POSITIVE] = 1
     """envpool splits for double-buffered sampling (Sample Factory §3.2); 1 disables it"""
-    num_steps: Annotated[int, POSITIVE] = 32
+    num_steps: Annotated[int, POSITIVE, at_most(65_536)] = 32
     """steps of every env in each chunk an actor hands the learner; the learner's round (one chunk,
     then its gradient steps) is an "update" in the logs and checkpoints"""
-    queue_size: Annotated[int, POSITIVE] = 1
+    queue_size: Annotated[int, POSITIVE, at_most(1024)] = 1
     """chunks an actor may queue ahead of the learner before it waits (backpressure)"""
     serial: bool = False
     """one thread: collect a chunk, then learn from the buffer, in turn (rlpyt's serial mode)"""
@@ -62,7 +65,7 @@ class Args(flags.RunArgs):
     learning_starts: Annotated[int, NON_NEGATIVE] = 25_000
     """env steps of uniform random actions before the first gradient step (a resumed run refills its
     buffer this long, acting with its policy)"""
-    replay_ratio: Annotated[float, POSITIVE] = 256.0
+    replay_ratio: Annotated[float, POSITIVE, at_most(100_000.0)] = 256.0
     """transitions the learner samples per env step (CleanRL: one batch every step); each round's
     gradient steps are this x the chunk / --batch-size, a whole number"""
     batch_size: Annotated[int, POSITIVE] = 256
@@ -73,7 +76,7 @@ class Args(flags.RunArgs):
     """discount factor"""
     tau: Annotated[float, UNIT] = 0.005
     """target networks' Polyak rate: target <- tau x online + (1 - tau) x target"""
-    policy_delay: Annotated[int, POSITIVE] = 2
+    policy_delay: Annotated[int, POSITIVE, at_most(1000)] = 2
     """gradient steps between policy steps, which also move the targets (TD3's delayed update, §5.2; DDPG: 1)"""
     twin_q: bool = True
     """two critics, the smaller in the target (TD3's clipped double Q-learning, §4.2); off: DDPG's one"""
@@ -84,9 +87,9 @@ class Args(flags.RunArgs):
     """that noise clipped to [-this, this], x the action scale"""
     exploration_noise: Annotated[float, NON_NEGATIVE] = 0.1
     """std of the Gaussian noise on the actors' actions, x the action scale"""
-    num_threads: Annotated[int, NON_NEGATIVE] = 0
+    num_threads: Annotated[int, NON_NEGATIVE, at_most(1024)] = 0
     """envpool worker threads of each actor thread (0: the CPU cores shared among the actor threads)"""
-    num_actor_threads: Annotated[int, POSITIVE] = 1
+    num_actor_threads: Annotated[int, POSITIVE, at_most(256)] = 1
     """actor threads on each actor device, each with num_envs envs of its own; a round takes one
     chunk from each"""
     save_interval: Annotated[int, NON_NEGATIVE] = 1000

@@ -57,6 +57,16 @@ def actor_threads(args) -> int:
     return len(args.actor_device_ids) * getattr(args, "num_actor_threads", 1)
 
 
+def available_memory():
+    """Bytes of memory this machine can give a new allocation without swapping (Linux's
+    MemAvailable); None where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
 def local_envs(args) -> int:
     """The envs of this process's actor threads, which make its share of every update's batch."""
     return actor_threads(args) * args.num_envs

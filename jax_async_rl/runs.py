@@ -18,7 +18,6 @@ and once per update the learner calls `run.should_stop(...)` (stop together, gat
 import dataclasses
 import importlib.util
 import os
-import signal
 import sys
 import threading
 import time
@@ -32,7 +31,9 @@ from jax_async_rl import checkpoints, devices, evaluation, folders, tasks
 from jax_async_rl.checkpoints import CHECKPOINT
 from jax_async_rl.flags import (UsageError, budget_note, check_bounds, default_exp_name, describe_os_error,
                                 is_file_system_error)
+from jax_async_rl.gym_pool import EnvError
 from jax_async_rl.logs import Logger, Progress
+from jax_async_rl.signals import Signals
 from jax_async_rl.threads import Threads
 
 
@@ -41,8 +42,7 @@ class Run:
     folder; the others keep `run_dir` None."""
 
     def __init__(self, args, given, script: str, resolve):
-        self.given, self.script, self.resolve = given, script, resolve
-        self.args = args
+        self.given, self.script, self.resolve, self.args = given, script, resolve, args
         self.pending = None  # (step, scalars) of the last update, not logged yet
         self.episodes = deque()  # with many processes: games finished here, gathered once per update (`should_stop`)
         self.saving = threading.Lock()  # one checkpoint write at a time (the learner's and the main thread's)
@@ -103,8 +103,12 @@ class Run:
         note = budget_note(self.args, self.given, self.global_step, self.batch_size, devices.describe_batch(self.args))
         if note:
             print(note, file=sys.stderr, flush=True)
+        trained = (self.args.total_timesteps - self.global_step) // self.batch_size * self.batch_size
+        if getattr(self.args, "learning_starts", 0) >= trained:  # replay: a run (or resume) fills its buffer first
+            raise UsageError(f"--learning-starts {self.args.learning_starts} is not below the {trained} env steps left of "
+                             f"--total-timesteps {self.args.total_timesteps}: no gradient step would run; lower it or raise the budget")
         print(f"jax {jax.__version__} on {jax.default_backend()}: {', '.join(map(str, jax.local_devices()))}", flush=True)
-        self.seed = (self.args.seed + self.global_step) % 2**31  # a resumed run draws new env seeds and noise
+        self.seed = (self.args.seed + self.global_step) % 2**30  # a resumed run draws new seeds; within int32 (flags.SEED)
         self.key, self.init_key, self.update_key = jax.random.split(jax.random.PRNGKey(self.seed), 3)
 
     def open(self, state: dict, normalizer) -> dict:
@@ -251,7 +255,7 @@ class Run:
         if self.pending:
             self.logger.log(*self.pending)
         self.peer_lost = any(devices.peer_failure(error) for _, error, _ in self.threads.errors)
-        if not report_errors(self.threads.errors, self.checkpoint_file, self.global_step):
+        if not report_errors(self.threads.errors, self.checkpoint_file, self.global_step, self.args.env_id, self.lock):
             self.save()
         if self.threads.errors:
             return 1
@@ -338,13 +342,20 @@ def use_compile_cache(path: str):
     jax.config.update("jax_compilation_cache_dir", path)
 
 
-def report_errors(errors, ckpt_file: str, global_step: int) -> bool:
-    """Print the threads' errors: one line for another process gone, a file system error or a
-    non-finite loss, else the traceback. True if the last good checkpoint must stay (a
-    non-finite state, a disk that failed, a run that lost a process: nothing more is written)."""
-    kept = f"the last good checkpoint is kept: {ckpt_file}" if os.path.exists(ckpt_file) else "no checkpoint written"
-    keep = False
+def report_errors(errors, ckpt_file: str, global_step: int, env_id: str = "", lock=None) -> bool:
+    """Print the threads' errors: one line for another process gone, a file system error, a
+    non-finite loss or an env's fault (named with `env_id`; an env's own traceback above it),
+    else the traceback. True if the last good checkpoint must stay (a non-finite state, a disk
+    that failed, a run that lost a process: nothing more is written). `lock`: the run folder's (folders.kept)."""
+    kept = folders.kept(ckpt_file, lock)
+    keep = traced = False
     for where, error, trace in errors:
+        if isinstance(error, EnvError):  # the learning is sound: checkpointed
+            if error.details:
+                print(error.details.rstrip(), file=sys.stderr)
+            print(f"error in {where}: --env-id {env_id}: {error.line}; stopped at step {global_step}, checkpoint: "
+                  f"{ckpt_file}", file=sys.stderr)
+            continue
         if devices.peer_failure(error):
             print(f"error in {where}: {devices.describe_dead(error)}; {kept}", file=sys.stderr)
         elif is_file_system_error(error):
@@ -354,45 +365,9 @@ def report_errors(errors, ckpt_file: str, global_step: int) -> bool:
                   file=sys.stderr)
         else:
             print(f"error in {where}:\n{trace}", file=sys.stderr)
+            traced = True
             continue
         keep = True
-    if errors and not keep:
+    if traced and not keep:
         print(f"stopped by an error at step {global_step}; checkpoint: {ckpt_file}", file=sys.stderr)
     return keep
-
-
-class Signals:
-    """Ctrl-C and SIGTERM. The handler records the signal and sets `stop`: the run stops cleanly,
-    writes a checkpoint and exits 128 + signal. Before `started` (the first update) there is
-    nothing to save, and the main thread may be inside an XLA compile that Python cannot
-    interrupt: a thread woken through `signal.set_wakeup_fd` then exits at once, no traceback,
-    removing what a new run wrote (`new_run`: its folder, and what the folder held before), which
-    holds nothing to resume from and would stop the same command from starting again."""
-
-    def __init__(self):
-        self.received, self.stop, self.started, self.new_run = [], threading.Event(), threading.Event(), None
-        self.handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        self.read_fd, write_fd = os.pipe()
-        os.set_blocking(write_fd, False)
-        self.previous_fd = signal.set_wakeup_fd(write_fd)
-        self.watcher = threading.Thread(target=self.watch, name="signals", daemon=True)
-        self.watcher.start()
-
-    def on_signal(self, signum, frame):
-        self.received.append(signum)
-        self.stop.set()
-
-    def watch(self):
-        while data := os.read(self.read_fd, 1):  # one byte per signal; b"" once `close` runs
-            if not self.started.is_set():
-                if self.new_run:
-                    folders.remove_new(*self.new_run)
-                print(f"stopped by signal {data[0]} during start-up: nothing to save", file=sys.stderr, flush=True)
-                os._exit(128 + data[0])
-
-    def close(self):
-        os.close(signal.set_wakeup_fd(self.previous_fd))
-        self.watcher.join()
-        os.close(self.read_fd)
-        for signum, handler in self.handlers.items():
-            signal.signal(signum, handler)

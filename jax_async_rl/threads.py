@@ -13,6 +13,11 @@ import numpy as np
 from jax_async_rl.normalize import Normalizer
 
 
+class Stopped(Exception):
+    """A blocking call gave up because the run stops (a user env's `recv`): not an error, the
+    thread just ends."""
+
+
 class Shared:
     """What an asynchronous script's actor and learner threads share besides the queues: the newest
     parameters and their version (`latest`, published by the learner after each update, Sample
@@ -91,6 +96,8 @@ class Threads:
         def target():
             try:
                 fn(*args)
+            except Stopped:
+                pass
             except BaseException as e:
                 self.errors.append((f"the {name} thread", e, traceback.format_exc()))
                 self.stop.set()
@@ -104,6 +111,8 @@ class Threads:
         """Run fn(*args) in this thread (the synchronous loop), an exception recorded as a thread's is."""
         try:
             fn(*args)
+        except Stopped:
+            pass
         except Exception as e:
             self.errors.append((f"the {name}", e, traceback.format_exc()))
             self.stop.set()

@@ -355,6 +355,23 @@ def read_checkpoint(path):
     return flax.serialization.msgpack_restore(path.read_bytes())
 
 
+def write_crafted_run(folder, script, config: dict, script_path=None):
+    """A run folder as anyone could hand one over (a shared result): a checkpoint whose config
+    and recorded script path are whatever its author wrote. Returns the folder."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    payload = {"state": {"global_step": 0, "policy_version": 0}, "config": json.dumps(config), "script": script}
+    if script_path is not None:
+        payload["script_path"] = str(script_path)
+    (folder / CHECKPOINT).write_bytes(flax.serialization.msgpack_serialize(payload))
+    return folder
+
+
+def marker_code(marker) -> str:
+    """A module's text that, imported, writes the file `marker`: a stand-in for any code."""
+    return f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
+
+
 def check_run_files(script, run_dir, env_id, min_step):
     """Check config.json, metrics.jsonl, TensorBoard events and the checkpoint of a run of
     `script`; return the metrics.

@@ -8,8 +8,8 @@ import signal
 import jax
 import numpy as np
 import pytest
-from helpers import (count_complete_lines, load_script, read_checkpoint, read_metrics, run_main, sigterm_when,
-                     tag_steps, tag_values)
+from helpers import (REPO_ROOT, count_complete_lines, fail_on_call, load_script, read_checkpoint, read_metrics, run_main,
+                     sigterm_when, tag_steps, tag_values)
 
 sac = load_script("sac_envpool.py")
 td3 = load_script("td3_envpool.py")
@@ -187,6 +187,13 @@ def test_rounds_hold_the_replay_ratio_and_log(script, serial, tmp_path, capsys):
     state = read_checkpoint(tmp_path / "r")["state"]
     assert int(state["global_step"]) == 96 and int(state["policy_version"]) == 3 and int(state["gradient_step"]) == 8
     assert not np.array_equal(flat(state["params"]["q"]), flat(state["target_q"]))
+    if not serial:  # utils/evaluate.py names the policy it plays: the run's own, deterministic (--greedy: the same)
+        evaluate = load_script(REPO_ROOT / "utils" / "evaluate.py")
+        assert evaluate.main(evaluate.EvalArgs(run=str(tmp_path / "r"), episodes=1, greedy=True)) == 0
+        out = capsys.readouterr().out
+        assert "1 episodes with the run's own evaluation policy, the deterministic policy" in out, out
+        assert "(--greedy changes nothing for it)" in out and json.loads((tmp_path / "r" / "eval.json").read_text())[
+            "greedy"] is False
 
 
 @pytest.mark.parametrize("script", list(SCRIPTS))
