@@ -8,7 +8,7 @@ import signal
 import jax
 import numpy as np
 import pytest
-from helpers import (REPO_ROOT, count_complete_lines, fail_on_call, load_script, read_checkpoint, read_metrics, run_main,
+from helpers import (REPO_ROOT, count_complete_lines, load_script, read_checkpoint, read_metrics, run_main,
                      sigterm_when, tag_steps, tag_values)
 
 sac = load_script("sac_envpool.py")
