@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import pytest
 
+from jax_async_rl.flags import help_text
 from helpers import (
     help_flags,
     interrupt,
@@ -251,6 +252,23 @@ def test_presets_per_task_and_help(script):
         assert options[flag].endswith("(default: preset)") and "(default: None)" not in options[flag], options[flag]
     figures = [text for text in options.values() if re.search(r"\d(\.\d+)?x\b|\d[\d,]* SPS|\d%", text)]
     assert not figures, f"flag help quotes figures, which belong in the README: {figures}"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("script", list(LINE_BUDGET))  # every script, the replay families' too
+def test_help_prints_before_the_libraries_import(script):
+    """--help from the script's source (flags.help_from_source, in its first __main__ block): the
+    text flags.help_text makes of the imported script, exit 0, and none of the libraries that take
+    seconds to import (JAX, flax, optax, numpy, envpool, tensorboardX) imported."""
+    module = load_script(script)
+    heavy = {"jax", "jaxlib", "flax", "optax", "numpy", "envpool", "tensorboardX"}
+    probe = ("import runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+             f"finally:\n    print('imported', sorted({heavy!r} & {{m.split('.')[0] for m in sys.modules}}), file=sys.stderr)\n")
+    result = subprocess.run([sys.executable, "-c", probe, script, "--help"], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=100)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == help_text(script, module.Args, module.PRESETS)
+    assert result.stderr.splitlines()[-1] == "imported []", result.stderr
 
 
 SCRIPT_BAD_INPUTS = [(name, case) for name, row in SCRIPT_TABLE.items() for case in row["bad_inputs"]]
