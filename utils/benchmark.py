@@ -78,7 +78,7 @@ class Args:
     """about 5 minutes instead of about 20: shorter measurements, a smaller sweep"""
     num_envs: int = 64
     """environments for the ceiling and sampler measurements (2 splits of 32, as Cleanba's Atari
-    runs: a large batch spreads each inference call's fixed cost; see README for 8 to 64)"""
+    runs: a large batch spreads each inference call's fixed cost; see docs/results.md for 8 to 64)"""
     num_steps: int = 64
     """rollout length for the sampler and for every end-to-end run (matching flags)"""
     pin: bool = True
