@@ -128,7 +128,7 @@ def test_a_default_the_docs_state_is_the_codes(path):
     text = prose(path.read_text())
     table = defaults(PAGE_SCRIPTS.get(page_id(path), [*SCRIPTS, *TOOLS]))
     wrong = []
-    for flag, value in re.findall(r"`--([a-z0-9-]+)`(?:(?!`--)[^.;]){0,60}?\(default:? `?([^,;)`\s]+)", text):
+    for flag, value in re.findall(r"`--([a-z0-9-]+)`(?:(?!`--)[^.;]){0,60}?\(default:? `?(\d{1,3}(?:,\d{3})+|[^,;)`\s]+)", text):
         if flag not in table or not re.fullmatch(r"-?[\d,]+(\.\d*)?(e-?\d+)?|True|False", value):
             continue  # a default in words (a path, "the cores") is not checked
         literal = {"True": True, "False": False}.get(value, value.replace(",", ""))
