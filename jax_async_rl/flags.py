@@ -269,6 +269,58 @@ def help_text(prog: str, args_class, presets: dict) -> str:
     return "\n".join([*out, "", "  -h, --help\n      show this help and exit"]) + "\n"
 
 
+def light_import(node, needed: set):
+    """An import statement cut to the names in `needed` that come from the standard library or
+    jax_async_rl.flags (nothing that imports JAX, flax or envpool); None when none is left."""
+    def light(module, name):
+        return module.split(".")[0] in sys.stdlib_module_names or "jax_async_rl.flags" in (module, f"{module}.{name}")
+
+    if isinstance(node, ast.Import):
+        kept = [a for a in node.names if (a.asname or a.name.split(".")[0]) in needed and light(a.name, "")]
+    else:
+        kept = [a for a in node.names if (a.asname or a.name) in needed and node.level == 0 and light(node.module, a.name)]
+    return type(node)(**{**vars(node), "names": kept}) if kept else None
+
+
+def bound_names(node) -> set:
+    """The module-level names a statement of a script defines (a class, a function, an assignment's targets)."""
+    if isinstance(node, ast.ClassDef | ast.FunctionDef):
+        return {node.name}
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+    return {n.id for target in targets for n in ast.walk(target) if isinstance(n, ast.Name)}
+
+
+def help_from_source(path: str):
+    """--help before a script imports its libraries (JAX, flax, envpool: seconds): when -h or --help
+    is among the flags, run only what `Args` and `PRESETS` need of the script's source (its light
+    imports, then the module-level definitions those names use, in source order), print
+    `help_text` and exit 0. On any failure it returns, and the script's command line prints the
+    same help after its imports (an Args edited to need JAX costs only the time)."""
+    argv = sys.argv[1:]
+    if not {"-h", "--help"} & set(argv[: argv.index("--") if "--" in argv else len(argv)]):
+        return
+    module = types.ModuleType(f"_help_source_{abs(hash(path))}")  # field_docs reads the file through it
+    module.__file__ = path
+    try:
+        tree = ast.parse(open(path, encoding="utf-8").read(), path)
+        definitions = [(node, bound_names(node)) for node in tree.body]
+        needed, chosen = {"Args", "PRESETS"}, []
+        while new := [node for node, bound in definitions if bound & needed and node not in chosen]:
+            chosen += new
+            needed |= {n.id for node in new for n in ast.walk(node) if isinstance(n, ast.Name)}
+        imports = [light_import(node, needed) for node in tree.body if isinstance(node, ast.Import | ast.ImportFrom)]
+        body = sorted([node for node in imports if node] + chosen, key=lambda node: node.lineno)
+        sys.modules[module.__name__] = module
+        exec(compile(ast.Module(body=body, type_ignores=[]), path, "exec"), module.__dict__)
+        text = help_text(os.path.basename(sys.argv[0]), module.Args, module.PRESETS)
+    except Exception:  # what Args needs is more than this runs: the script's own path prints the help
+        return
+    finally:
+        sys.modules.pop(module.__name__, None)
+    print(text, end="")
+    sys.exit(0)
+
+
 def describe_presets(args_class, presets: dict) -> str:
     """--help's description: the Args docstring and the values each preset gives."""
     lines = [f"  {name}: " + ", ".join(f"{k}={v}" for k, v in values.items()) for name, values in presets.items()]

@@ -127,3 +127,23 @@ def test_replay_part_times_both_modes_and_reports_the_ratio(bench_module, tmp_pa
     table = (tmp_path / "results.md").read_text()
     assert "## Replay (dqn_envpool.py:" in table and "| async |" in table and "| serial |" in table and table.count("| not reached |") == 2
     assert f"Async / serial SPS: **{rows[0]['sps'] / rows[1]['sps']:.2f}x**." in table
+
+
+def test_benchmark_measures_the_deterministic_mode_beside_the_free_running_actor(tmp_path):
+    """--deterministic: each asynchronous script runs twice end to end, free-running and with
+    --deterministic (its run's config says so), and the table gives the ratio of the two."""
+    out = tmp_path / "bench"
+    cmd = [sys.executable, str(REPO_ROOT / "utils" / "benchmark.py"), "--quick", "--env-id", "CartPole-v1", "--parts",
+           "end_to_end", "--scripts", "ppo_sync_baseline.py", "appo_envpool.py", "--deterministic", "--e2e-seconds", "3",
+           "--out", str(out)]
+    result = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads((out / "results.json").read_text())["measurements"]
+    assert [(r["script"], r["deterministic"]) for r in rows] == [
+        ("ppo_sync_baseline.py", False), ("appo_envpool.py", False), ("appo_envpool.py", True)]
+    configs = {det: json.loads((out / "e2e" / f"appo_envpool__8{'__deterministic' * det}" / "config.json").read_text())
+               for det in (False, True)}
+    assert [configs[det]["deterministic"] for det in (False, True)] == [False, True]
+    free, det = rows[1]["sps"], rows[2]["sps"]
+    assert f"| appo_envpool.py --deterministic | 8 | 1 | 64 | {det:.0f} |" in (out / "results.md").read_text()
+    assert f"| {det / free:.2f}x |" in (out / "results.md").read_text()

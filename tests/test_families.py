@@ -320,7 +320,7 @@ def test_the_header_line_names_the_split_count_and_the_actor(script, actor, tmp_
 
 # Measured (seeds 1 and 2, default flags): the mean of 20 episodes first reached 0.9 at 9k steps
 # (sync) and 12k-13k steps (APPO), and stayed at 0.955 (the optimal return) to 50k. The parity
-# sweep (README, Learning parity) runs seeds 1-3 of each; the suite runs seed 1.
+# sweep (docs/parity.md) runs seeds 1-3 of each; the suite runs seed 1.
 MINIGRID_BUDGET = 40_000
 
 

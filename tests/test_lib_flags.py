@@ -156,3 +156,70 @@ def test_help_groups_the_flags_with_plain_metavars():
     options = help_flags(text)
     assert set(options) == {f.name for f in dataclasses.fields(module.Args)}
     assert options["learning_rate"].endswith("(default: preset)") and options["queue_size"].endswith("(default: 2)")
+
+
+# A script in the scripts' layout: help_from_source in its first __main__ block, command_line in its last.
+HELP_SCRIPT = '''"""A tiny script."""
+
+import signal
+from dataclasses import dataclass
+{heavy_import}
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    from jax_async_rl.flags import help_from_source
+    help_from_source(__file__)
+    print("past help_from_source")
+
+from jax_async_rl import flags
+
+RATE = 0.25
+
+
+@dataclass
+class Args(flags.RunArgs):
+    """A tiny algorithm's flags."""
+
+    rate: float = {rate}
+    """a learning rate"""
+
+
+PRESETS = {{"classic": dict(rate=RATE)}}
+
+if __name__ == "__main__":
+    flags.command_line(lambda args, given: 0, Args, PRESETS)
+'''
+LIGHT = dict(heavy_import="", rate="RATE")
+NEEDS_NUMPY = dict(heavy_import="import numpy as np", rate="float(np.float32(RATE))")
+
+
+def run_help_script(tmp_path, source, *argv):
+    """Run a HELP_SCRIPT as `python tiny.py ARGV`; also prints which of numpy and jax it imported."""
+    path = tmp_path / "tiny.py"
+    path.write_text(HELP_SCRIPT.format(**source))
+    probe = ("import runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+             "finally:\n    print('imported', sorted({'numpy', 'jax'} & set(sys.modules)), file=sys.stderr)\n")
+    return subprocess.run([sys.executable, "-c", probe, str(path), *argv], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["-h"], ["--env-id", "CartPole-v1", "--help"]])
+def test_help_from_source_prints_the_help_without_the_scripts_imports(tmp_path, argv):
+    """--help runs only the script's light imports, its constants, Args and PRESETS, and exits 0
+    before the rest of the script (before any import below its __main__ block)."""
+    result = run_help_script(tmp_path, LIGHT, *argv)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: tiny.py [--flag VALUE ...]") and "past help_from_source" not in result.stdout
+    assert "classic: rate=0.25" in result.stdout and "a learning rate (default: 0.25)" in result.stdout
+    assert "imported []" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(("source", "argv"), [(NEEDS_NUMPY, ["--help"]), (LIGHT, ["--", "--help"])])
+def test_help_from_source_leaves_the_rest_to_the_scripts_own_command_line(tmp_path, source, argv):
+    """An Args that needs a library help_from_source does not run (numpy here) gets the same help
+    from the script's own command line, after its imports; a --help after `--` is not a flag."""
+    fast = run_help_script(tmp_path, LIGHT, "--help")
+    result = run_help_script(tmp_path, source, *argv)
+    assert result.stdout.startswith("past help_from_source"), (result.stdout, result.stderr)
+    if argv != ["--", "--help"]:
+        assert result.returncode == 0 and result.stdout == "past help_from_source\n" + fast.stdout, result.stderr

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import pytest
 
+from jax_async_rl.flags import help_text
 from helpers import (
     help_flags,
     interrupt,
@@ -253,7 +254,24 @@ def test_presets_per_task_and_help(script):
     for flag in preset_flags:
         assert options[flag].endswith("(default: preset)") and "(default: None)" not in options[flag], options[flag]
     figures = [text for text in options.values() if re.search(r"\d(\.\d+)?x\b|\d[\d,]* SPS|\d%", text)]
-    assert not figures, f"flag help quotes figures, which belong in the README: {figures}"
+    assert not figures, f"flag help quotes figures, which belong in docs/results.md: {figures}"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("script", list(LINE_BUDGET))  # every script, the replay families' too
+def test_help_prints_before_the_libraries_import(script):
+    """--help from the script's source (flags.help_from_source, in its first __main__ block): the
+    text flags.help_text makes of the imported script, exit 0, and none of the libraries that take
+    seconds to import (JAX, flax, optax, numpy, envpool, tensorboardX) imported."""
+    module = load_script(script)
+    heavy = {"jax", "jaxlib", "flax", "optax", "numpy", "envpool", "tensorboardX"}
+    probe = ("import runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+             f"finally:\n    print('imported', sorted({heavy!r} & {{m.split('.')[0] for m in sys.modules}}), file=sys.stderr)\n")
+    result = subprocess.run([sys.executable, "-c", probe, script, "--help"], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=100)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == help_text(script, module.Args, module.PRESETS)
+    assert result.stderr.splitlines()[-1] == "imported []", result.stderr
 
 
 SCRIPT_BAD_INPUTS = [(name, case) for name, row in SCRIPT_TABLE.items() for case in row["bad_inputs"]]
@@ -345,7 +363,7 @@ def test_progress_lines_while_the_update_compiles(tmp_path):
 # run was at 910 after 500k (APPO runs are not repeatable). CleanRL's PPO is at ~1500-2000 at 1M;
 # here 1M gave 3527 (sync, seed 1) and 2427 / 2320 / 1708 (APPO, seeds 1-3). Since V-trace takes the
 # preset's lambda and the actors wait for the first update, APPO passed 1000 at 196k +- 33k steps
-# (seeds 1-3, README's Learning parity): its budget came down from 800k to 500k.
+# (seeds 1-3, docs/parity.md): its budget came down from 800k to 500k.
 HALFCHEETAH_BUDGET = {"ppo_sync_baseline.py": 300_000, "appo_envpool.py": 500_000}
 
 
@@ -369,11 +387,10 @@ def test_learns_halfcheetah_with_normalisation(script_name, tmp_path):
 # Seeds 1 and 2 of the sync baseline and APPO (whose runs are not repeatable: thread timing decides
 # which policy version acts); seed 1 of the XLA actor's script (APPO's learner, tested against a
 # replay in test_xla_actor.py) and of IMPALA (its 1M steps are the suite's longest CartPole run;
-# its parity runs, seeds 1-3, reached 475 at 103k +- 21k steps: README, Learning parity).
+# its parity runs, seeds 1-3, reached 475 at 103k +- 21k steps: docs/results.md).
 # Known to fail at times before the CartPole preset annealed its clip (--anneal-clip, rl-baselines3-zoo's
 # lin_0.2): a run could stick near 110-130 for 100k steps (sync seed 5 from 100k on, deterministically;
-# one APPO seed-2 run in the suite). With it, seeds 1-5 of sync and APPO all end at 500 (README,
-# Learning parity).
+# one APPO seed-2 run in the suite). With it, seeds 1-5 of sync and APPO all end at 500 (docs/parity.md).
 CARTPOLE_SEEDS = [(name, seed) for name in SCRIPT_TABLE
                   for seed in ([1] if name in ("appo_envpool_xla.py", "impala_envpool.py") else [1, 2])]
 

@@ -78,7 +78,7 @@ class Args:
     """about 5 minutes instead of about 20: shorter measurements, a smaller sweep"""
     num_envs: int = 64
     """environments for the ceiling and sampler measurements (2 splits of 32, as Cleanba's Atari
-    runs: a large batch spreads each inference call's fixed cost; see README for 8 to 64)"""
+    runs: a large batch spreads each inference call's fixed cost; see docs/results.md for 8 to 64)"""
     num_steps: int = 64
     """rollout length for the sampler and for every end-to-end run (matching flags)"""
     pin: bool = True
@@ -106,6 +106,9 @@ class Args:
     """scaling: learner device counts (--learner-device-ids 0 .. n-1)"""
     scaling_actor_threads: tuple[int, ...] = (1, 2)
     """scaling: --num-actor-threads values (each thread with --num-envs 8 of its own, on device 0)"""
+    deterministic: bool = False
+    """end_to_end: also run each asynchronous script with --deterministic (IMPALA at --actor-lag 1, the
+    XLA actor with one split, as the mode needs), each beside its free-running row"""
     xla_actor: bool = True
     """also measure appo_envpool_xla.py's sampler (1 and 2 splits), and end to end when --scripts names it"""
     out: Optional[str] = None
@@ -439,14 +442,18 @@ def write_report(out_dir, results, quick):
     e2e = [r for r in rows if r["kind"] == "end_to_end"]
     if e2e:
         lines += ["", "## End to end (training)", "",
-                  "| script | num_envs | num_splits | num_steps | SPS | FPS | of sync | updates | busy fraction of wall time per stage |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| script | num_envs | num_splits | num_steps | SPS | FPS | of sync | of free-running | updates | "
+                  "busy fraction of wall time per stage |", "|---|---|---|---|---|---|---|---|---|---|"]
         sync = {r["num_envs"]: r["sps"] for r in e2e if r["script"] == SCRIPTS[0]}
+        free = {(r["script"], r["num_envs"]): r["sps"] for r in e2e if not r.get("deterministic")}
         for r in e2e:
             busy = ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["busy"].items()))
             ratio = f"{r['sps'] / sync[r['num_envs']]:.2f}x" if r["num_envs"] in sync else ""
-            lines.append(f"| {r['script']} | {r['num_envs']} | {r.get('num_splits') or ''} | {r['num_steps']} | {r['sps']:.0f} | "
-                         f"{r['fps']:.0f} | {ratio} | {r['updates']} | {busy} |")
+            own = (r["script"], r["num_envs"])
+            of_free = f"{r['sps'] / free[own]:.2f}x" if r.get("deterministic") and own in free else ""
+            name = r["script"] + " --deterministic" * bool(r.get("deterministic"))
+            lines.append(f"| {name} | {r['num_envs']} | {r.get('num_splits') or ''} | {r['num_steps']} | {r['sps']:.0f} | "
+                         f"{r['fps']:.0f} | {ratio} | {of_free} | {r['updates']} | {busy} |")
     replay = [r for r in rows if r["kind"] == "replay"]
     if replay:
         lines += ["", f"## Replay ({replay[0]['script']}: asynchronous vs --serial, the same replay ratio)", "",
@@ -487,9 +494,9 @@ def write_report(out_dir, results, quick):
     plt.close(fig)
     if e2e:
         fig, ax = plt.subplots(figsize=(6, 4))
-        for script in sorted({r["script"] for r in e2e}):
-            points = sorted((r["num_envs"], r["fps"]) for r in e2e if r["script"] == script)
-            ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=script)
+        for script, det in sorted({(r["script"], bool(r.get("deterministic"))) for r in e2e}):
+            points = sorted((r["num_envs"], r["fps"]) for r in e2e if r["script"] == script and bool(r.get("deterministic")) == det)
+            ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=script + " --deterministic" * det)
         ax.set_xlabel("num_envs")
         ax.set_ylabel("training FPS (frames / s)")
         ax.set_xscale("log", base=2)
@@ -538,7 +545,9 @@ def main(args: Args) -> int:
     jobs += [("sampler", (1, False, False)), ("sampler", (2, False, False)), ("sampler", (2, True, False))] * ("sampler" in args.parts)
     jobs += [("sampler", (1, False, True)), ("sampler", (2, False, True))] * ("sampler" in args.parts and args.xla_actor)
     scripts = [s for s in args.scripts if args.xla_actor or s != XLA_SCRIPT]
-    jobs += [("end_to_end", (script, n)) for n in sweep for script in scripts] * ("end_to_end" in args.parts)
+    modes = (False, True) if args.deterministic else (False,)
+    jobs += [("end_to_end", (script, n, det)) for n in sweep for script in scripts for det in modes
+             if not det or script != SCRIPTS[0]] * ("end_to_end" in args.parts)
     jobs += [("replay", serial) for serial in (False, True)] * ("replay" in args.parts)
     devices = len(jax.devices()) if jax.default_backend() != "cpu" else 4
     jobs += [("scaling", (n, t)) for n in args.scaling_learners if n <= devices
@@ -568,20 +577,24 @@ def main(args: Args) -> int:
                        busy={k: round(v, 3) for k, v in busy.items()}, cores=layout,
                        fraction_of_ceiling=sps / ceiling[0] if ceiling else None)
         else:
-            script, num_envs = param if kind == "end_to_end" else ("appo_envpool.py", 8 * param[1])
+            script, num_envs, det = param if kind == "end_to_end" else ("appo_envpool.py", 8 * param[1], False)
             if kind == "end_to_end":
                 flags = [*(["--env-module", args.env_module] if args.env_module else []),
-                         *(["--env-kwargs", args.env_kwargs] if args.env_kwargs else [])]
-                measured = measure_end_to_end(script, args.env_id, num_envs, args.num_steps, e2e_seconds, out_dir, flags)
+                         *(["--env-kwargs", args.env_kwargs] if args.env_kwargs else []),
+                         *(["--deterministic"] if det else []),
+                         *(["--actor-lag", "1"] if det and script == "impala_envpool.py" else []),
+                         *(["--num-splits", "1"] if det and script == XLA_SCRIPT else [])]
+                measured = measure_end_to_end(script, args.env_id, num_envs, args.num_steps, e2e_seconds, out_dir, flags,
+                                              name="__deterministic" * det)
             else:
                 measured = measure_scaling(args.env_id, args.num_steps, e2e_seconds, out_dir, *param)
             if measured is None:
                 print(f"    {script} finished fewer than 2 updates in {e2e_seconds:.0f}s after its first; raise --e2e-seconds", flush=True)
                 continue
             sps, busy, updates, update_seconds = measured
-            splits = None if script == SCRIPTS[0] else appo.resolve_args(
+            splits = None if script == SCRIPTS[0] else 1 if det and script == XLA_SCRIPT else appo.resolve_args(
                 appo.Args(env_id=args.env_id, env_module=args.env_module, env_kwargs=args.env_kwargs)).num_splits  # the default
-            row.update(script=script, num_envs=num_envs, num_splits=splits, xla_actor=script == XLA_SCRIPT,
+            row.update(script=script, deterministic=det, num_envs=num_envs, num_splits=splits, xla_actor=script == XLA_SCRIPT,
                        num_threads=min(os.cpu_count() or 1, num_envs), num_steps=args.num_steps, sps=sps, busy=busy,
                        updates=updates, update_seconds=update_seconds)
             if kind == "scaling":
