@@ -147,3 +147,4 @@ def test_benchmark_measures_the_deterministic_mode_beside_the_free_running_actor
     free, det = rows[1]["sps"], rows[2]["sps"]
     assert f"| appo_envpool.py --deterministic | 8 | 1 | 64 | {det:.0f} |" in (out / "results.md").read_text()
     assert f"| {det / free:.2f}x |" in (out / "results.md").read_text()
+    assert set(rows[2]["busy"]) <= {"env", "inference", "bookkeeping", "device_get", "queue_put", "queue_get", "update"}, rows[2]

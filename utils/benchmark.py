@@ -343,7 +343,7 @@ def measure_end_to_end(script, env_id, num_envs, num_steps, seconds, out_dir, ex
     sps = (last["step"] - first["step"]) / wall
     timing = {}  # cumulative seconds per stage at the first and the last update
     for r in read_metrics(metrics_file):
-        if r["tag"].startswith("timing/") and r["step"] in (first["step"], last["step"]):
+        if r["tag"].startswith("timing/") and r["tag"].endswith("_seconds") and r["step"] in (first["step"], last["step"]):
             timing.setdefault(r["tag"][len("timing/"): -len("_seconds")], []).append(r["value"])
     busy = {stage: round((v[-1] - v[0]) / wall, 3) for stage, v in timing.items()}
     return sps, busy, len(updates), busy.get("update", 0.0) * wall / (len(updates) - 1)
