@@ -124,6 +124,10 @@ def test_plot_wall_clock_starts_at_the_first_update_and_covers_the_longest_seed(
     assert grid[0] == 0.0 and grid[-1] == pytest.approx(100.0)
     _, ax = plt.subplots()
     mean, _, _, band = plot.draw(ax, grid, ys, "std", "sync")
+    solid, dashed = ax.get_lines()  # beyond the shorter seed the mean is of one seed: drawn dashed, not as "2 seeds"
+    assert solid.get_linestyle() == "-" and dashed.get_linestyle() == "--" and dashed.get_label().startswith("_")
+    assert np.isnan(solid.get_ydata()[grid > 50.0]).all() and not np.isnan(solid.get_ydata()[grid <= 50.0]).any()
+    assert not np.isnan(dashed.get_ydata()[grid > 50.0]).any()
     plt.close("all")
     assert band[grid <= 50.0].all() and not band[grid > 50.0].any()
     assert mean[-1] == pytest.approx(99.0)  # the longest seed's last game, not cut

@@ -229,7 +229,13 @@ def draw(ax, grid, ys, band: str, label: str):
         else:
             low, high = np.nanmin(ys, axis=0), np.nanmax(ys, axis=0)
     everyone = ~np.isnan(ys).any(axis=0)
-    (line,) = ax.plot(grid, mean, label=label, marker="o" if len(grid) == 1 else None)
+    # Solid where every seed has data; dashed where some have ended (a mean of fewer seeds than
+    # the label counts: seeds end at different steps, and a resumed or longer run goes on).
+    (line,) = ax.plot(grid, np.where(everyone, mean, np.nan), label=label, marker="o" if len(grid) == 1 else None)
+    fewer = ~everyone & ~np.isnan(mean)
+    if fewer.any():
+        edge = fewer | np.convolve(fewer, [1, 1, 1], "same").astype(bool) & everyone  # joined to the solid part
+        ax.plot(grid, np.where(edge, mean, np.nan), color=line.get_color(), linestyle="--", alpha=0.7)
     if len(ys) > 1:
         ax.fill_between(grid, low, high, where=everyone, color=line.get_color(), alpha=0.2, linewidth=0)
     return mean, low, high, everyone if len(ys) > 1 else np.zeros(len(grid), bool)
