@@ -334,3 +334,26 @@ def test_dqn_refuses_a_factored_policy_with_one_line(tmp_path, capsys):
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "--env-id Connector-v2 has multi-discrete actions" in err and "appo_envpool.py" in err, err
     assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Learning: LegalMoves (8 actions, 3 legal each step, the target +1, an illegal action ends the game
+# at -1, 16 steps a game; knowing only the mask scores 16/3 = 5.3). Default flags, 20-episode
+# means; measured (docs/families.md, seeds 1 and 2): to 12, APPO 35.8k and 32.7k steps masked,
+# 45.0k and 42.9k with --no-action-mask; DQN 60.6k and 59.1k masked, 96.4k and 96.9k without.
+# ---------------------------------------------------------------------------------------------
+
+LEGAL_MOVES_BUDGET = {"appo_envpool.py": 100_000, "dqn_envpool.py": 120_000}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("script", list(LEGAL_MOVES_BUDGET))
+def test_masked_agents_learn_legal_moves(script, tmp_path, capsys):
+    flags = ["--env-id", "tests.user_envs:LegalMoves", "--seed", 1, "--total-timesteps", LEGAL_MOVES_BUDGET[script],
+             "--eval-episodes", 0, "--run-dir", tmp_path / "run"]
+    code, _, err = run_main(script, flags, capsys)
+    assert code == 0, err
+    returns = [r["value"] for r in read_metrics(tmp_path / "run") if r["tag"] == "charts/episodic_return"]
+    means = np.convolve(returns, np.ones(20) / 20, "valid")
+    assert means[0] < 8 and means.max() >= 12, (means[0], means.max())
