@@ -19,6 +19,7 @@ The run itself (flags, folders, checkpoints, logs, devices) is the installed pac
 """
 
 import dataclasses
+import functools
 import signal
 from dataclasses import dataclass
 from typing import Annotated, ClassVar, Optional
@@ -33,12 +34,14 @@ import numpy as np
 import optax
 
 from jax_async_rl import devices, flags, rounds, runs, tasks, threads
-from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, PRESET, UNIT, UsageError
+from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, PRESET, UNIT, UsageError, at_most
+from jax_async_rl.keys import EnvStreams
 from jax_async_rl.normalize import Normalizer
 from jax_async_rl.replay import Replay, check_rounds, gradient_steps
 
 SPLITS = flags.default_is("2 with image observations, else 1")
 EVAL_EPSILON = 0.001  # ε of the evaluation games (Dopamine's Rainbow: a greedy Atari agent can stall)
+EVAL_POLICY = f"ε-greedy at ε {EVAL_EPSILON}"  # evaluation_player's, in words (utils/evaluate.py says it)
 
 
 @dataclass
@@ -50,22 +53,26 @@ class Args(flags.RunArgs):
     PRESETS table in this file); an explicit flag wins, and config.json records the values used.
     """
 
-    num_envs: Annotated[int, POSITIVE] = 8
+    num_envs: Annotated[int, POSITIVE, at_most(65_536)] = 8
     """number of parallel environments of each actor thread (see --num-actor-threads)"""
     num_splits: Annotated[Optional[int], SPLITS, POSITIVE] = None
     """envpool splits for double-buffered sampling (Sample Factory §3.2); 1 disables it"""
-    num_steps: Annotated[Optional[int], PRESET, POSITIVE] = None
+    num_steps: Annotated[Optional[int], PRESET, POSITIVE, at_most(65_536)] = None
     """steps of every env in each chunk an actor hands the learner; the learner's round (one chunk,
     then its gradient steps) is an "update" in the logs and checkpoints"""
-    queue_size: Annotated[int, POSITIVE] = 1
+    queue_size: Annotated[int, POSITIVE, at_most(1024)] = 1
     """chunks an actor may queue ahead of the learner before it waits (backpressure)"""
+    actor_lag: Annotated[Optional[int], NON_NEGATIVE, at_most(64)] = None
+    """an actor collects chunk m with the round on chunk m - 1 - this (acting_version): 0, the serial
+    mode's data; None, rlpyt's free-running actor (the newest parameters). --deterministic: exactly
+    that round, else at least it"""
     serial: bool = False
     """one thread: collect a chunk, then learn from the buffer, in turn (rlpyt's serial mode)"""
     buffer_size: Annotated[Optional[int], PRESET, POSITIVE] = None
     """replay buffer capacity in transitions (the oldest are overwritten)"""
     learning_starts: Annotated[Optional[int], PRESET, NON_NEGATIVE] = None
     """env steps before the first gradient step (a resumed run refills its buffer this long)"""
-    replay_ratio: Annotated[Optional[float], PRESET, POSITIVE] = None
+    replay_ratio: Annotated[Optional[float], PRESET, POSITIVE, at_most(100_000.0)] = None
     """transitions the learner samples per env step (rlpyt's replay_ratio: batch_size / train
     frequency); each round's gradient steps are this x the chunk / --batch-size, a whole number"""
     batch_size: Annotated[Optional[int], PRESET, POSITIVE] = None
@@ -95,23 +102,23 @@ class Args(flags.RunArgs):
     """Ape-X's fixed ε per env instead of the schedule: env i of N has --apex-base ** (1 + --apex-alpha x i / (N - 1))"""
     apex_base: Annotated[float, UNIT] = 0.4
     """Ape-X's base ε (Horgan et al. 2018)"""
-    apex_alpha: Annotated[float, NON_NEGATIVE] = 7.0
+    apex_alpha: Annotated[float, NON_NEGATIVE, at_most(100.0)] = 7.0
     """Ape-X's exponent spread (Horgan et al. 2018)"""
     double_dqn: Annotated[Optional[bool], PRESET] = None
     """Double DQN: the online network picks the next action, the target network values it"""
     dueling: Annotated[Optional[bool], PRESET] = None
     """the dueling head: a value and mean-centred advantages"""
-    n_step: Annotated[Optional[int], PRESET, POSITIVE] = None
+    n_step: Annotated[Optional[int], PRESET, POSITIVE, at_most(1000)] = None
     """n-step returns: rewards summed over n steps (fewer at an episode's end), then bootstrapped"""
     prioritized_replay: Annotated[Optional[bool], PRESET] = None
     """proportional prioritised replay: priorities (|TD error| + eps) ^ --priority-alpha"""
-    priority_alpha: Annotated[float, NON_NEGATIVE] = 0.5
+    priority_alpha: Annotated[float, UNIT] = 0.5
     """prioritisation exponent α (Rainbow: 0.5)"""
     priority_beta: Annotated[float, UNIT] = 0.4
     """importance-sampling exponent β at the start, annealed linearly to 1 over the run (Rainbow: 0.4)"""
     c51: Annotated[Optional[bool], PRESET] = None
     """distributional C51: a categorical return distribution over --num-atoms fixed atoms"""
-    num_atoms: Annotated[int, POSITIVE] = 51
+    num_atoms: Annotated[int, POSITIVE, at_most(4096)] = 51
     """atoms of C51's support"""
     v_min: float = -10.0
     """C51's smallest return"""
@@ -121,9 +128,9 @@ class Args(flags.RunArgs):
     """where the observation holds an "action_mask" (Jumanji's tasks, your env's Dict), ε-greedy
     explores, acts greedily and takes its target's maximum over legal actions; --no-action-mask: it
     is only an input"""
-    num_threads: Annotated[int, NON_NEGATIVE] = 0
+    num_threads: Annotated[int, NON_NEGATIVE, at_most(1024)] = 0
     """envpool worker threads of each actor thread (0: the CPU cores shared among the actor threads)"""
-    num_actor_threads: Annotated[int, POSITIVE] = 1
+    num_actor_threads: Annotated[int, POSITIVE, at_most(256)] = 1
     """actor threads on each actor device, each with num_envs envs of its own; a round takes one
     chunk from each"""
     save_interval: Annotated[int, NON_NEGATIVE] = 1000
@@ -287,10 +294,11 @@ def legal_actions(network, obs, batch_size: int):
     return obs["action_mask"].reshape(batch_size, -1) if network.action_mask else None
 
 
-def random_legal(legal, rng: np.random.Generator):
+def random_legal(legal, uniform):
     """An action [B] drawn uniformly among the legal ones of each row of `legal` [B, A] (nonzero:
-    legal; a row with none: action 0), one draw a row."""
-    k = rng.integers(0, np.maximum(np.count_nonzero(legal, axis=1), 1))
+    legal; a row with none: action 0) by the row's uniform in [0, 1) (`uniform` [B])."""
+    count = np.maximum(np.count_nonzero(legal, axis=1), 1)
+    k = np.minimum((uniform * count).astype(np.int64), count - 1)  # the k-th legal action
     return np.argmax(np.cumsum(legal > 0, axis=1) > k[:, None], axis=1)
 
 
@@ -359,38 +367,54 @@ def make_greedy(network, c51: bool, support):
     return greedy
 
 
-def epsilon_greedy(greedy, params, obs, epsilon, num_actions: int, rng: np.random.Generator, legal=None):
-    """ε-greedy actions [B] for `epsilon` [B]: the draws on the host (among the `legal` actions [B, A],
-    None: all), and the network called only where an env acts greedily (as CleanRL's loop, which
-    skips it while it explores)."""
-    explore = rng.random(len(epsilon)) < epsilon
-    action = rng.integers(0, num_actions, len(epsilon)) if legal is None else random_legal(legal, rng)
+def epsilon_greedy(greedy, params, obs, epsilon, num_actions: int, draws, legal=None):
+    """ε-greedy actions [B] for `epsilon` [B], from the envs' uniforms `draws` [B, 2] (whether to
+    explore, which action: among the `legal` ones [B, A], None: all): the draws on the host, and
+    the network called only where an env acts greedily (as CleanRL's loop, which skips it while it
+    explores)."""
+    explore = draws[:, 0] < epsilon
+    if legal is None:
+        action = np.minimum((draws[:, 1] * num_actions).astype(np.int64), num_actions - 1)
+    else:
+        action = random_legal(legal, draws[:, 1])
     if explore.all():
         return action
     return np.where(explore, action, np.asarray(greedy(params, obs)))
 
 
-def make_act(greedy, args: Args, network, rng: np.random.Generator):
-    """One actor thread's behaviour policy, act(params, obs, env_ids, step) -> actions, for
-    jax_async_rl.rounds: ε-greedy with each env's ε at the run's env step (epsilon_at)."""
+def make_act(greedy, args: Args, network, streams: EnvStreams):
+    """One actor thread's behaviour policy, act(params, obs, env_ids, steps) -> actions, for
+    jax_async_rl.rounds: ε-greedy with each env's ε at the run's env step (epsilon_at; the envs'
+    steps x the envs: as if they stepped in lockstep), each env's draws from its own stream, among
+    the legal actions of `obs`."""
 
-    def act(params, obs, env_ids, step):
+    def act(params, obs, env_ids, steps):
+        epsilon = epsilon_at(args, int(steps.max()) * devices.global_envs(args))[env_ids]
         legal = legal_actions(network, obs, len(env_ids))
-        return epsilon_greedy(greedy, params, obs, epsilon_at(args, step)[env_ids], network.action_dim, rng, legal)
+        return epsilon_greedy(greedy, params, obs, epsilon, network.action_dim, streams.uniform(env_ids, steps), legal)
 
     return act
 
 
-def evaluation_player(args: Args, built):
-    """The evaluation's policy(params, obs, core, key) -> (actions, None, None, None, key): ε-greedy
-    at EVAL_EPSILON; its initial core (none), for a run's `build`; utils/evaluate.py calls it too."""
-    network, _, support, _, _ = built
-    greedy, rng = make_greedy(network, args.c51, support), np.random.default_rng(args.seed)
+def acting_version(rollout: int, actor_lag) -> int:
+    """The policy version that acts on rollout `rollout` (counted over the run): the one the
+    update on rollout `rollout - 1 - actor_lag` makes (Cleanba's actor at 1; 0 the synchronous
+    limit). Sample Factory's free-running actor (None) waits for the first update alone, which
+    compiles meanwhile (else the queue fills with rollouts of the initial parameters)."""
+    return min(rollout, 1) if actor_lag is None else max(0, rollout - actor_lag)
 
-    def policy(params, obs, core, key):
-        epsilon = np.full(len(jax.tree.leaves(obs)[0]), EVAL_EPSILON)
-        legal = legal_actions(network, obs, len(epsilon))
-        return epsilon_greedy(greedy, params, obs, epsilon, network.action_dim, rng, legal), None, None, None, key
+
+def evaluation_player(args: Args, built):
+    """The evaluation's policy(params, obs, core, key, env_ids, steps) -> (actions, None, None,
+    None): ε-greedy at EVAL_EPSILON among the legal actions; its initial core (none), for a run's
+    `build`; utils/evaluate.py calls it too."""
+    network, _, support, _, _ = built
+    greedy, streams = make_greedy(network, args.c51, support), EnvStreams(args.seed + 10_000, 0, 100, 2)
+
+    def policy(params, obs, core, key, env_ids, steps):
+        epsilon, legal = np.full(len(env_ids), EVAL_EPSILON), legal_actions(network, obs, len(env_ids))
+        draws = streams.uniform(env_ids, steps)
+        return epsilon_greedy(greedy, params, obs, epsilon, network.action_dim, draws, legal), None, None, None
 
     return policy, lambda num_envs: None
 
@@ -481,20 +505,21 @@ def main(args: Args, given=None) -> int:
         built = network, optimizer, support, normalizer, state = build(args, run.init_key)
         state = run.open(state, normalizer)
         actors = run.actors()  # (device, env seed, action key) of each actor thread
-        envs = [tasks.make_env(args.env_id, args.num_envs, seed, run.env_threads, train=True,
-                               batch_size=args.num_envs // args.num_splits) for _, seed, _ in actors]
+        envs = [tasks.make_actor_env(args.env_id, args.num_envs, seed, run.env_threads, args.num_splits, args.deterministic)
+                for _, seed, _ in actors]
         greedy = make_greedy(network, args.c51, support)
         shared = threads.Shared(state["params"], state["policy_version"], normalizer, run.sampled, run.stop,
-                                run.report_episodes)
-        collectors = [rounds.Collector(envs[i], make_act(greedy, args, network, np.random.default_rng(seed)),
-                                       args, i, shared, run.start_step) for i, (_, seed, _) in enumerate(actors)]
+                                learning=not args.serial, keep=(args.actor_lag or 0) + 2)
+        collectors = [rounds.Collector(envs[i], make_act(greedy, args, network, EnvStreams(seed, i * args.num_envs,
+                                       args.num_envs, 2)), args, i, shared, run.start_update) for i, (_, seed, _) in enumerate(actors)]
         learner = rounds.Learner(run, make_replay(args, envs), make_update(network, optimizer, args, support, run.mesh),
                                  np.random.default_rng(run.seed), shared.timing, args.learning_rate,
                                  beta=lambda step: importance_exponent(args, step), scalars=lambda step: {
                                      "charts/epsilon": float(np.mean(epsilon_at(args, step)))})
         run.begin(f"preset {tasks.preset_name(args.env_id, PRESETS)}, {gradient_steps(args)} gradient steps a round"
                   f"{', serial' if args.serial else ''}")
-        rounds.train(run, learner, collectors, actors, args.queue_size, args.serial)
+        rounds.train(run, learner, collectors, actors, args.queue_size, args.serial,
+                     functools.partial(acting_version, actor_lag=args.actor_lag))
         return run.finish(*evaluation_player(args, built))
 
 

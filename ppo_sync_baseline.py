@@ -28,8 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_async_rl import devices, flags, runs, tasks
-from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, PRESET, UNIT, UsageError
+from jax_async_rl import devices, flags, journal, runs, tasks
+from jax_async_rl.keys import env_keys
+from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, PRESET, UNIT, UsageError, at_most
 from jax_async_rl.normalize import Normalizer
 
 
@@ -41,10 +42,10 @@ class Args(flags.RunArgs):
     PRESETS table in this file); an explicit flag wins, and config.json records the values used.
     """
 
-    num_envs: Annotated[int, POSITIVE] = 8
+    num_envs: Annotated[int, POSITIVE, at_most(65_536)] = 8
     """number of parallel environments of this process; an update's global batch is processes x
     num_envs x num_steps env steps (config.json records it)"""
-    num_steps: Annotated[Optional[int], PRESET, POSITIVE] = None
+    num_steps: Annotated[Optional[int], PRESET, POSITIVE, at_most(65_536)] = None
     """rollout length: steps per environment between two updates"""
     learning_rate: Annotated[Optional[float], PRESET, POSITIVE] = None
     """Adam learning rate, the start of the schedule when --anneal-lr"""
@@ -58,7 +59,7 @@ class Args(flags.RunArgs):
     """minibatches per epoch; must divide the global batch, the envs of all processes x num_steps
     (with an LSTM: the envs, as minibatches hold whole env sequences, and a preset's count then
     becomes its greatest common divisor with them)"""
-    update_epochs: Annotated[Optional[int], PRESET, POSITIVE] = None
+    update_epochs: Annotated[Optional[int], PRESET, POSITIVE, at_most(1000)] = None
     """passes over each rollout"""
     norm_adv: bool = True
     """normalise advantages within each minibatch"""
@@ -83,9 +84,9 @@ class Args(flags.RunArgs):
     lstm: bool = False
     """an LSTM core between the encoder and the policy/value heads (TorchBeast's --use_lstm, Sample
     Factory's --use_rnn), its state carried per env and reset where an episode starts"""
-    lstm_size: Annotated[int, POSITIVE] = 128
+    lstm_size: Annotated[int, POSITIVE, at_most(8192)] = 128
     """hidden units of the LSTM, the size of its h and of its c (CleanRL's ppo_atari_lstm.py: 128)"""
-    num_threads: Annotated[int, NON_NEGATIVE] = 0
+    num_threads: Annotated[int, NON_NEGATIVE, at_most(1024)] = 0
     """envpool worker threads stepping the environments (your Gymnasium env's: worker processes; 0:
     one per CPU core, at most num_envs)"""
     # The variants these flags make: the default --exp-name (the run's folder, its header line) names them.
@@ -262,14 +263,16 @@ class ActorCritic(nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 
-def sample_action(pi, key, continuous: bool, greedy: bool = False, legal=None):
-    """Sample actions [B] (discrete; [B, D] factored) or [B, A] (Gaussian, unclipped) from `pi`;
-    `greedy`: the most likely ones (the mean) instead; only `legal` ones (masked_logits)."""
+def sample_action(pi, keys, continuous: bool, greedy: bool = False, legal=None):
+    """Sample actions [B] (discrete; [B, D] factored) or [B, A] (Gaussian, unclipped) from `pi`,
+    row i with key keys[i] (its env's at its step: keys.env_keys, so an env's draws do not depend
+    on the batch), only `legal` ones (masked_logits); `greedy`: the most likely ones (the mean)."""
     if continuous:
         mean, log_std = jnp.split(pi, 2, axis=-1)
-        return mean if greedy else mean + jnp.exp(log_std) * jax.random.normal(key, mean.shape)
+        noise = jax.vmap(lambda key, m: jax.random.normal(key, m.shape))(keys, mean)
+        return mean if greedy else mean + jnp.exp(log_std) * noise
     pi = masked_logits(pi, legal)
-    return jnp.argmax(pi, -1) if greedy else jax.random.categorical(key, pi)
+    return jnp.argmax(pi, -1) if greedy else jax.vmap(jax.random.categorical)(keys, pi)
 
 
 def log_prob_entropy(pi, actions, continuous: bool, legal=None):
@@ -398,19 +401,19 @@ def ppo_loss(logprobs, old_logprobs, advantages, values, returns, entropy, mask,
 
 
 def make_policy_step(network, continuous: bool, values: bool = True, greedy: bool = False):
-    """One jitted call per environment step: actions, their log-probabilities, values (None with
-    `values` False: XLA then skips the critic, a third of a small MLP's acting time), the recurrent
-    state after the step (`core`: see ActorCritic; None without --lstm) and the key. `greedy`:
-    the most likely actions (evaluation's option)."""
+    """One jitted call per environment step of envs `env_ids` [B] at their steps `steps` [B]
+    (their randomness keyed by both and the run's `key`): actions, their log-probabilities,
+    values (None with `values` False: XLA then skips the critic, a third of a small MLP's acting
+    time) and the recurrent state after the step (`core`: see ActorCritic; None without --lstm).
+    `greedy`: the most likely actions (evaluation's option)."""
 
     @jax.jit
-    def policy_step(params, obs, core, key):
-        key, subkey = jax.random.split(key)
+    def policy_step(params, obs, core, key, env_ids, steps):
         pi, value, state = network.apply(params, obs, core)
         legal = legal_actions(network, obs, pi)
-        action = sample_action(pi, subkey, continuous, greedy, legal)
+        action = sample_action(pi, env_keys(key, env_ids, steps, jnp), continuous, greedy, legal)
         logprob, _ = log_prob_entropy(pi, action, continuous, legal)
-        return action, logprob, value if values else None, state, key
+        return action, logprob, value if values else None, state
 
     return policy_step
 
@@ -421,8 +424,9 @@ def write(tree, index, values, rows=...):
         buffer[index] = value[rows]
 
 
-def collect_rollout(envs, policy_step, params, obs, prev_dones, core, key, stats, normalizer, args, timing):
-    """Step all envs `num_steps` times with `params`; return the rollout, next obs, dones, core and key.
+def collect_rollout(envs, policy_step, params, obs, prev_dones, core, key, first_step, stats, normalizer, args, timing):
+    """Step all envs `num_steps` times with `params`, from step `first_step` of each (its randomness
+    keyed by env and step); return the rollout, next obs, dones and core.
 
     The rollout is time-major [T, B, ...] host arrays plus `bootstrap_obs` [B, ...]. envpool
     resets an env on the step after its episode ends, ignoring that step's action: such steps
@@ -448,7 +452,7 @@ def collect_rollout(envs, policy_step, params, obs, prev_dones, core, key, stats
     env_ids = np.arange(B)
     for t in range(T):
         start = time.perf_counter()
-        action, logprob, value, state, key = policy_step(params, obs, core, key)
+        action, logprob, value, state = policy_step(params, obs, core, key, env_ids, np.full(B, first_step + t))
         action, logprob, value = jax.device_get((action, logprob, value))
         timing["inference"] += time.perf_counter() - start
         write(rollout["obs"], t, obs)
@@ -466,7 +470,7 @@ def collect_rollout(envs, policy_step, params, obs, prev_dones, core, key, stats
         obs, reward = normalizer.observe(obs), normalizer.reward(reward, prev_dones, env_ids)
         rollout["rewards"][t], rollout["dones"][t], rollout["truncated"][t] = reward, prev_dones, truncated
     rollout["bootstrap_obs"] = obs
-    return rollout, obs, prev_dones, core, key
+    return rollout, obs, prev_dones, core
 
 
 # ---------------------------------------------------------------------------------------------
@@ -593,23 +597,29 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
     return update
 
 
-def train_loop(run, envs, policy_step, update, normalizer, key, device):
+def train_loop(run, envs, policy_step, update, normalizer, key, device, resume=None):
     """Collect a rollout with the current parameters (copied to the actor `device`), update on it,
     repeat: from run.start_update to run.num_updates, or until the run stops. Once per update,
-    every process agrees to go on (runs.Run.should_stop), in lockstep, and logs the games of all."""
-    args, state, update_key = run.args, run.state, run.update_key
+    every process agrees to go on (runs.Run.should_stop), in lockstep, and logs the games of all.
+    `resume` (--deterministic): the journal's actions and the state that put the envs and the
+    recurrent core back where the run stopped (journal.replay)."""
+    args, state = run.args, run.state
     stats, timing = tasks.EpisodeStats(args.num_envs), {"env": 0.0, "inference": 0.0, "update": 0.0}
-    obs, dones = normalizer.observe(envs.reset()[0]), np.zeros(args.num_envs, bool)
-    core = zero_core(args.lstm_size if args.lstm else 0, args.num_envs)  # --lstm: every env starts from zeros, also on resume
-    for _ in range(run.start_update, run.num_updates):
+    core = zero_core(args.lstm_size if args.lstm else 0, args.num_envs)  # --lstm: every env starts from zeros
+    if resume is None:
+        obs, dones = normalizer.observe(envs.reset()[0]), np.zeros(args.num_envs, bool)
+    else:
+        dones, obs = journal.replay(envs, resume["actions"], normalizer, stats, 0, receive_last=True)
+        core = jax.tree.unflatten(jax.tree.structure(core), resume["memory"]) if "memory" in resume else core
+    for rollout_index in range(run.start_update, run.num_updates):
         if run.should_stop(False, stats.pop()):
             break
-        rollout, obs, dones, core, key = collect_rollout(
-            envs, policy_step, devices.to_actor(device, state["params"]), obs, dones, core, key, stats, normalizer, args, timing,
-        )
+        rollout, obs, dones, core = collect_rollout(envs, policy_step, devices.to_actor(device, state["params"]), obs, dones,
+                                                    core, key, rollout_index * args.num_steps, stats, normalizer, args, timing)
         run.sampled[0] += args.num_envs * args.num_steps
         start = time.perf_counter()
-        update_key, subkey = jax.random.split(update_key)
+        run.journaled(rollout["actions"], [core], {})
+        subkey = jax.random.fold_in(run.update_key, int(state["policy_version"]))  # the update's own: a resume draws the same
         state, diagnostics = update(state, devices.to_learner(run.mesh, rollout), subkey, args.total_timesteps)
         diagnostics = jax.device_get(diagnostics)
         timing["update"] += time.perf_counter() - start
@@ -648,13 +658,14 @@ def main(args: Args, given=None) -> int:
         args = run.args
         network, optimizer, continuous, normalizer, state = build(args, run.init_key)
         state = run.open(state, normalizer)
+        resume, = run.journal_for(tasks.policy_space(args.env_id))  # --deterministic: a resume replays the run's actions
         (device, seed, key), = run.actors()  # (device, env seed, action key): the synchronous loop acts on one device
         envs = tasks.make_env(args.env_id, args.num_envs, seed, run.env_threads, train=True)
         policy_step = make_policy_step(network, continuous)
         update = make_update(network, optimizer, args, continuous, run.mesh)
         run.begin(f"preset {tasks.preset_name(args.env_id, PRESETS)}")
         try:
-            run.threads.run("training loop", train_loop, run, envs, policy_step, update, normalizer, key, device)
+            run.threads.run("training loop", train_loop, run, envs, policy_step, update, normalizer, key, device, resume)
         finally:
             envs.close()
         return run.finish(make_policy_step(network, continuous, values=False), functools.partial(zero_core, network.lstm_size))

@@ -23,8 +23,10 @@ from jax_async_rl.flags import RETIRED, UsageError
 CHECKPOINT = "checkpoint.msgpack"
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
-# This launch's (the machine's devices, the processes): never restored from the run on --resume.
-LAUNCH = ("distributed", "coordinator_address", "num_processes", "process_id", "actor_device_ids", "learner_device_ids")
+# This launch's (the machine's devices, the processes, its compile cache, what the user trusts): never restored
+# from the run on --resume. A cache folder named by a file could hold compiled code someone else wrote.
+LAUNCH = ("distributed", "coordinator_address", "num_processes", "process_id", "actor_device_ids", "learner_device_ids",
+          "compile_cache", "trust_env_module")
 # What the network and its inputs were trained on: a resumed run cannot change these.
 FIXED_ON_RESUME = ("env_id", "env_module", "env_kwargs", "norm_obs", "norm_reward", "lstm", "lstm_size")
 # (the script that wrote a checkpoint, a retired flag it had on) -> the script whose job that flag was.
@@ -59,8 +61,9 @@ def write_atomically(path: str, data: bytes):
         os.close(dir_fd)
 
 
-def save_checkpoint(path: str, state: dict, args, normalizer, script: str):
-    """The state, the normaliser's statistics and the flags of `script`'s run, written atomically.
+def save_checkpoint(path: str, state: dict, args, normalizer, script: str, carry=None):
+    """The state, the normaliser's statistics and the flags of `script`'s run (and what a
+    --deterministic resume needs besides: `carry`, journal.Keeper's), written atomically.
     Process 0 alone writes; the others' calls do nothing."""
     if jax.process_index():
         return
@@ -70,6 +73,8 @@ def save_checkpoint(path: str, state: dict, args, normalizer, script: str):
         "script": os.path.basename(script),
         "script_path": os.path.abspath(script),
     }
+    if carry:
+        payload["carry"] = flax.serialization.to_state_dict(jax.device_get(carry))
     write_atomically(path, flax.serialization.msgpack_serialize(payload))
 
 
@@ -182,7 +187,28 @@ def resume_args(args, given, script: str):
                 f"--resume: --{name.replace('_', '-')} cannot change mid-run ({path} has {stored[name]!r}); "
                 "start a new run to change it"
             )
+    if not getattr(args, "trust_env_module", False):
+        named = env_modules(args.env_id if "env_id" in given else "", args.env_module if "env_module" in given else None)
+        check_trusted(payload["config"], named, f"--resume: {path}", "name it again (--{}) or pass --trust-env-module")
     return dataclasses.replace(args, **{name: stored[name] for name in fields if name not in given}), payload, changed
+
+
+def env_modules(env_id, env_module) -> list:
+    """The modules that making this env imports: --env-module, and the module of an --env-id
+    module:callable (Gymnasium imports it for an id of that form too)."""
+    modules = [env_module, env_id.split(":", 1)[0] if isinstance(env_id, str) and ":" in env_id else None]
+    return [str(module) for module in modules if module]
+
+
+def check_trusted(config: dict, named: list, where: str, allow: str):
+    """UsageError, one line, if a run's recorded flags (`config`, from a file anyone may have
+    written) would import an env module that the user has not named on this command line
+    (`named`): opening a run folder executes nothing. `allow`: how to allow it ({} the flag)."""
+    for module in env_modules(config.get("env_id"), config.get("env_module")):
+        if module not in named:
+            flag = f"env-module {module}" if module == config.get("env_module") else f"env-id {config['env_id']}"
+            raise UsageError(f"{where} would import the module {module!r} to make its env (--{flag}), and a run "
+                             f"folder runs no code you did not choose: {allow.format(flag)}, if you trust it")
 
 
 def load_script(path):

@@ -48,6 +48,19 @@ class Bound:
 POSITIVE = Bound(lambda v: v > 0, "must be positive")
 NON_NEGATIVE = Bound(lambda v: v >= 0, "must be >= 0")
 UNIT = Bound(lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]")
+# Every int flag fits in 32 bits: JAX computes with int32 (a jitted update takes the step and the
+# budget), so a larger one would end in an overflow at the first update.
+INT32 = 2**31 - 1
+
+
+def at_most(limit) -> Bound:
+    """A flag's upper limit: past it nothing sensible runs (an overflow, a loop or an allocation
+    that no machine finishes)."""
+    return Bound(lambda v: v <= limit, f"must be at most {limit:,}" if isinstance(limit, int) else f"must be at most {limit:g}")
+
+
+# Seeds of envs (int32 in envpool) are the seed plus env indices, and evaluation's seed + 10,000.
+SEED = Bound(lambda v: 0 <= v <= 2**30, "must be in [0, 2**30]")
 
 
 def default_is(text: str):
@@ -84,8 +97,18 @@ class RunArgs:
     directory or sys.path); or pass --env-id module:callable (a gymnasium.Env class or a function)"""
     env_kwargs: str = ""
     """keyword arguments of your Gymnasium env, as a JSON object, e.g. '{"length": 10}'"""
-    seed: int = 1
+    env_timeout: Annotated[float, POSITIVE, at_most(7 * 86400.0)] = 300.0
+    """seconds your Gymnasium env may take to answer a reset or step (its worker making it
+    included) before the run stops and names it: a hung env"""
+    trust_env_module: bool = False
+    """with --resume: import the env module the run recorded (--env-module, or --env-id's module)
+    without naming it again; a run folder is data, and runs no code you did not choose"""
+    seed: Annotated[int, SEED] = 1
     """seed of the environments, the network initialisation and action sampling"""
+    deterministic: bool = False
+    """the run reproduces bit for bit from --seed on this machine (same JAX version, devices and flags):
+    nothing it computes depends on timing (splits stepped in turn, the actor's parameters exactly
+    those its schedule names; docs/DESIGN.md, Reproducibility)"""
     total_timesteps: Annotated[int, POSITIVE] = 10_000_000
     """training budget in environment (agent) steps, summed over all environments"""
     actor_device_ids: list[int] = dataclasses.field(default_factory=lambda: [0])
@@ -98,9 +121,9 @@ class RunArgs:
     envs; all update in lockstep and process 0 alone writes the run folder"""
     coordinator_address: str = ""
     """with --distributed: host:port of process 0 (empty: detected from the cluster, e.g. SLURM)"""
-    num_processes: int = 0
+    num_processes: Annotated[int, NON_NEGATIVE] = 0
     """with --distributed: the number of processes (0: detected from the cluster)"""
-    process_id: int = -1
+    process_id: Annotated[int, Bound(lambda v: v >= -1, "must be -1 (detected) or >= 0")] = -1
     """with --distributed: this process's index, 0 to num_processes - 1 (-1: detected)"""
     compile_cache: str = dataclasses.field(
         default_factory=lambda: os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "jax-async-rl"))
@@ -117,7 +140,7 @@ class RunArgs:
     """write a checkpoint every this many updates (0: only at the end)"""
     log_frequency: Annotated[int, POSITIVE] = 10
     """log losses, timings and SPS every this many updates and after the last (returns: always)"""
-    eval_episodes: Annotated[int, NON_NEGATIVE] = 10
+    eval_episodes: Annotated[int, NON_NEGATIVE, at_most(100_000)] = 10
     """episodes played with the final policy at the end of training (0: no evaluation)"""
     capture_video: bool = False
     """record an mp4 of one evaluation episode into {run_dir}/videos/"""
@@ -134,7 +157,8 @@ def with_preset(args, values: dict):
 
 def check_bounds(args):
     """UsageError (one line naming the flag) for the first flag outside the range its annotation
-    declares (POSITIVE, NON_NEGATIVE, UNIT) or a non-finite float flag."""
+    declares (POSITIVE, NON_NEGATIVE, UNIT, at_most, ...), a non-finite float flag or an int flag
+    past 32 bits (INT32)."""
     hints = typing.get_type_hints(type(args), include_extras=True)
     for field in dataclasses.fields(args):
         value = getattr(args, field.name)
@@ -143,6 +167,10 @@ def check_bounds(args):
                 bound.check(field.name, value)
         if isinstance(value, float) and not math.isfinite(value):
             raise UsageError(f"--{flag_name(field.name)} must be a finite number, got {value}")
+        for number in value if isinstance(value, list) else [value]:
+            if type(number) is int and abs(number) > INT32:
+                raise UsageError(f"--{flag_name(field.name)} must be at most {INT32:,} (int flags are 32-bit, as JAX "
+                                 f"counts), got {number:,}")
 
 
 def default_exp_name(stem: str, args) -> str:
@@ -167,7 +195,8 @@ def budget_note(args, given, step: int, batch: int, batch_text: str):
 
 
 # --help's groups: flags not named here are the algorithm's (or, in RunArgs, the run's).
-ENVIRONMENT = ("env_id", "env_module", "env_kwargs", "seed", "num_envs", "num_splits", "num_threads", "norm_obs", "norm_reward")
+ENVIRONMENT = ("env_id", "env_module", "env_kwargs", "env_timeout", "trust_env_module", "seed", "num_envs", "num_splits", "num_threads",
+               "norm_obs", "norm_reward")
 DEVICES = ("actor_device_ids", "learner_device_ids", "num_actor_threads", "distributed", "coordinator_address",
            "num_processes", "process_id")
 

@@ -156,6 +156,25 @@ def path_safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._=+,-]+", "-", name)
 
 
+def kept(ckpt_file: str, lock) -> str:
+    """Where the run's last good checkpoint is, in words, once a write has failed: the file, or
+    where it went if the run folder was moved mid-run (the run's lock file `lock` stays open, and
+    the kernel names its place now), or that there is none."""
+    if os.path.exists(ckpt_file):
+        return f"the last good checkpoint is kept: {ckpt_file}"
+    try:
+        now = os.path.dirname(os.readlink(f"/proc/self/fd/{lock.fileno()}"))
+    except (AttributeError, OSError, ValueError):  # no lock (another process), no /proc
+        now = None
+    if now is not None and not os.path.isdir(now):  # "... (deleted)"
+        return "the run folder was removed mid-run, and its checkpoints with it"
+    if now is not None and os.path.exists(os.path.join(now, CHECKPOINT)):
+        return f"the last good checkpoint is kept: {os.path.join(now, CHECKPOINT)} (the run folder was moved there mid-run)"
+    if os.path.isdir(os.path.dirname(ckpt_file)) or now is not None:
+        return "no checkpoint written"
+    return f"the run folder {os.path.dirname(ckpt_file)} was moved or removed mid-run: where its checkpoint is, is unknown"
+
+
 def read_config(path: str) -> dict:
     """A run's config.json; UsageError naming the file if it is missing, unreadable or not an object."""
     try:

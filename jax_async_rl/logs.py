@@ -4,30 +4,46 @@ terminal's progress line (`Progress`). Both may be called from any thread.
 
 import json
 import os
+import socket
+import struct
+import sys
 import threading
 import time
 from collections import deque
 from typing import Optional
 
 import numpy as np
-from tensorboardX import SummaryWriter
+from tensorboardX.proto import event_pb2, summary_pb2
+from tensorboardX.record_writer import masked_crc32c
 
 from jax_async_rl.checkpoints import METRICS
 
 
 class Logger:
     """TensorBoard events + metrics.jsonl ({"step", "wall_time", "tag", "value"} a line) + wandb.
-    `run_dir` None: a process other than 0, which logs nothing."""
+    `run_dir` None: a process other than 0, which logs nothing.
+
+    Both files are written in the caller's thread, each `log` one write (tensorboardX's writer
+    thread would print its own tracebacks on a full disk and again at exit): the first file system
+    error is raised once, naming its file, and nothing is written after it. A metrics.jsonl
+    deleted mid-run is recreated with a warning, as TensorFlow's EventsWriter recreates its file."""
 
     def __init__(self, run_dir: Optional[str], args, purge_step: Optional[int] = None):
         """`purge_step` (a resumed run: the checkpoint's step + 1): TensorBoard hides what the
         earlier event files hold from that step on, so that it shows one continuous run."""
-        self.run_dir, self.lock = run_dir, threading.Lock()
+        self.run_dir, self.lock, self.failed, self.wandb = run_dir, threading.Lock(), False, None
         if run_dir is None:
             return
-        self.writer = SummaryWriter(run_dir, purge_step=purge_step)
-        self.jsonl = open(os.path.join(run_dir, METRICS), "a", buffering=1)
-        self.wandb = None
+        name = os.path.join(run_dir, f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}")
+        self.events_path = next(f"{name}{k or ''}" for k in range(1000) if not os.path.exists(f"{name}{k or ''}"))
+        self.events = open(self.events_path, "wb", buffering=0)
+        first = [event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2")]
+        if purge_step is not None:
+            first.append(event_pb2.Event(step=purge_step, wall_time=time.time(),
+                                         session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
+        self.events.write(b"".join(map(record, first)))
+        self.path = os.path.join(run_dir, METRICS)
+        self.jsonl = open(self.path, "a", buffering=1)
         if args.track:
             import wandb
 
@@ -35,31 +51,65 @@ class Logger:
 
     def log(self, step: int, scalars: dict):
         with self.lock:
-            if self.run_dir is None:  # another process's, or closed
+            if self.run_dir is None or self.failed:  # another process's, closed, or its disk failed
                 return
-            now = time.time()
+            now, writing = time.time(), self.path
             try:
+                self.recreate(step)
+                lines, events = [], []
                 for tag, value in scalars.items():
                     value = float(value)
-                    self.writer.add_scalar(tag, value, step, walltime=now)
-                    self.jsonl.write(json.dumps({"step": int(step), "wall_time": now, "tag": tag, "value": value}) + "\n")
+                    summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=tag, simple_value=value)])
+                    events.append(event_pb2.Event(wall_time=now, step=int(step), summary=summary))
+                    lines.append(json.dumps({"step": int(step), "wall_time": now, "tag": tag, "value": value}) + "\n")
+                self.jsonl.write("".join(lines))
+                writing = self.events_path
+                self.events.write(b"".join(map(record, events)))
             except OSError as e:  # a full disk names no file
-                e.filename = e.filename or self.jsonl.name
+                self.failed, e.filename = True, e.filename or writing
                 raise
             if self.wandb is not None:
                 self.wandb.log(dict(scalars, global_step=step))
 
+    def recreate(self, step: int):
+        """metrics.jsonl again, with a warning, if it was deleted (or replaced) since it was opened
+        and its folder is still there (a folder moved mid-run takes the open file with it)."""
+        try:
+            if os.stat(self.path).st_ino == os.fstat(self.jsonl.fileno()).st_ino:
+                return
+        except FileNotFoundError:
+            if not os.path.isdir(os.path.dirname(self.path)):
+                return
+        self.jsonl.close()
+        self.jsonl = open(self.path, "a", buffering=1)
+        print(f"warning: {self.path} was deleted mid-run; recreated from step {step} on (the records before are in "
+              "TensorBoard's events file)", file=sys.stderr, flush=True)
+
     def close(self):
+        """Both files closed; an error the run has not reported yet is raised (one, naming its file)."""
         if self.run_dir is None:
             return
         with self.lock:
-            self.run_dir = None
-            try:
-                self.writer.close()
-            finally:
-                self.jsonl.close()
-                if self.wandb is not None:
-                    self.wandb.finish()
+            self.run_dir, errors = None, []
+            for f, path in ((self.events, self.events_path), (self.jsonl, self.path)):
+                try:
+                    f.close()  # closed also when its last flush fails
+                except OSError as e:
+                    e.filename = e.filename or path
+                    errors.append(e)
+            if self.wandb is not None:
+                self.wandb.finish()
+            if errors and not self.failed:
+                self.failed = True
+                raise errors[0]
+
+
+def record(event) -> bytes:
+    """An event as a TFRecord (TensorBoard's file format): its length, the length's masked CRC-32C,
+    the data, its masked CRC-32C."""
+    data = event.SerializeToString()
+    header = struct.pack("Q", len(data))
+    return header + struct.pack("I", masked_crc32c(header)) + data + struct.pack("I", masked_crc32c(data))
 
 
 class Progress:

@@ -25,10 +25,12 @@ et al. 2016, proportional: `(|td| + eps)^alpha`, new transitions the largest so 
 a sum tree over every slot, vectorised per level (no Python loop per sample), stratified.
 """
 
+import math
+
 import numpy as np
 import jax
 
-from jax_async_rl import devices
+from jax_async_rl import devices, tasks
 from jax_async_rl.flags import UsageError
 from jax_async_rl.tasks import MASK
 
@@ -36,7 +38,9 @@ from jax_async_rl.tasks import MASK
 def check_rounds(args, min_rows: int):
     """The flags of a replay script's rounds (each actor thread's chunk of --num-steps steps of its
     --num-envs envs, then --replay-ratio x the round / --batch-size gradient steps), checked:
-    UsageError, one line. `min_rows`: the rows each env's ring must hold beyond that (n-step + stack)."""
+    UsageError, one line. `min_rows`: the rows each env's ring must hold beyond that (n-step + stack).
+    When a run starts (not utils/evaluate.py, which allocates no buffer), the buffer and a round's
+    batches must fit in 90% of the memory available (the rest is the run's own: JAX, the envs)."""
     if args.num_envs % args.num_splits:
         raise UsageError(f"--num-splits {args.num_splits} must divide --num-envs {args.num_envs}")
     chunk = devices.global_envs(args) * args.num_steps
@@ -49,6 +53,22 @@ def check_rounds(args, min_rows: int):
     if args.buffer_size < 2 * chunk or args.buffer_size // devices.local_envs(args) <= min_rows:
         raise UsageError(f"--buffer-size {args.buffer_size} must hold two rounds ({chunk} env steps) and more than "
                          f"{min_rows} steps of each of the {devices.local_envs(args)} envs")
+    if tasks.RUN_STOP[0] is None or (available := devices.available_memory()) is None:
+        return
+    obs_space, action_space = tasks.spaces(args.env_id)
+    obs = sum(np.dtype(s.dtype).itemsize * math.prod(s.shape) for s in jax.tree.leaves(tasks.space_tree(obs_space)))
+    stack = obs_space.shape[0] if tasks.env_kind(args.env_id) == "atari" else 1  # frames stored once (the docstring)
+    action = np.dtype(action_space.dtype).itemsize * math.prod(action_space.shape or ())
+    rows = args.buffer_size // devices.local_envs(args) * devices.local_envs(args)
+    row = obs // stack + action + 4 + 3  # the reward, terminated, truncated and the stack's reach back
+    buffer = rows * row + 16 * 2 ** max(1, math.ceil(math.log2(rows)))  # the sum tree: 2 float64 a leaf
+    batches = round(steps) * args.batch_size * (2 * obs + action + 20)  # obs, next obs, reward, discount, slot, weight
+    if buffer + batches > 0.9 * available:
+        flag, what = ((f"--buffer-size {args.buffer_size:,}", f"its {rows:,} rows of {row:,} bytes")
+                      if buffer >= batches else (f"--replay-ratio {args.replay_ratio:g}", f"a round's {round(steps):,} batches"))
+        raise UsageError(f"{flag}: the replay buffer and a round's batches take {(buffer + batches) / 2**30:.1f} GiB ({what}"
+                         f"{', Atari frames stored once' if stack > 1 else ''}), more than 90% of the "
+                         f"{available / 2**30:.1f} GiB this machine has available; lower {flag.split()[0]}")
 
 
 def gradient_steps(args) -> int:

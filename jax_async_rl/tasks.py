@@ -7,7 +7,11 @@ as envpool returns it); everything here maps over that tree.
 
 import difflib
 import functools
+import importlib
+import json
 import os
+import sys
+import traceback
 
 import envpool
 import gymnasium
@@ -23,17 +27,89 @@ FAMILIES = {"atari": "atari", "mujoco.dmc": "dm_control", "minigrid": "minigrid"
 MASK = "action_mask"  # the observation leaf of the legal actions (Jumanji's tasks; a user's env's Dict)
 # VizDoom's buttons as one Discrete action: envpool's default is a float Box over [DBL_MIN, DBL_MAX].
 VIZDOOM = dict(use_combined_action=True)
-# A user's Gymnasium envs (--env-id module:callable, or --env-module): env id -> its maker.
-USER_ENVS = {}
+# A user's Gymnasium envs (--env-id module:callable, or --env-module): env id -> its maker, and
+# the seconds it may take to answer (--env-timeout).
+USER_ENVS, ENV_TIMEOUTS = {}, {}
+BUILT_IN = set(gymnasium.registry)  # Gymnasium's own ids, to name what a user's module added
+# The stop event of the run in this process (runs.Run sets it): a user env's training pool stops
+# waiting on it (evaluation's, after training has stopped, does not).
+RUN_STOP = [None]
 
 
 def register_user_env(args):
-    """Make a user's env known by its --env-id (gym_pool.user_maker's checks; an envpool id: nothing)."""
-    maker = gym_pool.user_maker(args.env_id, getattr(args, "env_module", None), getattr(args, "env_kwargs", ""))
+    """Make a user's env known by its --env-id (user_maker's checks; an envpool id: nothing)."""
+    maker = user_maker(args.env_id, getattr(args, "env_module", None), getattr(args, "env_kwargs", ""))
     if maker is not None:
         USER_ENVS[args.env_id] = maker
+        ENV_TIMEOUTS[args.env_id] = getattr(args, "env_timeout", 300.0)
         spaces.cache_clear()
         policy_space.cache_clear()
+
+
+def user_maker(env_id: str, env_module, env_kwargs: str):
+    """The maker (picklable) of a user's env, checked by making one; None for an envpool task.
+    UsageError, one line, for a module that does not import, a name or id it does not have,
+    keyword arguments that are not a JSON object or that the env does not take."""
+    if ":" not in env_id and not env_module:
+        if env_kwargs:
+            raise UsageError("--env-kwargs is for a Gymnasium env (--env-id module:callable, or --env-module)")
+        return None
+    try:
+        kwargs = json.loads(env_kwargs) if env_kwargs else {}
+    except ValueError as e:
+        raise UsageError(f"--env-kwargs {env_kwargs!r} is not JSON ({e})")
+    if not isinstance(kwargs, dict):
+        raise UsageError(f"--env-kwargs {env_kwargs!r} is not a JSON object ({{\"name\": value, ...}})")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # the working directory's modules, as `python -m` finds them
+    module = env_module or env_id.split(":", 1)[0]
+    try:
+        importlib.import_module(module)
+    except Exception as e:
+        raise UsageError(f"--env-{'module' if env_module else 'id'} {module}: cannot import it ({type(e).__name__}: {e})")
+    if not env_module and not hasattr(sys.modules[module], env_id.split(":", 1)[1]):
+        raise UsageError(f"--env-id {env_id}: {module} has no {env_id.split(':', 1)[1]!r}")
+    if env_module and env_id not in gymnasium.registry:
+        raise UsageError(f"--env-id {env_id} is not registered by {env_module} (it registers "
+                         f"{', '.join(sorted(set(gymnasium.registry) - BUILT_IN)) or 'nothing'})")
+    make = functools.partial(gym_pool.make_user_env, env_id, env_module, kwargs)
+    try:
+        env = make()
+    except TypeError as e:
+        raise UsageError(f"--env-kwargs {env_kwargs or '{}'}: {env_id} does not take them ({e})")
+    except Exception as e:
+        raise UsageError(f"--env-id {env_id}: making it raised {raised(e)}")
+    if not isinstance(env, gymnasium.Env):
+        raise UsageError(f"--env-id {env_id} made a {type(env).__name__}, not a gymnasium.Env")
+    try:
+        obs = env.reset(seed=0)[0]
+    except Exception as e:
+        raise UsageError(f"--env-id {env_id}: its first reset() raised {raised(e)}")
+    finally:
+        env.close()
+    check_observation(env_id, env.observation_space, obs, "observation")
+    return make
+
+
+def raised(error: Exception) -> str:
+    """An exception of a user's env in one line: its type, message and the line that raised it."""
+    frame = traceback.extract_tb(error.__traceback__)[-1]
+    return f"{type(error).__name__}: {error} ({frame.filename}, line {frame.lineno})"
+
+
+def check_observation(env_id: str, space, obs, where: str):
+    """UsageError naming the field of a reset's observation that its space does not describe."""
+    if isinstance(space, gymnasium.spaces.Dict):
+        if not isinstance(obs, dict) or set(obs) != set(space.spaces):
+            raise UsageError(f"--env-id {env_id}: reset() returned {where} keys {sorted(obs) if isinstance(obs, dict) else type(obs).__name__}"
+                             f" where observation_space has {sorted(space.spaces)}")
+        for key, sub in space.spaces.items():
+            check_observation(env_id, sub, obs[key], f"{where}[{key!r}]")
+        return
+    shape = np.shape(obs)
+    if shape != tuple(space.shape or ()):
+        raise UsageError(f"--env-id {env_id}: reset() returned {where} of shape {shape} where observation_space "
+                         f"says {tuple(space.shape or ())}")
 
 
 def env_kind(env_id: str) -> str:
@@ -136,7 +212,8 @@ def make_env(env_id: str, num_envs: int, seed: int, num_threads: int, train: boo
     if env_id in USER_ENVS:  # a user's Gymnasium env, in worker processes behind envpool's interface
         extra = {"render_mode": kwargs["render_mode"]} if "render_mode" in kwargs else {}
         maker = functools.partial(USER_ENVS[env_id], **extra) if extra else USER_ENVS[env_id]
-        return gym_pool.GymPool(maker, num_envs, kwargs.get("batch_size", num_envs), seed, num_threads or os.cpu_count() or 1)
+        return gym_pool.GymPool(maker, num_envs, kwargs.get("batch_size", num_envs), seed, num_threads or os.cpu_count() or 1,
+                                ENV_TIMEOUTS.get(env_id, 300.0), RUN_STOP[0] if train else None)
     kind = env_kind(env_id)
     kwargs.update(dict(episodic_life=train, reward_clip=train, noop_max=30) if kind == "atari" else {})
     kwargs.update(VIZDOOM if kind == "vizdoom" else {})
@@ -182,6 +259,47 @@ def policy_space(env_id: str):
     if mask_shape(obs_space) == tuple(nvec):
         return gymnasium.spaces.Discrete(int(np.prod(nvec)))
     return gymnasium.spaces.MultiDiscrete(nvec)
+
+
+def make_actor_env(env_id: str, num_envs: int, seed: int, num_threads: int, num_splits: int, deterministic: bool):
+    """An actor thread's training envs in `num_splits` splits (double buffering, Sample Factory
+    §3.2): one envpool whose `recv` returns whichever split is stepped first, or with
+    `deterministic` a SplitPools, whose splits come in turn."""
+    if not deterministic:
+        return make_env(env_id, num_envs, seed, num_threads, train=True, batch_size=num_envs // num_splits)
+    split, threads = num_envs // num_splits, max(1, (num_threads or os.cpu_count() or 1) // num_splits)
+    return SplitPools([make_env(env_id, split, seed + i * split, threads, train=True) for i in range(num_splits)], split)
+
+
+class SplitPools:
+    """Envs in splits of their own pools (env j of pool i is env i x split + j, seeded as in one
+    pool), stepped in turn: `recv` waits for pool 0's whole batch, then pool 1's, ..., so which
+    envs share a batch, their order in it and the order of batches never depend on timing, while
+    the other pools step (double buffering). envpool's interface otherwise (`send`: one pool's envs)."""
+
+    def __init__(self, pools: list, split: int):
+        self.pools, self.turn, self.split = pools, 0, split
+        self.action_space, self.observation_space = pools[0].action_space, pools[0].observation_space
+
+    def async_reset(self):
+        for pool in self.pools:
+            pool.async_reset()
+
+    def recv(self):
+        obs, reward, terminated, truncated, info = self.pools[self.turn].recv()
+        order = np.argsort(info["env_id"])  # a pool's own order, not timing's
+        info = {k: v[order] if isinstance(v, np.ndarray) and v.shape[:1] == order.shape else v for k, v in info.items()}
+        info["env_id"] = info["env_id"] + self.turn * self.split
+        self.turn = (self.turn + 1) % len(self.pools)
+        return jax.tree.map(lambda x: x[order], obs), reward[order], terminated[order], truncated[order], info
+
+    def send(self, action, env_ids):
+        pool = int(env_ids[0]) // self.split
+        self.pools[pool].send(action, env_ids - pool * self.split)
+
+    def close(self):
+        for pool in self.pools:
+            pool.close()
 
 
 def env_action(action, action_space):
@@ -236,8 +354,14 @@ class EpisodeStats:
         self.finished = []  # (env, return, length) of games that ended since the last `pop`
 
     def update(self, env_ids, rewards, terminated, truncated, info):
-        """Add one step of envs `env_ids`; a game ends at info["terminated"] (Atari) or term|trunc."""
-        self.returns[env_ids] += info.get("reward", rewards)
+        """Add one step of envs `env_ids`; a game ends at info["terminated"] (Atari) or term|trunc.
+        gym_pool.EnvError for a NaN or inf reward: the env's fault, named before a loss is."""
+        raw = info.get("reward", rewards)
+        if not np.isfinite(raw).all():
+            i = int(np.flatnonzero(~np.isfinite(raw))[0])
+            raise gym_pool.EnvError(f"env {int(env_ids[i])} returned a non-finite reward ({raw[i]}) at step "
+                                    f"{int(info['elapsed_step'][i])} of its episode")
+        self.returns[env_ids] += raw
         game_over = info.get("terminated", terminated) | truncated
         for i in np.flatnonzero(game_over):
             env = env_ids[i]

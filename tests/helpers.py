@@ -53,7 +53,7 @@ ASYNC_TAGS = [
     "async/policy_lag_mean",
     "async/policy_lag_max",
     "async/stale_fraction",
-    "async/queue_size",
+    "timing/queue_size",
     "timing/queue_put_seconds",
     "timing/update_seconds",
 ]
@@ -353,6 +353,23 @@ def read_checkpoint(path):
     if path.is_dir():
         path = path / CHECKPOINT
     return flax.serialization.msgpack_restore(path.read_bytes())
+
+
+def write_crafted_run(folder, script, config: dict, script_path=None):
+    """A run folder as anyone could hand one over (a shared result): a checkpoint whose config
+    and recorded script path are whatever its author wrote. Returns the folder."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    payload = {"state": {"global_step": 0, "policy_version": 0}, "config": json.dumps(config), "script": script}
+    if script_path is not None:
+        payload["script_path"] = str(script_path)
+    (folder / CHECKPOINT).write_bytes(flax.serialization.msgpack_serialize(payload))
+    return folder
+
+
+def marker_code(marker) -> str:
+    """A module's text that, imported, writes the file `marker`: a stand-in for any code."""
+    return f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
 
 
 def check_run_files(script, run_dir, env_id, min_step):

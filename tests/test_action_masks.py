@@ -90,7 +90,7 @@ def test_masked_sampling_frequencies_and_no_illegal_draw():
     largest logit: none is drawn, and the others' frequencies pass χ² (fixed key: deterministic)."""
     logits = np.array([0.3, 5.0, -1.0, 0.0, 1.2, 6.0, -0.4, 0.9], np.float32)
     legal = np.array([1, 0, 1, 1, 1, 0, 0, 1], np.int8)
-    samples = np.asarray(ppo.sample_action(jnp.tile(logits, (DRAWS, 1)), jax.random.PRNGKey(3), False, False,
+    samples = np.asarray(ppo.sample_action(jnp.tile(logits, (DRAWS, 1)), jax.random.split(jax.random.PRNGKey(3), DRAWS), False, False,
                                            jnp.tile(legal, (DRAWS, 1))))
     assert samples.shape == (DRAWS,) and np.all(legal[samples] == 1)
     assert chi_square_p(samples, softmax_over(logits, legal > 0)) > 1e-3
@@ -121,7 +121,7 @@ def test_factored_categorical_is_the_sum_over_dimensions():
     want_entropy = sum(-np.sum(np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0), axis=1) for p in per_dim)
     np.testing.assert_allclose(np.asarray(entropy), want_entropy, rtol=1e-5, atol=1e-5)
 
-    samples = np.asarray(ppo.sample_action(jnp.tile(logits[:1], (DRAWS, 1)), jax.random.PRNGKey(4), False, False,
+    samples = np.asarray(ppo.sample_action(jnp.tile(logits[:1], (DRAWS, 1)), jax.random.split(jax.random.PRNGKey(4), DRAWS), False, False,
                                            jnp.tile(legal[:1], (DRAWS, 1, 1))))
     assert samples.shape == (DRAWS, 3)
     for d in range(3):
@@ -169,7 +169,8 @@ def masked_rollout(module, network, params, T=8, B=4, seed=0):
     policy_step, key = module.make_policy_step(network, False), jax.random.PRNGKey(seed)
     actions, logprobs, values = [], [], []
     for t in range(T):
-        action, logprob, value, _, key = policy_step(params, jax.tree.map(lambda x: x[t], obs), None, key)
+        action, logprob, value, _ = policy_step(params, jax.tree.map(lambda x: x[t], obs), None, key, np.arange(B),
+                                                np.full(B, t))
         actions.append(action), logprobs.append(logprob), values.append(value)
     dones = (rng.random((T, B)) < 0.1).astype(np.float32)
     return {"obs": jax.tree.map(lambda x: x[:T], obs), "bootstrap_obs": jax.tree.map(lambda x: x[T], obs),
@@ -216,10 +217,10 @@ def test_the_learner_recomputes_with_the_stored_masks(script):
 def test_dqn_random_legal_draws_uniformly_among_legal_actions():
     rng = np.random.default_rng(6)
     legal = np.array([[0, 1, 1, 0, 1, 0, 0, 1], [0, 0, 0, 0, 0, 1, 0, 0]], np.int8)
-    samples = np.stack([dqn.random_legal(legal, rng) for _ in range(DRAWS // 2)])  # [N, 2]
+    samples = np.stack([dqn.random_legal(legal, rng.random(2)) for _ in range(DRAWS // 2)])  # [N, 2]
     assert np.all(legal[0][samples[:, 0]] == 1) and np.all(samples[:, 1] == 5)
     assert chi_square_p(samples[:, 0], legal[0] / legal[0].sum()) > 1e-3
-    assert dqn.random_legal(np.zeros((1, 4), np.int8), rng).tolist() == [0]  # none legal: action 0
+    assert dqn.random_legal(np.zeros((1, 4), np.int8), rng.random(1)).tolist() == [0]  # none legal: action 0
 
 
 def test_dqn_epsilon_greedy_never_takes_an_illegal_action():
@@ -234,7 +235,7 @@ def test_dqn_epsilon_greedy_never_takes_an_illegal_action():
     for _ in range(steps):
         obs = {"x": np.ones((B, A), np.float32), "action_mask": random_legal_rows(rng, (B, A))}
         legal = dqn.legal_actions(network, obs, B)
-        action = dqn.epsilon_greedy(greedy, None, obs, np.full(B, 0.5), A, rng, legal)
+        action = dqn.epsilon_greedy(greedy, None, obs, np.full(B, 0.5), A, rng.random((B, 2)), legal)
         assert np.all(obs["action_mask"][np.arange(B), action] == 1)
         best = np.argmax(np.where(obs["action_mask"] > 0, q_weights, -np.inf), axis=1)
         taken, explored = taken + B, explored + np.count_nonzero(action != best)
@@ -319,7 +320,7 @@ def test_the_ppo_family_never_takes_an_illegal_action(script, tmp_path, capsys):
 def test_dqn_never_takes_an_illegal_action_over_100k_steps(tmp_path, capsys):
     """10^5 env steps, ε from 1 to 0 over the first 30% (exploring, then greedy: its greedy action
     among the legal ones), then the evaluation's games: the strict env never raises."""
-    flags = ["--total-timesteps", 100_032, "--num-envs", 8, "--num-steps", 8,  # 1,563 rounds of 64 "--learning-starts", 1000,
+    flags = ["--total-timesteps", 100_032, "--num-envs", 8, "--num-steps", 8, "--learning-starts", 1000,  # 1,563 rounds of 64
              "--replay-ratio", 1, "--batch-size", 64, "--buffer-size", 20_000, "--exploration-fraction", 0.3,
              "--end-e", 0, "--eval-episodes", 8, "--run-dir", tmp_path / "run", "--compile-cache", ""]
     code, _, err = run_main("dqn_envpool.py", STRICT + flags, capsys)

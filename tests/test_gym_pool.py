@@ -1,15 +1,25 @@
 """jax_async_rl.gym_pool: a user's Gymnasium envs behind envpool's interface, against the same
 envs stepped directly with envpool's autoreset rule; out-of-order splits; Dict observations; an
-env that raises and a worker that dies reported with the env's id, no worker left behind."""
+env that raises and a worker that dies reported with the env's id, no worker left behind; a hung
+env named, and no process (worker, guard, what an env started) outliving its pool or the process
+that made it, however that ends."""
 
+import functools
 import os
 import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import gymnasium
 import numpy as np
 import pytest
+from user_envs import Stuck
 
 from jax_async_rl.gym_pool import EnvError, GymPool
+from jax_async_rl.threads import Stopped
 
 
 class Counter(gymnasium.Env):
@@ -102,7 +112,7 @@ def test_the_pool_steps_as_envpool_does_with_splits_out_of_order(processes):
         assert any(any(row[2] for row in rows) for rows in ref), "no episode ended: the autoreset is untested"
     finally:
         pool.close()
-    assert not any(proc.is_alive() for proc in pool.procs)
+    assert all(proc.poll() is not None for proc in pool.procs)
 
 
 @pytest.mark.timeout(120)
@@ -126,13 +136,13 @@ def test_an_env_that_raises_is_reported_with_its_id_and_traceback():
         pool.async_reset()
         for _ in range(2):
             pool.recv()
-        with pytest.raises(EnvError, match=r"env 1 raised in its worker:(.|\n)*ValueError: injected failure"):
+        with pytest.raises(EnvError, match=r"env 1 raised in its worker (.|\n)*ValueError: injected failure"):
             for _ in range(5):
                 pool.send([1], [1])
                 pool.recv()
     finally:
         pool.close()
-    assert not any(proc.is_alive() for proc in pool.procs)
+    assert all(proc.poll() is not None for proc in pool.procs)
 
 
 @pytest.mark.timeout(120)
@@ -144,9 +154,95 @@ def test_a_worker_killed_by_the_os_is_reported():
         for _ in range(2):
             pool.recv()
         os.kill(pool.procs[3].pid, signal.SIGKILL)
-        pool.procs[3].join(5)
+        pool.procs[3].wait(5)
         pool.send([1, 1], [2, 3])
         with pytest.raises(EnvError, match=r"the worker of env 3 died \(exit code -9\)"):
             pool.recv()
     finally:
         pool.close()
+
+
+def live(pids) -> list:
+    """The processes of `pids` that are running (the process table; a zombie is not)."""
+    return [pid for pid in pids if Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status")
+            .read_text().lower()]
+
+
+def pids_in(pid_dir) -> list:
+    """The pids Stuck envs wrote (workers and the processes they started), but this process's
+    (the pool's probe env, closed at once)."""
+    return [int(p.name) for p in Path(pid_dir).iterdir() if p.name.isdigit() and int(p.name) != os.getpid()]
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_env_is_named_and_close_kills_it_and_what_it_started(tmp_path):
+    """Env 0 hangs in its second step: a wait with a timeout gives up (TimeoutError), the run's
+    stop ends the wait (threads.Stopped), --env-timeout names the env and the call; close()
+    then leaves no worker, no process an env started, no guard."""
+    stop = threading.Event()
+    pool = GymPool(functools.partial(Stuck, str(tmp_path), 2), num_envs=2, batch_size=1, seed=0, processes=2,
+                   timeout=10, stop=stop)
+    try:
+        pool.async_reset()
+        pool.recv()
+        pool.recv()
+        pool.send([0], [0])
+        pool.recv()
+        pool.send([0], [0])  # env 0's second step: it hangs
+        with pytest.raises(TimeoutError):
+            pool.recv(timeout=0.5)
+        stop.set()
+        with pytest.raises(Stopped):
+            pool.recv()
+        stop.clear()
+        with pytest.raises(EnvError, match=r"^env 0 did not answer step\(\) within --env-timeout 10 s"):
+            pool.recv()
+        pids = pids_in(tmp_path)
+        assert len(live(pids)) == 4, pids  # 2 workers, the 2 sleeps their envs started
+    finally:
+        pool.close()
+    assert live([*pids, pool.guard.pid]) == []
+
+
+PARENT = """
+import functools, sys, time
+sys.path.insert(0, {tests!r})
+from user_envs import Stuck
+from jax_async_rl.gym_pool import GymPool
+pool = GymPool(functools.partial(Stuck, {pid_dir!r}, 2), num_envs=2, batch_size=1, seed=0, processes=2)
+pool.async_reset(); pool.recv(); pool.recv()
+pool.send([0], [0]); pool.recv(); pool.send([0], [0])
+open({ready!r}, "w").close()
+{end}
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("end", ["SIGKILL", "exception"])
+def test_no_process_outlives_the_process_that_made_the_pool(end, tmp_path):
+    """A process makes a pool whose env 0 hangs in a step and whose envs each started a process,
+    then is SIGKILLed (nothing of it runs again) or ends by an exception without closing the
+    pool: every worker, every process the envs started and the guard are gone within 10 s."""
+    pid_dir, ready = tmp_path / "pids", tmp_path / "ready"
+    pid_dir.mkdir()
+    code = PARENT.format(tests=str(Path(__file__).parent), pid_dir=str(pid_dir), ready=str(ready),
+                         end="time.sleep(1000)" if end == "SIGKILL" else "raise RuntimeError('the run crashed')")
+    parent = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists() and parent.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ready.exists(), parent.stderr.read() if parent.poll() is not None else "not ready"
+        pids = [pid for pid in pids_in(pid_dir) if pid != parent.pid]
+        assert len(live(pids)) == 4, pids
+        if end == "SIGKILL":
+            parent.kill()
+        parent.wait(30)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+    deadline = time.monotonic() + 10
+    while live(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert live(pids) == [], "processes outlived the process that made the pool"

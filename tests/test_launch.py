@@ -335,3 +335,19 @@ def test_the_slurm_script_quotes_every_value(tmp_path):
     assert argv[argv.index("--wandb-project") + 1] == "$(touch MARKER); `touch MARKER2`"
     assert argv[argv.index("--run-dir") + 1] == str(out / "q" / "default__seed1")
     assert not list(tmp_path.glob("MARKER*"))
+
+
+def test_a_resume_names_the_sweeps_env_again(tmp_path):
+    """A run folder alone never imports a user's env module (the trust model): the launcher's
+    resume of a run with a checkpoint names the sweep's --env-id / --env-module again, locally and
+    in the SLURM script, so a sweep over a user's env resumes."""
+    launch_module = load_script(REPO_ROOT / "utils" / "launch.py")
+    run = {"name": "default__seed1", "config": "default", "flags": [], "seed": 1, "dir": str(tmp_path / "r")}
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "checkpoint.msgpack").write_bytes(b"")
+    common = ["--env-id", "Corridor-v0", "--env-module=examples.corridor", "--num-envs", "4"]
+    cmd = launch_module.command(SCRIPT, run, common, "x", None)
+    assert cmd[1:] == [SCRIPT, "--resume", run["dir"], "--env-id", "Corridor-v0", "--env-module=examples.corridor"]
+    args = launch_module.LaunchArgs(script=SCRIPT, name="s", seeds=[1], out=str(tmp_path))
+    script = launch_module.slurm_script(args, [run], common)
+    assert f"--resume {run['dir']} --env-id Corridor-v0 --env-module=examples.corridor; else" in script

@@ -10,6 +10,7 @@ import errno
 import json
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from helpers import (
     read_checkpoint,
     read_metrics,
     run_main,
+    run_script,
     start_script,
     tag_steps,
     wait_until,
@@ -152,6 +154,46 @@ def test_a_full_disk_stops_with_one_line_and_the_last_checkpoint_resumes(tmp_pat
     assert not (run_dir / f"{CHECKPOINT}.tmp").exists()
     assert run_main(HOST, ["--resume", run_dir]) == 0
     assert int(read_checkpoint(run_dir)["state"]["global_step"]) == 4 * TINY_BATCH
+
+
+@pytest.mark.timeout(300)
+def test_a_run_folder_moved_mid_run_is_where_the_message_says(tmp_path):
+    """The run folder renamed while the run trains: the next checkpoint cannot be written (exit
+    1), and the line says where the last good checkpoint is: in the folder's new place."""
+    run_dir, moved = tmp_path / "run", tmp_path / "moved"
+    proc = start_script(HOST, cli(HOST, run_dir=run_dir, total_timesteps=10**6, save_interval=5), tmp_path / "logs")
+    try:
+        wait_until(lambda: (run_dir / CHECKPOINT).exists(), proc, 200)
+        os.rename(run_dir, moved)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    line = one_error_line((tmp_path / "logs" / "stderr.txt").read_text())
+    assert code == 1 and f"the last good checkpoint is kept: {moved / CHECKPOINT} (the run folder was moved" in line, line
+    assert int(read_checkpoint(moved)["state"]["global_step"]) > 0
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A folder on a 400 kB tmpfs: a disk that fills within seconds of logging (mounting needs
+    root; elsewhere the test is skipped, and test_lib_logs fakes the full disk in the logger)."""
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(folder)], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    yield folder
+    subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+
+
+@pytest.mark.timeout(300)
+def test_a_full_disk_while_logging_is_one_line(small_disk):
+    """The run's disk fills with its logs (no checkpoint due): one line naming the file and the
+    OS error, exit 1, nothing after it (no traceback of TensorBoard's writer, at close or exit)."""
+    run_dir = small_disk / "run"
+    result = run_script(HOST, cli(HOST, run_dir=run_dir, total_timesteps=10**6, save_interval=0), timeout=280)
+    line = one_error_line(result.stderr)
+    assert result.returncode == 1 and "No space left on device" in line and str(run_dir) in line, result.stderr
 
 
 def test_a_full_disk_in_the_writer_itself_keeps_the_old_file(tmp_path, monkeypatch):

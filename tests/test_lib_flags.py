@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import pytest
 
 from jax_async_rl import flags
-from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, PRESET, UNIT, UsageError
+from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, PRESET, UNIT, UsageError, at_most
 
 
 @dataclass
@@ -27,6 +27,10 @@ class ToyArgs(flags.RunArgs):
     """a discount"""
     free: float = 1.0
     """a float with no range but a finite one"""
+    ratio: Annotated[float, POSITIVE, at_most(1e5)] = 1.0
+    """a float with an upper limit"""
+    count: int = 3
+    """an int with no range but 32 bits"""
     switch: bool = False
     """a switch"""
 
@@ -45,6 +49,11 @@ PRESETS = {"classic": dict(steps=128, rate=2.5e-4), "CartPole": dict(steps=32, r
     ("total_timesteps", -5, "--total-timesteps must be positive"),
     ("log_frequency", 0, "--log-frequency must be positive"),
     ("eval_episodes", -1, "--eval-episodes must be >= 0"),
+    ("ratio", 1e308, "--ratio must be at most 100000, got 1e+308"),
+    ("count", 2**31, "--count must be at most 2,147,483,647"),
+    ("total_timesteps", 10**10, "--total-timesteps must be at most 2,147,483,647"),
+    ("seed", -1, "--seed must be in [0, 2**30]"),
+    ("env_timeout", 1e9, "--env-timeout must be at most"),
 ])
 def test_a_value_outside_its_declared_range_is_one_line_naming_the_flag(field, value, fragment):
     args = dataclasses.replace(ToyArgs(steps=8, rate=1e-3), **{field: value})

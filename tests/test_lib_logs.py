@@ -1,7 +1,9 @@
-"""jax_async_rl.logs: the logger (metrics.jsonl, TensorBoard) from several threads at once, and
-the progress line."""
+"""jax_async_rl.logs: the logger (metrics.jsonl, TensorBoard) from several threads at once, on a
+full disk, with its metrics.jsonl deleted mid-run; and the progress line."""
 
+import errno
 import json
+import os
 import threading
 
 import pytest
@@ -41,6 +43,54 @@ def test_the_logger_from_several_threads_writes_whole_records_to_both_files(tmp_
     events.Reload()
     assert [e.value for e in events.Scalars("t3/b")] == [-i for i in range(200)]
     assert "after/close" not in events.Tags()["scalars"]
+
+
+class FullDisk:
+    """A file on a full disk: every write fails as the kernel's does (ENOSPC, naming no file)."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+@pytest.mark.parametrize("full", ["jsonl", "events"])
+def test_a_full_disk_is_one_error_naming_the_file_and_nothing_after(full, tmp_path):
+    """The first write that fails raises once, naming its file; every later log, and the close,
+    write and raise nothing (the run reports that one error and stops)."""
+    logger = Logger(str(tmp_path), NoTrack())
+    logger.log(1, {"a": 1.0})
+    setattr(logger, full, FullDisk(getattr(logger, full)))
+    with pytest.raises(OSError, match="No space left on device") as error:
+        logger.log(2, {"a": 2.0})
+    assert error.value.filename == (logger.path if full == "jsonl" else logger.events_path)
+    logger.log(3, {"a": 3.0})
+    logger.close()
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == (
+        [1] if full == "jsonl" else [1, 2])
+
+
+def test_a_metrics_file_deleted_mid_run_is_recreated_with_a_warning(tmp_path, capsys):
+    """metrics.jsonl deleted while the run logs: the next record recreates it (one warning line),
+    and every record from then on is in it; TensorBoard's events hold them all."""
+    logger = Logger(str(tmp_path), NoTrack())
+    logger.log(1, {"a": 1.0})
+    (tmp_path / "metrics.jsonl").unlink()
+    logger.log(2, {"a": 2.0})
+    logger.log(3, {"a": 3.0})
+    logger.close()
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [2, 3]
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1 and "metrics.jsonl was deleted mid-run; recreated from step 2 on" in err, err
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [e.step for e in events.Scalars("a")] == [1, 2, 3]
 
 
 def test_a_process_other_than_0_logs_nothing(tmp_path):

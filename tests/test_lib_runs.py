@@ -29,6 +29,7 @@ from helpers import (
     count_complete_lines,
     file_contents,
     interrupt,
+    marker_code,
     read_checkpoint,
     read_metrics,
     run_main,
@@ -38,6 +39,7 @@ from helpers import (
     tag_steps,
     tag_values,
     wait_until,
+    write_crafted_run,
 )
 from jax_async_rl import folders
 
@@ -112,6 +114,29 @@ def test_a_bad_flag_from_the_command_line_is_exit_2_with_one_line(tmp_path):
     out_dir = tmp_path / "out"
     assert_usage_error(run_script(HOST, cli(HOST, num_envs=0, run_dir=out_dir), timeout=120), "--num-envs")
     assert not out_dir.exists()
+
+
+@pytest.mark.parametrize("route", ["env-id", "env-module"])
+def test_resuming_a_crafted_folder_runs_no_code(route, tmp_path, monkeypatch, capsys):
+    """A checkpoint's config is data: --resume of a folder whose config names an env module
+    (`os:system` with a shell command in --env-kwargs, or an --env-module that runs code at
+    import) is one line and exit 2, and nothing runs; naming the module again, or
+    --trust-env-module, lets it run (the gate is what stopped it)."""
+    marker = tmp_path / "marker"
+    monkeypatch.chdir(tmp_path)  # the working directory's modules are importable (user_maker)
+    if route == "env-id":
+        config, allow = dict(env_id="os:system", env_kwargs=json.dumps({"command": f"touch {marker}"})), ["--trust-env-module"]
+    else:
+        (tmp_path / "planted_env_module.py").write_text(marker_code(marker))
+        config, allow = dict(env_id="Planted-v0", env_module="planted_env_module"), ["--env-module", "planted_env_module"]
+    run = write_crafted_run(tmp_path / "shared_run", HOST, dict(config, trust_env_module=True))  # a file grants no trust
+    code, _, err = run_main(HOST, ["--resume", run], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "--trust-env-module" in lines[0], err
+    assert ("'os'" if route == "env-id" else "'planted_env_module'") in lines[0], lines[0]
+    assert not marker.exists(), "opening a run folder ran its code"
+    code, _, err = run_main(HOST, ["--resume", run, *allow], capsys)
+    assert code == 2 and marker.exists(), err  # it ran, then the env was refused as no gymnasium.Env
 
 
 def test_log_frequency(tmp_path):

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_async_rl import tasks
+from jax_async_rl import gym_pool, tasks
 from jax_async_rl.flags import UsageError
 
 
@@ -178,3 +178,13 @@ def test_episode_stats_count_the_game_score_over_all_lives():
     assert stats.pop() == [(0, 0.0, 9), (1, 6.0, 9)]  # env 1: truncated, also a game's end
     stats.update(ids[:1], np.array([3.0]), np.array([False]), np.array([False]), {"elapsed_step": np.array([1])})
     assert stats.returns[0] == 3.0 and stats.returns[1] == 0.0  # reset after each game
+
+
+def test_a_non_finite_reward_is_the_envs_fault_named_where_it_enters():
+    """Every actor's rewards pass EpisodeStats: a NaN or an inf is refused there, naming the env
+    and its step, before the learner turns it into a non-finite loss."""
+    stats = tasks.EpisodeStats(3)
+    stats.update(np.arange(3), np.ones(3), np.zeros(3, bool), np.zeros(3, bool), {"elapsed_step": np.ones(3, int)})
+    with pytest.raises(gym_pool.EnvError, match=r"^env 2 returned a non-finite reward \(-inf\) at step 4 of its episode$"):
+        stats.update(np.array([1, 2]), np.array([0.5, -np.inf]), np.zeros(2, bool), np.zeros(2, bool),
+                     {"elapsed_step": np.array([4, 4])})

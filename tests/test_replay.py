@@ -3,10 +3,15 @@ episode ends and truncations, written by splits out of turn; every complete tran
 nothing else can be sampled; the frame-based storage rebuilds exactly the stacks envpool
 returned; prioritised sampling frequencies and importance weights against p^alpha / sum p^alpha."""
 
+import threading
+
 import envpool
 import numpy as np
 import pytest
+from helpers import load_script
 
+from jax_async_rl import devices, tasks
+from jax_async_rl.flags import UsageError
 from jax_async_rl.replay import Replay, SumTree
 
 
@@ -252,3 +257,18 @@ def test_legal_action_masks_are_stored_as_bits_and_given_back_as_the_env_gave_th
         assert batch["obs"][key].dtype == obs[0][key].dtype
         np.testing.assert_array_equal(batch["obs"][key], np.stack([obs[i][key][j] for i, j in zip(t, e)]))
         np.testing.assert_array_equal(batch["next_obs"][key], np.stack([obs[i + 1][key][j] for i, j in zip(t, e)]))
+
+
+def test_a_buffer_larger_than_the_available_memory_is_refused(monkeypatch):
+    """check_rounds, as a run starts: Pong's 3M rows take 84 x 84 (one frame: stacks are rebuilt)
+    + 8 (the action) + 7 bytes each, more than 90% of 20 GiB; 1M rows fit. utils/evaluate.py,
+    which resolves a run's flags outside a run and allocates no buffer, is not refused."""
+    dqn = load_script("dqn_envpool.py")
+    monkeypatch.setattr(devices, "available_memory", lambda: 20 * 2**30)
+    monkeypatch.setattr(tasks, "RUN_STOP", [threading.Event()])  # a run is starting
+    with pytest.raises(UsageError, match=r"^--buffer-size 3,000,000: .* 19\.8 GiB \(its 3,000,000 rows of 7,071 bytes, "
+                                         r"Atari frames stored once\), more than 90% of the 20\.0 GiB"):
+        dqn.resolve_args(dqn.Args(env_id="Pong-v5", buffer_size=3_000_000))
+    dqn.resolve_args(dqn.Args(env_id="Pong-v5", buffer_size=1_000_000))
+    monkeypatch.setattr(tasks, "RUN_STOP", [None])
+    dqn.resolve_args(dqn.Args(env_id="Pong-v5", buffer_size=3_000_000))

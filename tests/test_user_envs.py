@@ -44,6 +44,9 @@ BAD = {
     "unknown-kwarg": (dict(env_id=CORRIDOR, env_kwargs='{"lengthx": 2}'), ["does not take them", "lengthx"]),
     "kwargs-for-envpool": (dict(env_kwargs='{"a": 1}'), ["--env-kwargs is for a Gymnasium env"]),
     "space-mismatch": (dict(env_id="tests.user_envs:WrongSpace"), ["shape (3,)", "says (2,)"]),
+    "first-reset-raises": (dict(env_id="tests.user_envs:Bad", env_kwargs='{"kind": "reset"}'),
+                           ["--env-id tests.user_envs:Bad", "first reset() raised ValueError: the simulator is not installed",
+                            "user_envs.py"]),
 }
 
 
@@ -74,9 +77,11 @@ def test_dict_observations_evaluation_video_and_resume(tmp_path, capsys):
     assert code == 0 and "eval: 2 episodes" in out, err
     step = int(read_checkpoint(run_dir)["state"]["global_step"])
     evaluate = load_script(REPO_ROOT / "utils" / "evaluate.py")  # rebuilds the user's env from the config
-    assert evaluate.main(evaluate.EvalArgs(run=str(run_dir), episodes=2)) == 0
+    assert evaluate.main(evaluate.EvalArgs(run=str(run_dir), episodes=2, trust_env_module=True)) == 0
     assert json.loads((run_dir / "eval.json").read_text())["episodes"] == 2
-    assert run_main("appo_envpool.py", ["--resume", run_dir, "--total-timesteps", 3 * step]) == 0
+    # The env's module named again: it is the user's choice, not the folder's.
+    argv = ["--resume", run_dir, "--total-timesteps", 3 * step, "--env-id", "tests.user_envs:dict_env"]
+    assert run_main("appo_envpool.py", argv) == 0
     assert int(read_checkpoint(run_dir)["state"]["global_step"]) == 3 * step
     video_run = tmp_path / "video"
     code, _, err = run_main(HOST, cli(HOST, env_id="Corridor-v0", env_module="examples.corridor", eval_episodes=2,
@@ -86,6 +91,29 @@ def test_dict_observations_evaluation_video_and_resume(tmp_path, capsys):
 
     videos = list((video_run / "videos").glob("*.mp4"))
     assert len(videos) == 1 and imageio.get_reader(videos[0]).get_meta_data()["fps"] == 4
+
+
+# kind -> what the line must say (env 0 goes wrong first: the envs step in turn in their worker)
+WRONG = {
+    "reward": "env 0 returned a non-finite reward (nan) at step 6 of its episode",
+    "observation": "env 0 returned a non-finite observation (inf) at step 6 of its episode",
+    "shape": "env 0 returned an observation of shape (3,) float32 at step 6 of its episode, where its first had (2,) float32",
+    "dtype": "env 0 returned an observation of shape (2,) float64 at step 6 of its episode, where its first had (2,) float32",
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", list(WRONG))
+def test_what_an_env_returns_wrong_is_named(kind, tmp_path, capsys):
+    """A NaN reward, an inf observation, an observation of another shape or dtype mid-episode:
+    the run stops (exit 1) with one line naming the env id and what the env returned, not a
+    non-finite loss nor a traceback from the network."""
+    argv = cli(HOST, env_id="tests.user_envs:Bad", env_kwargs=json.dumps({"kind": kind}), run_dir=tmp_path / "r",
+               total_timesteps=4096, num_threads=1)
+    code, _, err = run_main(HOST, argv, capsys)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 1 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert "--env-id tests.user_envs:Bad: " + WRONG[kind] in lines[0], lines[0]
 
 
 def live(pids) -> list:
@@ -119,6 +147,48 @@ def test_a_failing_user_env_stops_the_run_and_leaves_no_worker(script, how, tmp_
     assert live(pids) == [], "worker processes left behind"
 
 
+def gone_within(pids, seconds: float) -> list:
+    """The processes of `pids` still alive after up to `seconds` (the process table, /proc)."""
+    deadline = time.monotonic() + seconds
+    while live(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return live(pids)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("script, end", [(HOST, "SIGTERM"), (HOST, "SIGKILL"), (HOST, "env-timeout"),
+                                         ("appo_envpool.py", "SIGTERM")])  # the sync loop, an actor thread
+def test_no_process_outlives_a_run_whose_env_hangs(script, end, tmp_path):
+    """An env that starts a process of its own (a simulator) and then hangs in step(): however the
+    run ends (SIGTERM, SIGKILL of the training process, or --env-timeout, which names the env and
+    the call in one line), its workers and the processes its envs started are gone within 10 s."""
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    argv = cli(script, env_id="tests.user_envs:Stuck", env_kwargs=json.dumps({"pid_dir": str(pid_dir), "at": 30}),
+               run_dir=tmp_path / "run", total_timesteps=10**6)
+    proc = start_script(script, [*argv, *(["--env-timeout", 8] if end == "env-timeout" else [])], tmp_path / "logs")
+    try:
+        wait_until(lambda: (pid_dir / "hung").exists(), proc, 200)
+        if end != "env-timeout":
+            proc.send_signal(getattr(signal, end))
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = (tmp_path / "logs" / "stderr.txt").read_text()
+    pids = [int(p.name) for p in pid_dir.iterdir() if p.name.isdigit()]
+    assert len(pids) >= 4, pids  # the workers (2) and their envs' children (4), the probes made in the run's process
+    assert gone_within(pids, 10) == [], f"processes left behind; stderr:\n{err[-3000:]}"
+    imported = {pid: (pid_dir / str(pid)).read_text() for pid in pids if pid != proc.pid}
+    assert not any(imported.values()), imported  # a worker imports the env, not JAX nor the training script
+    if end == "env-timeout":
+        lines = [line for line in err.splitlines() if line.startswith("error")]
+        assert code == 1 and "Traceback" not in err, err[-3000:]
+        assert "tests.user_envs:Stuck" in lines[0] and "step()" in lines[0] and "--env-timeout 8" in lines[0], err
+    else:
+        assert code in (128 + getattr(signal, end), -signal.SIGKILL), (code, err[-3000:])
+
+
 @pytest.mark.timeout(300)
 def test_sigterm_checkpoints_and_the_run_resumes(tmp_path):
     run_dir = tmp_path / "run"
@@ -133,7 +203,8 @@ def test_sigterm_checkpoints_and_the_run_resumes(tmp_path):
         if proc.poll() is None:
             proc.kill()
     step = int(read_checkpoint(run_dir)["state"]["global_step"])
-    result = run_script("appo_envpool.py", ["--resume", run_dir, "--total-timesteps", step + 2048, "--eval-episodes", 0])
+    result = run_script("appo_envpool.py", ["--resume", run_dir, "--total-timesteps", step + 2048, "--eval-episodes", 0,
+                                            "--trust-env-module"])
     assert result.returncode == 0, result.stderr[-2000:]
     assert int(read_checkpoint(run_dir)["state"]["global_step"]) > step
 

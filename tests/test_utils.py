@@ -22,10 +22,12 @@ from helpers import (
     cli,
     file_contents,
     load_script,
+    marker_code,
     read_checkpoint,
     read_metrics,
     run_script,
     tag_values,
+    write_crafted_run,
 )
 
 PLOT = "utils/plot.py"
@@ -322,11 +324,14 @@ def test_evaluate_scores_checkpoint(script, cartpole_run, tmp_path):
     assert len(videos) == 1 and videos[0].stat().st_size > 0, list((run / "videos").rglob("*"))
     assert greedy["videos"] == [str(videos[0])]
     assert f"{greedy['mean']:.2f}" in result.stdout
+    assert "3 episodes with the most likely action" in result.stdout and "evaluation samples" in result.stdout
 
     # The checkpoint file itself, sampled actions, --out.
     out = tmp_path / "sampled" / "result.json"
     result = run_script(EVALUATE, [run / CHECKPOINT, "--episodes", 4, "--out", out], timeout=300)
     assert_ok(result)
+    assert "4 episodes with the run's own evaluation policy, actions sampled from it; the run's own evaluation " \
+           "played 2 at the end of training" in result.stdout, result.stdout
     check_eval_result(json.loads(out.read_text()), 4, run / CHECKPOINT, saved_step, greedy=False)
 
     after = file_contents(run)
@@ -388,6 +393,37 @@ def test_evaluate_rejects_bad_checkpoint(case, tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_evaluating_a_crafted_folder_runs_no_code(tmp_path):
+    """A checkpoint is data: evaluate.py makes no env whose module the config names (os:system
+    with a shell command) without --trust-env-module, and imports no script the checkpoint points
+    to or that lies next to it (or above it): only the repository's script of the recorded name,
+    or --script. The controls show that each route is live."""
+    marker = tmp_path / "marker"
+    shell = write_crafted_run(tmp_path / "shell", "ppo_sync_baseline.py",
+                              dict(env_id="os:system", env_kwargs=json.dumps({"command": f"touch {marker}"})))
+    assert_usage_error(run_script(EVALUATE, [shell], timeout=100), "'os'", "os:system", "--trust-env-module")
+    planted = tmp_path / "elsewhere" / "planted.py"
+    planted.parent.mkdir()
+    planted.write_text(marker_code(marker))
+    own = write_crafted_run(tmp_path / "own" / "run", "planted.py", dict(env_id="CartPole-v1"), script_path=planted)
+    for folder in (own, own.parent):
+        (folder / "planted.py").write_text(marker_code(marker))
+    assert_usage_error(run_script(EVALUATE, [own], timeout=100), "planted.py", "--script")
+    # A repository script's name, with files of that name where the checkpoint points and next to
+    # it: the repository's own plays it (this toy state does not fit it: exit 2).
+    named = write_crafted_run(tmp_path / "named" / "run", "ppo_sync_baseline.py", dict(env_id="CartPole-v1"),
+                              script_path=tmp_path / "named" / "ppo_sync_baseline.py")
+    for folder in (named, named.parent):
+        (folder / "ppo_sync_baseline.py").write_text(marker_code(marker))
+    result = run_script(EVALUATE, [named], timeout=200)
+    assert result.returncode == 2 and "does not match" in result.stderr, result.stderr[-2000:]
+    assert not marker.exists(), "evaluating a run folder ran its code"
+    assert run_script(EVALUATE, [own, "--script", planted], timeout=100).returncode == 2 and marker.exists()
+    marker.unlink()
+    assert run_script(EVALUATE, [shell, "--trust-env-module"], timeout=100).returncode == 2 and marker.exists()
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("script", ["appo_envpool.py"], indirect=True)
 def test_evaluate_rejects_config_the_script_lacks(script, cartpole_run, tmp_path):
     """A checkpoint whose config has a field the script's Args does not: another version wrote it."""
@@ -401,8 +437,9 @@ def test_evaluate_rejects_config_the_script_lacks(script, cartpole_run, tmp_path
 def test_a_copied_and_edited_script_runs_anywhere_and_is_scored(tmp_path):
     """"Copy one script and edit it": a renamed copy outside the repository, with a default edited,
     runs from its own folder (the run library is installed, not beside it) and takes the edit; its
-    checkpoint is scored with the copy, found by the path it recorded, then next to the run once
-    both moved; a file that is no training script is refused with exit 2."""
+    checkpoint is scored with the copy the user names (--script: evaluate.py imports no file a
+    checkpoint points to), also once both moved; without it, or with a file that is no training
+    script, exit 2."""
     copy = tmp_path / "my_appo.py"
     text = (REPO_ROOT / "appo_envpool.py").read_text()
     edited = text.replace("    queue_size: Annotated[int, POSITIVE] = 2\n", "    queue_size: Annotated[int, POSITIVE] = 1\n")
@@ -419,7 +456,7 @@ def test_a_copied_and_edited_script_runs_anywhere_and_is_scored(tmp_path):
     config = json.loads((run / "config.json").read_text())
     assert config["queue_size"] == 1 and config["exp_name"] == "my_appo"  # the edited default, the copy's name
 
-    result = run_script(EVALUATE, [run, "--episodes", 2], timeout=300)
+    result = run_script(EVALUATE, [run, "--episodes", 2, "--script", copy], timeout=300)
     assert_ok(result)
     assert json.loads((run / "eval.json").read_text())["script"] == "my_appo.py"
 
@@ -427,9 +464,7 @@ def test_a_copied_and_edited_script_runs_anywhere_and_is_scored(tmp_path):
     elsewhere.mkdir()
     shutil.move(copy, elsewhere / "my_appo.py")
     shutil.move(run, elsewhere / "run")
-    assert_ok(run_script(EVALUATE, [elsewhere / "run", "--episodes", 2], timeout=300))
-
-    (elsewhere / "my_appo.py").unlink()
+    assert_ok(run_script(EVALUATE, [elsewhere / "run", "--episodes", 2, "--script", elsewhere / "my_appo.py"], timeout=300))
     assert_usage_error(run_script(EVALUATE, [elsewhere / "run"], timeout=100), "my_appo.py", "--script")
     not_a_script = tmp_path / "notes.py"
     not_a_script.write_text("NOTES = 1\n")

@@ -3,6 +3,8 @@ training scripts' worker processes."""
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -37,6 +39,67 @@ class Faulty(gymnasium.Env):
                 time.sleep(60)
             raise ValueError("injected failure in the user's env")
         return np.full(2, 0.5, np.float32), float(action), self.t >= 5, False, {}
+
+
+class Stuck(gymnasium.Env):
+    """An env that starts a process of its own (`sleep`, as a simulator would) and writes its
+    process's and that child's pids under `pid_dir` (its process's file names what heavy was
+    imported there: `jax`, the training script); at its `at`-th step it hangs for good (writing
+    `hung` first)."""
+
+    observation_space = gymnasium.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = gymnasium.spaces.Discrete(2)
+
+    def __init__(self, pid_dir: str = "", at: int = 10**9):
+        self.at, self.steps, self.pid_dir = at, 0, pid_dir
+        self.child = subprocess.Popen(["sleep", "1000"])
+        Path(pid_dir, str(self.child.pid)).touch()
+        script = os.path.basename(getattr(sys.modules.get("__mp_main__"), "__file__", None) or "")  # spawn's re-import
+        Path(pid_dir, str(os.getpid())).write_text(" ".join(["jax"] * ("jax" in sys.modules) + [script] * bool(script)))
+
+    def reset(self, seed=None, options=None):
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        self.steps += 1
+        if self.steps >= self.at:
+            Path(self.pid_dir, "hung").touch()
+            time.sleep(10**6)
+        return np.zeros(2, np.float32), 1.0, self.steps % 5 == 0, False, {}
+
+    def close(self):
+        self.child.kill()
+        self.child.wait()
+
+
+class Bad(gymnasium.Env):
+    """An env that goes wrong as `kind` says: its first reset raises ("reset"), or from its `at`-th
+    step on it returns a NaN reward ("reward"), an inf in its observation ("observation"), an
+    observation of another shape ("shape") or dtype ("dtype")."""
+
+    observation_space = gymnasium.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = gymnasium.spaces.Discrete(2)
+
+    def __init__(self, kind: str = "", at: int = 20):
+        self.kind, self.at, self.steps = kind, at, 0
+
+    def reset(self, seed=None, options=None):
+        if self.kind == "reset":
+            raise ValueError("the simulator is not installed")
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        self.steps += 1
+        obs, reward, bad = np.zeros(2, np.float32), 1.0, self.steps >= self.at
+        if bad and self.kind == "reward":
+            reward = float("nan")
+        elif bad and self.kind == "observation":
+            obs[1] = np.inf
+        elif bad and self.kind == "shape":
+            obs = np.zeros(3, np.float32)
+        elif bad and self.kind == "dtype":
+            obs = obs.astype(np.float64)
+        return obs, reward, self.steps % 7 == 0, False, {}
 
 
 def dict_env(length: int = 3):

@@ -1,15 +1,20 @@
 """Score a checkpoint: play N full games with the policy a run saved, with the script that wrote it.
 
-The checkpoint names its script and where it was (`ppo_sync_baseline.py`, `appo_envpool.py`,
-`impala_envpool.py`, `appo_envpool_xla.py`, or a user's copy of one, renamed and edited). This
-tool imports that script (from the path it recorded, else a file of its name in the run folder,
-in the folder above it, or in the repository root; or `--script`), rebuilds its `Args` from the
-stored config, builds the network, normaliser and state template with the script's `build`,
+The checkpoint names its script (`ppo_sync_baseline.py`, `appo_envpool.py`, ..., or a user's
+copy of one, renamed and edited). A checkpoint is data, and may come from anyone: this tool
+imports the repository's script of that name, or the file `--script` names (a copy of yours),
+never a file the checkpoint points to or one found next to it, and makes a user's Gymnasium env
+(`--env-id module:callable`, `--env-module`) only with `--trust-env-module`. It rebuilds the
+script's `Args` from the stored config, builds the network, normaliser and state template with the script's `build`,
 restores them, and plays with the script's own policy (`make_policy_step`) through the run
 library's evaluation: game scores (unclipped rewards over all lives), as at the end of training.
 
+It plays the run's own evaluation policy, as at the end of training, and says which: actions
+sampled from the policy (the PPO family; `--greedy`: the most likely action instead), ε-greedy
+at ε 0.001 (DQN), the deterministic policy (SAC, TD3), from the script's `EVAL_POLICY`.
+
 Usage:
-    python utils/evaluate.py runs/<run>/                     # 10 sampled episodes -> <run>/eval.json
+    python utils/evaluate.py runs/<run>/                     # 10 episodes -> <run>/eval.json
     python utils/evaluate.py runs/<run>/checkpoint.msgpack --episodes 30 --greedy --video
 """
 
@@ -50,33 +55,37 @@ class EvalArgs:
     episodes: int = 10
     """number of full games (episodes) to play"""
     greedy: bool = False
-    """play the most likely action (the mean for continuous actions) instead of sampling"""
+    """the PPO family: play the most likely action (the mean for continuous actions) instead of
+    sampling (the replay family's evaluation policy is its own: DQN's ε-greedy, SAC's and TD3's
+    deterministic policy)"""
     video: bool = False
     """record an mp4 of the first episode under {run}/videos/evaluate__{timestamp}/"""
     seed: Annotated[Optional[int], tyro.conf.arg(help_behavior_hint="(default: the run's seed)")] = None
     """seed of the evaluation (the script plays with seed + 10000)"""
     out: Annotated[Optional[str], tyro.conf.arg(help_behavior_hint="(default: {run}/eval.json)")] = None
     """JSON file for the result"""
-    script: Annotated[Optional[str], tyro.conf.arg(help_behavior_hint="(default: the one that wrote it)")] = None
-    """the training script to evaluate with; by default the one that wrote the checkpoint, found by
-    the path it recorded, in the run folder, the folder above it, or the repository root"""
+    script: Annotated[Optional[str], tyro.conf.arg(help_behavior_hint="(default: the repository's of its name)")] = None
+    """the training script to evaluate with (your copy of one); by default the repository's script
+    of the name the checkpoint records"""
+    trust_env_module: bool = False
+    """make the run's own Gymnasium env (--env-id module:callable, --env-module), which imports
+    that module: only for a run folder whose author you trust"""
 
 
 def find_script(payload: dict, path: str, override: Optional[str]) -> Path:
-    """The file of the script that wrote the checkpoint at `path` (see the module docstring)."""
+    """The file of the script to play the checkpoint at `path` with: `override` (--script), else
+    the repository's script of the recorded name. Never the path the checkpoint records, nor a
+    file next to it: whoever wrote the checkpoint wrote those too, and importing runs them."""
     if override is not None:
         if not os.path.isfile(override):
             raise UsageError(f"--script {override}: no such file")
         return Path(override)
-    name, run_dir = payload["script"], Path(path).resolve().parent
-    candidates = [payload.get("script_path"), run_dir / name, run_dir.parent / name, REPO_ROOT / name]
-    for candidate in candidates:
-        if isinstance(candidate, (str, Path)) and Path(candidate).is_file() and Path(candidate).name == name:
-            return Path(candidate)
-    raise UsageError(
-        f"{path} was written by {name}, which is neither at {payload.get('script_path')} nor next to the run "
-        "nor in the repository root; pass --script PATH"
-    )
+    name, recorded = payload["script"], payload.get("script_path")
+    if (REPO_ROOT / name).is_file():  # read_checkpoint: a file name, no folder
+        return REPO_ROOT / name
+    where = f" (recorded at {recorded})" if isinstance(recorded, str) else ""
+    raise UsageError(f"{path} was written by {name}{where}, which is not a script of this repository; evaluate.py "
+                     "imports only those, or the file --script names: pass --script PATH if you trust it")
 
 
 def load_training_script(script: Path):
@@ -130,6 +139,20 @@ def restore(module, args, payload: dict, path: str):
     return built, normalizer, restored["params"]
 
 
+def player(module, args, built, greedy: bool):
+    """(policy, initial core, the policy in words): the script's evaluation policy, as its run
+    plays it at the end of training; `greedy` (the PPO family): the most likely action."""
+    if hasattr(module, "evaluation_player"):  # the replay family: its evaluation policy is its own
+        policy, initial_core = module.evaluation_player(args, built)
+        words = f"the run's own evaluation policy, {getattr(module, 'EVAL_POLICY', 'its evaluation_player')}"
+        return policy, initial_core, words + (" (--greedy changes nothing for it)" if greedy else "")
+    network, continuous = built[0], built[2]
+    policy = module.make_policy_step(network, continuous, values=False, greedy=greedy)
+    words = ("the most likely action (the mean for continuous actions; the run's own evaluation samples)" if greedy
+             else "the run's own evaluation policy, actions sampled from it")
+    return policy, functools.partial(module.zero_core, network.lstm_size), words
+
+
 def main(cli: EvalArgs) -> int:
     warnings.filterwarnings("ignore", message=".*precision lowered.*")  # gymnasium's Box casts
     if cli.episodes <= 0:
@@ -138,6 +161,8 @@ def main(cli: EvalArgs) -> int:
         raise UsageError(f"{cli.run} does not exist; pass a run folder (runs/<run>/) or its {CHECKPOINT}")
     path = checkpoints.checkpoint_path(cli.run)
     payload = checkpoints.read_checkpoint(path)
+    if not cli.trust_env_module:
+        checkpoints.check_trusted(payload["config"], [], path, "pass --trust-env-module")
     module = load_training_script(find_script(payload, path, cli.script))
     args = rebuild_args(module, payload["config"], path)
     if cli.seed is not None:
@@ -147,14 +172,9 @@ def main(cli: EvalArgs) -> int:
 
     run_dir = os.path.dirname(os.path.abspath(path))
     video_dir = os.path.join(run_dir, "videos", f"evaluate__{int(time.time())}") if cli.video else None
-    print(f"{Path(module.__file__).name}: {args.env_id}, step {global_step}, "
-          f"{cli.episodes} {'greedy' if cli.greedy else 'sampled'} episodes")
-    if hasattr(module, "evaluation_player"):  # ε-greedy at the script's evaluation ε (--greedy: the same)
-        policy, initial_core = module.evaluation_player(args, built)
-    else:
-        network, continuous = built[0], built[2]
-        policy = module.make_policy_step(network, continuous, values=False, greedy=cli.greedy)
-        initial_core = functools.partial(module.zero_core, network.lstm_size)
+    policy, initial_core, words = player(module, args, built, cli.greedy)
+    own = f"; the run's own evaluation played {args.eval_episodes} at the end of training" if args.eval_episodes else ""
+    print(f"{Path(module.__file__).name}: {args.env_id}, step {global_step}: {cli.episodes} episodes with {words}{own}")
     scores = evaluation.evaluate(policy, params, initial_core, args, normalizer, cli.episodes, video_dir)
     videos = sorted(os.path.join(video_dir, f) for f in os.listdir(video_dir)) if video_dir and os.path.isdir(video_dir) else []
     result = {
@@ -164,7 +184,8 @@ def main(cli: EvalArgs) -> int:
         "scores": [float(s) for s in scores],
         "checkpoint": os.path.abspath(path),
         "global_step": global_step,
-        "greedy": cli.greedy,
+        "greedy": cli.greedy and not hasattr(module, "evaluation_player"),
+        "policy": words,
         "script": payload["script"],
         "env_id": args.env_id,
         "seed": args.seed,

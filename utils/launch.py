@@ -122,13 +122,24 @@ def new_run(script: str, run: dict, common: list, exp_name: str) -> list:
             "--exp-name", f"{exp_name}__{run['config']}"]
 
 
+def env_flags(common: list) -> list:
+    """The sweep's --env-id and --env-module as its command line named them: a resume names them
+    again, so that a user's env module, which a run folder alone never imports, is imported."""
+    out = []
+    for i, token in enumerate(common):
+        name = token.split("=")[0]
+        if name in ("--env-id", "--env-module"):
+            out += [token] if "=" in token else common[i:i + 2]
+    return out
+
+
 def command(script: str, run: dict, common: list, exp_name: str, log) -> list:
     """A run's command: `--resume` of one that saved a checkpoint, else a new run. An earlier
     attempt that saved none (a run killed before its first checkpoint) is cleared first, its
     log kept: nothing in it can be resumed, and a new run refuses a folder holding it."""
     ckpt = os.path.join(run["dir"], CHECKPOINT)
     if os.path.exists(ckpt) or complete_tmp(ckpt):
-        return [sys.executable, script, "--resume", run["dir"]]
+        return [sys.executable, script, "--resume", run["dir"], *env_flags(common)]
     if os.path.exists(os.path.join(run["dir"], CONFIG)) and not folders.held(run["dir"]):
         folders.remove_new(run["dir"], {LOG})
         print(f"launch.py: the attempt before saved no checkpoint; starting {run['name']} afresh", file=log, flush=True)
@@ -158,8 +169,9 @@ def slurm_script(args: LaunchArgs, runs: list, common: list) -> str:
              f"#SBATCH --output={output}", "", "case $SLURM_ARRAY_TASK_ID in"]
     for i, run in enumerate(runs):
         new = " ".join(shlex.quote(token) for token in new_run(args.script, run, common, args.name))
-        lines.append(f"  {i}) if [ -f {shlex.quote(run['dir'])}/{CHECKPOINT} ]; then python {shlex.quote(args.script)} "
-                     f"--resume {shlex.quote(run['dir'])}; else python {new}; fi ;;")
+        resume = " ".join(shlex.quote(token) for token in [args.script, "--resume", run["dir"], *env_flags(common)])
+        lines.append(f"  {i}) if [ -f {shlex.quote(run['dir'])}/{CHECKPOINT} ]; then python {resume}; "
+                     f"else python {new}; fi ;;")
     return "\n".join([*lines, "esac", ""])
 
 
