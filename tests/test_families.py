@@ -184,7 +184,8 @@ def test_every_envpool_task_builds_a_network_or_exits_with_one_line(capsys, monk
             obs = tasks.zeros_like_space(obs_space, 2)
             params = jax.eval_shape(network.init, jax.random.PRNGKey(0), obs)
             pi, value, _ = jax.eval_shape(network.apply, params, obs)
-            action, logprob, _, _, _ = jax.eval_shape(policy_step, params, obs, None, jax.random.PRNGKey(0))
+            action, logprob, _, _ = jax.eval_shape(policy_step, params, obs, None, jax.random.PRNGKey(0), np.arange(2),
+                                                   np.zeros(2, np.int32))
             assert value.shape == logprob.shape == (2,) and action.shape == (2, *policy_space.shape), args.env_id
             networks[signature] = args.env_id
     built, reasons = counts["ppo_sync_baseline.py"]
