@@ -91,7 +91,7 @@ RUNS = {
     "xla-actor": ("appo_envpool_xla.py", dict(num_splits=1)),
     "appo-masked-factored": ("appo_envpool.py", dict(env_id="Cleaner-v0", num_splits=2)),  # a mask row a dimension
     "dqn": ("dqn_envpool.py", dict(TINY_REPLAY, actor_lag=1, num_splits=2, prioritized_replay=True, n_step=3)),
-    "dqn-masked": ("dqn_envpool.py", dict(TINY_REPLAY, env_id="Minesweeper-v0", actor_lag=1, num_splits=2)),  # joint
+    "dqn-masked": ("dqn_envpool.py", dict(TINY_REPLAY, env_id="Minesweeper-v0", actor_lag=1, num_splits=2, replay_ratio=1)),
     "sac": ("sac_envpool.py", dict(TINY_REPLAY, env_id="Pendulum-v1", actor_lag=1, num_splits=2)),
     "td3": ("td3_envpool.py", dict(TINY_REPLAY, env_id="Pendulum-v1", actor_lag=1)),
 }
