@@ -126,6 +126,10 @@ class Args(flags.RunArgs):
     """C51's smallest return"""
     v_max: float = 10.0
     """C51's largest return"""
+    action_mask: bool = True
+    """where the observation holds an "action_mask" (Jumanji's tasks, your env's Dict), ε-greedy
+    explores, acts greedily and takes its target's maximum over legal actions; --no-action-mask: it
+    is only an input"""
     num_threads: Annotated[int, NON_NEGATIVE, at_most(1024)] = 0
     """envpool worker threads of each actor thread (0: the CPU cores shared among the actor threads)"""
     num_actor_threads: Annotated[int, POSITIVE, at_most(256)] = 1
@@ -168,7 +172,10 @@ def resolve_args(args: Args) -> Args:
     """The flags left at None filled from the task's preset, and all checked: UsageError, one
     line, before anything starts (runs.checked holds the checks every script's flags take)."""
     fill = tasks.preset_values(args, PRESETS)
-    if not hasattr(tasks.spaces(args.env_id)[1], "n"):
+    if hasattr(tasks.policy_space(args.env_id), "nvec"):
+        raise UsageError(f"--env-id {args.env_id} has multi-discrete actions without a joint mask (a factored policy, one "
+                         "choice a dimension); DQN's Q-values are over one set of actions: use appo_envpool.py")
+    if not hasattr(tasks.policy_space(args.env_id), "n"):
         raise UsageError(f"--env-id {args.env_id} has continuous actions; DQN picks one of a finite set: "
                          "use sac_envpool.py (or appo_envpool.py)")
     if args.num_splits is None:
@@ -220,6 +227,7 @@ class QNetwork(nn.Module):
     encoders: tuple  # tasks.leaf_encoder of each observation leaf
     dueling: bool = False
     num_atoms: int = 0  # 0: plain Q-values
+    action_mask: bool = False  # the observation's "action_mask" is applied (legal_actions)
 
     @nn.compact
     def __call__(self, obs):
@@ -268,13 +276,33 @@ def importance_exponent(args, step: int) -> float:
     return args.priority_beta + (1.0 - args.priority_beta) * min(1.0, step / args.total_timesteps)
 
 
-def q_targets(next_q_target, next_q_online, reward, discount, double: bool):
+def q_targets(next_q_target, next_q_online, reward, discount, double: bool, legal=None):
     """The (n-step) DQN target [B]: reward + discount x Q_target(s', a'), where a' is the target
     network's argmax (Mnih et al. 2015) or, `double`, the online network's (van Hasselt et al.
-    2016, eq. 4). next_q_*: [B, A]; reward, discount [B] (discount: gamma^k, 0 after a termination)."""
-    choice = next_q_online if double else next_q_target
-    best = jnp.argmax(choice, axis=-1)
+    2016, eq. 4), among the actions `legal` in s' ([B, A]: see legal_argmax). next_q_*: [B, A];
+    reward, discount [B] (discount: gamma^k, 0 after a termination)."""
+    best = legal_argmax(next_q_online if double else next_q_target, legal)
     return reward + discount * jnp.take_along_axis(next_q_target, best[:, None], axis=-1)[:, 0]
+
+
+def legal_argmax(q, legal):
+    """The best action [B] by `q` [B, A] among the legal ones: `legal` [B, A] nonzero (a row with
+    none: action 0, whose Q-value stays finite); None: all."""
+    return jnp.argmax(q if legal is None else jnp.where(legal > 0, q, -jnp.inf), axis=-1)
+
+
+def legal_actions(network, obs, batch_size: int):
+    """The legal actions [B, A] of a batch of observations: their "action_mask" (a joint one over
+    several dimensions flattened, as tasks.policy_space) with `network.action_mask`; else None."""
+    return obs["action_mask"].reshape(batch_size, -1) if network.action_mask else None
+
+
+def random_legal(legal, uniform):
+    """An action [B] drawn uniformly among the legal ones of each row of `legal` [B, A] (nonzero:
+    legal; a row with none: action 0) by the row's uniform in [0, 1) (`uniform` [B])."""
+    count = np.maximum(np.count_nonzero(legal, axis=1), 1)
+    k = np.minimum((uniform * count).astype(np.int64), count - 1)  # the k-th legal action
+    return np.argmax(np.cumsum(legal > 0, axis=1) > k[:, None], axis=1)
 
 
 def c51_project(next_probs, reward, discount, support):
@@ -304,11 +332,12 @@ def dqn_loss(params, target_params, network, batch, args: Args, support):
     next_target = network.apply(target_params, batch["next_obs"])
     next_online = network.apply(params, batch["next_obs"]) if args.double_dqn else next_target
     action = batch["action"].astype(jnp.int32)[:, None]
+    legal = legal_actions(network, batch["next_obs"], len(action))  # the masks stored with the transitions
     if args.c51:
         def values(logits):
             return jnp.sum(jax.nn.softmax(logits) * support, axis=-1)
 
-        best = jnp.argmax(values(next_online), axis=-1)[:, None, None]
+        best = legal_argmax(values(next_online), legal)[:, None, None]
         next_probs = jax.nn.softmax(jnp.take_along_axis(next_target, best, axis=1)[:, 0])
         target = jax.lax.stop_gradient(c51_project(next_probs, batch["reward"], batch["discount"], support))
         log_p = jax.nn.log_softmax(jnp.take_along_axis(q, action[..., None], axis=1)[:, 0])
@@ -316,7 +345,7 @@ def dqn_loss(params, target_params, network, batch, args: Args, support):
         q_taken, losses = jnp.sum(jnp.exp(log_p) * support, axis=-1), errors
     else:
         target = jax.lax.stop_gradient(q_targets(next_target, next_online, batch["reward"], batch["discount"],
-                                                 args.double_dqn))
+                                                 args.double_dqn, legal))
         q_taken = jnp.take_along_axis(q, action, axis=-1)[:, 0]
         errors = q_taken - target
         losses = optax.huber_loss(q_taken, target, delta=args.huber_delta) if args.huber_delta else 0.5 * errors**2
@@ -330,35 +359,42 @@ def dqn_loss(params, target_params, network, batch, args: Args, support):
 
 def make_greedy(network, c51: bool, support):
     """One jitted call: the greedy actions [B] of a batch of observations (C51: by the expected
-    values)."""
+    values), among the legal ones."""
 
     @jax.jit
     def greedy(params, obs):
         q = network.apply(params, obs)
-        return jnp.argmax(jnp.sum(jax.nn.softmax(q) * support, axis=-1) if c51 else q, axis=-1)
+        values = jnp.sum(jax.nn.softmax(q) * support, axis=-1) if c51 else q
+        return legal_argmax(values, legal_actions(network, obs, len(q)))
 
     return greedy
 
 
-def epsilon_greedy(greedy, params, obs, epsilon, num_actions: int, draws):
+def epsilon_greedy(greedy, params, obs, epsilon, num_actions: int, draws, legal=None):
     """ε-greedy actions [B] for `epsilon` [B], from the envs' uniforms `draws` [B, 2] (whether to
-    explore, which action): the draws on the host, and the network called only where an env acts
-    greedily (as CleanRL's loop, which skips it while it explores)."""
+    explore, which action: among the `legal` ones [B, A], None: all): the draws on the host, and
+    the network called only where an env acts greedily (as CleanRL's loop, which skips it while it
+    explores)."""
     explore = draws[:, 0] < epsilon
-    action = np.minimum((draws[:, 1] * num_actions).astype(np.int64), num_actions - 1)
+    if legal is None:
+        action = np.minimum((draws[:, 1] * num_actions).astype(np.int64), num_actions - 1)
+    else:
+        action = random_legal(legal, draws[:, 1])
     if explore.all():
         return action
     return np.where(explore, action, np.asarray(greedy(params, obs)))
 
 
-def make_act(greedy, args: Args, num_actions: int, streams: EnvStreams):
+def make_act(greedy, args: Args, network, streams: EnvStreams):
     """One actor thread's behaviour policy, act(params, obs, env_ids, steps) -> actions, for
     jax_async_rl.rounds: ε-greedy with each env's ε at the run's env step (epsilon_at; the envs'
-    steps x the envs: as if they stepped in lockstep), each env's draws from its own stream."""
+    steps x the envs: as if they stepped in lockstep), each env's draws from its own stream, among
+    the legal actions of `obs`."""
 
     def act(params, obs, env_ids, steps):
         epsilon = epsilon_at(args, int(steps.max()) * devices.global_envs(args))[env_ids]
-        return epsilon_greedy(greedy, params, obs, epsilon, num_actions, streams.uniform(env_ids, steps))
+        legal = legal_actions(network, obs, len(env_ids))
+        return epsilon_greedy(greedy, params, obs, epsilon, network.action_dim, streams.uniform(env_ids, steps), legal)
 
     return act
 
@@ -373,14 +409,15 @@ def acting_version(rollout: int, actor_lag) -> int:
 
 def evaluation_player(args: Args, built):
     """The evaluation's policy(params, obs, core, key, env_ids, steps) -> (actions, None, None,
-    None): ε-greedy at EVAL_EPSILON; its initial core (none), for a run's `build`; utils/evaluate.py
-    calls it too."""
+    None): ε-greedy at EVAL_EPSILON among the legal actions; its initial core (none), for a run's
+    `build`; utils/evaluate.py calls it too."""
     network, _, support, _, _ = built
     greedy, streams = make_greedy(network, args.c51, support), EnvStreams(args.seed + 10_000, 0, 100, 2)
 
     def policy(params, obs, core, key, env_ids, steps):
-        epsilon = np.full(len(env_ids), EVAL_EPSILON)
-        return epsilon_greedy(greedy, params, obs, epsilon, network.action_dim, streams.uniform(env_ids, steps)), None, None, None
+        epsilon, legal = np.full(len(env_ids), EVAL_EPSILON), legal_actions(network, obs, len(env_ids))
+        draws = streams.uniform(env_ids, steps)
+        return epsilon_greedy(greedy, params, obs, epsilon, network.action_dim, draws, legal), None, None, None
 
     return policy, lambda num_envs: None
 
@@ -438,8 +475,9 @@ def make_update(network, optimizer, args: Args, support, mesh=None):
 def build(args: Args, key):
     """(network, optimizer, support, normalizer, initial state) of a run with these flags; a
     checkpoint restores into `dict(state, **normalizer.state())` (utils/evaluate.py does too)."""
-    obs_space, action_space = tasks.spaces(args.env_id)
-    network = QNetwork(int(action_space.n), tasks.encoders(obs_space), args.dueling, args.num_atoms if args.c51 else 0)
+    obs_space, action_space = tasks.spaces(args.env_id)[0], tasks.policy_space(args.env_id)  # a joint mask: the product
+    network = QNetwork(int(action_space.n), tasks.encoders(obs_space), args.dueling, args.num_atoms if args.c51 else 0,
+                       args.action_mask and tasks.mask_shape(obs_space) is not None)
     params = network.init(key, tasks.zeros_like_space(obs_space, 1))
     optimizer = optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adam(args.learning_rate, eps=args.adam_eps))
     support = jnp.linspace(args.v_min, args.v_max, args.num_atoms)
@@ -451,7 +489,7 @@ def build(args: Args, key):
 
 def make_replay(args: Args, envs):
     """The learner's buffer over all this process's envs; Atari's frame stacks stored a frame a row."""
-    obs_space, action_space = tasks.spaces(args.env_id)
+    obs_space, action_space = tasks.spaces(args.env_id)[0], tasks.policy_space(args.env_id)
     stack = obs_space.shape[0] if tasks.env_kind(args.env_id) == "atari" else 1
     return Replay(args.buffer_size, devices.local_envs(args), tasks.zeros_like_space(obs_space, 1),
                   np.zeros(1, action_space.dtype), args.n_step, args.gamma, stack,
@@ -475,7 +513,7 @@ def main(args: Args, given=None) -> int:
         greedy = make_greedy(network, args.c51, support)
         shared = threads.Shared(state["params"], state["policy_version"], normalizer, run.sampled, run.stop,
                                 learning=not args.serial, keep=(args.actor_lag or 0) + 2)
-        collectors = [rounds.Collector(envs[i], make_act(greedy, args, network.action_dim, EnvStreams(seed, i * args.num_envs,
+        collectors = [rounds.Collector(envs[i], make_act(greedy, args, network, EnvStreams(seed, i * args.num_envs,
                                        args.num_envs, 2)), args, i, shared, run.start_update) for i, (_, seed, _) in enumerate(actors)]
         learner = rounds.Learner(run, make_replay(args, envs), make_update(network, optimizer, args, support, run.mesh),
                                  np.random.default_rng(run.seed), shared.timing, args.learning_rate,

@@ -91,6 +91,9 @@ class Args(flags.RunArgs):
     """True: normalise observations by a running mean and std, clipped to [-10, 10] (CleanRL, MuJoCo)"""
     norm_reward: Annotated[Optional[bool], PRESET] = None
     """True: divide rewards by the running std of the discounted return, clipped to [-10, 10]"""
+    action_mask: bool = True
+    """illegal actions get no probability, in acting and learning, where the observation holds an
+    "action_mask" (Jumanji's tasks, your env's Dict); --no-action-mask: it is only an input"""
     lstm: bool = False
     """an LSTM core between the encoder and the policy/value heads (TorchBeast's --use_lstm, Sample
     Factory's --use_rnn), its state carried per env and reset where an episode starts"""
@@ -192,6 +195,8 @@ class ActorCritic(nn.Module):
     continuous: bool
     encoders: tuple  # tasks.leaf_encoder of each observation leaf
     lstm_size: int = 0  # 0: no LSTM
+    heads: tuple = ()  # a factored policy's choices in each of D dimensions: A = D x the most (legal_actions)
+    action_mask: bool = False  # the observation's "action_mask" is applied (legal_actions)
 
     @nn.compact
     def __call__(self, obs, core=None):
@@ -249,29 +254,55 @@ class ActorCritic(nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 
-def sample_action(pi, keys, continuous: bool, greedy: bool = False):
-    """Sample actions [B] (discrete) or [B, A] (Gaussian, unclipped) from `pi`, row i with key
-    keys[i] (its env's at its step: jax_async_rl.keys.env_keys, so that an env's draws do not
-    depend on the batch); `greedy`: the most likely ones (the mean) instead."""
+def sample_action(pi, keys, continuous: bool, greedy: bool = False, legal=None):
+    """Sample actions [B] (discrete; [B, D] factored) or [B, A] (Gaussian, unclipped) from `pi`,
+    row i with key keys[i] (its env's at its step: keys.env_keys, so an env's draws do not depend
+    on the batch), only `legal` ones (masked_logits); `greedy`: the most likely ones (the mean)."""
     if continuous:
         mean, log_std = jnp.split(pi, 2, axis=-1)
         noise = jax.vmap(lambda key, m: jax.random.normal(key, m.shape))(keys, mean)
         return mean if greedy else mean + jnp.exp(log_std) * noise
+    pi = masked_logits(pi, legal)
     return jnp.argmax(pi, -1) if greedy else jax.vmap(jax.random.categorical)(keys, pi)
 
 
-def log_prob_entropy(pi, actions, continuous: bool):
-    """Log-probability of `actions` under `pi` and the policy's entropy, both [B]."""
+def log_prob_entropy(pi, actions, continuous: bool, legal=None):
+    """Log-probability of `actions` under `pi` and the policy's entropy, both [B], with only `legal`
+    actions (masked_logits); a factored policy's (actions [B, D]) are the sums over its dimensions."""
     if continuous:
         mean, log_std = jnp.split(pi, 2, axis=-1)
         z = (actions - mean) / jnp.exp(log_std)
         logprob = jnp.sum(-0.5 * z**2 - log_std - 0.5 * jnp.log(2 * jnp.pi), axis=-1)
         entropy = jnp.sum(log_std + 0.5 * (1.0 + jnp.log(2 * jnp.pi)), axis=-1)
         return logprob, entropy
-    log_p = jax.nn.log_softmax(pi)
+    log_p = jax.nn.log_softmax(masked_logits(pi, legal))
     logprob = jnp.take_along_axis(log_p, actions[..., None].astype(jnp.int32), axis=-1)[..., 0]
     entropy = -jnp.sum(jnp.exp(log_p) * log_p, axis=-1)
+    if log_p.ndim > pi.ndim:  # independent dimensions: log-probabilities and entropies add
+        return logprob.sum(-1), entropy.sum(-1)
     return logprob, entropy
+
+
+def masked_logits(pi, legal):
+    """The logits `pi` [..., A] with every action that `legal` (nonzero: legal) forbids at the
+    lowest float: it gets no probability, and log-probabilities stay finite (Huang & Ontanon 2022).
+    `legal` [..., A]: one categorical; [..., D, K] with D x K = A: D of them, the logits returned
+    [..., D, K]; None: `pi` as it is."""
+    if legal is None:
+        return pi
+    return jnp.where(legal > 0, pi.reshape(legal.shape), jnp.finfo(pi.dtype).min)
+
+
+def legal_actions(network, obs, pi):
+    """What masked_logits takes for the logits `pi` [..., A] of observations `obs`: their
+    "action_mask" (with `network.action_mask`) as [..., A], a joint one flattened; with
+    `network.heads` (a factored policy: D dimensions of at most K choices) [..., D, K], where a
+    dimension's values past its own choices are illegal too; None: all legal."""
+    if not network.heads:
+        return obs["action_mask"].reshape(pi.shape) if network.action_mask else None
+    choices = np.arange(max(network.heads)) < np.array(network.heads)[:, None]  # [D, K]
+    legal = obs["action_mask"].reshape(*pi.shape[:-1], *choices.shape) if network.action_mask else 1
+    return jnp.broadcast_to(legal * choices, (*pi.shape[:-1], *choices.shape))
 
 
 def vtrace(
@@ -367,8 +398,9 @@ def make_policy_step(network, continuous: bool, values: bool = True, greedy: boo
     @jax.jit
     def policy_step(params, obs, core, key, env_ids, steps):
         pi, value, state = network.apply(params, obs, core)
-        action = sample_action(pi, env_keys(key, env_ids, steps, jnp), continuous, greedy)
-        logprob, _ = log_prob_entropy(pi, action, continuous)
+        legal = legal_actions(network, obs, pi)
+        action = sample_action(pi, env_keys(key, env_ids, steps, jnp), continuous, greedy, legal)
+        logprob, _ = log_prob_entropy(pi, action, continuous, legal)
         return action, logprob, value if values else None, state
 
     return policy_step
@@ -502,7 +534,7 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
     memory = zero_core(args.lstm_size, B)[0] if args.lstm else None  # (c, h) [B, lstm_size], by env id
     stats, timing, pushed = tasks.EpisodeStats(B), shared.timing, 0
     dones, memory = start_envs(envs, resume, shared.normalizer, stats, memory, thread * B)
-    trajectories = Trajectories(T, B, envs.action_space, memory, first * T, resume is not None, dones)
+    trajectories = Trajectories(T, B, tasks.policy_space(args.env_id), memory, first * T, resume is not None, dones)
     core = held = params = None  # held: the version of `params`
     while pushed < num_rollouts and not shared.stop.is_set():
         start = time.perf_counter()
@@ -574,13 +606,15 @@ def rollout_forward(network, params, rollout, continuous: bool):
         obs = jax.tree.map(lambda x, y: jnp.concatenate([x, y[None]]), rollout["obs"], rollout["bootstrap_obs"])
         first = jnp.concatenate([rollout["first"], 1.0 - rollout["valid"][-1:]])
         pi, values, _ = network.apply(params, obs, (rollout["state"], first))
-        logprobs, entropy = log_prob_entropy(pi[:-1], rollout["actions"], continuous)
+        legal = legal_actions(network, rollout["obs"], pi[:-1])  # the masks stored with the rollout
+        logprobs, entropy = log_prob_entropy(pi[:-1], rollout["actions"], continuous, legal)
         return logprobs, entropy, values[:-1], values[-1]
     def rows(x):  # [T, B, ...] -> [B x T, ...], env-major: rows stay on the learner device that holds their env
         return jnp.swapaxes(x, 0, 1).reshape(B * T, *x.shape[2:])
 
-    pi, values, _ = network.apply(params, jax.tree.map(rows, rollout["obs"]))
-    logprobs, entropy = log_prob_entropy(pi, rows(rollout["actions"]), continuous)
+    obs = jax.tree.map(rows, rollout["obs"])
+    pi, values, _ = network.apply(params, obs)
+    logprobs, entropy = log_prob_entropy(pi, rows(rollout["actions"]), continuous, legal_actions(network, obs, pi))
     _, bootstrap_value, _ = network.apply(params, rollout["bootstrap_obs"])
     return *(x.reshape(B, T).T for x in (logprobs, entropy, values)), bootstrap_value
 
@@ -668,10 +702,12 @@ def learner_loop(run, update, shared, queues, key):
 def build(args: Args, key):
     """(network, optimizer, continuous, normalizer, initial state) of a run with these flags; a
     checkpoint restores into `dict(state, **normalizer.state())` (utils/evaluate.py does too)."""
-    obs_space, action_space = tasks.spaces(args.env_id)
-    continuous = not hasattr(action_space, "n")
-    action_dim = int(np.prod(action_space.shape)) if continuous else int(action_space.n)
-    network = ActorCritic(action_dim, continuous, tasks.encoders(obs_space), args.lstm_size if args.lstm else 0)
+    obs_space, action_space = tasks.spaces(args.env_id)[0], tasks.policy_space(args.env_id)  # what the policy samples
+    heads = tuple(map(int, getattr(action_space, "nvec", ())))  # multi-discrete, factored: a categorical a dimension
+    continuous = not hasattr(action_space, "n") and not heads
+    action_dim = len(heads) * max(heads) if heads else int(getattr(action_space, "n", np.prod(action_space.shape)))
+    network = ActorCritic(action_dim, continuous, tasks.encoders(obs_space), args.lstm_size if args.lstm else 0, heads,
+                          args.action_mask and tasks.mask_shape(obs_space) is not None)
     params = network.init(key, tasks.zeros_like_space(obs_space, 1), zero_core(network.lstm_size, 1))
     optimizer = make_optimizer(args)
     normalizer = Normalizer(tasks.zeros_like_space(obs_space), devices.local_envs(args), args.norm_obs, args.norm_reward,
@@ -689,7 +725,7 @@ def main(args: Args, given=None) -> int:
         args = run.args
         network, optimizer, continuous, normalizer, state = build(args, run.init_key)
         state = run.open(state, normalizer)
-        resumes = run.journal_for(tasks.spaces(args.env_id)[1])  # --deterministic: a resume replays the run's actions
+        resumes = run.journal_for(tasks.policy_space(args.env_id))  # --deterministic: a resume replays the run's actions
         actors = run.actors()  # (device, env seed, action key) of each actor thread
         envs = [tasks.make_actor_env(args.env_id, args.num_envs, seed, run.env_threads, args.num_splits, args.deterministic)
                 for _, seed, _ in actors]

@@ -115,7 +115,7 @@ def resolve_args(args: Args) -> Args:
     """The flags checked: UsageError, one line, before anything starts (runs.checked holds the
     checks every script's flags take)."""
     tasks.preset_values(args, {"classic": {}})  # the task known and checked
-    if hasattr(tasks.spaces(args.env_id)[1], "n"):
+    if not np.issubdtype(tasks.spaces(args.env_id)[1].dtype, np.floating):  # Discrete, integer Box, MultiDiscrete
         raise UsageError(f"--env-id {args.env_id} has discrete actions; this script's policy is a continuous "
                          "one: use dqn_envpool.py (or appo_envpool.py)")
     space = tasks.spaces(args.env_id)[1]

@@ -86,10 +86,12 @@ class RunArgs:
     """The flags of a run that no algorithm changes: task, budget, devices, folder, logs."""
 
     env_id: str = "Pong-v5"
-    """envpool task id of any single-agent family with Discrete or continuous actions (or your own
-    Gymnasium env: see --env-module): Atari `*-v5`,
+    """envpool task id of any single-agent family with Discrete, continuous or multi-discrete actions
+    (or your own Gymnasium env: see --env-module): Atari `*-v5`,
     classic control, Box2D (CarRacing-v3), MuJoCo, dm_control (CheetahRun-v1), MiniGrid and BabyAI,
-    MetaWorld, MyoSuite, Gymnasium-Robotics (FetchReach-v1), highway-env, gfootball, toy text, ..."""
+    MetaWorld, MyoSuite, Gymnasium-Robotics (FetchReach-v1), highway-env, gfootball, toy text,
+    Jumanji (several integers: one categorical over their product where the action mask is joint,
+    else one a dimension; docs/families.md lists each task's), ..."""
     env_module: Optional[str] = None
     """import this module first: it registers --env-id, a Gymnasium env of yours (from the working
     directory or sys.path); or pass --env-id module:callable (a gymnasium.Env class or a function)"""

@@ -16,6 +16,8 @@ Stacked frames (`frame_stack` > 1, Atari's `[4, 84, 84]`) are stored one frame a
 and the stack is rebuilt when sampling: frame j of `obs_t` is the newest frame of row
 `t - min(stack - 1 - j, elapsed_t)`, because envpool starts an episode's stack with copies of its
 first frame. 1M Atari rows take 1M x (84 x 84 + 11) bytes, 7.07 GB (whole stacks: 28 GB).
+The legal actions of an observation (its "action_mask" leaf) are stored as bits, 8 actions a byte,
+and given back in the env's shape and dtype.
 
 `live` marks the slots that start a complete transition. Uniform replay draws them with
 replacement (slots drawn over the ring, those not live drawn again); prioritised replay (Schaul
@@ -30,6 +32,7 @@ import jax
 
 from jax_async_rl import devices, tasks
 from jax_async_rl.flags import UsageError
+from jax_async_rl.tasks import MASK
 
 
 def check_rounds(args, min_rows: int):
@@ -138,7 +141,12 @@ class Replay:
             example = np.asarray(example)
             return np.zeros((self.rows, num_envs, *example.shape[2 if frames else 1:]), example.dtype)
 
-        self.obs = jax.tree.map(lambda x: storage(x, frame_stack > 1), obs_example)
+        leaves, tree = jax.tree_util.tree_flatten_with_path(obs_example)
+        self.bits = {i: (np.shape(x)[1:], np.asarray(x).dtype) for i, (path, x) in enumerate(leaves)  # masks' leaves
+                     if path and getattr(path[-1], "key", None) == MASK}
+        self.obs = jax.tree.unflatten(tree, [storage(x, frame_stack > 1) if i not in self.bits else
+                                             storage(np.zeros((1, -(-np.size(x[0]) // 8)), np.uint8))  # bytes of bits
+                                             for i, (_, x) in enumerate(leaves)])
         self.action = storage(action_example)
         self.reward = np.zeros((self.rows, num_envs), np.float32)
         self.terminated = np.zeros((self.rows, num_envs), bool)
@@ -171,8 +179,10 @@ class Replay:
         before[order] = np.arange(len(e)) - np.searchsorted(e[order], e[order])  # its env's rows before it
         t = self.count[e] + before
         rows = t % self.rows
-        for store, value in zip(jax.tree.leaves(self.obs), jax.tree.leaves(obs)):
+        for i, (store, value) in enumerate(zip(jax.tree.leaves(self.obs), jax.tree.leaves(obs))):
             value = np.asarray(value)
+            if i in self.bits:
+                value = np.packbits(value.reshape(len(value), -1) > 0, axis=-1)
             store[rows, e] = value[:, -1] if self.stack > 1 else value
         self.action[rows, e] = action
         self.reward[rows, e] = reward
@@ -202,10 +212,18 @@ class Replay:
     def stacked(self, t, e):
         """The observations of rows t of envs e, their frame stacks rebuilt."""
         if self.stack == 1:
-            return jax.tree.map(lambda store: store[t % self.rows, e], self.obs)
+            return self.read((t % self.rows, e))
         back = self.back[t % self.rows, e].astype(np.int64)[:, None]
         rows = (t[:, None] - np.minimum(np.arange(self.stack - 1, -1, -1), back)) % self.rows  # [B, stack]
-        return jax.tree.map(lambda store: store[rows, e[:, None]], self.obs)
+        return self.read((rows, e[:, None]))
+
+    def read(self, index):
+        """Every observation leaf at `index` (rows and envs), masks unpacked from their bits."""
+        out = [store[index] for store in jax.tree.leaves(self.obs)]
+        for i, (shape, dtype) in self.bits.items():
+            size = int(np.prod(shape))
+            out[i] = np.unpackbits(out[i], axis=-1, count=size).reshape(*out[i].shape[:-1], *shape).astype(dtype)
+        return jax.tree.unflatten(jax.tree.structure(self.obs), out)
 
     def sample(self, batch_size: int, rng: np.random.Generator, beta: float = 0.0, num_batches: int = 0):
         """One batch, or with `num_batches` that many [num_batches, batch_size, ...] drawn at once

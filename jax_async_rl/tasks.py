@@ -24,6 +24,7 @@ from jax_async_rl.flags import UsageError
 # envpool's module of a task (envpool.mujoco.dmc, ...) -> the PRESETS family it takes.
 FAMILIES = {"atari": "atari", "mujoco.dmc": "dm_control", "minigrid": "minigrid", "highway": "highway", "gfootball": "gfootball",
             "vizdoom": "vizdoom"}
+MASK = "action_mask"  # the observation leaf of the legal actions (Jumanji's tasks; a user's env's Dict)
 # VizDoom's buttons as one Discrete action: envpool's default is a float Box over [DBL_MIN, DBL_MAX].
 VIZDOOM = dict(use_combined_action=True)
 # A user's Gymnasium envs (--env-id module:callable, or --env-module): env id -> its maker, and
@@ -42,6 +43,7 @@ def register_user_env(args):
         USER_ENVS[args.env_id] = maker
         ENV_TIMEOUTS[args.env_id] = getattr(args, "env_timeout", 300.0)
         spaces.cache_clear()
+        policy_space.cache_clear()
 
 
 def user_maker(env_id: str, env_module, env_kwargs: str):
@@ -167,13 +169,18 @@ def check_task(env_id: str):
 
 
 def check_spaces(env_id: str, obs_space, action_space):
-    """The observation space, if these scripts can train on its and the action space's kinds."""
+    """The observation space, if these scripts can train on its and the action space's kinds (and
+    its "action_mask" leaf, if any, is a mask of these actions: see policy_space)."""
     kind = type(action_space).__name__
-    if not (kind == "Discrete" or kind == "Box" and np.issubdtype(action_space.dtype, np.floating)):
-        raise UsageError(
-            f"--env-id {env_id} has {action_space} actions (one discrete choice per dimension, as MultiDiscrete); "
-            "these scripts take Discrete or continuous (float Box) actions"
-        )
+    if kind not in ("Discrete", "Box", "MultiDiscrete"):
+        raise UsageError(f"--env-id {env_id} has {kind} actions; these scripts take Discrete, continuous (float Box) "
+                         "and multi-discrete (integer Box, MultiDiscrete) actions")
+    shape, nvec = mask_shape(obs_space), choices(action_space)[1]
+    fits = [] if nvec is None else [tuple(nvec.tolist()), (len(nvec), int(nvec.max()))]  # joint, one row a dimension
+    fits = [(int(action_space.n),)] if kind == "Discrete" else fits
+    if shape is not None and fits and shape not in fits:
+        raise UsageError(f"--env-id {env_id}: its observation's {MASK!r} {shape} is no mask of its {action_space} actions "
+                         f"(shapes that are: {' or '.join(map(str, fits))}); rename the leaf if it is something else")
     for leaf in jax.tree.leaves(space_tree(obs_space)):
         if type(leaf).__name__ not in ("Box", "Discrete", "MultiBinary"):
             raise UsageError(f"--env-id {env_id} has {type(leaf).__name__} observations; these scripts take Box, "
@@ -214,6 +221,44 @@ def make_env(env_id: str, num_envs: int, seed: int, num_threads: int, train: boo
     return envpool.make(
         env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, num_threads=num_threads, **kwargs
     )
+
+
+def mask_shape(obs_space):
+    """The shape of one observation's legal actions, its Dict's "action_mask" leaf (Jumanji's, or a
+    user's env's); None without one."""
+    tree = space_tree(obs_space)
+    return tuple(tree[MASK].shape) if isinstance(tree, dict) and MASK in tree else None
+
+
+def choices(action_space):
+    """(the lowest value [D], the number of choices [D]) of each dimension of integer (Box or
+    MultiDiscrete) actions, flattened; (None, None) for Discrete and continuous actions."""
+    if type(action_space).__name__ == "MultiDiscrete":
+        return np.ravel(action_space.start), np.ravel(action_space.nvec)
+    if hasattr(action_space, "n") or np.issubdtype(action_space.dtype, np.floating):
+        return None, None
+    low = np.ravel(action_space.low).astype(np.int64)
+    return low, np.ravel(action_space.high).astype(np.int64) - low + 1
+
+
+@functools.lru_cache(maxsize=None)
+def policy_space(env_id: str):
+    """The actions a policy samples for a task: Discrete and continuous actions as the env's. D
+    integer dimensions of n_1, ..., n_D choices (an integer Box, MultiDiscrete): where the
+    observation's "action_mask" is joint, of shape (n_1, ..., n_D) (Minesweeper, Tetris, BinPack),
+    Discrete(n_1 x ... x n_D), one categorical over their product, whose index env_action unravels
+    (row-major); else MultiDiscrete(n_1, ..., n_D), a factored policy: one categorical a dimension,
+    with a mask of one row per dimension, (D, max n_d) (Connector, Cleaner, RobotWarehouse), or none.
+    Continuous actions of several axes are flattened."""
+    obs_space, action_space = spaces(env_id)
+    nvec = choices(action_space)[1]
+    if nvec is None and len(getattr(action_space, "shape", ())) > 1:  # continuous, flattened (SearchAndRescue's [2, 2])
+        return gymnasium.spaces.Box(action_space.low.ravel(), action_space.high.ravel(), dtype=action_space.dtype)
+    if nvec is None:
+        return action_space
+    if mask_shape(obs_space) == tuple(nvec):
+        return gymnasium.spaces.Discrete(int(np.prod(nvec)))
+    return gymnasium.spaces.MultiDiscrete(nvec)
 
 
 def make_actor_env(env_id: str, num_envs: int, seed: int, num_threads: int, num_splits: int, deterministic: bool):
@@ -258,10 +303,18 @@ class SplitPools:
 
 
 def env_action(action, action_space):
-    """Gaussian actions are clipped to the action bounds before they reach the environment."""
+    """The env's action for the policy's `action` [B, ...] (numpy, or jax inside a jitted call;
+    see policy_space): Gaussian actions in the env's shape, clipped to the action bounds; integer
+    ones in the env's shape and dtype from their lowest value on, a joint categorical's index [B]
+    first unravelled (row-major) into one choice per dimension; Discrete ones as they are."""
     if hasattr(action_space, "n"):
         return action
-    return np.clip(action, action_space.low, action_space.high)
+    low, nvec = choices(action_space)
+    if nvec is None:
+        return action.reshape(len(action), *action_space.shape).clip(action_space.low, action_space.high)
+    if action.ndim == 1:  # an index over the product of the choices
+        action = action[:, None] // np.append(np.cumprod(nvec[::-1])[::-1][1:], 1) % nvec
+    return (action.reshape(len(action), *action_space.shape) + low.reshape(action_space.shape)).astype(action_space.dtype)
 
 
 def leaf_encoder(space) -> tuple:

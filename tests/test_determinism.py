@@ -89,7 +89,9 @@ RUNS = {
     "appo-norm-obs": ("appo_envpool.py", dict(norm_obs=True, norm_reward=True, num_splits=2)),
     "impala": ("impala_envpool.py", dict(actor_lag=1, num_splits=2)),
     "xla-actor": ("appo_envpool_xla.py", dict(num_splits=1)),
+    "appo-masked-factored": ("appo_envpool.py", dict(env_id="Cleaner-v0", num_splits=2)),  # a mask row a dimension
     "dqn": ("dqn_envpool.py", dict(TINY_REPLAY, actor_lag=1, num_splits=2, prioritized_replay=True, n_step=3)),
+    "dqn-masked": ("dqn_envpool.py", dict(TINY_REPLAY, env_id="Minesweeper-v0", actor_lag=1, num_splits=2, replay_ratio=1)),
     "sac": ("sac_envpool.py", dict(TINY_REPLAY, env_id="Pendulum-v1", actor_lag=1, num_splits=2)),
     "td3": ("td3_envpool.py", dict(TINY_REPLAY, env_id="Pendulum-v1", actor_lag=1)),
 }
@@ -141,6 +143,7 @@ def test_two_runs_with_one_seed_are_identical(name, tmp_path, capsys, monkeypatc
 @pytest.mark.parametrize("script, own", [
     ("appo_envpool.py", dict(num_splits=2, lstm=True, norm_obs=True, norm_reward=True)),
     ("ppo_sync_baseline.py", dict(lstm=True)),
+    ("appo_envpool.py", dict(env_id="Minesweeper-v0", num_splits=2)),  # the journal holds the joint mask's indices
 ])
 def test_a_run_stopped_and_resumed_goes_on_as_the_run_uninterrupted(script, own, tmp_path, capsys):
     """SIGTERM after a few updates, then --resume: the envs stepped back through the journal of

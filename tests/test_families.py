@@ -167,27 +167,64 @@ def test_every_envpool_task_builds_a_network_or_exits_with_one_line(capsys, monk
     ppo = modules["ppo_sync_baseline.py"]
     networks = {}
     for args in served["ppo_sync_baseline.py"]:
-        obs_space, action_space = tasks.spaces(args.env_id)
-        continuous = not hasattr(action_space, "n")
-        action_dim = int(np.prod(action_space.shape)) if continuous else int(action_space.n)
+        obs_space, policy_space = tasks.spaces(args.env_id)[0], tasks.policy_space(args.env_id)
         leaves = jax.tree.leaves(tasks.space_tree(obs_space))
-        signature = (tasks.encoders(obs_space), tuple(s.shape for s in leaves), continuous, action_dim)
+        signature = (tasks.encoders(obs_space), tuple(s.shape for s in leaves), repr(policy_space))
         if signature not in networks:
-            # init and a forward pass on a zero observation, traced (jax.eval_shape): every layer's
-            # shapes are checked without compiling each network (tests above and the family runs
-            # below initialise real ones).
-            network = ppo.ActorCritic(action_dim, continuous, tasks.encoders(obs_space))
+            # The network as the scripts' build makes it, then init, a forward pass and the policy's
+            # sampling and log-probabilities (its legal actions too) on a zero observation, traced
+            # (jax.eval_shape): every layer's shapes are checked without compiling each network
+            # (tests above and the family runs below initialise real ones).
+            heads = tuple(map(int, getattr(policy_space, "nvec", ())))
+            continuous = not hasattr(policy_space, "n") and not heads
+            action_dim = len(heads) * max(heads) if heads else int(getattr(policy_space, "n", np.prod(policy_space.shape)))
+            network = ppo.ActorCritic(action_dim, continuous, tasks.encoders(obs_space), 0, heads,
+                                      tasks.mask_shape(obs_space) is not None)
+            policy_step = ppo.make_policy_step(network, continuous)
             obs = tasks.zeros_like_space(obs_space, 2)
             params = jax.eval_shape(network.init, jax.random.PRNGKey(0), obs)
             pi, value, _ = jax.eval_shape(network.apply, params, obs)
-            assert pi.shape == (2, action_dim * (2 if continuous else 1)) and value.shape == (2,), args.env_id
+            action, logprob, _, _ = jax.eval_shape(policy_step, params, obs, None, jax.random.PRNGKey(0), np.arange(2),
+                                                   np.zeros(2, np.int32))
+            assert value.shape == logprob.shape == (2,) and action.shape == (2, *policy_space.shape), args.env_id
             networks[signature] = args.env_id
     built, reasons = counts["ppo_sync_baseline.py"]
+    jumanji = [args.env_id for args in served["ppo_sync_baseline.py"] if "jumanji" in envpool_module(args.env_id)]
     with capsys.disabled():
-        print(f"\n{len(ids)} envpool ids: {built} resolve and build a network ({len(networks)} distinct), "
-              f"{len(ids) - built} exit 2: {reasons}")
+        print(f"\n{len(ids)} envpool ids: {built} resolve and build a network ({len(networks)} distinct, "
+              f"{len(jumanji)} Jumanji), {len(ids) - built} exit 2: {reasons}")
     assert built > 1400, counts
-    assert set(reasons) <= {"is a 2-player task", "is a 3-player task", "actions", "cannot be made here"}, reasons
+    assert set(reasons) <= {"is a 2-player task", "is a 3-player task", "cannot be made here"}, reasons
+    # Every single-agent Jumanji task envpool makes here, multi-discrete ones included (issue 41).
+    assert len(jumanji) == len([i for i in ids if "jumanji" in envpool_module(i)]), jumanji
+
+
+def envpool_module(env_id: str) -> str:
+    return envpool.registration.registry.specs[env_id][0]
+
+
+def jumanji_row(env_id: str) -> str:
+    """The row of docs/families.md's table of what each Jumanji task gets, from the code."""
+    obs_space, actions = tasks.spaces(env_id)
+    policy, mask = tasks.policy_space(env_id), tasks.mask_shape(obs_space)
+    if type(policy).__name__ == "Box":
+        samples, dqn = f"a Gaussian over {policy.shape[0]} numbers", "no (continuous)"
+    elif hasattr(policy, "nvec"):
+        counts = sorted(set(policy.nvec.tolist()))
+        samples = f"{len(policy.nvec)} categoricals of {counts[0] if len(counts) == 1 else ', '.join(map(str, policy.nvec))}"
+        dqn = "no (factored)"
+    else:
+        samples, dqn = f"one categorical of {policy.n}{' (joint)' if not hasattr(actions, 'n') else ''}", "yes"
+    kind = f"`Discrete({actions.n})`" if hasattr(actions, "n") else f"`{type(actions).__name__}{actions.shape}` {actions.dtype}"
+    return f"| `{env_id}` | {kind} | {f'`{mask}`' if mask else 'none'} | {samples} | {dqn} |"
+
+
+def test_the_families_page_says_what_each_jumanji_task_gets():
+    """Its table, row by row, is what tasks.policy_space makes of each task's spaces."""
+    text = (REPO_ROOT / "docs" / "families.md").read_text()
+    ids = [i for i in envpool.list_all_envs() if "jumanji" in envpool_module(i) and not i.startswith("Jumanji/")]
+    rows = [line for line in text.splitlines() if line.startswith("| `") and line.split("`")[1] in ids]
+    assert rows == [jumanji_row(env_id) for env_id in sorted(ids)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,6 +247,8 @@ FAMILIES = {
     "gfootball": "gfootball/academy_empty_goal_close-v1",
     "toy text": "Taxi-v3",
     "Jumanji": "Game2048-v1",
+    "Jumanji, a joint mask": "Minesweeper-v0",  # one categorical over the 100 cells
+    "Jumanji, factored": "RubiksCube-v0",  # 3 categoricals of 6, 1 and 3 choices, no mask
     # VizDoom (Basic-v1) is left out: envpool 1.2.5's ViZDoom start-up hung intermittently here.
 }
 # 2 updates of 2 envs x 8 steps, 1 epoch of 1 minibatch: seconds of compile and run.

@@ -4,6 +4,7 @@ the spaces and the observations envpool returns, the encoder of each leaf, the g
 import envpool
 import gymnasium
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -72,7 +73,6 @@ def test_a_task_takes_its_own_preset_else_its_familys_else_classic(env_id, kind,
 NOT_SERVED = [
     ("IntersectionMultiAgent-v0", ["2-player task", "one agent"]),
     ("Go9x9-v1", ["2-player task"]),
-    ("RobotWarehouse-v0", ["actions", "MultiDiscrete", "Discrete or continuous"]),
     ("VizdoomCustom-v1", ["cannot be made here"]),
     ("CartPol-v1", ["is not an envpool task", "did you mean", "CartPole-v1"]),
 ]
@@ -99,9 +99,68 @@ def test_preset_values_fill_only_what_is_left_out():
     assert tasks.preset_values(Args(), {"classic": {}, "CartPole": dict(steps=32, rate=1e-3)}) == {"steps": 32}
 
 
+def test_spaces_that_are_not_served_are_one_line():
+    """A user's env with actions of another kind, or an "action_mask" that is no mask of its actions."""
+    obs = gymnasium.spaces.Dict({"x": box((3,)), "action_mask": gymnasium.spaces.MultiBinary(5)})
+    for actions, fragments in [
+        (gymnasium.spaces.Tuple([gymnasium.spaces.Discrete(2)] * 2), ["Tuple actions", "multi-discrete"]),
+        (gymnasium.spaces.Discrete(4), ["'action_mask' (5,) is no mask", "Discrete(4)", "(4,)", "rename"]),
+        (gymnasium.spaces.MultiDiscrete([3, 4]), ["(5,) is no mask", "(3, 4) or (2, 4)"]),
+    ]:
+        with pytest.raises(UsageError) as error:
+            tasks.check_spaces("my_env:Env", obs, actions)
+        assert "\n" not in str(error.value) and "--env-id my_env:Env" in str(error.value), str(error.value)
+        for fragment in fragments:
+            assert fragment in str(error.value), (fragment, str(error.value))
+
+
+# Jumanji's multi-discrete tasks, read from their spaces here: the mask is joint (the product of the
+# choices), one row a dimension, or absent.
+POLICY_SPACES = [
+    ("Minesweeper-v0", (10, 10), gymnasium.spaces.Discrete(100)),
+    ("Tetris-v0", (4, 10), gymnasium.spaces.Discrete(40)),
+    ("BinPack-v2", (40, 20), gymnasium.spaces.Discrete(800)),
+    ("Connector-v2", (10, 5), gymnasium.spaces.MultiDiscrete([5] * 10)),
+    ("RobotWarehouse-v0", (4, 5), gymnasium.spaces.MultiDiscrete([5] * 4)),
+    ("RubiksCube-v0", None, gymnasium.spaces.MultiDiscrete([6, 1, 3])),
+    ("Game2048-v1", (4,), gymnasium.spaces.Discrete(4)),
+    ("CartPole-v1", None, gymnasium.spaces.Discrete(2)),
+]
+
+
+@pytest.mark.parametrize(("env_id", "mask", "space"), POLICY_SPACES)
+def test_the_policy_samples_one_categorical_over_a_joint_mask_else_one_a_dimension(env_id, mask, space):
+    obs_space, action_space = tasks.spaces(env_id)
+    assert tasks.mask_shape(obs_space) == mask
+    assert tasks.policy_space(env_id) == space
+    assert tasks.check_task(env_id) is obs_space  # served
+    if hasattr(space, "nvec") or space.n != getattr(action_space, "n", None):
+        assert tasks.choices(action_space)[1].tolist() == (list(space.nvec) if hasattr(space, "nvec") else list(mask))
+
+
+def test_integer_actions_reach_the_env_in_its_shape_and_dtype():
+    """A joint categorical's index is the row-major position in the mask (np.unravel_index): the
+    action the env gets is the cell that the mask's entry at that index is about."""
+    space = gymnasium.spaces.Box(np.array([0, 2]), np.array([3, 4]), (2,), np.int32)  # 4 x 3 choices, from [0, 2]
+    index = np.arange(12)
+    got = tasks.env_action(index, space)
+    assert got.dtype == np.int32 and got.shape == (12, 2)
+    np.testing.assert_array_equal(got, np.stack(np.unravel_index(index, (4, 3)), -1) + [0, 2])
+    np.testing.assert_array_equal(np.asarray(tasks.env_action(jnp.asarray(index), space)), got)  # inside a jitted call
+    factored = np.array([[3, 0], [1, 2]])  # one choice a dimension, counted from each one's lowest value
+    np.testing.assert_array_equal(tasks.env_action(factored, space), [[3, 2], [1, 4]])
+    multi = gymnasium.spaces.MultiDiscrete([3, 2], start=[-1, 5])
+    assert tasks.env_action(np.array([[2, 1]]), multi).tolist() == [[1, 6]]
+    assert tasks.env_action(np.array([5]), multi).tolist() == [[1, 6]]  # 5 = 2 x 2 + 1
+
+
 def test_gaussian_actions_are_clipped_to_the_bounds_and_discrete_ones_pass():
     space = gymnasium.spaces.Box(-1.0, 2.0, (2,), np.float32)
     np.testing.assert_array_equal(tasks.env_action(np.array([[-3.0, 5.0]]), space), [[-1.0, 2.0]])
+    # Several axes (Jumanji's SearchAndRescue: [2, 2]): the policy samples them flattened.
+    assert tasks.policy_space("SearchAndRescue-v0") == gymnasium.spaces.Box(-1.0, 1.0, (4,), np.float32)
+    square = gymnasium.spaces.Box(np.array([[-1.0, 0.0], [0.0, 0.0]]), 1.0, (2, 2), np.float32)
+    np.testing.assert_array_equal(tasks.env_action(np.array([[-3.0, -3.0, 0.5, 3.0]]), square), [[[-1, 0], [0.5, 1]]])
     action = np.array([3, 1])
     assert tasks.env_action(action, gymnasium.spaces.Discrete(4)) is action
 

@@ -192,7 +192,7 @@ def test_evaluation_starts_from_zeros_and_resets_where_episodes_start(env_id, ep
     seen, ends = [], []  # the `core` of every call; what each step ended (episode, or a life)
 
     class Probe:  # the network, recording the `core` of every call
-        lstm_size = network.lstm_size
+        lstm_size, heads, action_mask = network.lstm_size, network.heads, network.action_mask
 
         @staticmethod
         def apply(params, obs, core):

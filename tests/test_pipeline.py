@@ -326,6 +326,8 @@ class TinyActorCritic(nn.Module):
     action_dim: int
     encoders: tuple = (("flat", 1.0),)
     lstm_size: int = 0
+    heads: tuple = ()  # one categorical, no legal-action mask (as the scripts' ActorCritic for CartPole)
+    action_mask: bool = False
 
     @nn.compact
     def __call__(self, obs, core=None):

@@ -260,6 +260,7 @@ def test_sigterm_stops_with_a_checkpoint_and_resume_finishes(script, tmp_path):
     (dict(buffer_size=40), ["--buffer-size"]),
     (dict(num_splits=3), ["--num-splits", "--num-envs"]),
     (dict(env_id="CartPole-v1"), ["discrete actions", "dqn_envpool.py"]),
+    (dict(env_id="RobotWarehouse-v0"), ["discrete actions"]),  # multi-discrete (integer Box) actions
 ])
 def test_bad_input_gets_one_line_and_exit_2(script, flags, fragments, tmp_path, capsys):
     code, _, err = run_main(script, argv(run_dir=tmp_path / "r", **flags), capsys)

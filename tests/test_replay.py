@@ -239,6 +239,26 @@ def test_round_flags_are_checked_and_give_whole_gradient_steps():
             check_rounds(SimpleNamespace(**{**good, **change}), 20)
 
 
+def test_legal_action_masks_are_stored_as_bits_and_given_back_as_the_env_gave_them():
+    """Minesweeper's (10, 10) int8 mask: 13 bytes a row (100 bits), not 100 (or 400 as floats);
+    a sampled transition's masks are those of its observation and of the next one."""
+    rng = np.random.default_rng(0)
+    num_envs, steps = 3, 12
+    obs = [{"board": rng.integers(-1, 9, (num_envs, 10, 10)).astype(np.int32),
+            "action_mask": (rng.random((num_envs, 10, 10)) < 0.7).astype(np.int8)} for _ in range(steps)]
+    replay = Replay(num_envs * 20, num_envs, obs[0], np.zeros(1, np.int64))
+    assert replay.obs["action_mask"].shape == (20, num_envs, 13) and replay.obs["action_mask"].dtype == np.uint8
+    for t in range(steps):
+        replay.add(np.arange(num_envs), obs[t], np.zeros(num_envs, np.int64), np.full(num_envs, float(t)),
+                   np.zeros(num_envs, bool), np.zeros(num_envs, bool), np.full(num_envs, t))
+    batch = replay.sample(64, rng)
+    t, e = replay.row_of(batch["slots"])
+    for key in ("board", "action_mask"):
+        assert batch["obs"][key].dtype == obs[0][key].dtype
+        np.testing.assert_array_equal(batch["obs"][key], np.stack([obs[i][key][j] for i, j in zip(t, e)]))
+        np.testing.assert_array_equal(batch["next_obs"][key], np.stack([obs[i + 1][key][j] for i, j in zip(t, e)]))
+
+
 def test_a_buffer_larger_than_the_available_memory_is_refused(monkeypatch):
     """check_rounds, as a run starts: Pong's 3M rows take 84 x 84 (one frame: stacks are rebuilt)
     + 8 (the action) + 7 bytes each, more than 90% of 20 GiB; 1M rows fit. utils/evaluate.py,

@@ -154,3 +154,39 @@ class Chain(gymnasium.Env):
         self.position = min(self.position + 1, self.cells - 1) if action == 1 else max(self.position - 1, 0)
         done = self.position == self.cells - 1
         return np.eye(self.cells, dtype=np.float32)[self.position], float(done), done, self.t >= self.limit and not done, {}
+
+
+class LegalMoves(gymnasium.Env):
+    """Legal actions in the observation (tests/test_action_masks.py): each step, a random target
+    among `actions`, and `legal` of them legal, the target among them. The target pays 1, another
+    legal action 0; an illegal action ends the game with `penalty`, or with `strict` raises (a run
+    that takes one fails). Games of `length` steps. Observations: the target, the mask (MultiBinary,
+    as Jumanji's int8). A policy that knows the mask but not the target scores length / legal."""
+
+    def __init__(self, actions: int = 8, legal: int = 3, length: int = 16, penalty: float = -1.0, strict: bool = False):
+        self.actions, self.legal, self.length, self.penalty, self.strict = actions, legal, length, penalty, strict
+        self.action_space = gymnasium.spaces.Discrete(actions)
+        self.observation_space = gymnasium.spaces.Dict({"target": gymnasium.spaces.Discrete(actions),
+                                                        "action_mask": gymnasium.spaces.MultiBinary(actions)})
+        self.t = 0
+
+    def draw(self):
+        self.target = int(self.np_random.integers(self.actions))
+        others = self.np_random.permutation(np.delete(np.arange(self.actions), self.target))[:self.legal - 1]
+        self.mask = np.zeros(self.actions, np.int8)
+        self.mask[[self.target, *others]] = 1
+        return {"target": self.target, "action_mask": self.mask.copy()}
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return self.draw(), {}
+
+    def step(self, action):
+        self.t += 1
+        if not self.mask[action]:
+            if self.strict:
+                raise ValueError(f"illegal action {action}: legal {np.flatnonzero(self.mask).tolist()}")
+            return self.draw(), self.penalty, True, False, {}
+        reward = float(action == self.target)
+        return self.draw(), reward, False, self.t >= self.length, {}
