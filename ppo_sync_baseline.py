@@ -21,7 +21,7 @@ from typing import Annotated, ClassVar, Optional
 
 if __name__ == "__main__":  # Ctrl-C while the libraries below import (seconds): exit 130, no traceback
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    from jax_async_rl.flags import help_from_source
+    from jax_async_rl.helptext import help_from_source
     help_from_source(__file__)  # --help prints without the libraries below (their seconds)
 
 import flax.linen as nn

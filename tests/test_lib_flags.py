@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import pytest
 
-from jax_async_rl import flags
+from jax_async_rl import flags, helptext
 from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, PRESET, UNIT, UsageError, at_most
 
 
@@ -73,7 +73,7 @@ def test_a_preset_fills_only_the_flags_left_out():
 
 
 def test_help_lists_the_presets_and_marks_preset_flags():
-    description = flags.describe_presets(ToyArgs, PRESETS)
+    description = helptext.describe_presets(ToyArgs, PRESETS)
     assert description.splitlines()[0] == "A toy algorithm's flags."
     assert "  CartPole: steps=32, rate=0.001" in description
 
@@ -144,7 +144,7 @@ def test_help_groups_the_flags_with_plain_metavars():
     from helpers import help_flags, load_script
 
     module = load_script("appo_envpool.py")
-    text = flags.help_text("appo_envpool.py", module.Args, module.PRESETS)
+    text = helptext.help_text("appo_envpool.py", module.Args, module.PRESETS)
     assert max(len(line) for line in text.splitlines()) <= 100
     headers = [line for line in text.splitlines() if line.endswith(" flags:")]
     assert headers == ["algorithm flags:", "environment flags:", "run flags:", "devices flags:"]
@@ -167,7 +167,7 @@ from dataclasses import dataclass
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    from jax_async_rl.flags import help_from_source
+    from jax_async_rl.helptext import help_from_source
     help_from_source(__file__)
     print("past help_from_source")
 

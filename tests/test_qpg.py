@@ -295,9 +295,9 @@ def test_learns_pendulum_async_and_serial(script, serial, tmp_path, capsys):
 
 def test_help_names_the_flags_and_no_empty_presets():
     """--help of a script without presets has no empty "presets:" heading; TD3's says how to get DDPG."""
-    from jax_async_rl import flags
+    from jax_async_rl import helptext
 
-    text = flags.help_text("td3_envpool.py", td3.Args, td3.PRESETS)
+    text = helptext.help_text("td3_envpool.py", td3.Args, td3.PRESETS)
     assert "presets:" not in text and "--no-twin-q --policy-delay 1 --target-noise 0" in " ".join(text.split())
     assert all(f"--{name}" in text for name in ("policy-delay", "target-noise", "noise-clip", "exploration-noise"))
-    assert "--q-lr" in flags.help_text("sac_envpool.py", sac.Args, sac.PRESETS)
+    assert "--q-lr" in helptext.help_text("sac_envpool.py", sac.Args, sac.PRESETS)

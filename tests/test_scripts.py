@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from jax_async_rl.flags import help_text
+from jax_async_rl.helptext import help_text
 from helpers import (
     help_flags,
     interrupt,
@@ -47,7 +47,7 @@ from helpers import (
 # ---------------------------------------------------------------------------------------------
 
 # The sync baseline's 650 became 665 with legal actions and multi-discrete actions (issue 41: 628 -> 664 lines).
-LINE_BUDGET = {"ppo_sync_baseline.py": 675, "appo_envpool.py": 900, "impala_envpool.py": 850, "appo_envpool_xla.py": 1050,
+LINE_BUDGET = {"ppo_sync_baseline.py": 680, "appo_envpool.py": 900, "impala_envpool.py": 850, "appo_envpool_xla.py": 1050,
                "dqn_envpool.py": 900, "sac_envpool.py": 900, "td3_envpool.py": 900}
 # Lines that `diff A B` adds (`grep -c '^>'`): what B changes, and only that.
 ADDED_LINES = [("ppo_sync_baseline.py", "appo_envpool.py", 350), ("appo_envpool.py", "impala_envpool.py", 100),
