@@ -262,7 +262,8 @@ def run_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds, env_core
     params, split_size = state["params"], num_envs // num_splits
     policy_step = appo.make_policy_step(network, continuous, values=False)  # as the actor uses it
     warm = tasks.zeros_like_space(tasks.spaces(env_id)[0], split_size), appo.zero_core(network.lstm_size, split_size)
-    jax.block_until_ready(policy_step(params, *warm, jax.random.PRNGKey(0)))  # compile outside the clock
+    ids = np.arange(split_size)  # env ids and steps: each env's draws are keyed by both
+    jax.block_until_ready(policy_step(params, *warm, jax.random.PRNGKey(0), ids, np.zeros_like(ids)))  # compile outside the clock
     shared = threads.Shared(params, 0)
     rollouts, actors = queue.Queue(maxsize=2), threads.Threads(shared.stop)
     actor = actors.start("actor", appo.actor_loop, envs, policy_step, shared, rollouts, jax.random.PRNGKey(1), args, 10**9)
