@@ -187,11 +187,11 @@ PRESETS = {
                        priority_beta_end=0.6, max_grad_norm=80.0, apex_epsilon=True, lstm_size=512, seq_len=80,
                        burn_in=40, seq_period=40),
     # --lstm on any other task: a small R2D2, measured on two memory tasks (README, DQN --lstm).
-    "lstm": dict(num_steps=20, buffer_size=100_000, learning_starts=2000, replay_ratio=12.0, batch_size=32,
-                 learning_rate=5e-4, adam_eps=1e-3, gamma=0.99, target_network_frequency=2000, start_e=1.0,
+    "lstm": dict(num_steps=20, buffer_size=100_000, learning_starts=2000, replay_ratio=48.0, batch_size=32,
+                 learning_rate=1e-3, adam_eps=1e-3, gamma=0.99, target_network_frequency=2000, start_e=1.0,
                  end_e=0.05, exploration_fraction=0.2, double_dqn=True, dueling=True, n_step=3,
                  prioritized_replay=True, c51=False, huber_delta=0.0, priority_alpha=0.9, priority_beta=0.6,
-                 priority_beta_end=0.6, max_grad_norm=80.0, apex_epsilon=True, lstm_size=64, seq_len=20,
+                 priority_beta_end=0.6, max_grad_norm=80.0, apex_epsilon=False, lstm_size=64, seq_len=20,
                  burn_in=10, seq_period=10),
 }
 RAINBOW = {k: v for k, v in PRESETS["atari"].items() if k in PLAIN}  # the five switches, for any task
@@ -211,7 +211,8 @@ def resolve_args(args: Args) -> Args:
     if args.lstm:
         fill = {k: v for k, v in PRESETS[preset_name(args)].items() if getattr(args, k) is None}
     elif given := [k for k in LSTM_ONLY if getattr(args, k) is not None]:
-        raise UsageError(f"--{given[0].replace('_', '-')} is a flag of --lstm (R2D2); add --lstm, or leave it out")
+        raise UsageError(f"--{given[0].replace('_', '-')} {getattr(args, given[0])} is a flag of --lstm (R2D2); add --lstm, "
+                         "or leave it out")
     if not hasattr(tasks.spaces(args.env_id)[1], "n"):
         raise UsageError(f"--env-id {args.env_id} has continuous actions; DQN picks one of a finite set: "
                          "use sac_envpool.py (or appo_envpool.py)")
