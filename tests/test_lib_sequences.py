@@ -136,3 +136,18 @@ def test_prioritised_sequences_in_proportion_and_renewed_at_the_largest_priority
     assert len(renewed) == num_envs
     np.testing.assert_allclose(replay.tree.get(renewed), replay.max_priority ** alpha)
     assert replay.max_priority == pytest.approx(priorities.max() + replay.eps)
+
+
+def test_atari_bytes_per_stored_step():
+    """Pong's rows as the DQN script stores them (one 84 x 84 frame, an int64 action, the reward,
+    two flags, the stack's reach back) and R2D2's 512-unit state (c and h, float32) once every 40
+    rows with its slot's first row and liveness: 7,071 + 102.4 + 0.225 bytes a step, 7.17 GB for
+    1M steps (a state on every row would add 4,096 bytes a step, 11.3 GB)."""
+    rows, num_envs = 400, 4
+    replay = SequenceReplay(rows * num_envs, num_envs, np.zeros((1, 4, 84, 84), np.uint8), np.zeros(1, np.int64),
+                            (np.zeros((1, 512), np.float32),) * 2, 125, 40, frame_stack=4)
+    arrays = [replay.obs, replay.action, replay.reward, replay.terminated, replay.truncated, replay.back, replay.begin,
+              replay.live, *replay.state]
+    per_step = sum(a.nbytes for a in arrays) / (rows * num_envs)
+    assert per_step == pytest.approx(84 * 84 + 8 + 4 + 1 + 1 + 1 + 2 * 512 * 4 / 40 + (8 + 1) / 40)
+    assert 7.17e9 < per_step * 1e6 < 7.18e9
