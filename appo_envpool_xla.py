@@ -35,6 +35,7 @@ import numpy as np
 import optax
 
 from jax_async_rl import devices, flags, normalize, runs, tasks, threads
+from jax_async_rl.keys import env_keys
 from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, PRESET, UNIT, UsageError, at_most
 from jax_async_rl.normalize import Normalizer
 
@@ -58,10 +59,10 @@ class Args(flags.RunArgs):
     """rollout length: steps per environment in each rollout"""
     queue_size: Annotated[int, POSITIVE, at_most(1024)] = 2
     """rollouts the actor may queue ahead of the learner before it blocks (backpressure)"""
-    lag_one: bool = True
-    """the actor starts each rollout with the update on the rollout two before it (Cleanba's
-    actor): the learner learns from data one update old; --no-lag-one lets a learner that is the
-    bottleneck learn from a full queue's, up to --queue-size + 1 old. No throughput lost either way"""
+    actor_lag: Annotated[Optional[int], NON_NEGATIVE, at_most(64)] = 1
+    """the actor acts on rollout m with the update on rollout m - 1 - this (acting_version): 1, Cleanba's
+    actor, the learner learns from data one update old; 0, the synchronous limit; None, Sample Factory's
+    free-running actor, up to --queue-size + 1 old. --deterministic: exactly that update, else at least it"""
     max_policy_lag: Annotated[int, NON_NEGATIVE] = 25
     """transitions chosen by a policy more than this many updates old are masked out of the loss"""
     vtrace: bool = True
@@ -288,13 +289,15 @@ class ActorCritic(nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 
-def sample_action(pi, key, continuous: bool, greedy: bool = False):
-    """Sample actions [B] (discrete) or [B, A] (Gaussian, unclipped) from `pi`; `greedy`: the most
-    likely ones (the mean) instead."""
+def sample_action(pi, keys, continuous: bool, greedy: bool = False):
+    """Sample actions [B] (discrete) or [B, A] (Gaussian, unclipped) from `pi`, row i with key
+    keys[i] (its env's at its step: jax_async_rl.keys.env_keys, so that an env's draws do not
+    depend on the batch); `greedy`: the most likely ones (the mean) instead."""
     if continuous:
         mean, log_std = jnp.split(pi, 2, axis=-1)
-        return mean if greedy else mean + jnp.exp(log_std) * jax.random.normal(key, mean.shape)
-    return jnp.argmax(pi, -1) if greedy else jax.random.categorical(key, pi)
+        noise = jax.vmap(lambda key, m: jax.random.normal(key, m.shape))(keys, mean)
+        return mean if greedy else mean + jnp.exp(log_std) * noise
+    return jnp.argmax(pi, -1) if greedy else jax.vmap(jax.random.categorical)(keys, pi)
 
 
 def log_prob_entropy(pi, actions, continuous: bool):
@@ -432,20 +435,28 @@ def ppo_loss(logprobs, old_logprobs, advantages, values, returns, entropy, mask,
 
 
 def make_policy_step(network, continuous: bool, values: bool = True, greedy: bool = False):
-    """One jitted call per environment step: actions, their log-probabilities, values (None with
-    `values` False: XLA then skips the critic, a third of a small MLP's acting time), the recurrent
-    state after the step (`core`: see ActorCritic; None without --lstm) and the key. `greedy`:
-    the most likely actions (evaluation's option)."""
+    """One jitted call per environment step of envs `env_ids` [B] at their steps `steps` [B]
+    (their randomness keyed by both and the run's `key`): actions, their log-probabilities,
+    values (None with `values` False: XLA then skips the critic, a third of a small MLP's acting
+    time) and the recurrent state after the step (`core`: see ActorCritic; None without --lstm).
+    `greedy`: the most likely actions (evaluation's option)."""
 
     @jax.jit
-    def policy_step(params, obs, core, key):
-        key, subkey = jax.random.split(key)
+    def policy_step(params, obs, core, key, env_ids, steps):
         pi, value, state = network.apply(params, obs, core)
-        action = sample_action(pi, subkey, continuous, greedy)
+        action = sample_action(pi, env_keys(key, env_ids, steps, jnp), continuous, greedy)
         logprob, _ = log_prob_entropy(pi, action, continuous)
-        return action, logprob, value if values else None, state, key
+        return action, logprob, value if values else None, state
 
     return policy_step
+
+
+def acting_version(rollout: int, actor_lag) -> int:
+    """The policy version that acts on rollout `rollout` (counted over the run): the one the
+    update on rollout `rollout - 1 - actor_lag` makes (Cleanba's actor at 1; 0 the synchronous
+    limit). Sample Factory's free-running actor (None) waits for the first update alone, which
+    compiles meanwhile (else the queue fills with rollouts of the initial parameters)."""
+    return min(rollout, 1) if actor_lag is None else max(0, rollout - actor_lag)
 
 
 def new_rollout(T: int, B: int, obs, action_space, memory=None) -> dict:
@@ -455,6 +466,7 @@ def new_rollout(T: int, B: int, obs, action_space, memory=None) -> dict:
     rollout = {name: np.zeros((T, B), np.float32) for name in fields}
     if memory is not None:
         rollout["state"] = jax.tree.map(np.zeros_like, memory)
+    rollout["host"] = {"next_state": jax.tree.map(np.zeros_like, memory)} if memory is not None else {}
     rollout["actions"] = np.zeros((T, B, *action_space.shape), action_space.dtype)
     rollout["policy_version"] = np.zeros((T, B), np.int32)
     rollout["obs"] = jax.tree.map(lambda x: np.zeros((T, B, *x.shape[1:]), x.dtype), obs)
@@ -485,9 +497,11 @@ class XlaRollouts:
         self.memory = zero_core(args.lstm_size, self.B)[0] if args.lstm else None  # (c, h) [B, lstm_size], by env id
         self.calls = {}  # ring size R -> its jitted call (collect)
 
-    def init(self, key, R: int) -> dict:
+    def init(self, key, R: int, first: int) -> dict:
+        """The first carry, for rollout `first` of the run (its envs' steps counted from first x T)."""
         B, ring = self.B, {"bootstrapped": np.zeros((self.B,), bool), **new_rollout(self.T, self.B, self.first, self.space, self.memory)}
-        return {"handle": self.handle, "key": key, "steps": np.zeros(B, np.int32), "prev_dones": np.zeros(B, bool),
+        return {"handle": self.handle, "key": key, "offset": np.int32(first * self.T), "steps": np.zeros(B, np.int32),
+                "prev_dones": np.zeros(B, bool),
                 "returns": np.zeros(B, np.float32), "ring": jax.tree.map(lambda x: np.stack([x] * R), ring),
                 "count": np.int32(0), "oldest": np.int32(0), "norm": None, "norm_returns": np.zeros(B, np.float32),
                 "memory": self.memory}
@@ -496,6 +510,10 @@ class XlaRollouts:
         """One recv, policy, write and send of the loop (what appo_envpool.py's actor_loop does per recv)."""
         T, space, c, ring = self.T, self.space, dict(c), dict(c["ring"])
         c["handle"], (obs, reward, terminated, truncated, info) = self.recv(c["handle"])
+        if self.args.deterministic:  # the batch in env order, as the statistics of a normaliser need it
+            order = jnp.argsort(info["env_id"])
+            obs, reward, terminated, truncated, info = jax.tree.map(
+                lambda x: x[order] if x.shape[:1] == order.shape else x, (obs, reward, terminated, truncated, info))
         obs, ids, n = f32(obs), info["env_id"], c["steps"][info["env_id"]]
         reward = jnp.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's reward is undefined
         c, done = xla_games(c, ids, reward, terminated, truncated, info), terminated | truncated
@@ -510,7 +528,7 @@ class XlaRollouts:
         slot = jnp.where(ended & (n % T == 0), slot, R)  # ... and is the bootstrap_obs of its rollout
         ring["bootstrap_obs"] = jax.tree.map(lambda b, x: b.at[slot, ids].set(x, mode="drop"), ring["bootstrap_obs"], obs)
         ring["bootstrapped"] = ring["bootstrapped"].at[slot, ids].set(True, mode="drop")
-        action, logprob, _, state, c["key"] = self.policy_step(params, obs, core, c["key"])
+        action, logprob, _, state = self.policy_step(params, obs, core, c["key"], ids, c["offset"] + n)
         action = f32(action)  # as the env gets it (the policy samples float64 under x64)
         slot, row = n // T % R, n % T  # env step n
         ring["obs"] = jax.tree.map(lambda b, x: b.at[slot, row, ids].set(x), ring["obs"], obs)
@@ -604,40 +622,41 @@ def grown(carry, R: int):
     return dict(carry, ring=jax.tree.map(grow, carry["ring"]))
 
 
-def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts, device=None, thread=0):
+def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts, device=None, thread=0, first=0):
     """Rollouts from one jitted call each (XlaRollouts), queued as appo_envpool.py's actor queues
-    its own: the same rows, columns, `valid`, bootstrap observations and version stamps, but the
-    parameters are taken once per call, not per recv(). Timing: the call counts as "env"."""
+    its own: the same rows, columns, `valid`, bootstrap observations, version stamps and games, but
+    the parameters (those `acting_version` names for the call's rollout, `first` on) are taken
+    once per call, not per recv(). Timing: the call counts as "env"."""
     rollouts = XlaRollouts(envs, policy_step, args)
     envs.async_reset()
-    R, pushed, held, timing = XLA_RING, 0, None, shared.timing
-    carry = jax.device_put(rollouts.init(key, R), device)
+    R, pushed, held, timing, games = XLA_RING, 0, None, shared.timing, []
+    carry = jax.device_put(rollouts.init(key, R, first), device)
     while pushed < num_rollouts and not shared.stop.is_set():
-        if not shared.wait_to_act(thread, pushed, pushed):  # the first update; --lag-one
+        version = acting_version(first + pushed, args.actor_lag)
+        if (acting := shared.acting(version, args.deterministic)) is None:
             return
-        latest, version = shared.latest
-        if version != held:
-            held, params = version, devices.to_actor(device, latest)
+        if acting[1] != held:
+            held, params = acting[1], devices.to_actor(device, acting[0])
         start = time.perf_counter()
         if args.norm_obs or args.norm_reward:  # the host's statistics, and none of this call's own yet
             stats = shared.normalizer.snapshot()
             carry = dict(carry, norm={"stats": stats, "new": jax.tree.map(np.zeros_like, stats)})
-        carry, rollout, complete, games, count = rollouts.collect(R)(carry, params, np.int32(version))
-        rollout, complete, games, count, steps = jax.device_get((rollout, complete, games, count, carry["steps"]))
+        carry, rollout, complete, ended, count = rollouts.collect(R)(carry, params, np.int32(held))
+        rollout, complete, ended, count, steps = jax.device_get((rollout, complete, ended, count, carry["steps"]))
         timing["env"] += (now := time.perf_counter()) - start
         if carry["norm"] is not None:
             shared.normalizer.merge(*jax.device_get(carry["norm"]["new"]))
         shared.sampled[thread] = int(steps.sum())
-        games = list(zip(*(games[k][:count].tolist() for k in ("env", "return", "length"))))  # (jit sorts dict keys)
-        shared.report(games)
+        games += list(zip(*(ended[k][:count].tolist() for k in ("env", "return", "length"))))  # (jit sorts dict keys)
         if not complete:  # an env ran R rollouts ahead of another (one env's step took that long)
             carry, R = jax.device_put(grown(carry, R), device), 2 * R
             continue
         timing["bookkeeping"] += (start := time.perf_counter()) - now
+        rollout["host"]["games"] = games
         if not threads.put(rollout_queue, rollout, shared.stop):
             return
         timing["queue_put"] += time.perf_counter() - start
-        pushed += 1
+        pushed, games = pushed + 1, []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -784,24 +803,31 @@ def learner_loop(run, update, shared, queues, key):
     """Take one rollout from every actor thread's queue, update, publish the parameters and their
     version after each update (§3.4): from run.start_update to run.num_updates, or until the run
     stops. Once per update, before it, every process agrees to go on (runs.Run.should_stop), in
-    lockstep: a stop in any process stops all at the same update."""
-    state, timing = run.state, shared.timing
+    lockstep (a stop in any process stops all at the same update), and the games of the rollouts
+    learned from last are logged."""
+    state, timing, games = run.state, shared.timing, []  # games: of the rollouts last learned from
     for _ in range(run.start_update, run.num_updates):
         start = time.perf_counter()
         rollouts = [threads.get(q, run.stop) for q in queues]
         timing["queue_get"] += time.perf_counter() - start
-        if run.should_stop(None in rollouts):
+        if run.should_stop(None in rollouts, games):
             break
+        hosts = [rollout.pop("host") for rollout in rollouts]  # games; --lstm: the states after the rollout
+        games = [game for host in hosts for game in host["games"]]
         start = time.perf_counter()
-        key, subkey = jax.random.split(key)
-        batch = devices.to_learner(run.mesh, devices.joined(rollouts))
+        subkey = jax.random.fold_in(key, int(state["policy_version"]))  # the update's own: a resume draws the same
+        batch = devices.joined(rollouts)
+        run.journaled(batch["actions"], [host.get("next_state") for host in hosts], shared.published)
+        batch = devices.to_learner(run.mesh, batch)
         state, diagnostics = update(state, batch, subkey, run.args.total_timesteps)
         diagnostics = jax.device_get(diagnostics)
         timing["update"] += time.perf_counter() - start
-        pipeline = {"async/queue_size": sum(q.qsize() for q in queues),
-                    "async/learner_busy_fraction": timing["update"] / run.elapsed()}
+        pipeline = {"timing/queue_size": sum(q.qsize() for q in queues),
+                    "timing/learner_busy_fraction": timing["update"] / run.elapsed()}
         state = run.learned(state, diagnostics, timing, pipeline)
-        shared.latest = (state["params"], int(state["policy_version"]))
+        shared.publish(state["params"], int(state["policy_version"]))
+    else:
+        run.should_stop(False, games)  # the last rollouts' games
 
 
 # ---------------------------------------------------------------------------------------------
@@ -829,6 +855,8 @@ def resolve_xla_args(args: Args) -> Args:
     args = resolve_args(args)
     if args.env_id in tasks.USER_ENVS:
         raise UsageError(f"--env-id {args.env_id}: a Gymnasium env has no XLA interface; train it with appo_envpool.py")
+    if args.deterministic and args.num_splits > 1:  # a call's recv()s would interleave the splits as timing does
+        raise UsageError("--deterministic: the XLA actor steps its envs as one split; pass --num-splits 1")
     return args
 
 
@@ -847,12 +875,12 @@ def main(args: Args, given=None) -> int:
         policy_step = make_policy_step(network, continuous, values=False)  # the actor needs no values
         update = make_update(network, optimizer, args, continuous, run.mesh)
         shared = threads.Shared(state["params"], state["policy_version"], normalizer, run.sampled, run.stop,
-                                run.report_episodes, learning=True, lag_one=args.lag_one)
+                                learning=True, keep=(args.actor_lag or 0) + 2)
         run.begin(f"preset {tasks.preset_name(args.env_id, PRESETS)}, {args.num_splits} split{'s' * (args.num_splits > 1)}, XLA actor")
         queues = [queue.Queue(maxsize=args.queue_size) for _ in actors]
         for i, (device, _, key) in enumerate(actors):
             run.threads.start(f"actor {i}" if i else "actor", actor_loop, envs[i], policy_step, shared, queues[i], key, args,
-                              run.num_updates - run.start_update, device, i, owns=envs[i])
+                              run.num_updates - run.start_update, device, i, run.start_update, owns=envs[i])
         run.wait(run.threads.start("learner", learner_loop, run, update, shared, queues, run.update_key))
         return run.finish(make_policy_step(network, continuous, values=False), functools.partial(zero_core, network.lstm_size))
 

@@ -35,6 +35,7 @@ import optax
 
 from jax_async_rl import devices, flags, rounds, runs, tasks, threads
 from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, PRESET, UNIT, UsageError, at_most
+from jax_async_rl.keys import EnvStreams
 from jax_async_rl.normalize import Normalizer
 from jax_async_rl.replay import Replay, check_rounds, gradient_steps
 from jax_async_rl.sequences import SequenceReplay
@@ -64,6 +65,10 @@ class Args(flags.RunArgs):
     then its gradient steps) is an "update" in the logs and checkpoints"""
     queue_size: Annotated[int, POSITIVE, at_most(1024)] = 1
     """chunks an actor may queue ahead of the learner before it waits (backpressure)"""
+    actor_lag: Annotated[Optional[int], NON_NEGATIVE, at_most(64)] = None
+    """an actor collects chunk m with the round on chunk m - 1 - this (acting_version): 0, the serial
+    mode's data; None, rlpyt's free-running actor (the newest parameters). --deterministic: exactly
+    that round, else at least it"""
     serial: bool = False
     """one thread: collect a chunk, then learn from the buffer, in turn (rlpyt's serial mode)"""
     buffer_size: Annotated[Optional[int], PRESET, POSITIVE] = None
@@ -527,56 +532,68 @@ def make_greedy(network, c51: bool, support):
     return greedy
 
 
-def epsilon_greedy(greedy, params, obs, epsilon, num_actions: int, rng: np.random.Generator):
-    """ε-greedy actions [B] for `epsilon` [B]: the draws on the host, and the network called only
-    where an env acts greedily (as CleanRL's loop, which skips it while it explores)."""
-    explore = rng.random(len(epsilon)) < epsilon
-    action = rng.integers(0, num_actions, len(epsilon))
+def epsilon_greedy(greedy, params, obs, epsilon, num_actions: int, draws):
+    """ε-greedy actions [B] for `epsilon` [B], from the envs' uniforms `draws` [B, 2] (whether to
+    explore, which action): the draws on the host, and the network called only where an env acts
+    greedily (as CleanRL's loop, which skips it while it explores)."""
+    explore = draws[:, 0] < epsilon
+    action = np.minimum((draws[:, 1] * num_actions).astype(np.int64), num_actions - 1)
     if explore.all():
         return action
     return np.where(explore, action, np.asarray(greedy(params, obs)))
 
 
-def make_act(greedy, args: Args, num_actions: int, rng: np.random.Generator):
-    """One actor thread's behaviour policy, act(params, obs, env_ids, step) -> actions, for
-    jax_async_rl.rounds: ε-greedy with each env's ε at the run's env step (epsilon_at)."""
+def make_act(greedy, args: Args, num_actions: int, streams: EnvStreams):
+    """One actor thread's behaviour policy, act(params, obs, env_ids, steps) -> actions, for
+    jax_async_rl.rounds: ε-greedy with each env's ε at the run's env step (epsilon_at; the envs'
+    steps x the envs: as if they stepped in lockstep), each env's draws from its own stream."""
 
-    def act(params, obs, env_ids, step):
-        return epsilon_greedy(greedy, params, obs, epsilon_at(args, step)[env_ids], num_actions, rng)
+    def act(params, obs, env_ids, steps):
+        epsilon = epsilon_at(args, int(steps.max()) * devices.global_envs(args))[env_ids]
+        return epsilon_greedy(greedy, params, obs, epsilon, num_actions, streams.uniform(env_ids, steps))
 
     return act
 
 
-def make_recurrent_act(greedy, args: Args, num_actions: int, rng: np.random.Generator):
-    """--lstm: make_act's policy with a recurrent network, act(params, obs, env_ids, step, first)
+def make_recurrent_act(greedy, args: Args, num_actions: int, streams: EnvStreams):
+    """--lstm: make_act's policy with a recurrent network, act(params, obs, env_ids, steps, first)
     -> (actions, states) for jax_async_rl.rounds: each env's state (c, h) kept by env id and reset
     where its episode starts (`first`); the network runs for every env (its state moves on while
     it explores); the states returned are those it acted from, stored where sequences start."""
     memory = zero_core(args.lstm_size, devices.local_envs(args))[0]
 
-    def act(params, obs, env_ids, step, first):
+    def act(params, obs, env_ids, steps, first):
         state = jax.tree.map(lambda m: np.where(first[:, None], np.float32(0.0), m[env_ids]), memory)
         action, after = jax.device_get(greedy(params, obs, (state, first)))
         for m, s in zip(memory, after):
             m[env_ids] = s
-        return epsilon_greedy(lambda *_: action, params, obs, epsilon_at(args, step)[env_ids], num_actions, rng), state
+        epsilon = epsilon_at(args, int(steps.max()) * devices.global_envs(args))[env_ids]
+        return epsilon_greedy(lambda *_: action, params, obs, epsilon, num_actions, streams.uniform(env_ids, steps)), state
 
     return act
 
 
-def evaluation_player(args: Args, built):
-    """The evaluation's policy(params, obs, core, key) -> (actions, None, None, state, key):
-    ε-greedy at EVAL_EPSILON; its initial core (zero_core: with --lstm the state of zeros), for a
-    run's `build`; utils/evaluate.py calls it too."""
-    network, _, support, _, _ = built
-    greedy, rng = make_greedy(network, args.c51, support), np.random.default_rng(args.seed)
+def acting_version(rollout: int, actor_lag) -> int:
+    """The policy version that acts on rollout `rollout` (counted over the run): the one the
+    update on rollout `rollout - 1 - actor_lag` makes (Cleanba's actor at 1; 0 the synchronous
+    limit). Sample Factory's free-running actor (None) waits for the first update alone, which
+    compiles meanwhile (else the queue fills with rollouts of the initial parameters)."""
+    return min(rollout, 1) if actor_lag is None else max(0, rollout - actor_lag)
 
-    def policy(params, obs, core, key):
-        epsilon = np.full(len(jax.tree.leaves(obs)[0]), EVAL_EPSILON)
+
+def evaluation_player(args: Args, built):
+    """The evaluation's policy(params, obs, core, key, env_ids, steps) -> (actions, None, None,
+    state): ε-greedy at EVAL_EPSILON; its initial core (zero_core: with --lstm the state of zeros,
+    else none), for a run's `build`; utils/evaluate.py calls it too."""
+    network, _, support, _, _ = built
+    greedy, streams = make_greedy(network, args.c51, support), EnvStreams(args.seed + 10_000, 0, 100, 2)
+
+    def policy(params, obs, core, key, env_ids, steps):
+        epsilon, draws = np.full(len(env_ids), EVAL_EPSILON), streams.uniform(env_ids, steps)
         if core is None:
-            return epsilon_greedy(greedy, params, obs, epsilon, network.action_dim, rng), None, None, None, key
+            return epsilon_greedy(greedy, params, obs, epsilon, network.action_dim, draws), None, None, None
         action, state = jax.device_get(greedy(params, obs, core))
-        return epsilon_greedy(lambda *_: action, params, obs, epsilon, network.action_dim, rng), None, None, state, key
+        return epsilon_greedy(lambda *_: action, params, obs, epsilon, network.action_dim, draws), None, None, state
 
     return policy, functools.partial(zero_core, network.lstm_size)
 
@@ -676,14 +693,15 @@ def main(args: Args, given=None) -> int:
         built = network, optimizer, support, normalizer, state = build(args, run.init_key)
         state = run.open(state, normalizer)
         actors = run.actors()  # (device, env seed, action key) of each actor thread
-        envs = [tasks.make_env(args.env_id, args.num_envs, seed, run.env_threads, train=True,
-                               batch_size=args.num_envs // args.num_splits) for _, seed, _ in actors]
+        envs = [tasks.make_actor_env(args.env_id, args.num_envs, seed, run.env_threads, args.num_splits, args.deterministic)
+                for _, seed, _ in actors]
         greedy = make_greedy(network, args.c51, support)
         shared = threads.Shared(state["params"], state["policy_version"], normalizer, run.sampled, run.stop,
-                                run.report_episodes)
+                                learning=not args.serial, keep=(args.actor_lag or 0) + 2)
         acting = make_recurrent_act if args.lstm else make_act
-        collectors = [rounds.Collector(envs[i], acting(greedy, args, network.action_dim, np.random.default_rng(seed)),
-                                       args, i, shared, run.start_step, args.lstm) for i, (_, seed, _) in enumerate(actors)]
+        collectors = [rounds.Collector(envs[i], acting(greedy, args, network.action_dim, EnvStreams(seed, i * args.num_envs,
+                                       args.num_envs, 2)), args, i, shared, run.start_update, args.lstm)
+                      for i, (_, seed, _) in enumerate(actors)]
         learner = rounds.Learner(run, make_replay(args, envs), make_update(network, optimizer, args, support, run.mesh),
                                  np.random.default_rng(run.seed), shared.timing, args.learning_rate,
                                  beta=lambda step: importance_exponent(args, step), scalars=lambda step: {
@@ -692,7 +710,8 @@ def main(args: Args, given=None) -> int:
         sequences = f", R2D2: sequences of {args.seq_len} after a burn-in of {args.burn_in}, one every {args.seq_period} steps"
         run.begin(f"preset {preset_name(args)}, {gradient_steps(args)} gradient steps a round"
                   f"{sequences * args.lstm}{', serial' if args.serial else ''}")
-        rounds.train(run, learner, collectors, actors, args.queue_size, args.serial)
+        rounds.train(run, learner, collectors, actors, args.queue_size, args.serial,
+                     functools.partial(acting_version, actor_lag=args.actor_lag))
         return run.finish(*evaluation_player(args, built))
 
 

@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_async_rl import devices, flags, runs, tasks, threads
+from jax_async_rl import devices, flags, journal, runs, tasks, threads
+from jax_async_rl.keys import env_keys
 from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, PRESET, UNIT, UsageError, at_most
 from jax_async_rl.normalize import Normalizer
 
@@ -56,10 +57,10 @@ class Args(flags.RunArgs):
     """rollout length: steps per environment in each rollout"""
     queue_size: Annotated[int, POSITIVE, at_most(1024)] = 2
     """rollouts the actor may queue ahead of the learner before it blocks (backpressure)"""
-    lag_one: bool = False
-    """the actor starts each rollout with the update on the rollout two before it (Cleanba's
-    actor): the learner learns from data one update old, not up to --queue-size + 1 when it is the
-    bottleneck; no throughput lost while either side is"""
+    actor_lag: Annotated[Optional[int], NON_NEGATIVE, at_most(64)] = None
+    """the actor acts on rollout m with the update on rollout m - 1 - this (acting_version): 1, Cleanba's
+    actor; 0, the synchronous limit; None, TorchBeast's (Sample Factory's) free-running actor, up to
+    --queue-size + 1 updates old. --deterministic: exactly that update, else at least it"""
     max_policy_lag: Annotated[int, NON_NEGATIVE] = 25
     """transitions chosen by a policy more than this many updates old are masked out of the loss"""
     vtrace_rho_bar: Annotated[float, POSITIVE] = 1.0
@@ -246,13 +247,15 @@ class ActorCritic(nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 
-def sample_action(pi, key, continuous: bool, greedy: bool = False):
-    """Sample actions [B] (discrete) or [B, A] (Gaussian, unclipped) from `pi`; `greedy`: the most
-    likely ones (the mean) instead."""
+def sample_action(pi, keys, continuous: bool, greedy: bool = False):
+    """Sample actions [B] (discrete) or [B, A] (Gaussian, unclipped) from `pi`, row i with key
+    keys[i] (its env's at its step: jax_async_rl.keys.env_keys, so that an env's draws do not
+    depend on the batch); `greedy`: the most likely ones (the mean) instead."""
     if continuous:
         mean, log_std = jnp.split(pi, 2, axis=-1)
-        return mean if greedy else mean + jnp.exp(log_std) * jax.random.normal(key, mean.shape)
-    return jnp.argmax(pi, -1) if greedy else jax.random.categorical(key, pi)
+        noise = jax.vmap(lambda key, m: jax.random.normal(key, m.shape))(keys, mean)
+        return mean if greedy else mean + jnp.exp(log_std) * noise
+    return jnp.argmax(pi, -1) if greedy else jax.vmap(jax.random.categorical)(keys, pi)
 
 
 def log_prob_entropy(pi, actions, continuous: bool):
@@ -353,20 +356,28 @@ def impala_loss(logprobs, pg_advantages, values, vs, entropy, mask, baseline_cos
 
 
 def make_policy_step(network, continuous: bool, values: bool = True, greedy: bool = False):
-    """One jitted call per environment step: actions, their log-probabilities, values (None with
-    `values` False: XLA then skips the critic, a third of a small MLP's acting time), the recurrent
-    state after the step (`core`: see ActorCritic; None without --lstm) and the key. `greedy`:
-    the most likely actions (evaluation's option)."""
+    """One jitted call per environment step of envs `env_ids` [B] at their steps `steps` [B]
+    (their randomness keyed by both and the run's `key`): actions, their log-probabilities,
+    values (None with `values` False: XLA then skips the critic, a third of a small MLP's acting
+    time) and the recurrent state after the step (`core`: see ActorCritic; None without --lstm).
+    `greedy`: the most likely actions (evaluation's option)."""
 
     @jax.jit
-    def policy_step(params, obs, core, key):
-        key, subkey = jax.random.split(key)
+    def policy_step(params, obs, core, key, env_ids, steps):
         pi, value, state = network.apply(params, obs, core)
-        action = sample_action(pi, subkey, continuous, greedy)
+        action = sample_action(pi, env_keys(key, env_ids, steps, jnp), continuous, greedy)
         logprob, _ = log_prob_entropy(pi, action, continuous)
-        return action, logprob, value if values else None, state, key
+        return action, logprob, value if values else None, state
 
     return policy_step
+
+
+def acting_version(rollout: int, actor_lag) -> int:
+    """The policy version that acts on rollout `rollout` (counted over the run): the one the
+    update on rollout `rollout - 1 - actor_lag` makes (Cleanba's actor at 1; 0 the synchronous
+    limit). Sample Factory's free-running actor (None) waits for the first update alone, which
+    compiles meanwhile (else the queue fills with rollouts of the initial parameters)."""
+    return min(rollout, 1) if actor_lag is None else max(0, rollout - actor_lag)
 
 
 def write(tree, index, values, rows=...):
@@ -382,6 +393,7 @@ def new_rollout(T: int, B: int, obs, action_space, memory=None) -> dict:
     rollout = {name: np.zeros((T, B), np.float32) for name in fields}
     if memory is not None:
         rollout["state"] = jax.tree.map(np.zeros_like, memory)
+    rollout["host"] = {"next_state": jax.tree.map(np.zeros_like, memory)} if memory is not None else {}
     rollout["actions"] = np.zeros((T, B, *action_space.shape), action_space.dtype)
     rollout["policy_version"] = np.zeros((T, B), np.int32)
     rollout["obs"] = jax.tree.map(lambda x: np.zeros((T, B, *x.shape[1:]), x.dtype), obs)
@@ -390,14 +402,18 @@ def new_rollout(T: int, B: int, obs, action_space, memory=None) -> dict:
 
 
 class Trajectories:
-    """The rollouts an actor thread is filling, by number. Env e's n-th step goes to rollout
-    n // T, row n % T, column e, in any order envpool returns envs; a rollout is complete once
-    every env has delivered the observation after its last row (`bootstrap_obs`). The step after
-    an episode's end only resets the env (its action is ignored): `valid` 0."""
+    """The rollouts an actor thread is filling, by number. Env e's n-th step of the run goes to
+    rollout n // T, row n % T, column e, in any order envpool returns envs, from step `start` on (a
+    resumed run's first rollout x T; `replayed`: its envs were stepped there, journal.replay, with
+    `prev_dones` their dones, and the step before it in flight). A rollout is complete once every
+    env has delivered the observation after its last row (`bootstrap_obs`; with --lstm also the
+    state after it, kept on the host for a resume: "host"). The step after an episode's end only
+    resets the env (its action is ignored): `valid` 0."""
 
-    def __init__(self, T: int, B: int, action_space, memory=None):
-        self.T, self.B, self.action_space, self.memory = T, B, action_space, memory
-        self.steps, self.prev_dones = np.zeros(B, np.int64), np.zeros(B, bool)  # actions sent so far, per env
+    def __init__(self, T: int, B: int, action_space, memory=None, start=0, replayed=False, prev_dones=None):
+        self.T, self.B, self.action_space, self.memory, self.start = T, B, action_space, memory, start
+        self.steps, self.sent = np.full(B, start, np.int64), np.full(B, replayed)  # steps sent; whether one was
+        self.prev_dones = np.zeros(B, bool) if prev_dones is None else prev_dones
         self.buffers, self.bootstrapped = {}, {}  # rollouts being filled, by number, and their bootstrap counts
 
     def at(self, index, env_ids, obs) -> list:
@@ -415,21 +431,26 @@ class Trajectories:
                 self.buffers[n] = new_rollout(self.T, self.B, obs, self.action_space, self.memory)
         return [(n, self.buffers[n], index[sel] - n * self.T, env_ids[sel], sel) for n, sel in zip(ks, selections)]
 
-    def received(self, env_ids, obs, reward, done, truncated, version, core) -> list:
-        """What recv() returned for `env_ids`, whose observation number steps[env_ids] it is: the
-        reward and dones of the step before it (and the bootstrap_obs of a rollout that step
-        ends); the row of the step it starts, chosen by policy `version` (with --lstm: `core`,
-        the states before it and `first`). Returns that row's rollouts, for `acted`."""
-        index = self.steps[env_ids]
-        s = slice(None) if index.all() else index > 0  # the envs a step returned (not a first observation)
-        self.prev_dones[env_ids[s]] = done[s]
+    def returned(self, env_ids, obs, reward, done, truncated, memory=None):
+        """What recv() returned for `env_ids` of the step before observation number steps[env_ids]:
+        its reward and dones, and the bootstrap_obs (and with `memory` the envs' states) of a
+        rollout that step ends."""
+        index, self.prev_dones[env_ids] = self.steps[env_ids], done  # a first observation's done is False
+        s = self.sent[env_ids] & (index > self.start)  # the envs a step of this run's rollouts returned
         for _, buf, rows, ids, sel in self.at(index[s] - 1, env_ids[s], obs):  # that step's row
             buf["rewards"][rows, ids], buf["truncated"][rows, ids], buf["dones"][rows, ids] = (
                 reward[s][sel], truncated[s][sel], done[s][sel])
-        ends = (index % self.T == 0) & (index > 0)
+        ends = s & (index % self.T == 0)
         for n, buf, _, ids, sel in self.at(index[ends] - self.T, env_ids[ends], obs) if ends.any() else []:
             write(buf["bootstrap_obs"], ids, jax.tree.map(lambda x: x[ends], obs), sel)
+            if memory is not None:
+                write(buf["host"]["next_state"], ids, jax.tree.map(lambda x: x[env_ids[ends]], memory), sel)
             self.bootstrapped[n] = self.bootstrapped.get(n, 0) + len(ids)
+
+    def started(self, env_ids, obs, version, core) -> list:
+        """The rows of the steps `obs` starts, chosen by policy `version` (with --lstm: `core`, the
+        states before them and `first`). Returns those rows' rollouts, for `acted`."""
+        index = self.steps[env_ids]
         current = self.at(index, env_ids, obs)
         valid = 1.0 - self.prev_dones[env_ids]
         for _, buf, rows, ids, sel in current:
@@ -441,10 +462,11 @@ class Trajectories:
         return current
 
     def acted(self, current, env_ids, action, logprob):
-        """The actions sent to `env_ids` (and their log-probabilities), into the rows `received` returned."""
+        """The actions sent to `env_ids` (and their log-probabilities), into the rows `started` returned."""
         for _, buf, rows, ids, sel in current:
             buf["actions"][rows, ids], buf["logprobs"][rows, ids] = action[sel], logprob[sel]
         self.steps[env_ids] += 1
+        self.sent[env_ids] = True
 
     def complete(self):
         """The oldest rollout, removed, once it is complete; else None."""
@@ -454,17 +476,32 @@ class Trajectories:
         return self.buffers.pop(min(self.buffers))
 
 
-def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts, device=None, thread=0):
+def start_envs(envs, resume, normalizer, stats, memory, env_offset: int):
+    """An actor's envs reset, or with `resume` (--deterministic) stepped back to where the run
+    stopped (journal.replay): (their dones then, or None; the recurrent states to go on from)."""
+    if resume is None:
+        envs.async_reset()
+        return None, memory
+    dones, _ = journal.replay(envs, resume["actions"], normalizer, stats, env_offset, receive_last=False)
+    return dones, jax.tree.unflatten(jax.tree.structure(memory), resume["memory"]) if "memory" in resume else memory
+
+
+def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts, device=None, thread=0, first=0,
+               resume=None):
     """Double-buffered sampling (Sample Factory §3.2): act on the split `recv()` returns while
-    envpool steps the others, with the newest parameters (§3.4); queue `num_rollouts` rollouts
-    (Trajectories), blocking while the queue is full. With --lstm, `memory` holds each env's state
-    by env id, reset where an episode starts; a rollout records the states before its row 0
-    (Sample Factory's choice: no burn-in). Thread `thread` acts on `device`."""
+    envpool steps the others; queue `num_rollouts` rollouts (Trajectories), each with the games
+    that ended in it, blocking while the queue is full. Rollout m (from `first`) is acted with the
+    parameters `acting_version` names (§3.4; exactly those with --deterministic), each env's draws
+    keyed by its index and step. With --lstm, `memory` holds each env's state, reset where an
+    episode starts; a rollout records the states before its row 0 (Sample Factory's: no burn-in).
+    Thread `thread` acts on `device`. `resume` (--deterministic): the journal's actions [steps, B,
+    ...] and states that put the envs back where the run stopped (journal.replay)."""
     T, B = args.num_steps, args.num_envs
     memory = zero_core(args.lstm_size, B)[0] if args.lstm else None  # (c, h) [B, lstm_size], by env id
-    trajectories, stats, timing, pushed = Trajectories(T, B, envs.action_space, memory), tasks.EpisodeStats(B), shared.timing, 0
+    stats, timing, pushed = tasks.EpisodeStats(B), shared.timing, 0
+    dones, memory = start_envs(envs, resume, shared.normalizer, stats, memory, thread * B)
+    trajectories = Trajectories(T, B, envs.action_space, memory, first * T, resume is not None, dones)
     core = held = params = None  # held: the version of `params`
-    envs.async_reset()
     while pushed < num_rollouts and not shared.stop.is_set():
         start = time.perf_counter()
         obs, reward, terminated, truncated, info = envs.recv()
@@ -472,20 +509,32 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
         env_ids, index = info["env_id"], trajectories.steps[info["env_id"]]
         reward = np.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's reward is undefined (dm_control: NaN at times)
         obs = shared.normalizer.observe(obs)
+        ended = trajectories.sent[env_ids]  # the observation ends a step (not an env's first)
         if memory is not None:  # the envs' states, and which observations start an episode
-            core = jax.tree.map(lambda s: s[env_ids], memory), trajectories.prev_dones[env_ids] | (index == 0)
-        if not shared.wait_to_act(thread, int(index.max()) // T, pushed):  # the first update; --lag-one
-            return
-        latest, version = shared.latest  # fast weight sync (§3.4): newest parameters every call,
-        if version != held:  # copied to this actor's device once per update
-            held, params = version, devices.to_actor(device, latest)
-        action, logprob, _, state, key = policy_step(params, obs, core, key)  # dispatched asynchronously,
-        timing["inference"] += (start := time.perf_counter()) - now  # so the bookkeeping below overlaps it
-
+            core = jax.tree.map(lambda s: s[env_ids], memory), trajectories.prev_dones[env_ids] | ~ended
         stats.update(env_ids, reward, terminated, truncated, info)  # game scores: raw rewards
+        if ended.any() and index.max() == trajectories.start:  # the last step replayed: its games were logged
+            stats.pop()
         done = terminated | truncated
-        reward = shared.normalizer.reward(reward, done, env_ids + thread * B)
-        current = trajectories.received(env_ids, obs, reward, done, truncated, version, core)
+        reward[ended] = shared.normalizer.reward(reward[ended], done[ended], env_ids[ended] + thread * B)
+        trajectories.returned(env_ids, obs, reward, done, truncated, memory)
+        while pushed < num_rollouts and (rollout := trajectories.complete()) is not None:
+            rollout["host"]["games"] = stats.pop()
+            start = time.perf_counter()
+            if not threads.put(rollout_queue, rollout, shared.stop):
+                return
+            timing["queue_put"] += time.perf_counter() - start
+            pushed += 1
+        version = acting_version(int(index.max()) // T, args.actor_lag)  # free-running: never an update
+        acting = shared.acting(version if args.deterministic else min(version, first + pushed), args.deterministic)
+        if acting is None:  # on a rollout not queued yet (with splits, an env may still be in it)
+            return
+        if acting[1] != held:  # copied to this actor's device once per version
+            held, params = acting[1], devices.to_actor(device, acting[0])
+        now = time.perf_counter()
+        action, logprob, _, state = policy_step(params, obs, core, key, env_ids, index)
+        timing["inference"] += (start := time.perf_counter()) - now  # dispatched; the bookkeeping overlaps it
+        current = trajectories.started(env_ids, obs, held, core)
         timing["bookkeeping"] += (now := time.perf_counter()) - start
 
         action, logprob, state = jax.device_get((action, logprob, state))
@@ -496,14 +545,6 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
         trajectories.acted(current, env_ids, action, logprob)
         shared.sampled[thread] += len(env_ids)
         timing["bookkeeping"] += time.perf_counter() - start
-
-        while pushed < num_rollouts and (rollout := trajectories.complete()) is not None:
-            shared.report(stats.pop())
-            start = time.perf_counter()
-            if not threads.put(rollout_queue, rollout, shared.stop):
-                return
-            timing["queue_put"] += time.perf_counter() - start
-            pushed += 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -590,24 +631,31 @@ def learner_loop(run, update, shared, queues, key):
     """Take one rollout from every actor thread's queue, update, publish the parameters and their
     version after each update (§3.4): from run.start_update to run.num_updates, or until the run
     stops. Once per update, before it, every process agrees to go on (runs.Run.should_stop), in
-    lockstep: a stop in any process stops all at the same update."""
-    state, timing = run.state, shared.timing
+    lockstep (a stop in any process stops all at the same update), and the games of the rollouts
+    learned from last are logged."""
+    state, timing, games = run.state, shared.timing, []  # games: of the rollouts last learned from
     for _ in range(run.start_update, run.num_updates):
         start = time.perf_counter()
         rollouts = [threads.get(q, run.stop) for q in queues]
         timing["queue_get"] += time.perf_counter() - start
-        if run.should_stop(None in rollouts):
+        if run.should_stop(None in rollouts, games):
             break
+        hosts = [rollout.pop("host") for rollout in rollouts]  # games; --lstm: the states after the rollout
+        games = [game for host in hosts for game in host["games"]]
         start = time.perf_counter()
-        key, subkey = jax.random.split(key)
-        batch = devices.to_learner(run.mesh, devices.joined(rollouts))
+        subkey = jax.random.fold_in(key, int(state["policy_version"]))  # the update's own: a resume draws the same
+        batch = devices.joined(rollouts)
+        run.journaled(batch["actions"], [host.get("next_state") for host in hosts], shared.published)
+        batch = devices.to_learner(run.mesh, batch)
         state, diagnostics = update(state, batch, subkey, run.args.total_timesteps)
         diagnostics = jax.device_get(diagnostics)
         timing["update"] += time.perf_counter() - start
-        pipeline = {"async/queue_size": sum(q.qsize() for q in queues),
-                    "async/learner_busy_fraction": timing["update"] / run.elapsed()}
+        pipeline = {"timing/queue_size": sum(q.qsize() for q in queues),
+                    "timing/learner_busy_fraction": timing["update"] / run.elapsed()}
         state = run.learned(state, diagnostics, timing, pipeline)
-        shared.latest = (state["params"], int(state["policy_version"]))
+        shared.publish(state["params"], int(state["policy_version"]))
+    else:
+        run.should_stop(False, games)  # the last rollouts' games
 
 
 # ---------------------------------------------------------------------------------------------
@@ -639,18 +687,19 @@ def main(args: Args, given=None) -> int:
         args = run.args
         network, optimizer, continuous, normalizer, state = build(args, run.init_key)
         state = run.open(state, normalizer)
+        resumes = run.journal_for(tasks.spaces(args.env_id)[1])  # --deterministic: a resume replays the run's actions
         actors = run.actors()  # (device, env seed, action key) of each actor thread
-        envs = [tasks.make_env(args.env_id, args.num_envs, seed, run.env_threads, train=True,
-                               batch_size=args.num_envs // args.num_splits) for _, seed, _ in actors]
+        envs = [tasks.make_actor_env(args.env_id, args.num_envs, seed, run.env_threads, args.num_splits, args.deterministic)
+                for _, seed, _ in actors]
         policy_step = make_policy_step(network, continuous, values=False)  # the actor needs no values
         update = make_update(network, optimizer, args, continuous, run.mesh)
         shared = threads.Shared(state["params"], state["policy_version"], normalizer, run.sampled, run.stop,
-                                run.report_episodes, learning=True, lag_one=args.lag_one)
+                                learning=True, keep=(args.actor_lag or 0) + 2, published=run.keeper and run.keeper.acting())
         run.begin(f"preset {tasks.preset_name(args.env_id, PRESETS)}, {args.num_splits} split{'s' * (args.num_splits > 1)}")
         queues = [queue.Queue(maxsize=args.queue_size) for _ in actors]
         for i, (device, _, key) in enumerate(actors):
             run.threads.start(f"actor {i}" if i else "actor", actor_loop, envs[i], policy_step, shared, queues[i], key, args,
-                              run.num_updates - run.start_update, device, i, owns=envs[i])
+                              run.num_updates - run.start_update, device, i, run.start_update, resumes[i], owns=envs[i])
         run.wait(run.threads.start("learner", learner_loop, run, update, shared, queues, run.update_key))
         return run.finish(make_policy_step(network, continuous, values=False), functools.partial(zero_core, network.lstm_size))
 

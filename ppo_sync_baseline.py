@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_async_rl import devices, flags, runs, tasks
+from jax_async_rl import devices, flags, journal, runs, tasks
+from jax_async_rl.keys import env_keys
 from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, PRESET, UNIT, UsageError, at_most
 from jax_async_rl.normalize import Normalizer
 
@@ -257,13 +258,15 @@ class ActorCritic(nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 
-def sample_action(pi, key, continuous: bool, greedy: bool = False):
-    """Sample actions [B] (discrete) or [B, A] (Gaussian, unclipped) from `pi`; `greedy`: the most
-    likely ones (the mean) instead."""
+def sample_action(pi, keys, continuous: bool, greedy: bool = False):
+    """Sample actions [B] (discrete) or [B, A] (Gaussian, unclipped) from `pi`, row i with key
+    keys[i] (its env's at its step: jax_async_rl.keys.env_keys, so that an env's draws do not
+    depend on the batch); `greedy`: the most likely ones (the mean) instead."""
     if continuous:
         mean, log_std = jnp.split(pi, 2, axis=-1)
-        return mean if greedy else mean + jnp.exp(log_std) * jax.random.normal(key, mean.shape)
-    return jnp.argmax(pi, -1) if greedy else jax.random.categorical(key, pi)
+        noise = jax.vmap(lambda key, m: jax.random.normal(key, m.shape))(keys, mean)
+        return mean if greedy else mean + jnp.exp(log_std) * noise
+    return jnp.argmax(pi, -1) if greedy else jax.vmap(jax.random.categorical)(keys, pi)
 
 
 def log_prob_entropy(pi, actions, continuous: bool):
@@ -367,18 +370,18 @@ def ppo_loss(logprobs, old_logprobs, advantages, values, returns, entropy, mask,
 
 
 def make_policy_step(network, continuous: bool, values: bool = True, greedy: bool = False):
-    """One jitted call per environment step: actions, their log-probabilities, values (None with
-    `values` False: XLA then skips the critic, a third of a small MLP's acting time), the recurrent
-    state after the step (`core`: see ActorCritic; None without --lstm) and the key. `greedy`:
-    the most likely actions (evaluation's option)."""
+    """One jitted call per environment step of envs `env_ids` [B] at their steps `steps` [B]
+    (their randomness keyed by both and the run's `key`): actions, their log-probabilities,
+    values (None with `values` False: XLA then skips the critic, a third of a small MLP's acting
+    time) and the recurrent state after the step (`core`: see ActorCritic; None without --lstm).
+    `greedy`: the most likely actions (evaluation's option)."""
 
     @jax.jit
-    def policy_step(params, obs, core, key):
-        key, subkey = jax.random.split(key)
+    def policy_step(params, obs, core, key, env_ids, steps):
         pi, value, state = network.apply(params, obs, core)
-        action = sample_action(pi, subkey, continuous, greedy)
+        action = sample_action(pi, env_keys(key, env_ids, steps, jnp), continuous, greedy)
         logprob, _ = log_prob_entropy(pi, action, continuous)
-        return action, logprob, value if values else None, state, key
+        return action, logprob, value if values else None, state
 
     return policy_step
 
@@ -389,8 +392,9 @@ def write(tree, index, values, rows=...):
         buffer[index] = value[rows]
 
 
-def collect_rollout(envs, policy_step, params, obs, prev_dones, core, key, stats, normalizer, args, timing):
-    """Step all envs `num_steps` times with `params`; return the rollout, next obs, dones, core and key.
+def collect_rollout(envs, policy_step, params, obs, prev_dones, core, key, first_step, stats, normalizer, args, timing):
+    """Step all envs `num_steps` times with `params`, from step `first_step` of each (its randomness
+    keyed by env and step); return the rollout, next obs, dones and core.
 
     The rollout is time-major [T, B, ...] host arrays plus `bootstrap_obs` [B, ...]. envpool
     resets an env on the step after its episode ends, ignoring that step's action: such steps
@@ -416,7 +420,7 @@ def collect_rollout(envs, policy_step, params, obs, prev_dones, core, key, stats
     env_ids = np.arange(B)
     for t in range(T):
         start = time.perf_counter()
-        action, logprob, value, state, key = policy_step(params, obs, core, key)
+        action, logprob, value, state = policy_step(params, obs, core, key, env_ids, np.full(B, first_step + t))
         action, logprob, value = jax.device_get((action, logprob, value))
         timing["inference"] += time.perf_counter() - start
         write(rollout["obs"], t, obs)
@@ -434,7 +438,7 @@ def collect_rollout(envs, policy_step, params, obs, prev_dones, core, key, stats
         obs, reward = normalizer.observe(obs), normalizer.reward(reward, prev_dones, env_ids)
         rollout["rewards"][t], rollout["dones"][t], rollout["truncated"][t] = reward, prev_dones, truncated
     rollout["bootstrap_obs"] = obs
-    return rollout, obs, prev_dones, core, key
+    return rollout, obs, prev_dones, core
 
 
 # ---------------------------------------------------------------------------------------------
@@ -559,23 +563,29 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
     return update
 
 
-def train_loop(run, envs, policy_step, update, normalizer, key, device):
+def train_loop(run, envs, policy_step, update, normalizer, key, device, resume=None):
     """Collect a rollout with the current parameters (copied to the actor `device`), update on it,
     repeat: from run.start_update to run.num_updates, or until the run stops. Once per update,
-    every process agrees to go on (runs.Run.should_stop), in lockstep, and logs the games of all."""
-    args, state, update_key = run.args, run.state, run.update_key
+    every process agrees to go on (runs.Run.should_stop), in lockstep, and logs the games of all.
+    `resume` (--deterministic): the journal's actions and the state that put the envs and the
+    recurrent core back where the run stopped (journal.replay)."""
+    args, state = run.args, run.state
     stats, timing = tasks.EpisodeStats(args.num_envs), {"env": 0.0, "inference": 0.0, "update": 0.0}
-    obs, dones = normalizer.observe(envs.reset()[0]), np.zeros(args.num_envs, bool)
-    core = zero_core(args.lstm_size if args.lstm else 0, args.num_envs)  # --lstm: every env starts from zeros, also on resume
-    for _ in range(run.start_update, run.num_updates):
+    core = zero_core(args.lstm_size if args.lstm else 0, args.num_envs)  # --lstm: every env starts from zeros
+    if resume is None:
+        obs, dones = normalizer.observe(envs.reset()[0]), np.zeros(args.num_envs, bool)
+    else:
+        dones, obs = journal.replay(envs, resume["actions"], normalizer, stats, 0, receive_last=True)
+        core = jax.tree.unflatten(jax.tree.structure(core), resume["memory"]) if "memory" in resume else core
+    for rollout_index in range(run.start_update, run.num_updates):
         if run.should_stop(False, stats.pop()):
             break
-        rollout, obs, dones, core, key = collect_rollout(
-            envs, policy_step, devices.to_actor(device, state["params"]), obs, dones, core, key, stats, normalizer, args, timing,
-        )
+        rollout, obs, dones, core = collect_rollout(envs, policy_step, devices.to_actor(device, state["params"]), obs, dones,
+                                                    core, key, rollout_index * args.num_steps, stats, normalizer, args, timing)
         run.sampled[0] += args.num_envs * args.num_steps
         start = time.perf_counter()
-        update_key, subkey = jax.random.split(update_key)
+        run.journaled(rollout["actions"], [core], {})
+        subkey = jax.random.fold_in(run.update_key, int(state["policy_version"]))  # the update's own: a resume draws the same
         state, diagnostics = update(state, devices.to_learner(run.mesh, rollout), subkey, args.total_timesteps)
         diagnostics = jax.device_get(diagnostics)
         timing["update"] += time.perf_counter() - start
@@ -612,13 +622,14 @@ def main(args: Args, given=None) -> int:
         args = run.args
         network, optimizer, continuous, normalizer, state = build(args, run.init_key)
         state = run.open(state, normalizer)
+        resume, = run.journal_for(tasks.spaces(args.env_id)[1])  # --deterministic: a resume replays the run's actions
         (device, seed, key), = run.actors()  # (device, env seed, action key): the synchronous loop acts on one device
         envs = tasks.make_env(args.env_id, args.num_envs, seed, run.env_threads, train=True)
         policy_step = make_policy_step(network, continuous)
         update = make_update(network, optimizer, args, continuous, run.mesh)
         run.begin(f"preset {tasks.preset_name(args.env_id, PRESETS)}")
         try:
-            run.threads.run("training loop", train_loop, run, envs, policy_step, update, normalizer, key, device)
+            run.threads.run("training loop", train_loop, run, envs, policy_step, update, normalizer, key, device, resume)
         finally:
             envs.close()
         return run.finish(make_policy_step(network, continuous, values=False), functools.partial(zero_core, network.lstm_size))

@@ -19,9 +19,10 @@ The run itself (flags, folders, checkpoints, logs, devices) is the installed pac
 `jax_async_rl`: this file holds the algorithm. Usage: python td3_envpool.py --env-id HalfCheetah-v4
 """
 
+import functools
 import signal
 from dataclasses import dataclass
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Optional
 
 if __name__ == "__main__":  # Ctrl-C while the libraries below import (seconds): exit 130, no traceback
     signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -34,6 +35,7 @@ import optax
 
 from jax_async_rl import devices, flags, rounds, runs, tasks, threads
 from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, UNIT, UsageError, at_most
+from jax_async_rl.keys import env_keys
 from jax_async_rl.normalize import Normalizer
 from jax_async_rl.replay import Replay, check_rounds, gradient_steps
 
@@ -58,6 +60,10 @@ class Args(flags.RunArgs):
     then its gradient steps) is an "update" in the logs and checkpoints"""
     queue_size: Annotated[int, POSITIVE, at_most(1024)] = 1
     """chunks an actor may queue ahead of the learner before it waits (backpressure)"""
+    actor_lag: Annotated[Optional[int], NON_NEGATIVE, at_most(64)] = None
+    """an actor collects chunk m with the round on chunk m - 1 - this (acting_version): 0, the serial
+    mode's data; None, rlpyt's free-running actor (the newest parameters). --deterministic: exactly
+    that round, else at least it"""
     serial: bool = False
     """one thread: collect a chunk, then learn from the buffer, in turn (rlpyt's serial mode)"""
     buffer_size: Annotated[int, POSITIVE] = 1_000_000
@@ -211,32 +217,42 @@ def policy_due(gradient_step, delay: int):
 
 
 def make_policy_step(actor, noise, scale, low, high):
-    """One jitted call per environment step: the policy's actions [B, A] plus N(0, `noise` x scale),
-    clipped to the bounds, or uniform in them where `explore` (the first --learning-starts steps),
-    and the key."""
+    """One jitted call per environment step of envs `env_ids` [B] at their `steps` [B] (each env's
+    draws keyed by both and the thread's `key`): the policy's actions [B, A] plus N(0, `noise` x
+    scale), clipped to the bounds, or uniform in them where `explore` (the first --learning-starts
+    steps)."""
 
     @jax.jit
-    def policy_step(params, obs, explore, key):
-        key, noise_key, uniform_key = jax.random.split(key, 3)
+    def policy_step(params, obs, explore, key, env_ids, steps):
+        keys = jax.vmap(jax.random.split)(env_keys(key, env_ids, steps, jnp))  # [B, 2, 2]
         action = actor.apply(params["actor"], obs)
-        action = jnp.clip(action + noise * scale * jax.random.normal(noise_key, action.shape), low, high)
-        uniform = jax.random.uniform(uniform_key, action.shape, minval=low, maxval=high)
-        return jnp.where(explore, uniform, action), key
+        gaussian = jax.vmap(lambda k: jax.random.normal(k, action.shape[1:]))(keys[:, 0])
+        action = jnp.clip(action + noise * scale * gaussian, low, high)
+        uniform = jax.vmap(lambda k: jax.random.uniform(k, action.shape[1:], minval=low, maxval=high))(keys[:, 1])
+        return jnp.where(explore, uniform, action)
 
     return policy_step
 
 
 def make_act(policy_step, args: Args, key):
-    """One actor thread's behaviour policy, act(params, obs, env_ids, step) -> actions, for
-    jax_async_rl.rounds: uniform in the bounds for the run's first --learning-starts env steps,
-    the policy's after; it keeps the thread's key."""
+    """One actor thread's behaviour policy, act(params, obs, env_ids, steps) -> actions, for
+    jax_async_rl.rounds: uniform in the bounds for the run's first --learning-starts env steps (the
+    envs' steps x the envs: as if they stepped in lockstep), the policy's after; each env's draws
+    keyed by the thread's `key`, the env and its step."""
 
-    def act(params, obs, env_ids, step):
-        nonlocal key
-        action, key = policy_step(params, obs, np.bool_(step < args.learning_starts), key)
-        return action
+    def act(params, obs, env_ids, steps):
+        explore = int(steps.max()) * devices.global_envs(args) < args.learning_starts
+        return policy_step(params, obs, np.bool_(explore), key, env_ids, steps)
 
     return act
+
+
+def acting_version(rollout: int, actor_lag) -> int:
+    """The policy version that acts on rollout `rollout` (counted over the run): the one the
+    update on rollout `rollout - 1 - actor_lag` makes (Cleanba's actor at 1; 0 the synchronous
+    limit). Sample Factory's free-running actor (None) waits for the first update alone, which
+    compiles meanwhile (else the queue fills with rollouts of the initial parameters)."""
+    return min(rollout, 1) if actor_lag is None else max(0, rollout - actor_lag)
 
 
 def evaluation_player(args: Args, built):
@@ -246,8 +262,8 @@ def evaluation_player(args: Args, built):
     (actor, _), _, _, _, _ = built
 
     @jax.jit
-    def policy(params, obs, core, key):
-        return actor.apply(params["actor"], obs), None, None, None, key
+    def policy(params, obs, core, key, env_ids, steps):
+        return actor.apply(params["actor"], obs), None, None, None
 
     return policy, lambda num_envs: None
 
@@ -329,12 +345,11 @@ def make_update(networks, optimizer, args: Args, bounds, mesh=None):
 
 def make_learn(update, key):
     """The learner's round, learn(state, batches, step) -> (state, diagnostics), for
-    jax_async_rl.rounds: the jitted update with a key of its own each round."""
+    jax_async_rl.rounds: the jitted update with the round's own key (of its env step `step`: a
+    resumed run draws what the run would have)."""
 
     def learn(state, batches, step):
-        nonlocal key
-        key, round_key = jax.random.split(key)
-        return update(state, batches, round_key)
+        return update(state, batches, jax.random.fold_in(key, step))
 
     return learn
 
@@ -385,18 +400,19 @@ def main(args: Args, given=None) -> int:
         built = (actor, _), optimizer, bounds, normalizer, state = build(args, run.init_key)
         state = run.open(state, normalizer)
         actors = run.actors()  # (device, env seed, action key) of each actor thread
-        envs = [tasks.make_env(args.env_id, args.num_envs, seed, run.env_threads, train=True,
-                               batch_size=args.num_envs // args.num_splits) for _, seed, _ in actors]
+        envs = [tasks.make_actor_env(args.env_id, args.num_envs, seed, run.env_threads, args.num_splits, args.deterministic)
+                for _, seed, _ in actors]
         policy_step = make_policy_step(actor, args.exploration_noise, bounds[0], *bounds[2:])
         shared = threads.Shared(state["params"], state["policy_version"], normalizer, run.sampled, run.stop,
-                                run.report_episodes)
-        collectors = [rounds.Collector(envs[i], make_act(policy_step, args, key), args, i, shared, run.start_step)
+                                learning=not args.serial, keep=(args.actor_lag or 0) + 2)
+        collectors = [rounds.Collector(envs[i], make_act(policy_step, args, key), args, i, shared, run.start_update)
                       for i, (_, _, key) in enumerate(actors)]
         learn = make_learn(make_update(built[0], optimizer, args, bounds, run.mesh), run.update_key)
         learner = rounds.Learner(run, make_replay(args, envs), learn, np.random.default_rng(run.seed), shared.timing,
                                  args.learning_rate)
         run.begin(f"{gradient_steps(args)} gradient steps a round{', serial' if args.serial else ''}")
-        rounds.train(run, learner, collectors, actors, args.queue_size, args.serial)
+        rounds.train(run, learner, collectors, actors, args.queue_size, args.serial,
+                     functools.partial(acting_version, actor_lag=args.actor_lag))
         return run.finish(*evaluation_player(args, built))
 
 

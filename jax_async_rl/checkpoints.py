@@ -61,8 +61,9 @@ def write_atomically(path: str, data: bytes):
         os.close(dir_fd)
 
 
-def save_checkpoint(path: str, state: dict, args, normalizer, script: str):
-    """The state, the normaliser's statistics and the flags of `script`'s run, written atomically.
+def save_checkpoint(path: str, state: dict, args, normalizer, script: str, carry=None):
+    """The state, the normaliser's statistics and the flags of `script`'s run (and what a
+    --deterministic resume needs besides: `carry`, journal.Keeper's), written atomically.
     Process 0 alone writes; the others' calls do nothing."""
     if jax.process_index():
         return
@@ -72,6 +73,8 @@ def save_checkpoint(path: str, state: dict, args, normalizer, script: str):
         "script": os.path.basename(script),
         "script_path": os.path.abspath(script),
     }
+    if carry:
+        payload["carry"] = flax.serialization.to_state_dict(jax.device_get(carry))
     write_atomically(path, flax.serialization.msgpack_serialize(payload))
 
 

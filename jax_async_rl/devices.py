@@ -10,6 +10,7 @@ all-reduces the gradients.
 import dataclasses
 import hashlib
 import json
+import os
 import re
 
 import jax
@@ -198,3 +199,18 @@ def describe_dead(error) -> str:
     who = f"process {1 - me}" if count == 2 else f"another process ({peer[1] if peer else 'address unknown'})"
     return (f"{who} of this run stopped answering (it died, was killed or lost its connection; its own log says "
             f"why); process {me} stops too")
+
+
+def use_compile_cache(path: str):
+    """JAX's persistent compilation cache in `path` ('': off), set before anything compiles (JAX
+    reads it once per process). UsageError if the folder cannot be created or written."""
+    if not path:
+        return
+    path = os.path.expanduser(path)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--compile-cache {path}: cannot create it ({e.strerror}); pass another folder, or '' for none")
+    if not os.access(path, os.W_OK):
+        raise UsageError(f"--compile-cache {path} is not writable; pass another folder, or '' for none")
+    jax.config.update("jax_compilation_cache_dir", path)

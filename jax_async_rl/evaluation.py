@@ -15,11 +15,11 @@ from jax_async_rl.tasks import EpisodeStats, env_action, env_kind, make_env
 def evaluate(policy, params, initial_core, args, normalizer, num_episodes: int, video_dir=None, signals=()):
     """Play `num_episodes` full games; return the scores (game scores: all lives, raw rewards).
 
-    `policy(params, obs, core, key)` -> (actions, their log-probs, values, the core's state, key):
-    the script's jitted policy step; `initial_core(n)` the recurrent core of n envs before their
-    first step (None without one). Each env plays at most its share of the episodes, so that short
-    games are not favoured. With `video_dir`, the first episode of the first env is written to an
-    mp4 there. Stops early, with the scores so far and no video, once `signals` (the main thread's
+    `policy(params, obs, core, key, env_ids, steps)` -> (actions, their log-probs, values, the
+    core's state): the script's jitted policy step (env_ids, steps: each env's index and step);
+    `initial_core(n)` the recurrent core of n envs before their first step (None without one).
+    Each env plays at most its share of the episodes, so that short games are not favoured. With
+    `video_dir`, the first episode of the first env is written to an mp4 there. Stops early, with the scores so far and no video, once `signals` (the main thread's
     received signals) fills.
     """
     num_envs = min(num_episodes, 8)
@@ -32,11 +32,12 @@ def evaluate(policy, params, initial_core, args, normalizer, num_episodes: int, 
     stats = EpisodeStats(num_envs)
     obs, info = envs.reset()
     core, done, lives = initial_core(num_envs), np.zeros(num_envs, bool), info.get("lives")
-    scores, frames, video_episode = [], [], None
+    scores, frames, video_episode, env_ids, steps = [], [], None, np.arange(num_envs), np.zeros(num_envs, np.int64)
     while len(scores) < num_episodes and not signals:
         if render and quota[0] == -(-num_episodes // num_envs):
             frames.append(envs.render()[0])
-        action, _, _, state, key = policy(params, normalizer.observe(obs, train=False), core, key)
+        action, _, _, state = policy(params, normalizer.observe(obs, train=False), core, key, env_ids, steps)
+        steps += 1
         core = None if core is None else (state, done)  # --lstm: after an episode's end, one starts
         obs, reward, terminated, truncated, info = envs.step(env_action(np.asarray(action), envs.action_space))
         done = terminated | truncated

@@ -103,6 +103,10 @@ class RunArgs:
     without naming it again; a run folder is data, and runs no code you did not choose"""
     seed: Annotated[int, SEED] = 1
     """seed of the environments, the network initialisation and action sampling"""
+    deterministic: bool = False
+    """the run reproduces bit for bit from --seed on this machine (same JAX version, devices and flags):
+    nothing it computes depends on timing (splits stepped in turn, the actor's parameters exactly
+    those its schedule names; docs/DESIGN.md, Reproducibility)"""
     total_timesteps: Annotated[int, POSITIVE] = 10_000_000
     """training budget in environment (agent) steps, summed over all environments"""
     actor_device_ids: list[int] = dataclasses.field(default_factory=lambda: [0])

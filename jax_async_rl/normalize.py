@@ -22,11 +22,16 @@ class Normalizer:
 
     def __init__(self, obs, num_envs: int, norm_obs: bool, norm_reward: bool, gamma: float):
         self.norm_obs, self.norm_reward, self.gamma = norm_obs, norm_reward, gamma
-        zeros = jax.tree.map(lambda x: np.zeros(np.shape(x)), obs)  # `obs`: one observation (a pytree)
+        self.obs, self.num_envs = obs, num_envs  # `obs`: one observation (a pytree)
+        self.lock = threading.Lock()
+        self.reset()
+
+    def reset(self):
+        """The statistics before any sample (journal.replay rebuilds a resumed run's from there)."""
+        zeros = jax.tree.map(lambda x: np.zeros(np.shape(x)), self.obs)
         self.obs_stats = (zeros, jax.tree.map(np.ones_like, zeros), 1e-4)  # mean, variance, count
         self.return_stats = (np.zeros(()), np.ones(()), 1e-4)
-        self.returns = np.zeros(num_envs)  # discounted return of each env's episode so far
-        self.lock = threading.Lock()
+        self.returns = np.zeros(self.num_envs)  # discounted return of each env's episode so far
 
     @staticmethod
     def updated(stats, x):
@@ -34,6 +39,8 @@ class Normalizer:
         update); one pass per leaf, plain ufuncs (np.var's wrapper cost the actor 10 µs a call)."""
         (mean, var, count), (leaves, tree) = stats, jax.tree.flatten(x)
         n = len(leaves[0])
+        if not n:  # no sample (an actor's batch of first observations, whose rewards are not a step's)
+            return stats
         total, means, variances = count + n, [], []
         for leaf, m, v in zip(leaves, jax.tree.leaves(mean), jax.tree.leaves(var), strict=True):
             batch_mean = leaf.mean(0)

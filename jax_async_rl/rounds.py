@@ -10,15 +10,18 @@ through a queue of --queue-size holds the replay ratio whichever side is faster:
 on a full queue when the learner is behind, the learner on an empty one when data is short.
 `--serial` runs the same collection and round in turn in one thread (`serial_loop`): the baseline.
 
-The algorithm stays in the script, which passes two functions:
+The algorithm stays in the script, which passes three functions:
 
-    act(params, obs, env_ids, step) -> actions    # its behaviour policy on one split's batch
-                                                  # (env ids counted over the process's actor
-                                                  # threads; step: env steps sampled in the run)
-    act(params, obs, env_ids, step, first) -> (actions, state)   # a recurrent one (Collector's
+    act(params, obs, env_ids, steps) -> actions   # its behaviour policy on one split's batch (env
+                                                  # ids counted over the process's actor threads;
+                                                  # steps: each env's own over the run)
+    act(params, obs, env_ids, steps, first) -> (actions, state)   # a recurrent one (Collector's
                                                   # `recurrent`): it keeps each env's state, reset
                                                   # where `first` (an episode starts), and returns
                                                   # the states it acted from, stored with the rows
+    schedule(chunk) -> version                    # the policy version that acts on chunk `chunk`
+                                                  # (counted over the run): exactly it with
+                                                  # --deterministic, else at least it
     learn(state, batches, step) -> (state, diagnostics)   # the round's gradient steps on
                                                   # batches [S, batch, ...]; step: the env steps
                                                   # once the round counts; a "priorities" entry
@@ -37,13 +40,14 @@ from jax_async_rl.replay import gradient_steps, sample_rows
 
 class Collector:
     """One actor thread's envs, `thread` of the process's, stepped a split at a time (`recv`
-    returns the split whose step finished) in chunks of --num-steps steps of every env.
-    `recurrent`: `act` is a recurrent policy (see the module docstring); each row then carries
-    the state it was acted from."""
+    returns the split whose step finished, or with --deterministic the next in turn) in chunks of
+    --num-steps steps of every env, chunk `first` of the run first. `recurrent`: `act` is a
+    recurrent policy (see the module docstring); each row then carries the state it was acted from."""
 
-    def __init__(self, envs, act, args, thread: int, shared, start_step: int, recurrent: bool = False):
-        self.envs, self.act, self.shared, self.start_step, self.thread = envs, act, shared, start_step, thread
+    def __init__(self, envs, act, args, thread: int, shared, first: int, recurrent: bool = False):
+        self.envs, self.act, self.shared, self.thread, self.first = envs, act, shared, thread, first
         self.recvs, self.offset = args.num_steps * args.num_splits, thread * args.num_envs
+        self.steps = np.full(args.num_envs, first * args.num_steps, np.int64)  # each env's steps over the run
         self.stats = tasks.EpisodeStats(args.num_envs)
         # An episode starts at the observation after one that ended an episode (envpool's reset
         # step), or at an env's first: the PPO scripts' `first`.
@@ -61,16 +65,17 @@ class Collector:
             timing["env"] += (now := time.perf_counter()) - start
             env_ids = info["env_id"]
             reward = np.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's reward is undefined (dm_control: NaN at times)
-            step, state = self.start_step + int(self.shared.sampled.sum()), ()
+            state = ()
             if self.ended is None:
-                action = np.asarray(self.act(params, obs, env_ids + self.offset, step))
+                action = np.asarray(self.act(params, obs, env_ids + self.offset, self.steps[env_ids]))
             else:
-                action, state = self.act(params, obs, env_ids + self.offset, step, self.ended[env_ids])
+                action, state = self.act(params, obs, env_ids + self.offset, self.steps[env_ids], self.ended[env_ids])
                 action, state, self.ended[env_ids] = np.asarray(action), (state,), terminated | truncated
             timing["inference"] += (start := time.perf_counter()) - now
             self.envs.send(tasks.env_action(action, self.envs.action_space), env_ids)
             self.stats.update(env_ids, reward, terminated, truncated, info)
             rows.append((env_ids + self.offset, obs, action, reward, terminated, truncated, info["elapsed_step"], *state))
+            self.steps[env_ids] += 1
             self.shared.sampled[self.thread] += len(env_ids)
             timing["bookkeeping"] += time.perf_counter() - start
         start = time.perf_counter()
@@ -122,14 +127,16 @@ class Learner:
         return run.learned(state, dict(diagnostics, learning_rate=self.learning_rate), self.timing, extra)
 
 
-def actor_loop(collector, shared, chunk_queue, device, num_chunks: int):
-    """Collect chunks with the newest published parameters (copied to this actor's device once
-    per update) and queue them for the learner."""
+def actor_loop(collector, shared, chunk_queue, device, num_chunks: int, schedule, exact: bool):
+    """Collect chunks with the parameters `schedule` names (exactly those if `exact`, else the
+    newest once they are out; copied to this actor's device once per version) and queue them."""
     held = params = None
-    for _ in range(num_chunks):
-        latest, version = shared.latest
-        if version != held:
-            held, params = version, devices.to_actor(device, latest)
+    for chunk_index in range(collector.first, collector.first + num_chunks):
+        acting = shared.acting(schedule(chunk_index) if exact else min(schedule(chunk_index), chunk_index), exact)
+        if acting is None:  # the run stops (free-running: never an update on a chunk not queued yet)
+            return
+        if acting[1] != held:
+            held, params = acting[1], devices.to_actor(device, acting[0])
         chunk = collector.collect(params, held)
         start = time.perf_counter()
         if not threads.put(chunk_queue, chunk, shared.stop):
@@ -148,7 +155,7 @@ def learner_loop(run, learner, shared, queues):
         if run.should_stop(None in chunks, [game for chunk in chunks if chunk for game in chunk["games"]]):
             break
         state = learner.round(chunks)
-        shared.latest = (state["params"], int(state["policy_version"]))
+        shared.publish(state["params"], int(state["policy_version"]))
 
 
 def serial_loop(run, learner, collectors, device):
@@ -161,11 +168,11 @@ def serial_loop(run, learner, collectors, device):
         learner.round(chunks)
 
 
-def train(run, learner, collectors, actors, queue_size: int, serial: bool):
+def train(run, learner, collectors, actors, queue_size: int, serial: bool, schedule):
     """Run the rounds to the end of the run, or until it stops: actor threads (one per collector,
-    on its device from `actors`, run.actors()) and the learner thread, or with `serial` one
-    thread for both. The main thread waits, so a signal stops the run within seconds whatever a
-    thread is doing (a long round, an env that does not answer)."""
+    on its device from `actors`, run.actors(); their parameters as `schedule` names them) and the
+    learner thread, or with `serial` one thread for both. The main thread waits, so a signal stops
+    the run within seconds whatever a thread is doing (a long round, an env that does not answer)."""
     envs = [c.envs for c in collectors]
     if serial:
         run.wait(run.threads.start("training loop", serial_loop, run, learner, collectors, actors[0][0], owns=envs))
@@ -173,5 +180,5 @@ def train(run, learner, collectors, actors, queue_size: int, serial: bool):
     shared, queues = collectors[0].shared, [queue.Queue(maxsize=queue_size) for _ in collectors]
     for i, (collector, (device, _, _)) in enumerate(zip(collectors, actors)):
         run.threads.start(f"actor {i}" if i else "actor", actor_loop, collector, shared, queues[i], device,
-                          run.num_updates - run.start_update, owns=[collector.envs])
+                          run.num_updates - run.start_update, schedule, run.args.deterministic, owns=[collector.envs])
     run.wait(run.threads.start("learner", learner_loop, run, learner, shared, queues))

@@ -27,7 +27,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jax_async_rl import checkpoints, devices, evaluation, folders, tasks
+from jax_async_rl import checkpoints, devices, evaluation, folders, journal, tasks
 from jax_async_rl.checkpoints import CHECKPOINT
 from jax_async_rl.flags import (UsageError, budget_note, check_bounds, default_exp_name, describe_os_error,
                                 is_file_system_error)
@@ -87,6 +87,9 @@ class Run:
         folders.probe(self.args)  # another run in the folder: say so first
         args, self.payload, self.changed = checkpoints.resume_args(self.args, self.given, self.script)
         args = dataclasses.replace(args, exp_name=args.exp_name or default_exp_name(Path(self.script).stem, args))
+        flags = os.environ.get("XLA_FLAGS", "")
+        if args.deterministic and "xla_gpu_deterministic_ops" not in flags:  # GPU kernels without atomics, read at backend start
+            os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_deterministic_ops=true".strip()
         devices.start_processes(args)
         self.args, self.actor_devices, self.mesh = prepare(args, self.resolve, self.payload is not None)
         self.batch_size = devices.global_envs(self.args) * self.args.num_steps
@@ -109,7 +112,9 @@ class Run:
                              f"--total-timesteps {self.args.total_timesteps}: no gradient step would run; lower it or raise the budget")
         print(f"jax {jax.__version__} on {jax.default_backend()}: {', '.join(map(str, jax.local_devices()))}", flush=True)
         self.seed = (self.args.seed + self.global_step) % 2**30  # a resumed run draws new seeds; within int32 (flags.SEED)
-        self.key, self.init_key, self.update_key = jax.random.split(jax.random.PRNGKey(self.seed), 3)
+        self.env_seed, self.keeper = self.seed, None  # journal_for: the run's own seeds, to replay its envs
+        # Keys from --seed alone: draws are keyed by env and step, updates by their number (fold_in).
+        self.key, self.init_key, self.update_key = jax.random.split(jax.random.PRNGKey(self.args.seed), 3)
 
     def open(self, state: dict, normalizer) -> dict:
         """The run's state and folder. `state` (with the normaliser's statistics) is the initial
@@ -150,7 +155,7 @@ class Run:
         per_device = getattr(self.args, "num_actor_threads", 1)
         first = jax.process_index() * len(self.actor_devices) * per_device
         placed = [device for device in self.actor_devices for _ in range(per_device)]
-        return [(device, self.seed + (first + i) * self.args.num_envs, devices.actor_key(self.key, first + i))
+        return [(device, self.env_seed + (first + i) * self.args.num_envs, devices.actor_key(self.key, first + i))
                 for i, device in enumerate(placed)]
 
     @property
@@ -233,9 +238,28 @@ class Run:
             self.save()
         return self.state
 
+    def journal_for(self, action_space) -> list:
+        """An on-policy script with --deterministic, in one process: keep the journal of its actions
+        (journal.Keeper); on resume, its actor threads' `resume` (else None each), whose envs are
+        then seeded as the run's were, to be stepped back where it stopped. Call before actors()."""
+        threads = devices.actor_threads(self.args)
+        if not (self.args.deterministic and jax.process_count() == 1):
+            return [None] * threads
+        shape = (self.args.num_steps, devices.local_envs(self.args), *action_space.shape)
+        self.keeper = journal.Keeper(self.run_dir, (self.payload or {}).get("carry"), self.start_update, shape,
+                                     action_space.dtype, threads, lambda params: devices.replicated(self.mesh, params))
+        self.env_seed = self.args.seed
+        return [self.keeper.resumption(i) for i in range(threads)]
+
+    def journaled(self, actions, memories, published):
+        """Before an update, with a journal: its actions, the actors' states after it, the parameters by version."""
+        if self.keeper is not None:
+            self.keeper.kept(actions, memories, published)
+
     def save(self):
+        carry = self.keeper and self.keeper.carry(int(self.state["policy_version"]), getattr(self.args, "actor_lag", 0) or 0)
         with self.saving:
-            checkpoints.save_checkpoint(self.checkpoint_file, self.state, self.args, self.normalizer, self.script)
+            checkpoints.save_checkpoint(self.checkpoint_file, self.state, self.args, self.normalizer, self.script, carry)
 
     def wait(self, learner: threading.Thread):
         """The main thread, while the threads train: until the learner ends or the run stops; then
@@ -300,7 +324,7 @@ def prepare(args, resolve, resumed: bool):
     error = actor_devices = mesh = None
     try:
         args = resolve(args)
-        use_compile_cache(args.compile_cache)
+        devices.use_compile_cache(args.compile_cache)
         actor_devices, mesh = devices.make_mesh(args)
         if jax.process_index() == 0:  # it alone writes the folder
             folders.check(args, resumed)
@@ -322,24 +346,26 @@ def checked(args):
         raise UsageError(f"--norm-obs is for float observations; {args.env_id} has none: pass --norm-obs False")
     if args.track and importlib.util.find_spec("wandb") is None:
         raise UsageError("--track logs to Weights & Biases, which is not installed: pip install wandb")
+    if args.deterministic:
+        check_deterministic(args)
     if args.total_timesteps < devices.global_envs(args) * args.num_steps:
         raise UsageError(f"--total-timesteps {args.total_timesteps} is less than one update ({devices.describe_batch(args)})")
     return args
 
 
-def use_compile_cache(path: str):
-    """JAX's persistent compilation cache in `path` ('': off), set before anything compiles (JAX
-    reads it once per process). UsageError if the folder cannot be created or written."""
-    if not path:
+def check_deterministic(args):
+    """What --deterministic needs of an asynchronous script's flags: a fixed schedule (an
+    --actor-lag), at lag 0 one split, one actor thread where a normaliser learns. UsageError."""
+    if not hasattr(args, "actor_lag"):  # the synchronous baseline: deterministic as it is
         return
-    path = os.path.expanduser(path)
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"--compile-cache {path}: cannot create it ({e.strerror}); pass another folder, or '' for none")
-    if not os.access(path, os.W_OK):
-        raise UsageError(f"--compile-cache {path} is not writable; pass another folder, or '' for none")
-    jax.config.update("jax_compilation_cache_dir", path)
+    if args.actor_lag is None:
+        raise UsageError("--deterministic acts on a fixed schedule: pass an --actor-lag (None: the free-running actor)")
+    if args.actor_lag == 0 and args.num_splits > 1:
+        raise UsageError("--actor-lag 0 acts on a rollout once every env has finished the one before, so no split "
+                         "steps meanwhile, and with --deterministic none may: pass --num-splits 1")
+    if getattr(args, "num_actor_threads", 1) > 1 and (getattr(args, "norm_obs", False) or getattr(args, "norm_reward", False)):
+        raise UsageError("--deterministic: actor threads share the normaliser in the order their steps come; with "
+                         "--num-actor-threads over 1 pass --norm-obs False --norm-reward False")
 
 
 def report_errors(errors, ckpt_file: str, global_step: int, env_id: str = "", lock=None) -> bool:

@@ -216,6 +216,47 @@ def make_env(env_id: str, num_envs: int, seed: int, num_threads: int, train: boo
     )
 
 
+def make_actor_env(env_id: str, num_envs: int, seed: int, num_threads: int, num_splits: int, deterministic: bool):
+    """An actor thread's training envs in `num_splits` splits (double buffering, Sample Factory
+    §3.2): one envpool whose `recv` returns whichever split is stepped first, or with
+    `deterministic` a SplitPools, whose splits come in turn."""
+    if not deterministic:
+        return make_env(env_id, num_envs, seed, num_threads, train=True, batch_size=num_envs // num_splits)
+    split, threads = num_envs // num_splits, max(1, (num_threads or os.cpu_count() or 1) // num_splits)
+    return SplitPools([make_env(env_id, split, seed + i * split, threads, train=True) for i in range(num_splits)], split)
+
+
+class SplitPools:
+    """Envs in splits of their own pools (env j of pool i is env i x split + j, seeded as in one
+    pool), stepped in turn: `recv` waits for pool 0's whole batch, then pool 1's, ..., so which
+    envs share a batch, their order in it and the order of batches never depend on timing, while
+    the other pools step (double buffering). envpool's interface otherwise (`send`: one pool's envs)."""
+
+    def __init__(self, pools: list, split: int):
+        self.pools, self.turn, self.split = pools, 0, split
+        self.action_space, self.observation_space = pools[0].action_space, pools[0].observation_space
+
+    def async_reset(self):
+        for pool in self.pools:
+            pool.async_reset()
+
+    def recv(self):
+        obs, reward, terminated, truncated, info = self.pools[self.turn].recv()
+        order = np.argsort(info["env_id"])  # a pool's own order, not timing's
+        info = {k: v[order] if isinstance(v, np.ndarray) and v.shape[:1] == order.shape else v for k, v in info.items()}
+        info["env_id"] = info["env_id"] + self.turn * self.split
+        self.turn = (self.turn + 1) % len(self.pools)
+        return jax.tree.map(lambda x: x[order], obs), reward[order], terminated[order], truncated[order], info
+
+    def send(self, action, env_ids):
+        pool = int(env_ids[0]) // self.split
+        self.pools[pool].send(action, env_ids - pool * self.split)
+
+    def close(self):
+        for pool in self.pools:
+            pool.close()
+
+
 def env_action(action, action_space):
     """Gaussian actions are clipped to the action bounds before they reach the environment."""
     if hasattr(action_space, "n"):

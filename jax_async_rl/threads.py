@@ -19,44 +19,47 @@ class Stopped(Exception):
 
 
 class Shared:
-    """What an asynchronous script's actor and learner threads share besides the queues: the newest
-    parameters and their version (`latest`, published by the learner after each update, Sample
-    Factory §3.4; replaced whole, so a reader gets a consistent pair), the actors' normaliser, the
-    env steps each actor thread has sent actions for (`sampled`, the run's counter), the stages'
+    """What an asynchronous script's actor and learner threads share besides the queues: the
+    parameters the learner published after each update, by version (`publish`, Sample Factory
+    §3.4; `latest`, the newest pair, replaced whole, so a reader gets a consistent one; the last
+    `keep` versions stay for actors that act with an exact one), the actors' normaliser, the env
+    steps each actor thread has sent actions for (`sampled`, the run's counter), the stages'
     timings, the run's `stop` and `report(games)` (runs.Run.report_episodes). Left out (in tests),
     these are a fresh counter and event, a normaliser that passes everything, and no reports."""
 
     def __init__(self, params, version, normalizer=None, sampled=None, stop=None, report=None, learning=False,
-                 lag_one=False):
-        self.latest = (params, int(version))
-        self.learning = learning  # a learner publishes updates: actors wait for them (wait_to_act)
-        self.lag_one, self.first = lag_one, {}  # first: the version of each actor thread's first step
+                 keep: int = 2, published=None):
+        self.latest, self.keep = (params, int(version)), keep
+        self.published = {**(published or {}), int(version): params}  # published: older ones a resume carried
+        self.learning = learning  # a learner publishes updates: actors wait for them (`acting`)
+        self.new = threading.Condition()  # notified at each publication
         self.normalizer = normalizer or Normalizer(np.zeros(()), 0, False, False, 0.0)
         self.sampled = np.zeros(1, np.int64) if sampled is None else sampled
         self.stop = stop or threading.Event()
         self.report = report or (lambda games: None)
         self.timing = dict.fromkeys(["env", "inference", "bookkeeping", "device_get", "queue_put", "queue_get", "update"], 0.0)
 
-    def wait_to_act(self, thread: int, rollout: int, pushed: int) -> bool:
-        """Actor thread `thread` is about to act on a step of its rollout number `rollout` (counted
-        from 0 as it started), having queued `pushed` rollouts. With a learner, wait until it has
-        published the updates that step must see, counted from the version of the thread's first
-        step:
-        - from rollout 1 on, the update on rollout 0. That update compiles, for seconds in which
-          the actor would otherwise sample with the initial parameters until the queue is full
-          (queue plus one in flight: 4 rollouts of them, where the sync baseline samples 1;
-          MiniGrid-Empty took APPO 1.45x sync's steps to 0.9 for that alone);
-        - with `lag_one` (--lag-one, Cleanba's actor), from rollout m >= 2 on, the update on
-          rollout m - 2: rollout m is then one update old when the learner takes it, where a full
-          queue makes it --queue-size + 1 old. While the learner is the bottleneck that rollout
-          would only have waited in the queue; while the actor is, the update is already there.
-        Never an update on a rollout not queued yet (with splits, an env may start rollout m
-        before another ends rollout m - 1). False when the run stops."""
-        first = self.first.setdefault(thread, self.latest[1])
-        need = max(min(rollout, 1), rollout - 1) if self.lag_one else min(rollout, 1)
-        while self.learning and self.latest[1] < first + min(need, pushed) and not self.stop.is_set():
-            time.sleep(0.005)
-        return not self.stop.is_set()
+    def publish(self, params, version: int):
+        """The learner's parameters after an update, and their version."""
+        with self.new:
+            self.published[version] = params
+            self.latest = (params, version)
+            for old in [v for v in self.published if v <= version - self.keep]:
+                del self.published[old]
+            self.new.notify_all()
+
+    def acting(self, version: int, exact: bool):
+        """(parameters, version) for an actor's step that must see the update that makes `version`
+        (its script's schedule): exactly those (`exact`: --deterministic), else the newest once
+        they are out. Waits for them with a learner; None when the run stops."""
+        with self.new:
+            while self.learning and not self.stop.is_set():
+                if exact and version in self.published:
+                    return self.published[version], version
+                if not exact and self.latest[1] >= version:
+                    return self.latest
+                self.new.wait(0.1)
+        return None if self.stop.is_set() else self.latest
 
 
 def put(q, item, stop) -> bool:

@@ -53,7 +53,7 @@ ASYNC_TAGS = [
     "async/policy_lag_mean",
     "async/policy_lag_max",
     "async/stale_fraction",
-    "async/queue_size",
+    "timing/queue_size",
     "timing/queue_put_seconds",
     "timing/update_seconds",
 ]

@@ -401,6 +401,7 @@ def test_burn_in_from_stored_states_is_the_unroll_from_the_episode_start():
     from test_pipeline import EPISODE_LENGTHS, SPLIT_SIZE, TRUNCATING, ScriptedEnvPool
 
     from jax_async_rl import rounds, threads
+    from jax_async_rl.keys import EnvStreams
     from jax_async_rl.sequences import SequenceReplay
 
     H, A, burn_in, seq_len, n = 8, 3, 5, 6, 2
@@ -411,7 +412,7 @@ def test_burn_in_from_stored_states_is_the_unroll_from_the_episode_start():
                     exploration_fraction=0.5, apex_epsilon=False, burn_in=burn_in, seq_len=seq_len, n_step=n,
                     gamma=0.9, huber_delta=0.0, double_dqn=True, priority_eta=0.9)
     envs = ScriptedEnvPool(6, SPLIT_SIZE, EPISODE_LENGTHS[:6], TRUNCATING, seed=3)
-    act = dqn.make_recurrent_act(dqn.make_greedy(network, False, None), args, A, np.random.default_rng(0))
+    act = dqn.make_recurrent_act(dqn.make_greedy(network, False, None), args, A, EnvStreams(0, 0, 6, 2))
     collector = rounds.Collector(envs, act, RoundArgs(6, 2, 7), 0, threads.Shared(params, 0), 0, recurrent=True)
     replay = SequenceReplay(6 * 40, 6, np.zeros((1, 2), np.float32), np.zeros(1, np.int64), dqn.zero_core(H, 1)[0],
                             burn_in + seq_len + n, 4)

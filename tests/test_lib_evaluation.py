@@ -16,9 +16,9 @@ class Args:
 RNG = np.random.default_rng(0)
 
 
-def random_policy(params, obs, core, key):
-    """A policy as a script's jitted policy_step returns: actions, log-probs, values, state, key."""
-    return RNG.integers(0, 2, len(obs)), None, None, None, key
+def random_policy(params, obs, core, key, env_ids, steps):
+    """A policy as a script's jitted policy_step returns: actions, log-probs, values, state."""
+    return RNG.integers(0, 2, len(obs)), None, None, None
 
 
 def test_evaluation_plays_whole_games_each_env_its_share_and_records_the_first(tmp_path):

@@ -18,7 +18,7 @@ H = 3  # the recurrent state's size
 
 
 class RecurrentStandIn:
-    """A recurrent `act(params, obs, env_ids, step, first) -> (actions, states)` whose state (c, h)
+    """A recurrent `act(params, obs, env_ids, steps, first) -> (actions, states)` whose state (c, h)
     is a function of the env's whole episode so far: c = 0.5 c + n, h = c + e, from zeros where an
     episode starts; its action encodes the observation. It records, for each (env, count), the
     state it acted from and `first`."""
@@ -27,7 +27,7 @@ class RecurrentStandIn:
         self.memory = (np.zeros((num_envs, H), np.float32), np.zeros((num_envs, H), np.float32))
         self.held, self.first = {}, {}
 
-    def __call__(self, params, obs, env_ids, step, first):
+    def __call__(self, params, obs, env_ids, steps, first):
         c, h = (np.where(first[:, None], np.float32(0.0), m[env_ids]) for m in self.memory)
         e, n = np.asarray(obs, np.int64).T
         for i in range(len(e)):

@@ -71,38 +71,33 @@ def test_join_has_one_deadline_and_closes_only_what_ended_threads_own():
     release.set()
 
 
-def test_an_actor_waits_for_the_first_update_only_with_a_learner():
-    """wait_to_act: with a learner, an actor thread acting on rollout 1 or later waits until the
-    learner publishes the update after the thread's first version (0.3 s later here), once rollout
-    0 is queued; never again; False once the run stops. Without a learner (tests' actors alone),
-    at once."""
-    shared = threads.Shared(params=None, version=7, learning=True)
+def test_an_actor_gets_the_newest_parameters_once_its_version_is_out():
+    """Shared.acting, free-running: with a learner, an actor thread waits until the version it
+    needs is published (0.3 s later here), then takes the newest; None once the run stops.
+    Without a learner (tests' actors alone), the newest at once."""
+    shared = threads.Shared(params="p7", version=7, learning=True)
     start = time.monotonic()
-    assert shared.wait_to_act(0, 0, 0) and shared.wait_to_act(0, 1, 0)  # rollout 0 not queued yet
-    assert time.monotonic() - start < 0.05
-    threading.Timer(0.3, lambda: setattr(shared, "latest", (None, 8))).start()
-    assert shared.wait_to_act(0, 1, 1) and time.monotonic() - start >= 0.25
-    start = time.monotonic()
-    assert shared.wait_to_act(0, 2, 1) and shared.wait_to_act(0, 9, 8) and time.monotonic() - start < 0.05
+    assert shared.acting(7, exact=False) == ("p7", 7) and time.monotonic() - start < 0.05
+    threading.Timer(0.3, lambda: shared.publish("p8", 8)).start()
+    assert shared.acting(8, exact=False) == ("p8", 8) and time.monotonic() - start >= 0.25
+    shared.publish("p9", 9)
+    assert shared.acting(8, exact=False) == ("p9", 9)  # the newest, not the one asked for
     stopping = threads.Shared(params=None, version=0, learning=True)
     threading.Timer(0.2, stopping.stop.set).start()
-    assert stopping.wait_to_act(0, 1, 1) is False
+    assert stopping.acting(1, exact=False) is None
     start = time.monotonic()
-    assert threads.Shared(params=None, version=0).wait_to_act(0, 1, 1) and time.monotonic() - start < 0.05
+    assert threads.Shared(params="p", version=0).acting(5, exact=False) == ("p", 0) and time.monotonic() - start < 0.05
 
 
-def test_lag_one_waits_for_the_update_on_the_rollout_two_before():
-    """--lag-one: acting on rollout m >= 2, an actor thread waits until the learner has published
-    the update on rollout m - 2, counted per thread from the version of its first step (a
-    resumed run's, here 10), and never for an update on a rollout it has not queued."""
-    shared = threads.Shared(params=None, version=10, learning=True, lag_one=True)
-    assert shared.wait_to_act(0, 0, 0)  # thread 0 starts at 10
-    shared.latest = (None, 12)
-    assert shared.wait_to_act(1, 0, 0)  # thread 1 starts at 12
+def test_an_exact_actor_gets_exactly_its_version_while_it_is_kept():
+    """Shared.acting, --deterministic: exactly the version asked for, also once newer ones are out
+    (the last `keep` are kept), waiting for it until it is published."""
+    shared = threads.Shared(params="p10", version=10, learning=True, keep=3)
+    for v in (11, 12):
+        shared.publish(f"p{v}", v)
+    assert shared.acting(10, exact=True) == ("p10", 10) and shared.acting(11, exact=True) == ("p11", 11)
     start = time.monotonic()
-    assert shared.wait_to_act(0, 3, 3) and shared.wait_to_act(0, 5, 2)  # need 10 + 2, 10 + min(4, 2)
-    assert time.monotonic() - start < 0.05
-    for thread, rollout, pushed, target in [(1, 1, 1, 13), (0, 5, 4, 14), (1, 4, 3, 15)]:
-        threading.Timer(0.3, lambda: setattr(shared, "latest", (None, target))).start()
-        start = time.monotonic()
-        assert shared.wait_to_act(thread, rollout, pushed) and time.monotonic() - start >= 0.25, (thread, rollout)
+    threading.Timer(0.3, lambda: shared.publish("p13", 13)).start()
+    assert shared.acting(13, exact=True) == ("p13", 13) and time.monotonic() - start >= 0.25
+    assert sorted(shared.published) == [11, 12, 13]  # 10 dropped: 3 kept
+    assert shared.latest == ("p13", 13)

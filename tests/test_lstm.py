@@ -26,11 +26,11 @@ class RecordingPolicy:
     def __init__(self, policy_step):
         self.policy_step, self.values = policy_step, {}
 
-    def __call__(self, params, obs, core, key):
-        action, logprob, value, state, key = self.policy_step(params, obs, core, key)
+    def __call__(self, params, obs, core, key, env_ids, steps):
+        action, logprob, value, state = self.policy_step(params, obs, core, key, env_ids, steps)
         for (e, n), v in zip(np.asarray(obs, np.int64), np.asarray(value)):
             self.values[(int(e), int(n))] = float(v)
-        return action, logprob, value, state, key
+        return action, logprob, value, state
 
 
 def lstm_network(module, num_actions=3):
@@ -118,8 +118,8 @@ def test_sync_rollouts_unroll_to_the_actors_numbers():
     forward = jax.jit(ppo.rollout_forward, static_argnums=(0, 3))
     previous = None
     for k in range(6):
-        rollout, obs, dones, core, key = ppo.collect_rollout(
-            envs, policy_step, params, obs, dones, core, key, stats, normalizer, args, timing
+        rollout, obs, dones, core = ppo.collect_rollout(
+            envs, policy_step, params, obs, dones, core, key, k * args.num_steps, stats, normalizer, args, timing
         )
         logprobs, _, values, bootstrap_value = jax.device_get(forward(network, params, rollout, False))
         np.testing.assert_allclose(logprobs, rollout["logprobs"], atol=1e-5, err_msg=f"rollout {k}")

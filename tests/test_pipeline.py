@@ -114,10 +114,11 @@ class ScriptedEnvPool:
 
 
 class ScriptedPolicy:
-    """A `policy_step(params, obs, core, key)` stand-in (feed-forward: `core` None): the action and log-prob encode the observation;
-    the parameters are the version itself. It records, per (env, count), the version that
-    `shared.latest` held during the call, then publishes a new version every `publish_every`
-    calls, as the learner would."""
+    """A `policy_step(params, obs, core, key, env_ids, steps)` stand-in (feed-forward: `core`
+    None): the action and log-prob encode the observation; the parameters are the version itself.
+    It records, per (env, count), the version that `shared.latest` held during the call, checks
+    that `steps` are the envs' own step counts, then publishes a new version every
+    `publish_every` calls, as the learner would."""
 
     def __init__(self, shared, publish_every=3, fail_after=None):
         self.shared, self.publish_every = shared, publish_every
@@ -125,19 +126,21 @@ class ScriptedPolicy:
         self.version_at = {}  # (env, count) -> version in shared.latest during the call
         self.mismatch = []
 
-    def __call__(self, params, obs, core, key):
+    def __call__(self, params, obs, core, key, env_ids, steps):
         assert core is None
         latest_params, version = self.shared.latest
         if params != latest_params:
             self.mismatch.append((params, latest_params))
         env, n = np.asarray(obs, np.int64).T
+        if not (np.array_equal(env, env_ids) and np.array_equal(n, steps)):
+            self.mismatch.append(("steps", env_ids, steps))
         for e, c in zip(env, n):
             self.version_at[(int(e), int(c))] = version
         self.calls += 1
         if self.calls % self.publish_every == 0:
-            self.shared.latest = (version + 1, version + 1)
+            self.shared.publish(version + 1, version + 1)
         action = code(env, n)
-        return action, -action.astype(np.float32), np.zeros(len(obs), np.float32), None, key
+        return action, -action.astype(np.float32), np.zeros(len(obs), np.float32), None
 
 
 # (num_envs of each split, rollout length); episode lengths and truncation per env
@@ -147,13 +150,10 @@ TRUNCATING = {1, 4, 7, 10}
 
 
 def make_pipeline(module, num_splits, queue_size=0, seed=0):
-    """ScriptedEnvPool + ScriptedPolicy + Shared + args for `module`'s actor_loop; the games the
-    actor reports are in `shared.games`, one list per report."""
+    """ScriptedEnvPool + ScriptedPolicy + Shared + args for `module`'s actor_loop."""
     num_envs = num_splits * SPLIT_SIZE
     envs = ScriptedEnvPool(num_envs, SPLIT_SIZE, EPISODE_LENGTHS[:num_envs], TRUNCATING, seed)
-    games = []
-    shared = threads.Shared(0, 0, report=games.append)
-    shared.games = games
+    shared = threads.Shared(0, 0)
     policy = ScriptedPolicy(shared)
     args = dataclasses.replace(module.Args(env_id="CartPole-v1"), num_envs=num_envs, num_steps=NUM_STEPS, num_splits=num_splits)
     return envs, policy, shared, args, queue.Queue(maxsize=queue_size)
@@ -226,10 +226,10 @@ def test_actor_loop_trajectory_integrity(script, num_splits):
     # The shuffled order really was out of order, and some env ran ahead of others.
     if num_splits > 1:
         assert envs.count.max() > envs.count.min()
-    # Episode reports, one per rollout: lengths of the games that ended, each an env's episode
-    # length; the env steps sampled (the run's counter) are every action sent.
-    lengths = [length for episodes in shared.games for _, _, length in episodes]
-    assert len(shared.games) == num_rollouts and lengths and set(lengths) <= set(EPISODE_LENGTHS[: envs.num_envs])
+    # Each rollout carries the games that ended in it: each an env's episode length; the env
+    # steps sampled (the run's counter) are every action sent.
+    lengths = [length for rollout in rollouts for _, _, length in rollout["games"]]
+    assert lengths and set(lengths) <= set(EPISODE_LENGTHS[: envs.num_envs])
     assert int(shared.sampled.sum()) == sum(len(actions) for actions in envs.received)
 
 
@@ -570,12 +570,12 @@ def patched_make_policy_step(*args, **kwargs):
     policy_step = original_make_policy_step(*args, **kwargs)
     calls = []
 
-    def faulty_policy_step(params, obs, core, key):
+    def faulty_policy_step(params, obs, core, key, env_ids, steps):
         calls.append(1)
         if len(calls) == {actor_fault_call} and {where!r} == "actor":
             report_fault()
             raise RuntimeError("injected actor fault")
-        return policy_step(params, obs, core, key)
+        return policy_step(params, obs, core, key, env_ids, steps)
 
     return faulty_policy_step
 
@@ -635,11 +635,12 @@ ACTOR_FAULT_CALL = {"appo_envpool_xla.py": 3}
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("script", ["appo_envpool.py", "impala_envpool.py", "appo_envpool_xla.py"])
-def test_lag_one_keeps_the_data_one_update_old(script, tmp_path, monkeypatch):
+def test_actor_lag_one_keeps_the_data_one_update_old(script, tmp_path, monkeypatch):
     """A learner far slower than the actor (each update sleeps 0.2 s first), one split, queue 2:
-    the queue fills and the learner learns from rollouts 3 updates old; with --lag-one no
-    transition is more than one update old when learned. The XLA actor chooses a rollout's row 0
-    at the end of the call before, so that row is 2 updates old: a mean lag of 1 + 1/T."""
+    the free-running actor (--actor-lag None) fills the queue and the learner learns from rollouts
+    3 updates old; at --actor-lag 1 no transition is more than one update old when learned. The
+    XLA actor chooses a rollout's row 0 at the end of the call before, so that row is 2 updates
+    old: a mean lag of 1 + 1/T."""
     module = load_script(script)
     make_update = module.make_update
 
@@ -650,7 +651,7 @@ def test_lag_one_keeps_the_data_one_update_old(script, tmp_path, monkeypatch):
     monkeypatch.setattr(module, "make_update", slow_update)
     lags, means = {}, {}
     for lag_one in (False, True):
-        flags = dict(tiny_flags(script), env_id="CartPole-v1", num_splits=1, queue_size=2, lag_one=lag_one,
+        flags = dict(tiny_flags(script), env_id="CartPole-v1", num_splits=1, queue_size=2, actor_lag=1 if lag_one else None,
                      total_timesteps=10 * TINY_BATCH, run_dir=str(tmp_path / str(lag_one)))
         assert module.main(dataclasses.replace(module.Args(), **flags)) == 0
         records = read_metrics(tmp_path / str(lag_one))

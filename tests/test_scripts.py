@@ -96,8 +96,10 @@ def test_the_run_library_is_small_modules_that_import_no_script():
 SAME_TEXT = [
     (list(SCRIPT_TABLE), ["LSTMCore", "zero_core", "ActorCritic", "sample_action", "log_prob_entropy", "make_policy_step",
                           "learning_rate_at", "linear_decay", "masked_mean", "rollout_forward", "build"]),
+    (["appo_envpool.py", "impala_envpool.py", "appo_envpool_xla.py", "dqn_envpool.py", "sac_envpool.py", "td3_envpool.py"],
+     ["acting_version"]),  # the actors' schedule: what decides the data
     (["appo_envpool.py", "impala_envpool.py", "appo_envpool_xla.py"], ["vtrace", "learner_loop", "new_rollout"]),
-    (["appo_envpool.py", "impala_envpool.py"], ["write", "Trajectories", "actor_loop", "main"]),  # the Python actor
+    (["appo_envpool.py", "impala_envpool.py"], ["write", "Trajectories", "start_envs", "actor_loop", "main"]),  # the Python actor
     (["ppo_sync_baseline.py", "appo_envpool.py", "appo_envpool_xla.py"],  # PPO
      ["ppo_loss", "compute_gae", "time_limit_bootstrap", "minibatches", "make_optimizer", "clip_coef_at", "PRESETS"]),
     (["appo_envpool.py", "appo_envpool_xla.py"], ["targets", "make_update", "resolve_args"]),  # APPO
@@ -106,7 +108,8 @@ SAME_TEXT = [
 ]
 
 
-@pytest.mark.parametrize(("scripts", "parts"), SAME_TEXT, ids=["all", "asynchronous", "python-actor", "ppo", "appo", "replay", "qpg"])
+@pytest.mark.parametrize(("scripts", "parts"), SAME_TEXT,
+                         ids=["all", "schedule", "asynchronous", "python-actor", "ppo", "appo", "replay", "qpg"])
 def test_what_is_the_same_algorithm_is_the_same_text(scripts, parts):
     import inspect
 

@@ -24,14 +24,14 @@ def collect(module, env_id, num_envs, num_splits, num_rollouts, version=7, num_s
     network and whether its actions are continuous."""
     args = module.resolve_args(module.Args(env_id=env_id, num_envs=num_envs, num_steps=num_steps, num_splits=num_splits, **flags))
     network, _, continuous, normalizer, state = module.build(args, jax.random.PRNGKey(0))
-    games = []
-    shared = threads.Shared(state["params"], version, normalizer, report=games.extend)
+    shared = threads.Shared(state["params"], version, normalizer)
     envs = tasks.make_env(env_id, num_envs, 3, 1, train=True, batch_size=num_envs // num_splits)
     rollouts = queue.Queue()
     module.actor_loop(envs, module.make_policy_step(network, continuous, values=False), shared, rollouts,
                       jax.random.PRNGKey(1), args, num_rollouts)
     envs.close()
-    return [rollouts.get_nowait() for _ in range(num_rollouts)], games, shared, network, continuous
+    rollouts = [rollouts.get_nowait() for _ in range(num_rollouts)]
+    return rollouts, [game for rollout in rollouts for game in rollout.pop("games")], shared, network, continuous
 
 
 def replay(env_id, num_envs, rollouts, module=None):

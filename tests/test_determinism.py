@@ -1,0 +1,244 @@
+"""--deterministic: asynchronous runs that reproduce bit for bit from their seed. The keys and
+streams that make an env's draws its own; SplitPools, which hand out the splits in turn; each
+script run twice with one seed (identical checkpoints, identical metrics but for wall time, SPS
+and timing/*); APPO at --actor-lag 0 against the sync baseline (the same parameters, bit for
+bit); the same on 4 devices and on 2 processes; the flags it refuses."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import (SCRIPT_TABLE, assert_usage_error, count_complete_lines, load_script, read_checkpoint, run_main,
+                     run_script, sigterm_when, tiny_flags)
+from jax_async_rl import keys, tasks
+from test_scale import finish_processes, start_processes
+
+# ---------------------------------------------------------------------------------------------
+# Keys, streams, splits
+# ---------------------------------------------------------------------------------------------
+
+
+def test_env_keys_are_one_per_env_and_step_the_same_in_numpy_and_jax():
+    env_ids, steps = np.repeat(np.arange(300), 300), np.tile(np.arange(300), 300)
+    key = np.asarray(jax.random.PRNGKey(5))
+    host = keys.env_keys(key, env_ids, steps, np)
+    assert host.dtype == np.uint32 and host.shape == (90_000, 2)
+    assert len({tuple(k) for k in host.tolist()}) == 90_000  # distinct for every (env, step)
+    np.testing.assert_array_equal(jax.jit(lambda e, s: keys.env_keys(key, e, s, jnp))(env_ids, steps), host)
+    other = keys.env_keys(np.asarray(jax.random.PRNGKey(6)), env_ids, steps, np)
+    assert not (other == host).all(axis=1).any()  # another run's key: none shared
+    # A key is a function of its row alone: a batch's other rows do not change it.
+    np.testing.assert_array_equal(keys.env_keys(key, env_ids[7:9], steps[7:9], np), host[7:9])
+
+
+def test_env_streams_draw_the_same_whatever_batches_the_envs_come_in():
+    """Env e's draw at step t is the same stepped alone, in a full batch, or in shuffled halves,
+    also past a block's end; another seed's stream differs."""
+    full, halves, other = keys.EnvStreams(3, 8, 8, 2), keys.EnvStreams(3, 8, 8, 2), keys.EnvStreams(4, 8, 8, 2)
+    rng, draws = np.random.default_rng(0), {}
+    for t in range(2 * keys.BLOCK + 5):
+        batch = full.uniform(np.arange(8, 16), np.full(8, t))
+        for half in rng.permutation([np.arange(8, 12), np.arange(12, 16)]):
+            ids = rng.permutation(half)
+            for e, u in zip(ids, halves.uniform(ids, np.full(4, t))):
+                draws[int(e), t] = u
+        for e in range(8, 16):
+            np.testing.assert_array_equal(batch[e - 8], draws[e, t])
+    assert not np.array_equal(other.uniform(np.arange(8, 16), np.zeros(8, int)), full.uniform(np.arange(8, 16), np.zeros(8, int)))
+
+
+def test_split_pools_hand_out_the_splits_in_turn_as_one_pool_would_step_them():
+    """tasks.SplitPools of 3 CartPole pools of 2 envs: recv returns pool 0's envs, then 1's, then
+    2's, each whole and in env order, with global env ids; stepped with the actions one pool of 6
+    envs takes, every observation is that pool's."""
+    pools = tasks.make_actor_env("CartPole-v1", 6, 11, 1, 3, deterministic=True)
+    whole = tasks.make_env("CartPole-v1", 6, 11, 1, train=True)
+    expected = whole.reset()[0]
+    pools.async_reset()
+    rng = np.random.default_rng(0)
+    for t in range(40):
+        got = np.zeros_like(expected)
+        for split in range(3):
+            obs, _, _, _, info = pools.recv()
+            np.testing.assert_array_equal(info["env_id"], [2 * split, 2 * split + 1])
+            got[info["env_id"]] = obs
+        np.testing.assert_array_equal(got, expected, err_msg=f"step {t}")
+        actions = rng.integers(0, 2, 6)
+        for split in range(3):
+            pools.send(actions[2 * split: 2 * split + 2], np.arange(2 * split, 2 * split + 2))
+        expected = whole.step(actions)[0]
+    pools.close()
+    whole.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Two runs, one seed
+# ---------------------------------------------------------------------------------------------
+
+TINY_REPLAY = dict(num_envs=4, num_steps=8, total_timesteps=768, learning_starts=128, batch_size=32, buffer_size=1000,
+                   eval_episodes=0, log_frequency=1)
+RUNS = {
+    "appo": ("appo_envpool.py", {}),
+    "appo-2-splits": ("appo_envpool.py", dict(num_splits=2)),
+    "appo-lstm": ("appo_envpool.py", dict(lstm=True, num_splits=2)),
+    "appo-2-actor-threads": ("appo_envpool.py", dict(num_actor_threads=2, num_splits=2)),
+    "appo-norm-obs": ("appo_envpool.py", dict(norm_obs=True, norm_reward=True, num_splits=2)),
+    "impala": ("impala_envpool.py", dict(actor_lag=1, num_splits=2)),
+    "xla-actor": ("appo_envpool_xla.py", dict(num_splits=1)),
+    "dqn": ("dqn_envpool.py", dict(TINY_REPLAY, actor_lag=1, num_splits=2, prioritized_replay=True, n_step=3)),
+    # R2D2: 2 gradient steps a round on 8 sequences of 2 burn-in + 4 learned steps, the states the actor held.
+    "dqn-lstm": ("dqn_envpool.py", dict(TINY_REPLAY, actor_lag=1, num_splits=2, lstm=True, lstm_size=16, seq_len=4, burn_in=2,
+                                        seq_period=2, n_step=2, batch_size=8, replay_ratio=3.0)),
+    "sac": ("sac_envpool.py", dict(TINY_REPLAY, env_id="Pendulum-v1", actor_lag=1, num_splits=2)),
+    "td3": ("td3_envpool.py", dict(TINY_REPLAY, env_id="Pendulum-v1", actor_lag=1)),
+}
+
+
+def flags_of(script, **flags) -> list:
+    """The command line of `flags` (a bool: a switch, or a preset's value)."""
+    module = load_script(script)
+    out = []
+    for name, value in flags.items():
+        if isinstance(value, bool) and getattr(module.Args, name, None) is not None:
+            out.append(f"--{name.replace('_', '-')}" if value else f"--no-{name.replace('_', '-')}")
+        else:
+            out += [f"--{name.replace('_', '-')}", str(value)]
+    return out
+
+
+def records(run_dir) -> list:
+    """metrics.jsonl but wall time, SPS and timing/*: what a run computes, not how fast."""
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["tag"], r["value"]) for r in lines if r["tag"] != "charts/SPS" and not r["tag"].startswith("timing/")]
+
+
+def assert_identical(a, b):
+    left, right = jax.tree.leaves(read_checkpoint(a)["state"]), jax.tree.leaves(read_checkpoint(b)["state"])
+    assert len(left) == len(right)
+    assert all(np.array_equal(x, y) for x, y in zip(left, right)), "the checkpoints differ"
+    ra, rb = records(a), records(b)
+    assert ra == rb, next((x, y) for x, y in zip(ra, rb) if x != y) if len(ra) == len(rb) else (len(ra), len(rb))
+    assert ra
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(RUNS))
+def test_two_runs_with_one_seed_are_identical(name, tmp_path, capsys, monkeypatch):
+    """... and the run asks XLA for its deterministic GPU kernels (read when the backend starts)."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+    script, own = RUNS[name]
+    tiny = tiny_flags(script) if script in SCRIPT_TABLE else {}
+    flags = {**tiny, "env_id": "CartPole-v1", **own, "deterministic": True, "seed": 3}
+    for i in (0, 1):
+        code, _, err = run_main(script, [*flags_of(script, **flags), "--run-dir", tmp_path / str(i)], capsys)
+        assert code == 0, err
+    assert_identical(tmp_path / "0", tmp_path / "1")
+    assert os.environ["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=1", "--xla_gpu_deterministic_ops=true"]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("script, own", [
+    ("appo_envpool.py", dict(num_splits=2, lstm=True, norm_obs=True, norm_reward=True)),
+    ("ppo_sync_baseline.py", dict(lstm=True)),
+])
+def test_a_run_stopped_and_resumed_goes_on_as_the_run_uninterrupted(script, own, tmp_path, capsys):
+    """SIGTERM after a few updates, then --resume: the envs stepped back through the journal of
+    actions, the recurrent states and the normaliser as they were. The final checkpoint is the
+    uninterrupted run's, bit for bit, and so is every game logged; every other record of the
+    uninterrupted run is there with its value (the stopped and the resumed run log an update's
+    scalars more: the last before the stop, the first after the resume)."""
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    argv = flags_of(script, **{**tiny_flags(script), "env_id": "CartPole-v1", **own, "deterministic": True,
+                               "total_timesteps": 40 * 64, "save_interval": 1000})
+    code, _, err = run_main(script, [*argv, "--run-dir", whole], capsys)
+    assert code == 0, err
+    code, _, err = sigterm_when(script, [*argv, "--run-dir", cut], tmp_path / "logs",
+                                lambda: count_complete_lines(cut / "metrics.jsonl", '"losses/loss"') >= 4, 300)
+    assert code == 143, err[-3000:]
+    assert 0 < int(read_checkpoint(cut)["state"]["global_step"]) < 40 * 64
+    code, _, err = run_main(script, ["--resume", cut], capsys)
+    assert code == 0, err
+    left, right = jax.tree.leaves(read_checkpoint(whole)["state"]), jax.tree.leaves(read_checkpoint(cut)["state"])
+    assert len(left) == len(right) and all(np.array_equal(x, y) for x, y in zip(left, right)), "the checkpoints differ"
+    a, b = records(whole), records(cut)
+    games = [r for r in a if r[1].startswith("charts/episodic")]
+    assert games and games == [r for r in b if r[1].startswith("charts/episodic")]
+    assert set(a) <= set(b)
+
+
+# ---------------------------------------------------------------------------------------------
+# The exact comparison: APPO at lag 0 is the sync baseline
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("env_id, num_steps", [("CartPole-v1", 16), ("HalfCheetah-v4", 32)])
+def test_appo_at_lag_0_is_the_sync_baseline_bit_for_bit(env_id, num_steps, tmp_path, capsys):
+    """Same seed and flags, 5 updates: APPO --deterministic --actor-lag 0 --no-vtrace (its
+    learner takes sync PPO's update on data its own parameters chose, GAE on its own values) and
+    ppo_sync_baseline.py end with the same parameters, optimiser state and normaliser (HalfCheetah's
+    preset normalises observations and rewards), bit for bit."""
+    common = dict(env_id=env_id, num_envs=4, num_steps=num_steps, total_timesteps=5 * 4 * num_steps, eval_episodes=0,
+                  seed=7, num_minibatches=2)
+    for script, own in [("ppo_sync_baseline.py", {}),
+                        ("appo_envpool.py", dict(deterministic=True, actor_lag=0, vtrace=False, num_splits=1))]:
+        code, _, err = run_main(script, [*flags_of(script, **common, **own), "--run-dir", tmp_path / script], capsys)
+        assert code == 0, err
+    sync, appo = (read_checkpoint(tmp_path / s)["state"] for s in ("ppo_sync_baseline.py", "appo_envpool.py"))
+    assert int(sync["policy_version"]) == int(appo["policy_version"]) == 5
+    for part in ("params", "opt_state", "norm"):
+        left, right = jax.tree.leaves(sync.get(part, {})), jax.tree.leaves(appo.get(part, {}))
+        assert len(left) == len(right) and all(np.array_equal(x, y) for x, y in zip(left, right)), part
+
+
+# ---------------------------------------------------------------------------------------------
+# Devices and processes
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(600)
+def test_a_run_on_4_devices_reproduces(tmp_path, monkeypatch):
+    """APPO --deterministic on 4 forced CPU devices (2 actor devices, 2 learner devices), twice."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+    flags = {**tiny_flags("appo_envpool.py"), "env_id": "CartPole-v1", "deterministic": True, "num_splits": 2}
+    for i in (0, 1):
+        argv = [*flags_of("appo_envpool.py", **flags), "--actor-device-ids", "0", "1", "--learner-device-ids", "2", "3",
+                "--run-dir", tmp_path / str(i)]
+        result = run_script("appo_envpool.py", argv, timeout=500)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert_identical(tmp_path / "0", tmp_path / "1")
+
+
+@pytest.mark.timeout(600)
+def test_a_run_of_2_processes_reproduces(tmp_path, monkeypatch):
+    """APPO --deterministic on 2 jax.distributed processes (gloo), twice."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+    flags = {**tiny_flags("appo_envpool.py"), "env_id": "CartPole-v1", "deterministic": True}
+    for i in (0, 1):
+        (tmp_path / f"logs{i}").mkdir()
+        argv = [*flags_of("appo_envpool.py", **flags), "--run-dir", tmp_path / str(i)]
+        results = finish_processes(start_processes("appo_envpool.py", argv, tmp_path / f"logs{i}"), tmp_path / f"logs{i}", 500)
+        assert [code for code, _, _ in results] == [0, 0], results
+    assert_identical(tmp_path / "0", tmp_path / "1")
+
+
+# ---------------------------------------------------------------------------------------------
+# What it refuses
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("script, flags, fragments", [
+    ("appo_envpool.py", ["--actor-lag", "None"], ["--deterministic", "--actor-lag"]),
+    ("dqn_envpool.py", [], ["--deterministic", "--actor-lag"]),  # the replay family's actor runs free by default
+    ("appo_envpool.py", ["--actor-lag", "0", "--num-splits", "2"], ["--actor-lag 0", "--num-splits 1"]),
+    ("appo_envpool_xla.py", ["--num-splits", "2"], ["--num-splits 1"]),
+    ("appo_envpool.py", ["--num-actor-threads", "2", "--norm-obs", "True"], ["--num-actor-threads", "--norm-obs"]),
+])
+def test_what_it_cannot_reproduce_is_one_line(script, flags, fragments, tmp_path):
+    result = run_script(script, ["--env-id", "CartPole-v1", "--deterministic", *flags, "--run-dir", tmp_path / "r"])
+    assert_usage_error(result, *fragments)
+    assert not (tmp_path / "r").exists()
