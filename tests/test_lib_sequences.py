@@ -143,8 +143,11 @@ def test_atari_bytes_per_stored_step():
     two flags, the stack's reach back) and R2D2's 512-unit state (c and h, float32) once every 40
     rows with its slot's first row and liveness: 7,071 + 102.4 + 0.225 bytes a step, 7.17 GB for
     1M steps (a state on every row would add 4,096 bytes a step, 11.3 GB)."""
+    from jax_async_rl import tasks
+
+    obs_space, action_space = tasks.spaces("Pong-v5")
     rows, num_envs = 400, 4
-    replay = SequenceReplay(rows * num_envs, num_envs, np.zeros((1, 4, 84, 84), np.uint8), np.zeros(1, np.int64),
+    replay = SequenceReplay(rows * num_envs, num_envs, tasks.zeros_like_space(obs_space, 1), np.zeros(1, action_space.dtype),
                             (np.zeros((1, 512), np.float32),) * 2, 125, 40, frame_stack=4)
     arrays = [replay.obs, replay.action, replay.reward, replay.terminated, replay.truncated, replay.back, replay.begin,
               replay.live, *replay.state]
