@@ -40,10 +40,13 @@ from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, PRESET, UNIT, UsageError,
 from jax_async_rl.keys import EnvStreams
 from jax_async_rl.normalize import Normalizer
 from jax_async_rl.replay import Replay, check_rounds, gradient_steps
+from jax_async_rl.sequences import SequenceReplay
 
 SPLITS = flags.default_is("2 with image observations, else 1")
 EVAL_EPSILON = 0.001  # ε of the evaluation games (Dopamine's Rainbow: a greedy Atari agent can stall)
 EVAL_POLICY = f"ε-greedy at ε {EVAL_EPSILON}"  # evaluation_player's, in words (utils/evaluate.py says it)
+RESCALE_EPS = 1e-3  # ε of R2D2's value rescaling h (Kapturowski et al. 2019)
+SEQUENCE_FIELDS = ("obs", "action", "reward", "terminated", "truncated")  # a sequence's rows (SequenceReplay)
 
 
 @dataclass
@@ -86,8 +89,8 @@ class Args(flags.RunArgs):
     huber_delta: Annotated[Optional[float], PRESET, NON_NEGATIVE] = None
     """TD errors beyond this get a constant gradient (the Huber loss: Mnih et al. 2015's error
     clipping, for clipped rewards); 0: the squared error (CleanRL). Not used by --c51"""
-    max_grad_norm: Annotated[float, POSITIVE] = 10.0
-    """global gradient-norm clipping threshold (rlpyt's and Stable-Baselines3's DQN: 10)"""
+    max_grad_norm: Annotated[Optional[float], PRESET, POSITIVE] = None
+    """global gradient-norm clipping threshold (rlpyt's and Stable-Baselines3's DQN: 10; R2D2: 80)"""
     gamma: Annotated[Optional[float], PRESET, UNIT] = None
     """discount factor"""
     target_network_frequency: Annotated[Optional[int], PRESET, POSITIVE] = None
@@ -100,7 +103,7 @@ class Args(flags.RunArgs):
     """ε of ε-greedy at the end of the schedule"""
     exploration_fraction: Annotated[Optional[float], PRESET, UNIT] = None
     """the fraction of --total-timesteps over which ε falls linearly from --start-e to --end-e"""
-    apex_epsilon: bool = False
+    apex_epsilon: Annotated[Optional[bool], PRESET] = None
     """Ape-X's fixed ε per env instead of the schedule: env i of N has --apex-base ** (1 + --apex-alpha x i / (N - 1))"""
     apex_base: Annotated[float, UNIT] = 0.4
     """Ape-X's base ε (Horgan et al. 2018)"""
@@ -114,10 +117,12 @@ class Args(flags.RunArgs):
     """n-step returns: rewards summed over n steps (fewer at an episode's end), then bootstrapped"""
     prioritized_replay: Annotated[Optional[bool], PRESET] = None
     """proportional prioritised replay: priorities (|TD error| + eps) ^ --priority-alpha"""
-    priority_alpha: Annotated[float, UNIT] = 0.5
+    priority_alpha: Annotated[Optional[float], PRESET, UNIT] = None
     """prioritisation exponent α (Rainbow: 0.5)"""
-    priority_beta: Annotated[float, UNIT] = 0.4
-    """importance-sampling exponent β at the start, annealed linearly to 1 over the run (Rainbow: 0.4)"""
+    priority_beta: Annotated[Optional[float], PRESET, UNIT] = None
+    """importance-sampling exponent β at the start, annealed linearly to --priority-beta-end over the run (Rainbow: 0.4)"""
+    priority_beta_end: Annotated[Optional[float], PRESET, UNIT] = None
+    """importance-sampling exponent β at the end of the run (Rainbow: 1; R2D2 keeps 0.6 throughout)"""
     c51: Annotated[Optional[bool], PRESET] = None
     """distributional C51: a categorical return distribution over --num-atoms fixed atoms"""
     num_atoms: Annotated[int, POSITIVE, at_most(4096)] = 51
@@ -130,6 +135,20 @@ class Args(flags.RunArgs):
     """where the observation holds an "action_mask" (Jumanji's tasks, your env's Dict), ε-greedy
     explores, acts greedily and takes its target's maximum over legal actions; --no-action-mask: it
     is only an input"""
+    lstm: bool = False
+    """R2D2 (Kapturowski et al. 2019): an LSTM after the encoder, learned from replayed sequences that
+    start from the state the actor stored, after a burn-in; value-rescaled n-step targets"""
+    lstm_size: Annotated[Optional[int], PRESET, POSITIVE, at_most(8192)] = None
+    """--lstm: hidden units of the LSTM, the size of its h and of its c"""
+    seq_len: Annotated[Optional[int], PRESET, POSITIVE, at_most(100_000)] = None
+    """--lstm: steps of each replayed sequence that the loss covers, after its burn-in"""
+    burn_in: Annotated[Optional[int], PRESET, NON_NEGATIVE, at_most(100_000)] = None
+    """--lstm: steps before those, over which the networks only rebuild the state from the stored one"""
+    seq_period: Annotated[Optional[int], PRESET, POSITIVE, at_most(100_000)] = None
+    """--lstm: a sequence starts every this many steps of each env, where the actor's state is stored
+    (sequences overlap when it is below --burn-in + --seq-len)"""
+    priority_eta: Annotated[float, UNIT] = 0.9
+    """--lstm: a sequence's priority, η max|δ| + (1 - η) mean|δ| over its steps (R2D2: 0.9)"""
     num_threads: Annotated[int, NON_NEGATIVE, at_most(1024)] = 0
     """envpool worker threads of each actor thread (0: the CPU cores shared among the actor threads)"""
     num_actor_threads: Annotated[int, POSITIVE, at_most(256)] = 1
@@ -140,10 +159,12 @@ class Args(flags.RunArgs):
     log_frequency: Annotated[int, POSITIVE] = 20
     """log losses, timings and SPS every this many rounds and after the last (returns: always)"""
     # The variants these flags make: the default --exp-name (the run's folder, its header line) names them.
-    NAMED: ClassVar[dict] = {"serial": dict(serial=True)}
+    NAMED: ClassVar[dict] = {"serial": dict(serial=True), "lstm": dict(lstm=True)}
 
 
 PLAIN = dict(double_dqn=False, dueling=False, n_step=1, prioritized_replay=False, c51=False)
+# Rainbow's prioritised replay (α 0.5, β 0.4 -> 1), gradients clipped at 10 (rlpyt, Stable-Baselines3), the ε schedule.
+RAINBOW_REPLAY = dict(priority_alpha=0.5, priority_beta=0.4, priority_beta_end=1.0, max_grad_norm=10.0, apex_epsilon=False)
 PRESETS = {
     # Rainbow minus noisy nets (rlpyt's "ernbw"): Hessel et al. 2018, Table 1 (Adam 6.25e-5 with
     # eps 1.5e-4, 3-step, α 0.5, β 0.4 -> 1, 51 atoms in [-10, 10], target every 32k frames, 80k
@@ -152,26 +173,58 @@ PRESETS = {
     "atari": dict(num_steps=4, buffer_size=1_000_000, learning_starts=20_000, replay_ratio=8.0, batch_size=32,
                   learning_rate=6.25e-5, adam_eps=1.5e-4, gamma=0.99, target_network_frequency=8000, start_e=1.0,
                   end_e=0.01, exploration_fraction=0.1, double_dqn=True, dueling=True, n_step=3,
-                  prioritized_replay=True, c51=True, huber_delta=1.0),
+                  prioritized_replay=True, c51=True, huber_delta=1.0, **RAINBOW_REPLAY),
     # Any other vector task: CleanRL's dqn.py (batches of 128 every 10 steps, target every 500).
     "classic": dict(num_steps=5, buffer_size=10_000, learning_starts=10_000, replay_ratio=12.8, batch_size=128,
                     learning_rate=2.5e-4, adam_eps=1e-8, gamma=0.99, target_network_frequency=500, start_e=1.0,
-                    end_e=0.05, exploration_fraction=0.5, huber_delta=0.0, **PLAIN),
+                    end_e=0.05, exploration_fraction=0.5, huber_delta=0.0, **PLAIN, **RAINBOW_REPLAY),
     # rl-baselines3-zoo's tuned DQN (hyperparams/dqn.yml: 128 gradient steps of 64 every 256 steps)
     # with changes measured here over 500k steps (docs/algorithms/dqn.md): its learning rate 2.3e-3
     # -> 5e-4 and a buffer of the whole run (500k; with its 100k the policy forgot its failures and
     # fell back), 3-step returns and Double DQN (as published, squared error: Q diverged to 1,834).
     "CartPole": dict(num_steps=32, buffer_size=500_000, learning_starts=1000, replay_ratio=32.0, batch_size=64,
                      learning_rate=5e-4, adam_eps=1e-8, gamma=0.99, target_network_frequency=10, start_e=1.0,
-                     end_e=0.04, exploration_fraction=0.16, huber_delta=0.0, **dict(PLAIN, n_step=3, double_dqn=True)),
+                     end_e=0.04, exploration_fraction=0.16, huber_delta=0.0, **dict(PLAIN, n_step=3, double_dqn=True),
+                     **RAINBOW_REPLAY),
+    # --lstm on Atari, R2D2 as rlpyt's atari_r2d1.py runs it (Kapturowski et al. 2019, Table 2): γ 0.997,
+    # sequences of 80 after a burn-in of 40, one every 40 steps, 5-step double-Q targets, squared error,
+    # priorities α 0.9 (η 0.9), β 0.6, Adam 1e-4 with eps 1e-3, gradients clipped at 80, batches of 32
+    # sequences (the paper: 64), rlpyt's replay ratio 4 (burn-in rows counted: one gradient step per
+    # 960 env steps, its sampler's), target every 2,500 updates (2.4M env steps), learning from 100k
+    # steps, a 1M buffer, Ape-X's ε per env, an LSTM of 512.
+    "atari-lstm": dict(num_steps=120, buffer_size=1_000_000, learning_starts=100_000, replay_ratio=4.0, batch_size=32,
+                       learning_rate=1e-4, adam_eps=1e-3, gamma=0.997, target_network_frequency=2_400_000, start_e=1.0,
+                       end_e=0.01, exploration_fraction=0.1, double_dqn=True, dueling=True, n_step=5,
+                       prioritized_replay=True, c51=False, huber_delta=0.0, priority_alpha=0.9, priority_beta=0.6,
+                       priority_beta_end=0.6, max_grad_norm=80.0, apex_epsilon=True, lstm_size=512, seq_len=80,
+                       burn_in=40, seq_period=40),
+    # --lstm on any other task: a small R2D2, measured on two memory tasks (docs/algorithms/dqn.md).
+    "lstm": dict(num_steps=20, buffer_size=100_000, learning_starts=2000, replay_ratio=48.0, batch_size=32,
+                 learning_rate=1e-3, adam_eps=1e-3, gamma=0.99, target_network_frequency=2000, start_e=1.0,
+                 end_e=0.05, exploration_fraction=0.2, double_dqn=True, dueling=True, n_step=3,
+                 prioritized_replay=True, c51=False, huber_delta=0.0, priority_alpha=0.9, priority_beta=0.6,
+                 priority_beta_end=0.6, max_grad_norm=80.0, apex_epsilon=False, lstm_size=64, seq_len=20,
+                 burn_in=10, seq_period=10),
 }
 RAINBOW = {k: v for k, v in PRESETS["atari"].items() if k in PLAIN}  # the five switches, for any task
+LSTM_ONLY = ("lstm_size", "seq_len", "burn_in", "seq_period")
+
+
+def preset_name(args) -> str:
+    """The PRESETS entry of the task (tasks.preset_name); with --lstm, R2D2's for Atari, else the small one."""
+    name = tasks.preset_name(args.env_id, PRESETS)
+    return ("atari-lstm" if name == "atari" else "lstm") if args.lstm else name
 
 
 def resolve_args(args: Args) -> Args:
     """The flags left at None filled from the task's preset, and all checked: UsageError, one
     line, before anything starts (runs.checked holds the checks every script's flags take)."""
-    fill = tasks.preset_values(args, PRESETS)
+    fill = tasks.preset_values(args, PRESETS)  # the task checked first (a user's env made known)
+    if args.lstm:
+        fill = {k: v for k, v in PRESETS[preset_name(args)].items() if getattr(args, k) is None}
+    elif given := [k for k in LSTM_ONLY if getattr(args, k) is not None]:
+        raise UsageError(f"--{given[0].replace('_', '-')} {getattr(args, given[0])} is a flag of --lstm (R2D2); add --lstm, "
+                         "or leave it out")
     if hasattr(tasks.policy_space(args.env_id), "nvec"):
         raise UsageError(f"--env-id {args.env_id} has multi-discrete actions without a joint mask (a factored policy, one "
                          "choice a dimension); DQN's Q-values are over one set of actions: use appo_envpool.py")
@@ -181,12 +234,32 @@ def resolve_args(args: Args) -> Args:
     if args.num_splits is None:
         fill["num_splits"] = 2 if "nature" in dict(tasks.encoders(tasks.spaces(args.env_id)[0])) else 1
     args = runs.checked(dataclasses.replace(args, **fill))
+    if args.lstm:
+        check_sequences(args)
     check_rounds(args, args.n_step + 4)
     if args.c51 and not args.v_min < args.v_max:
         raise UsageError(f"--v-min {args.v_min} must be below --v-max {args.v_max}")
     if args.c51 and args.num_atoms < 2:
         raise UsageError(f"--num-atoms {args.num_atoms}: C51 needs at least 2")
     return args
+
+
+def check_sequences(args: Args):
+    """--lstm's flags: UsageError, one line, for C51 (not with sequences here) and for sequences
+    longer than each env's ring holds (whole --seq-period blocks of it), and for legal-action masks
+    (the recurrent act and r2d2_targets take every action)."""
+    if args.c51:
+        raise UsageError("--c51 with --lstm: R2D2 here learns Q-values, not C51's distributions; pass --c51 False")
+    if args.action_mask and tasks.mask_shape(tasks.spaces(args.env_id)[0]) is not None:
+        raise UsageError(f"--lstm does not apply action masks yet (--env-id {args.env_id}'s observation holds one): "
+                         "pass --no-action-mask")
+    stack = tasks.spaces(args.env_id)[0].shape[0] if tasks.env_kind(args.env_id) == "atari" else 1
+    rows = args.buffer_size // devices.local_envs(args) // args.seq_period * args.seq_period
+    need = args.burn_in + args.seq_len + args.n_step + args.seq_period + stack
+    if rows < need:
+        raise UsageError(f"--buffer-size {args.buffer_size:,} keeps {rows:,} steps of each of the {devices.local_envs(args)} "
+                         f"envs; sequences of --burn-in {args.burn_in} + --seq-len {args.seq_len} + --n-step {args.n_step} "
+                         f"steps, one every --seq-period {args.seq_period}, need {need:,}: raise --buffer-size or shorten them")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,30 +289,69 @@ def encode(obs, encoders: tuple):
     return jnp.concatenate(features, axis=-1)
 
 
+class LSTMCore(nn.Module):
+    """An LSTM over time-major inputs [T, B, F]; each env's state (c, h) [B, size] is reset to
+    zeros before a step where its episode starts (`first` [T, B])."""
+
+    size: int
+
+    @functools.partial(nn.scan, variable_broadcast="params", split_rngs={"params": False})
+    @nn.compact
+    def __call__(self, state, inputs):
+        x, first = inputs
+        state = jax.tree.map(lambda s: jnp.where(first[:, None] > 0, 0.0, s), state)
+        return nn.OptimizedLSTMCell(self.size)(state, x)
+
+
+def zero_core(lstm_size: int, num_envs: int):
+    """The network's `core` for `num_envs` envs before their first step: (state (c, h) of zeros
+    [N, lstm_size], first [N] all True); None without an LSTM."""
+    if not lstm_size:
+        return None
+    return (np.zeros((num_envs, lstm_size), np.float32), np.zeros((num_envs, lstm_size), np.float32)), np.ones(num_envs, bool)
+
+
 class QNetwork(nn.Module):
     """`encode`, then with a Nature CNN leaf a 512 ReLU layer (Mnih et al. 2015), otherwise a
     256-256 ReLU MLP (rl-baselines3-zoo's CartPole DQN). Then the Q head: obs [B, ...] -> Q-values
     [B, A], or with `num_atoms` the logits [B, A, atoms] of C51's return distribution; `dueling`:
     a value stream and an advantage stream whose mean over actions is subtracted (Wang et al.
-    2016, eq. 9)."""
+    2016, eq. 9). With `lstm_size`, an LSTM (the PPO scripts' LSTMCore) between those layers and
+    the head (R2D2): `core` = (state (c, h) [B, size], first), obs [T, B, ...] and first [T, B]
+    (T steps of each env from `state`, reset where an episode starts; or one step: obs [B, ...],
+    first [B]) -> (Q-values [T, B, A] (or [B, A]), the state after the last step)."""
 
     action_dim: int
     encoders: tuple  # tasks.leaf_encoder of each observation leaf
     dueling: bool = False
     num_atoms: int = 0  # 0: plain Q-values
     action_mask: bool = False  # the observation's "action_mask" is applied (legal_actions)
+    lstm_size: int = 0  # 0: no LSTM
 
     @nn.compact
-    def __call__(self, obs):
+    def __call__(self, obs, core=None):
+        if self.lstm_size:  # rows env-major [B x T, ...]: with the envs split over learner devices, each keeps its own
+            state, first = core
+            shape = first.shape  # [T, B], or [B] for one step
+            first = first.reshape(-1, shape[-1])
+            obs = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(*first.shape, *x.shape[len(shape):]), 0, 1).reshape(
+                -1, *x.shape[len(shape):]), obs)
         x = encode(obs, self.encoders)
         for size in [512] if any(kind == "nature" for kind, _ in self.encoders) else [256, 256]:
             x = nn.relu(nn.Dense(size)(x))
+        if self.lstm_size:
+            state, x = LSTMCore(self.lstm_size)(state, (jnp.swapaxes(x.reshape(*first.shape[::-1], -1), 0, 1), first))
+            x = jnp.swapaxes(x, 0, 1).reshape(-1, self.lstm_size)
         atoms = max(self.num_atoms, 1)
         q = nn.Dense(self.action_dim * atoms)(x).reshape(-1, self.action_dim, atoms)
         if self.dueling:
             value = nn.Dense(atoms)(x)[:, None]
             q = value + q - q.mean(axis=1, keepdims=True)
-        return q if self.num_atoms else q[..., 0]
+        q = q if self.num_atoms else q[..., 0]
+        if self.lstm_size:  # back to time-major
+            q = jnp.swapaxes(q.reshape(*first.shape[::-1], *q.shape[1:]), 0, 1)
+            return q.reshape(*shape, *q.shape[2:]), state
+        return q
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,10 +382,11 @@ def epsilon_at(args, step: int):
 
 def importance_exponent(args, step: int) -> float:
     """Prioritised replay's importance-sampling exponent β at env step `step`: --priority-beta
-    annealed linearly to 1 over the run (Schaul et al. 2016); 0 (no weights) under uniform replay."""
+    annealed linearly to --priority-beta-end over the run (Schaul et al. 2016); 0 (no weights)
+    under uniform replay."""
     if not args.prioritized_replay:
         return 0.0
-    return args.priority_beta + (1.0 - args.priority_beta) * min(1.0, step / args.total_timesteps)
+    return args.priority_beta + (args.priority_beta_end - args.priority_beta) * min(1.0, step / args.total_timesteps)
 
 
 def q_targets(next_q_target, next_q_online, reward, discount, double: bool, legal=None):
@@ -323,6 +436,91 @@ def c51_project(next_probs, reward, discount, support):
     return target.at[index, upper.astype(jnp.int32)].add(to_upper)
 
 
+def value_rescale(x, eps: float = RESCALE_EPS):
+    """R2D2's value rescaling h(x) = sign(x)(sqrt(|x| + 1) - 1) + eps x (Kapturowski et al. 2019,
+    §2.3, after Pohlen et al. 2018): the network learns h(Q), whose range grows like sqrt(Q).
+    sqrt(a + 1) - 1 is computed as a / (sqrt(a + 1) + 1): in float32 the difference loses most
+    digits near 0."""
+    return x / (jnp.sqrt(jnp.abs(x) + 1.0) + 1.0) + eps * x
+
+
+def value_unrescale(z, eps: float = RESCALE_EPS):
+    """h's inverse (Pohlen et al. 2018, Proposition A.2): sign(z)(((sqrt(1 + 4 eps (|z| + 1 + eps))
+    - 1) / (2 eps))^2 - 1), rearranged without its two differences of near-equal numbers (as
+    written it is off by 1e-4 near 0 in float32): with a = |z| and d = sqrt(1 + 4 eps (a + 1 + eps)),
+    sign(z) 4a (a + 1 + eps)(2a + 3 + 2 eps + d) / ((2a + 1 + 2 eps + d)(d + 1)^2)."""
+    a = jnp.abs(z)
+    d = jnp.sqrt(1.0 + 4.0 * eps * (a + 1.0 + eps))
+    return jnp.sign(z) * 4.0 * a * (a + 1.0 + eps) * (2.0 * a + 3.0 + 2.0 * eps + d) / (
+        (2.0 * a + 1.0 + 2.0 * eps + d) * jnp.square(d + 1.0))
+
+
+def r2d2_targets(q_target, q_online, reward, terminated, truncated, gamma: float, n_step: int, double: bool):
+    """R2D2's targets [T - n, B] of rows 0 .. T-n-1 of sequences of T rows: h(G + gamma^k
+    h^-1(Q_target(s_{t+k}, a*))), G the rewards of rows t+1 .. t+k discounted, k = n or the first
+    of those rows that ends the episode: terminated, nothing bootstrapped; truncated, the value of
+    its observation, the episode's real last (the buffer's n-step rule, Replay.gather). a*:
+    the online network's argmax with `double` (van Hasselt et al. 2016), else the target's.
+    q_*: [T, B, A] (h's scale); reward, terminated, truncated [T, B], as the rows store them (those
+    of the step that produced each row's observation)."""
+    length = reward.shape[0] - n_step
+    best = jnp.argmax(q_online if double else q_target, axis=-1)
+    value = value_unrescale(jnp.take_along_axis(q_target, best[..., None], axis=-1)[..., 0])
+    ret, discount, bootstrap = jnp.zeros_like(reward[:length]), jnp.ones_like(reward[:length]), jnp.zeros_like(reward[:length])
+    alive = jnp.ones(ret.shape, bool)
+    for k in range(1, n_step + 1):
+        rows = slice(k, k + length)
+        ret = ret + alive * discount * reward[rows]
+        bootstrap = jnp.where(alive, value[rows], bootstrap)
+        discount = jnp.where(alive, jnp.where(terminated[rows], 0.0, discount * gamma), discount)
+        alive = alive & ~(terminated[rows] | truncated[rows])
+    return value_rescale(ret + discount * bootstrap)
+
+
+def sequence_priorities(errors, mask, eta: float):
+    """R2D2's priority of each sequence [B]: eta max |δ| + (1 - eta) mean |δ| over its steps that
+    `mask` [T, B] keeps (errors: the TD errors δ [T, B])."""
+    errors = jnp.abs(errors) * mask
+    return eta * errors.max(axis=0) + (1.0 - eta) * errors.sum(axis=0) / jnp.maximum(mask.sum(axis=0), 1)
+
+
+def unroll(network, params, obs, first, state, burn_in: int = 0):
+    """The Q-values [T, B, A] of sequences (obs [T, B, ...], first [T, B]) from the recurrent
+    `state`, reset where an episode starts; no gradient flows through the first `burn_in` rows,
+    which only rebuild the state (R2D2's burn-in)."""
+    if not burn_in:
+        return network.apply(params, obs, (state, first))[0]
+    head = jax.tree.map(lambda x: x[:burn_in], obs)
+    q_head, state = jax.lax.stop_gradient(network.apply(params, head, (state, first[:burn_in])))
+    q, _ = network.apply(params, jax.tree.map(lambda x: x[burn_in:], obs), (state, first[burn_in:]))
+    return jnp.concatenate([q_head, q])
+
+
+def r2d2_loss(params, target_params, network, batch, args: Args, support=None):
+    """R2D2's loss on a batch of sequences ([B, burn-in + seq-len + n, ...], SequenceReplay's) and
+    each one's priority [B]: both networks unrolled from the stored state (the online one's burn-in
+    without gradient), the squared (or Huber) error of h-scaled Q to r2d2_targets on the steps
+    after the burn-in that start a transition (not an episode's last observation), averaged over
+    each sequence, weighted by its importance weight. Returns (loss, (priorities, mean Q))."""
+    seq = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), {k: batch[k] for k in SEQUENCE_FIELDS})  # time-major
+    ended = seq["terminated"] | seq["truncated"]
+    # Row 0 starts from the stored state, which the actor had already reset if an episode started there.
+    first = jnp.concatenate([jnp.zeros_like(ended[:1]), ended[:-1]])
+    q = unroll(network, params, seq["obs"], first, batch["memory"], args.burn_in)
+    q_target = jax.lax.stop_gradient(unroll(network, target_params, seq["obs"], first, batch["memory"]))
+    start, stop = args.burn_in, args.burn_in + args.seq_len
+    targets = jax.lax.stop_gradient(r2d2_targets(
+        q_target[start:], q[start:], seq["reward"][start:], seq["terminated"][start:], seq["truncated"][start:],
+        args.gamma, args.n_step, args.double_dqn))
+    q_taken = jnp.take_along_axis(q[start:stop], seq["action"][start:stop].astype(jnp.int32)[..., None], axis=-1)[..., 0]
+    mask = 1.0 - ended[start:stop]
+    errors = q_taken - targets
+    losses = optax.huber_loss(q_taken, targets, delta=args.huber_delta) if args.huber_delta else 0.5 * errors**2
+    per_sequence = jnp.sum(losses * mask, axis=0) / jnp.maximum(mask.sum(axis=0), 1)
+    mean_q = jnp.sum(value_unrescale(q_taken) * mask) / jnp.maximum(mask.sum(), 1)
+    return jnp.mean(batch["weights"] * per_sequence), (sequence_priorities(errors, mask, args.priority_eta), mean_q)
+
+
 def dqn_loss(params, target_params, network, batch, args: Args, support):
     """The importance-weighted loss of one batch and each transition's TD error [B] (the new
     priorities): Huber on the (Double) DQN target, or C51's cross-entropy to the projected target
@@ -359,13 +557,14 @@ def dqn_loss(params, target_params, network, batch, args: Args, support):
 
 def make_greedy(network, c51: bool, support):
     """One jitted call: the greedy actions [B] of a batch of observations (C51: by the expected
-    values), among the legal ones."""
+    values), among the legal ones; with an LSTM, greedy(params, obs, core) -> (actions, the state after the step)."""
 
     @jax.jit
-    def greedy(params, obs):
-        q = network.apply(params, obs)
+    def greedy(params, obs, core=None):
+        q, state = network.apply(params, obs, core) if network.lstm_size else (network.apply(params, obs), None)
         values = jnp.sum(jax.nn.softmax(q) * support, axis=-1) if c51 else q
-        return legal_argmax(values, legal_actions(network, obs, len(q)))
+        action = legal_argmax(values, legal_actions(network, obs, len(q)))
+        return (action, state) if network.lstm_size else action
 
     return greedy
 
@@ -399,6 +598,24 @@ def make_act(greedy, args: Args, network, streams: EnvStreams):
     return act
 
 
+def make_recurrent_act(greedy, args: Args, network, streams: EnvStreams):
+    """--lstm: make_act's policy with a recurrent network, act(params, obs, env_ids, steps, first)
+    -> (actions, states) for jax_async_rl.rounds: each env's state (c, h) kept by env id and reset
+    where its episode starts (`first`); the network runs for every env (its state moves on while
+    it explores); the states returned are those it acted from, stored where sequences start."""
+    memory = zero_core(args.lstm_size, devices.local_envs(args))[0]
+
+    def act(params, obs, env_ids, steps, first):
+        state = jax.tree.map(lambda m: np.where(first[:, None], np.float32(0.0), m[env_ids]), memory)
+        action, after = jax.device_get(greedy(params, obs, (state, first)))
+        for m, s in zip(memory, after):
+            m[env_ids] = s
+        epsilon = epsilon_at(args, int(steps.max()) * devices.global_envs(args))[env_ids]
+        return epsilon_greedy(lambda *_: action, params, obs, epsilon, network.action_dim, streams.uniform(env_ids, steps)), state
+
+    return act
+
+
 def acting_version(rollout: int, actor_lag) -> int:
     """The policy version that acts on rollout `rollout` (counted over the run): the one the
     update on rollout `rollout - 1 - actor_lag` makes (Cleanba's actor at 1; 0 the synchronous
@@ -409,17 +626,20 @@ def acting_version(rollout: int, actor_lag) -> int:
 
 def evaluation_player(args: Args, built):
     """The evaluation's policy(params, obs, core, key, env_ids, steps) -> (actions, None, None,
-    None): ε-greedy at EVAL_EPSILON among the legal actions; its initial core (none), for a run's
-    `build`; utils/evaluate.py calls it too."""
+    state): ε-greedy at EVAL_EPSILON among the legal actions; its initial core (zero_core: with
+    --lstm the state of zeros, else none), for a run's `build`; utils/evaluate.py calls it too."""
     network, _, support, _, _ = built
     greedy, streams = make_greedy(network, args.c51, support), EnvStreams(args.seed + 10_000, 0, 100, 2)
 
     def policy(params, obs, core, key, env_ids, steps):
-        epsilon, legal = np.full(len(env_ids), EVAL_EPSILON), legal_actions(network, obs, len(env_ids))
-        draws = streams.uniform(env_ids, steps)
-        return epsilon_greedy(greedy, params, obs, epsilon, network.action_dim, draws, legal), None, None, None
+        epsilon, draws = np.full(len(env_ids), EVAL_EPSILON), streams.uniform(env_ids, steps)
+        legal = legal_actions(network, obs, len(env_ids))
+        if core is None:
+            return epsilon_greedy(greedy, params, obs, epsilon, network.action_dim, draws, legal), None, None, None
+        action, state = jax.device_get(greedy(params, obs, core))
+        return epsilon_greedy(lambda *_: action, params, obs, epsilon, network.action_dim, draws, legal), None, None, state
 
-    return policy, lambda num_envs: None
+    return policy, functools.partial(zero_core, network.lstm_size)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -431,14 +651,15 @@ def make_update(network, optimizer, args: Args, support, mesh=None):
     """The jitted round, update(state, batches [S, batch, ...], step): the target network synced
     first where the round's env steps (up to `step`) crossed a multiple of
     --target-network-frequency, then one gradient step on each batch in turn. Returns the state
-    and the diagnostics, with prioritised replay the TD errors [S, batch] (`priorities`)."""
+    and the diagnostics, with prioritised replay the TD errors [S, batch] (`priorities`; --lstm:
+    each sequence's priority, whose mean is logged)."""
     round_steps = devices.global_envs(args) * args.num_steps
 
     def step(carry, batch):
         params, opt_state, target_params = carry
         if mesh is not None:  # each learner device takes its share of the batch: data parallel
             batch = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, devices.split_envs(mesh, 0)), batch)
-        (loss, (errors, q)), grads = jax.value_and_grad(dqn_loss, has_aux=True)(
+        (loss, (errors, q)), grads = jax.value_and_grad(r2d2_loss if args.lstm else dqn_loss, has_aux=True)(
             params, target_params, network, batch, args, support)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
@@ -460,6 +681,8 @@ def make_update(network, optimizer, args: Args, support, mesh=None):
         diagnostics["finite"] = jnp.isfinite(diagnostics["loss"]) & jnp.all(jnp.array(finite))
         if args.prioritized_replay:
             diagnostics["priorities"] = errors
+        if args.lstm:
+            diagnostics["replay/priority_mean"] = errors.mean()
         new_state = dict(state, params=params, opt_state=opt_state, target_params=target,
                          policy_version=state["policy_version"] + 1)
         return new_state, diagnostics
@@ -477,8 +700,8 @@ def build(args: Args, key):
     checkpoint restores into `dict(state, **normalizer.state())` (utils/evaluate.py does too)."""
     obs_space, action_space = tasks.spaces(args.env_id)[0], tasks.policy_space(args.env_id)  # a joint mask: the product
     network = QNetwork(int(action_space.n), tasks.encoders(obs_space), args.dueling, args.num_atoms if args.c51 else 0,
-                       args.action_mask and tasks.mask_shape(obs_space) is not None)
-    params = network.init(key, tasks.zeros_like_space(obs_space, 1))
+                       args.action_mask and tasks.mask_shape(obs_space) is not None, args.lstm_size if args.lstm else 0)
+    params = network.init(key, tasks.zeros_like_space(obs_space, 1), *[zero_core(network.lstm_size, 1)] * args.lstm)
     optimizer = optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adam(args.learning_rate, eps=args.adam_eps))
     support = jnp.linspace(args.v_min, args.v_max, args.num_atoms)
     normalizer = Normalizer(tasks.zeros_like_space(obs_space), devices.local_envs(args), False, False, args.gamma)
@@ -488,9 +711,15 @@ def build(args: Args, key):
 
 
 def make_replay(args: Args, envs):
-    """The learner's buffer over all this process's envs; Atari's frame stacks stored a frame a row."""
+    """The learner's buffer over all this process's envs; Atari's frame stacks stored a frame a row.
+    --lstm: sequences of burn-in + seq-len + n-step rows, one every --seq-period with its state."""
     obs_space, action_space = tasks.spaces(args.env_id)[0], tasks.policy_space(args.env_id)
     stack = obs_space.shape[0] if tasks.env_kind(args.env_id) == "atari" else 1
+    if args.lstm:
+        return SequenceReplay(args.buffer_size, devices.local_envs(args), tasks.zeros_like_space(obs_space, 1),
+                              np.zeros(1, action_space.dtype), zero_core(args.lstm_size, 1)[0],
+                              args.burn_in + args.seq_len + args.n_step, args.seq_period, stack,
+                              args.priority_alpha if args.prioritized_replay else 0.0)
     return Replay(args.buffer_size, devices.local_envs(args), tasks.zeros_like_space(obs_space, 1),
                   np.zeros(1, action_space.dtype), args.n_step, args.gamma, stack,
                   args.priority_alpha if args.prioritized_replay else 0.0)
@@ -513,14 +742,18 @@ def main(args: Args, given=None) -> int:
         greedy = make_greedy(network, args.c51, support)
         shared = threads.Shared(state["params"], state["policy_version"], normalizer, run.sampled, run.stop,
                                 learning=not args.serial, keep=(args.actor_lag or 0) + 2)
-        collectors = [rounds.Collector(envs[i], make_act(greedy, args, network, EnvStreams(seed, i * args.num_envs,
-                                       args.num_envs, 2)), args, i, shared, run.start_update) for i, (_, seed, _) in enumerate(actors)]
+        acting = make_recurrent_act if args.lstm else make_act
+        collectors = [rounds.Collector(envs[i], acting(greedy, args, network, EnvStreams(seed, i * args.num_envs,
+                                       args.num_envs, 2)), args, i, shared, run.start_update, args.lstm)
+                      for i, (_, seed, _) in enumerate(actors)]
         learner = rounds.Learner(run, make_replay(args, envs), make_update(network, optimizer, args, support, run.mesh),
                                  np.random.default_rng(run.seed), shared.timing, args.learning_rate,
                                  beta=lambda step: importance_exponent(args, step), scalars=lambda step: {
-                                     "charts/epsilon": float(np.mean(epsilon_at(args, step)))})
-        run.begin(f"preset {tasks.preset_name(args.env_id, PRESETS)}, {gradient_steps(args)} gradient steps a round"
-                  f"{', serial' if args.serial else ''}")
+                                     "charts/epsilon": float(np.mean(epsilon_at(args, step))),
+                                     **({"replay/burn_in": args.burn_in} if args.lstm else {})})
+        sequences = f", R2D2: sequences of {args.seq_len} after a burn-in of {args.burn_in}, one every {args.seq_period} steps"
+        run.begin(f"preset {preset_name(args)}, {gradient_steps(args)} gradient steps a round"
+                  f"{sequences * args.lstm}{', serial' if args.serial else ''}")
         rounds.train(run, learner, collectors, actors, args.queue_size, args.serial,
                      functools.partial(acting_version, actor_lag=args.actor_lag))
         return run.finish(*evaluation_player(args, built))

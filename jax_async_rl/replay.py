@@ -43,11 +43,12 @@ def check_rounds(args, min_rows: int):
     batches must fit in 90% of the memory available (the rest is the run's own: JAX, the envs)."""
     if args.num_envs % args.num_splits:
         raise UsageError(f"--num-splits {args.num_splits} must divide --num-envs {args.num_envs}")
-    chunk = devices.global_envs(args) * args.num_steps
-    steps = args.replay_ratio * chunk / args.batch_size
+    chunk, per = devices.global_envs(args) * args.num_steps, sample_rows(args)
+    steps = args.replay_ratio * chunk / (args.batch_size * per)
     if steps < 1 or abs(steps - round(steps)) > 1e-6:
+        rows = f" x {per} steps a sequence (--burn-in + --seq-len)" if getattr(args, "lstm", False) else ""
         raise UsageError(f"--replay-ratio {args.replay_ratio} x a round's {chunk} env steps ({devices.describe_batch(args)}) "
-                         f"/ --batch-size {args.batch_size} = {steps:g} gradient steps: make it a whole number")
+                         f"/ --batch-size {args.batch_size}{rows} = {steps:g} gradient steps: make it a whole number")
     if args.batch_size % len(args.learner_device_ids):
         raise UsageError(f"--batch-size {args.batch_size} must divide over the {len(args.learner_device_ids)} learner devices")
     if args.buffer_size < 2 * chunk or args.buffer_size // devices.local_envs(args) <= min_rows:
@@ -61,8 +62,12 @@ def check_rounds(args, min_rows: int):
     action = np.dtype(action_space.dtype).itemsize * math.prod(action_space.shape or ())
     rows = args.buffer_size // devices.local_envs(args) * devices.local_envs(args)
     row = obs // stack + action + 4 + 3  # the reward, terminated, truncated and the stack's reach back
+    sample = 2 * obs + action + 20  # obs, next obs, reward, discount, slot, weight
+    if getattr(args, "lstm", False):  # R2D2: a state stored every --seq-period rows; a sample: a window and a state
+        row += 8 * args.lstm_size / args.seq_period
+        sample = (per + args.n_step) * (obs + action + 6) + 8 * args.lstm_size + 16
     buffer = rows * row + 16 * 2 ** max(1, math.ceil(math.log2(rows)))  # the sum tree: 2 float64 a leaf
-    batches = round(steps) * args.batch_size * (2 * obs + action + 20)  # obs, next obs, reward, discount, slot, weight
+    batches = round(steps) * args.batch_size * sample
     if buffer + batches > 0.9 * available:
         flag, what = ((f"--buffer-size {args.buffer_size:,}", f"its {rows:,} rows of {row:,} bytes")
                       if buffer >= batches else (f"--replay-ratio {args.replay_ratio:g}", f"a round's {round(steps):,} batches"))
@@ -72,8 +77,15 @@ def check_rounds(args, min_rows: int):
 
 
 def gradient_steps(args) -> int:
-    """Gradient steps of each round: --replay-ratio x the round's env steps / --batch-size."""
-    return round(args.replay_ratio * devices.global_envs(args) * args.num_steps / args.batch_size)
+    """Gradient steps of each round: --replay-ratio x the round's env steps / (--batch-size x
+    sample_rows)."""
+    return round(args.replay_ratio * devices.global_envs(args) * args.num_steps / (args.batch_size * sample_rows(args)))
+
+
+def sample_rows(args) -> int:
+    """The env steps one sample counts for the replay ratio: a transition's 1, or with --lstm
+    (R2D2's sequences) its burn-in and learned steps (rlpyt's R2D1 counts both)."""
+    return args.burn_in + args.seq_len if getattr(args, "lstm", False) else 1
 
 
 class SumTree:
@@ -132,7 +144,7 @@ class Replay:
                  gamma: float = 0.99, frame_stack: int = 1, alpha: float = 0.0, eps: float = 1e-6):
         if capacity < num_envs:
             raise ValueError(f"a buffer of {capacity} transitions cannot hold a row of {num_envs} envs")
-        self.rows, self.num_envs = capacity // num_envs, num_envs
+        self.capacity, self.rows, self.num_envs = capacity, capacity // num_envs, num_envs
         self.n_step, self.gamma, self.stack, self.alpha, self.eps = n_step, gamma, frame_stack, alpha, eps
         if self.rows < n_step + frame_stack + 1:
             raise ValueError(f"{self.rows} rows an env is too few for n-step {n_step} with {frame_stack} frames")
@@ -169,10 +181,32 @@ class Replay:
     def slot(self, t, e):
         return (t % self.rows) * self.num_envs + e
 
+    @property
+    def fill(self) -> float:
+        """The fraction of the buffer that can be sampled (logged as replay/fill)."""
+        return len(self) / self.capacity
+
     def add(self, env_ids, obs, action, reward, terminated, truncated, elapsed):
         """Write one row for each of `env_ids`: one split's step, or a whole chunk of them, where
         an env's rows come in the order it stepped (the k-th row of env e goes to its row
         count[e] + k). One call for a chunk pays numpy's per-call cost once."""
+        t, e = self.write(env_ids, obs, action, reward, terminated, truncated, elapsed)
+        # A written row can no longer start a transition, nor can the rows whose stack reaches
+        # back to the one it overwrote; the row n before it now has its whole n-step target, and
+        # starts one unless the call overwrote it or a row its stack reaches back to.
+        stale = np.concatenate([self.slot(t + k, e) for k in range(self.stack)])
+        start = t - self.n_step
+        ready = (start >= 0) & (start >= self.count[e] - self.rows + self.stack - 1)
+        start, ready_e = start[ready], e[ready]
+        ended = self.terminated[start % self.rows, ready_e] | self.truncated[start % self.rows, ready_e]
+        fresh = self.slot(start[~ended], ready_e[~ended])
+        self.live[stale], self.live[fresh] = False, True
+        if self.tree is not None:
+            self.tree.update(np.concatenate([stale, fresh]),
+                             np.r_[np.zeros(len(stale)), np.full(len(fresh), self.max_priority ** self.alpha)])
+
+    def write(self, env_ids, obs, action, reward, terminated, truncated, elapsed):
+        """`add`'s rows, written; returns each one's (row number, env id)."""
         e = np.asarray(env_ids, np.int64)
         order = np.argsort(e, kind="stable")
         before = np.empty_like(e)
@@ -190,19 +224,7 @@ class Replay:
         self.truncated[rows, e] = truncated
         self.back[rows, e] = np.minimum(np.asarray(elapsed), self.stack - 1)
         self.count += np.bincount(e, minlength=self.num_envs)
-        # A written row can no longer start a transition, nor can the rows whose stack reaches
-        # back to the one it overwrote; the row n before it now has its whole n-step target, and
-        # starts one unless the call overwrote it or a row its stack reaches back to.
-        stale = np.concatenate([self.slot(t + k, e) for k in range(self.stack)])
-        start = t - self.n_step
-        ready = (start >= 0) & (start >= self.count[e] - self.rows + self.stack - 1)
-        start, ready_e = start[ready], e[ready]
-        ended = self.terminated[start % self.rows, ready_e] | self.truncated[start % self.rows, ready_e]
-        fresh = self.slot(start[~ended], ready_e[~ended])
-        self.live[stale], self.live[fresh] = False, True
-        if self.tree is not None:
-            self.tree.update(np.concatenate([stale, fresh]),
-                             np.r_[np.zeros(len(stale)), np.full(len(fresh), self.max_priority ** self.alpha)])
+        return t, e
 
     def row_of(self, slots):
         """(row number, env id) of slots: the newest row of the env kept in each."""
@@ -271,12 +293,14 @@ class Replay:
             terminated, truncated = self.terminated[row, e], self.truncated[row, e]
             discount = np.where(alive & terminated, 0.0, discount)
             alive &= ~(terminated | truncated)
-        weights = np.ones(batch_size, np.float32)
-        if self.tree is not None and beta:
-            probs = self.tree.get(slots) / self.tree.total
-            weights = (len(self) * probs) ** -beta  # normalised by `sample`
         return dict(obs=self.stacked(t, e), action=self.action[t % self.rows, e], reward=reward,
-                    discount=discount, next_obs=self.stacked(next_t, e), slots=slots, weights=weights)
+                    discount=discount, next_obs=self.stacked(next_t, e), slots=slots, weights=self.weights(slots, beta))
+
+    def weights(self, slots, beta: float):
+        """Prioritised replay's importance weights (N P(slot))^-beta (1 without; normalised by `sample`)."""
+        if self.tree is None or not beta:
+            return np.ones(len(slots), np.float32)
+        return (len(self) * (self.tree.get(slots) / self.tree.total)) ** -beta
 
     def update_priorities(self, slots, td_errors):
         priorities = np.abs(np.asarray(td_errors, np.float64)) + self.eps

@@ -15,6 +15,10 @@ The algorithm stays in the script, which passes three functions:
     act(params, obs, env_ids, steps) -> actions   # its behaviour policy on one split's batch (env
                                                   # ids counted over the process's actor threads;
                                                   # steps: each env's own over the run)
+    act(params, obs, env_ids, steps, first) -> (actions, state)   # a recurrent one (Collector's
+                                                  # `recurrent`): it keeps each env's state, reset
+                                                  # where `first` (an episode starts), and returns
+                                                  # the states it acted from, stored with the rows
     schedule(chunk) -> version                    # the policy version that acts on chunk `chunk`
                                                   # (counted over the run): exactly it with
                                                   # --deterministic, else at least it
@@ -31,24 +35,28 @@ import jax
 import numpy as np
 
 from jax_async_rl import devices, tasks, threads
-from jax_async_rl.replay import gradient_steps
+from jax_async_rl.replay import gradient_steps, sample_rows
 
 
 class Collector:
     """One actor thread's envs, `thread` of the process's, stepped a split at a time (`recv`
     returns the split whose step finished, or with --deterministic the next in turn) in chunks of
-    --num-steps steps of every env, chunk `first` of the run first."""
+    --num-steps steps of every env, chunk `first` of the run first. `recurrent`: `act` is a
+    recurrent policy (see the module docstring); each row then carries the state it was acted from."""
 
-    def __init__(self, envs, act, args, thread: int, shared, first: int):
+    def __init__(self, envs, act, args, thread: int, shared, first: int, recurrent: bool = False):
         self.envs, self.act, self.shared, self.thread, self.first = envs, act, shared, thread, first
         self.recvs, self.offset = args.num_steps * args.num_splits, thread * args.num_envs
         self.steps = np.full(args.num_envs, first * args.num_steps, np.int64)  # each env's steps over the run
         self.stats = tasks.EpisodeStats(args.num_envs)
+        # An episode starts at the observation after one that ended an episode (envpool's reset
+        # step), or at an env's first: the PPO scripts' `first`.
+        self.ended = np.ones(args.num_envs, bool) if recurrent else None
         envs.async_reset()
 
     def collect(self, params, version: int) -> dict:
         """One chunk: `rows`, the chunk's (env ids, obs, actions, rewards, terminated, truncated,
-        elapsed steps), each env's rows in the order it stepped, ready for `Replay.add`;
+        elapsed steps[, states]), each env's rows in the order it stepped, ready for `Replay.add`;
         `version`: that of `params` (for the policy lag); `games`: those that ended."""
         rows, timing = [], self.shared.timing
         for _ in range(self.recvs):
@@ -57,11 +65,16 @@ class Collector:
             timing["env"] += (now := time.perf_counter()) - start
             env_ids = info["env_id"]
             reward = np.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's reward is undefined (dm_control: NaN at times)
-            action = np.asarray(self.act(params, obs, env_ids + self.offset, self.steps[env_ids]))
+            state = ()
+            if self.ended is None:
+                action = np.asarray(self.act(params, obs, env_ids + self.offset, self.steps[env_ids]))
+            else:
+                action, state = self.act(params, obs, env_ids + self.offset, self.steps[env_ids], self.ended[env_ids])
+                action, state, self.ended[env_ids] = np.asarray(action), (state,), terminated | truncated
             timing["inference"] += (start := time.perf_counter()) - now
             self.envs.send(tasks.env_action(action, self.envs.action_space), env_ids)
             self.stats.update(env_ids, reward, terminated, truncated, info)
-            rows.append((env_ids + self.offset, obs, action, reward, terminated, truncated, info["elapsed_step"]))
+            rows.append((env_ids + self.offset, obs, action, reward, terminated, truncated, info["elapsed_step"], *state))
             self.steps[env_ids] += 1
             self.shared.sampled[self.thread] += len(env_ids)
             timing["bookkeeping"] += time.perf_counter() - start
@@ -93,7 +106,7 @@ class Learner:
             self.replay.add(*chunk["rows"])
         step = run.global_step + run.batch_size  # the env steps once this round is counted
         lag = [int(state["policy_version"]) - chunk["version"] for chunk in chunks]
-        extra = {"async/policy_lag_mean": float(np.mean(lag)), "replay/fill": len(self.replay) / args.buffer_size}
+        extra = {"async/policy_lag_mean": float(np.mean(lag)), "replay/fill": self.replay.fill}
         extra.update(self.scalars(step) if self.scalars else {})
         diagnostics = {"finite": True}
         if step > self.warm_at:
@@ -105,7 +118,7 @@ class Learner:
             if "priorities" in diagnostics:
                 self.replay.update_priorities(slots.ravel(), diagnostics.pop("priorities").ravel())
             self.timing["update"] += time.perf_counter() - now
-            self.sampled += self.steps * args.batch_size
+            self.sampled += self.steps * args.batch_size * sample_rows(args)
             self.learned_from += run.batch_size
             extra["replay/ratio"] = self.sampled / self.learned_from
         else:

@@ -122,10 +122,15 @@ def test_replay_part_times_both_modes_and_reports_the_ratio(bench_module, tmp_pa
     # --replay-script sac_envpool.py: its critic's loss marks the updates; CleanRL's ratio, a batch of 256 a step.
     sac = bench_module.measure_replay("sac_envpool.py", "Pendulum-v1", True, 5000 + 4 * 32, -200.0, str(tmp_path))
     assert sac["replay_ratio"] == pytest.approx(256.0) and sac["updates"] == 4
+    # --replay-flags: R2D2 (--lstm) at its preset's ratio, 48 steps of burn-in and sequence a step.
+    r2d2 = bench_module.measure_replay("dqn_envpool.py", "CartPole-v1", False, 1280, 475.0, str(tmp_path),
+                                       ["--lstm", "--learning-starts", "640"])
+    assert r2d2["replay_ratio"] == pytest.approx(48.0) and r2d2["updates"] == 4
+    rows = [dict(row, flags="--lstm") for row in rows]
     machine = dict(cpu_count=2, jax_backend="cpu", processor="x")
     bench_module.write_report(str(tmp_path), dict(env_id="CartPole-v1", machine=machine, measurements=rows), True)
     table = (tmp_path / "results.md").read_text()
-    assert "## Replay (dqn_envpool.py:" in table and "| async |" in table and "| serial |" in table and table.count("| not reached |") == 2
+    assert "## Replay (dqn_envpool.py --lstm:" in table and "| async |" in table and "| serial |" in table and table.count("| not reached |") == 2
     assert f"Async / serial SPS: **{rows[0]['sps'] / rows[1]['sps']:.2f}x**." in table
 
 

@@ -92,6 +92,9 @@ RUNS = {
     "appo-masked-factored": ("appo_envpool.py", dict(env_id="Cleaner-v0", num_splits=2)),  # a mask row a dimension
     "dqn": ("dqn_envpool.py", dict(TINY_REPLAY, actor_lag=1, num_splits=2, prioritized_replay=True, n_step=3)),
     "dqn-masked": ("dqn_envpool.py", dict(TINY_REPLAY, env_id="Minesweeper-v0", actor_lag=1, num_splits=2, replay_ratio=1)),
+    # R2D2: 2 gradient steps a round on 8 sequences of 2 burn-in + 4 learned steps, the states the actor held.
+    "dqn-lstm": ("dqn_envpool.py", dict(TINY_REPLAY, actor_lag=1, num_splits=2, lstm=True, lstm_size=16, seq_len=4, burn_in=2,
+                                        seq_period=2, n_step=2, batch_size=8, replay_ratio=3.0)),
     "sac": ("sac_envpool.py", dict(TINY_REPLAY, env_id="Pendulum-v1", actor_lag=1, num_splits=2)),
     "td3": ("td3_envpool.py", dict(TINY_REPLAY, env_id="Pendulum-v1", actor_lag=1)),
 }

@@ -309,3 +309,305 @@ def test_the_classic_preset_learns_cartpole_with_bounded_values(tmp_path, capsys
     assert max(q) < 1 / (1 - classic["gamma"]), f"mean Q of a batch reached {max(q):.1f}"
     last = np.mean(tag_values(records, "charts/episodic_return")[-20:])
     assert last >= 150, f"last 20-episode mean {last:.1f}"
+
+
+# ------------------------------------------------------------------------------------------------
+# R2D2 (--lstm): its math against the papers' formulas, its sequences against the actor
+# ------------------------------------------------------------------------------------------------
+
+
+def h_reference(x, eps=1e-3):
+    """Kapturowski et al. 2019, §2.3: h(x) = sign(x)(sqrt(|x| + 1) - 1) + eps x (float64)."""
+    return np.sign(x) * (np.sqrt(np.abs(x) + 1) - 1) + eps * x
+
+
+def h_inverse_reference(z, eps=1e-3):
+    """Pohlen et al. 2018, Proposition A.2, as written (float64)."""
+    return np.sign(z) * (((np.sqrt(1 + 4 * eps * (np.abs(z) + 1 + eps)) - 1) / (2 * eps)) ** 2 - 1)
+
+
+def test_value_rescaling_and_its_inverse_against_the_formulas():
+    """h and h^-1 in float32 (as the learner runs them) against the papers' formulas in float64,
+    and h^-1(h(x)) = x to 1e-6 (relative) from 1e-6 to 1e6 in size, either sign, and at 0."""
+    x = np.concatenate([-np.logspace(-6, 6, 601), [0.0], np.logspace(-6, 6, 601)]).astype(np.float32)
+    exact = x.astype(np.float64)
+    h = np.asarray(dqn.value_rescale(jnp.asarray(x)))
+    np.testing.assert_allclose(h, h_reference(exact), rtol=1e-6, atol=0)
+    z = h.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(dqn.value_unrescale(jnp.asarray(h))), h_inverse_reference(z), rtol=1e-6, atol=0)
+    np.testing.assert_allclose(np.asarray(dqn.value_unrescale(dqn.value_rescale(jnp.asarray(x)))), exact, rtol=1e-6, atol=0)
+    assert dqn.value_rescale(jnp.float32(99.0)) == pytest.approx(9.0 + 0.099, rel=1e-6)  # sqrt(100) - 1 + eps 99
+
+
+def r2d2_targets_reference(q_target, q_online, reward, terminated, truncated, gamma, n, double, eps=1e-3):
+    """R2D2's target of each row t of each sequence, a loop over the rows: the n-step return up
+    to the first row that ends the episode (terminated: no bootstrap; truncated: bootstrap that
+    row), then h(G + gamma^k h^-1(Q_target(s_{t+k}, a*)))."""
+    T, B = reward.shape
+    out = np.zeros((T - n, B))
+    for b in range(B):
+        for t in range(T - n):
+            ret, k = 0.0, 0
+            for k in range(1, n + 1):
+                ret += gamma ** (k - 1) * reward[t + k, b]
+                if terminated[t + k, b] or truncated[t + k, b]:
+                    break
+            choice = q_online if double else q_target
+            a = int(np.argmax(choice[t + k, b]))
+            bootstrap = 0.0 if terminated[t + k, b] else gamma**k * h_inverse_reference(float(q_target[t + k, b, a]), eps)
+            out[t, b] = h_reference(ret + bootstrap, eps)
+    return out
+
+
+@pytest.mark.parametrize("double", [False, True])
+def test_r2d2_targets_over_episode_ends_and_truncations(double):
+    rng = np.random.default_rng(5)
+    T, B, A, n, gamma = 14, 6, 3, 5, 0.997
+    q_target, q_online = (rng.normal(scale=3.0, size=(T, B, A)).astype(np.float32) for _ in range(2))
+    reward = rng.normal(scale=2.0, size=(T, B)).astype(np.float32)
+    ends = rng.random((T, B)) < 0.15
+    terminated, truncated = ends & (rng.random((T, B)) < 0.5), np.zeros((T, B), bool)
+    truncated[ends & ~terminated] = True
+    terminated[3, 0], terminated[4, 0], truncated[6, 1] = True, True, True  # an end right after another; a truncation
+    got = np.asarray(dqn.r2d2_targets(q_target, q_online, reward, terminated, truncated, gamma, n, double))
+    expected = r2d2_targets_reference(q_target, q_online, reward, terminated, truncated, gamma, n, double)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    assert terminated[1:].any() and truncated[1:].any()
+    # The case can fail: a truncation taken as a termination changes the targets.
+    wrong = np.asarray(dqn.r2d2_targets(q_target, q_online, reward, terminated | truncated, truncated * 0, gamma, n, double))
+    assert np.abs(wrong - expected).max() > 0.1
+
+
+def test_sequence_priorities_mix_the_max_and_the_mean():
+    rng = np.random.default_rng(6)
+    errors, mask = rng.normal(size=(9, 5)).astype(np.float32), (rng.random((9, 5)) < 0.7).astype(np.float32)
+    mask[:, 0] = 0.0  # no step counts: priority 0
+    got = np.asarray(dqn.sequence_priorities(errors, mask, 0.9))
+    for b in range(5):
+        kept = np.abs(errors[mask[:, b] > 0, b])
+        expected = 0.9 * kept.max() + 0.1 * kept.mean() if len(kept) else 0.0
+        assert got[b] == pytest.approx(expected, rel=1e-6, abs=1e-7)
+
+
+def test_burn_in_from_stored_states_is_the_unroll_from_the_episode_start():
+    """The script's recurrent actor (make_recurrent_act, greedy, an LSTM with large weights)
+    through the rounds' Collector on scripted envs (2 splits out of turn, episodes ending inside
+    sequences) into the sequence buffer: for every sampled sequence, `unroll` from its stored state
+    (burn-in, then the learned rows) gives, to 1e-5, the Q-values of the straight unroll from the
+    episode's start over the env's own rows, and the actor's actions are their argmax (what the
+    actor computed). r2d2_loss is the weighted mean of each sequence's mean squared error to the
+    reference targets over its learned rows that start a transition; no gradient reaches the
+    stored state through a burn-in."""
+    from test_lib_sequences import RoundArgs
+    from test_pipeline import EPISODE_LENGTHS, SPLIT_SIZE, TRUNCATING, ScriptedEnvPool
+
+    from jax_async_rl import rounds, threads
+    from jax_async_rl.keys import EnvStreams
+    from jax_async_rl.sequences import SequenceReplay
+
+    H, A, burn_in, seq_len, n = 8, 3, 5, 6, 2
+    network = dqn.QNetwork(A, (("flat", 0.05),), dueling=True, lstm_size=H)
+    params = network.init(jax.random.PRNGKey(0), np.zeros((1, 2), np.float32), dqn.zero_core(H, 1))
+    params = jax.tree.map(lambda x: x * 3.0, params)  # the state then carries more of the past
+    args = dqn.Args(env_id="CartPole-v1", num_envs=6, lstm=True, lstm_size=H, start_e=0.0, end_e=0.0,
+                    exploration_fraction=0.5, apex_epsilon=False, burn_in=burn_in, seq_len=seq_len, n_step=n,
+                    gamma=0.9, huber_delta=0.0, double_dqn=True, priority_eta=0.9)
+    envs = ScriptedEnvPool(6, SPLIT_SIZE, EPISODE_LENGTHS[:6], TRUNCATING, seed=3)
+    act = dqn.make_recurrent_act(dqn.make_greedy(network, False, None), args, network, EnvStreams(0, 0, 6, 2))
+    collector = rounds.Collector(envs, act, RoundArgs(6, 2, 7), 0, threads.Shared(params, 0), 0, recurrent=True)
+    replay = SequenceReplay(6 * 40, 6, np.zeros((1, 2), np.float32), np.zeros(1, np.int64), dqn.zero_core(H, 1)[0],
+                            burn_in + seq_len + n, 4)
+    for _ in range(8):
+        replay.add(*collector.collect(params, 0)["rows"])
+    batch = replay.sample(24, np.random.default_rng(1))
+    seq = {k: np.swapaxes(batch[k], 0, 1) for k in dqn.SEQUENCE_FIELDS}
+    ended = seq["terminated"] | seq["truncated"]
+    first = np.concatenate([np.zeros_like(ended[:1]), ended[:-1]])
+    q = np.asarray(dqn.unroll(network, params, seq["obs"], first, batch["memory"], burn_in))
+    # Each env's whole history from its first step, straight (reset where its episodes start).
+    count = int(envs.count.max())  # an env with fewer rows: padded at the end, where no sequence reaches
+    obs = np.stack([[[e, m] for e in range(6)] for m in range(count)]).astype(np.float32)
+    starts = np.array([[m == 0 or any(envs.returned[e][min(m, envs.count[e]) - 1][2:]) for e in range(6)]
+                       for m in range(count)])
+    straight = np.asarray(network.apply(params, obs, (dqn.zero_core(H, 6)[0], starts))[0])  # [count, 6, A]
+    crossed = 0
+    for b in range(24):
+        e, s = (int(v) for v in batch["obs"][b, 0])
+        rows = np.arange(s, s + burn_in + seq_len + n)
+        np.testing.assert_allclose(q[:, b], straight[rows, e], atol=1e-5, err_msg=f"env {e}, from row {s}")
+        assert [envs.received[e][m] for m in rows] == np.argmax(straight[rows, e], -1).tolist()
+        crossed += not starts[s, e] and starts[rows[1:], e].any()
+    assert crossed > 3  # sequences that start mid-episode and cross an episode's start
+    no_state = dqn.unroll(network, params, seq["obs"], first, jax.tree.map(np.zeros_like, batch["memory"]), burn_in)
+    no_resets = dqn.unroll(network, params, seq["obs"], np.zeros_like(first), batch["memory"], burn_in)
+    for wrong in (no_state, no_resets):
+        assert np.abs(np.asarray(wrong) - q).max() > 1e-3
+
+    # The loss against the reference targets, with a target network of its own.
+    target_params = jax.tree.map(lambda x: 0.9 * x, params)
+    batch["weights"] = np.random.default_rng(2).random(24).astype(np.float32)
+    loss, (priorities, _) = dqn.r2d2_loss(params, target_params, network, batch, args)
+    q_t = np.asarray(dqn.unroll(network, target_params, seq["obs"], first, batch["memory"]))
+    targets = r2d2_targets_reference(q_t[burn_in:], q[burn_in:], seq["reward"][burn_in:], seq["terminated"][burn_in:],
+                                     seq["truncated"][burn_in:], 0.9, n, True)
+    learned = slice(burn_in, burn_in + seq_len)
+    delta = np.take_along_axis(q[learned], seq["action"][learned][..., None].astype(int), -1)[..., 0] - targets
+    mask = ~ended[learned]
+    per_sequence = [np.mean(0.5 * delta[mask[:, b], b] ** 2) for b in range(24)]
+    assert float(loss) == pytest.approx(np.mean(batch["weights"] * per_sequence), rel=1e-4)
+    np.testing.assert_allclose(priorities, [0.9 * np.abs(delta[mask[:, b], b]).max() + 0.1 * np.abs(delta[mask[:, b], b]).mean()
+                                            for b in range(24)], rtol=1e-4)
+    assert not mask.all()  # rows that end an episode were left out
+    # Burn-in: the same values, and no gradient reaches the stored state through it.
+    for burn, reaches in ((burn_in, False), (0, True)):
+        grad = jax.grad(lambda m: dqn.unroll(network, params, seq["obs"], first, m, burn)[burn_in:].sum())(batch["memory"])
+        assert bool(np.abs(np.asarray(grad[1])).max() > 0) == reaches
+
+
+# Sequences of 2 burn-in + 4 learned + 2 bootstrap steps, one every 2 steps: 64 env steps a round
+# x ratio 3 / (8 sequences x 6 steps) = 4 gradient steps.
+R2D2_TINY = dict(lstm=True, lstm_size=16, seq_len=4, burn_in=2, seq_period=2, n_step=2, batch_size=8, replay_ratio=3.0)
+
+
+@pytest.mark.parametrize("serial", [False, True])
+def test_r2d2_rounds_hold_the_replay_ratio_and_log_sequences(serial, tmp_path, capsys):
+    code, out, err = run_main(SCRIPT, argv(run_dir=tmp_path / "r", serial=serial, **R2D2_TINY), capsys)
+    assert code == 0, err
+    assert "(preset lstm, 4 gradient steps a round, R2D2: sequences of 4 after a burn-in of 2, one every 2 steps" in out
+    records = read_metrics(tmp_path / "r")
+    assert tag_values(records, "replay/ratio") == [3.0, 3.0]  # burn-in and learned steps of 8 x 4 sequences a round
+    assert tag_values(records, "replay/burn_in") == [2.0] * 3
+    assert all(p > 0 for p in tag_values(records, "replay/priority_mean")) and tag_steps(records, "losses/loss") == [128, 192]
+    # 48 rows of each env's 250; sequences start every 2 rows and need 8: 21 of its 125 slots at the end.
+    assert tag_values(records, "replay/fill")[-1] == pytest.approx(21 / 125)
+    config = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert config["exp_name"] == ("dqn_envpool__serial__lstm" if serial else "dqn_envpool__lstm")
+    assert config["priority_alpha"] == 0.9 and config["apex_epsilon"] is False and config["c51"] is False
+
+
+def test_r2d2_presets_are_rlpyts_and_the_papers():
+    """rlpyt's atari_r2d1.py (Kapturowski et al. 2019): what the --lstm preset gives on Atari."""
+    args = dqn.resolve_args(dqn.Args(env_id="Pong-v5", lstm=True))
+    rlpyt = dict(gamma=0.997, seq_len=80, burn_in=40, seq_period=40, n_step=5, priority_alpha=0.9, priority_eta=0.9,
+                 priority_beta=0.6, priority_beta_end=0.6, learning_rate=1e-4, adam_eps=1e-3, batch_size=32,
+                 max_grad_norm=80.0, huber_delta=0.0, double_dqn=True, dueling=True, prioritized_replay=True,
+                 apex_epsilon=True, lstm_size=512, buffer_size=1_000_000, learning_starts=100_000, c51=False)
+    assert {k: getattr(args, k) for k in rlpyt} == rlpyt
+    # rlpyt's replay ratio 4 counts the burn-in: one update of 32 x 120 steps per 960 env steps (its sampler's),
+    # and its target network every 2,500 updates.
+    assert dqn.gradient_steps(args) * 960 == args.num_envs * args.num_steps
+    assert args.target_network_frequency == 2500 * 960
+    # The small preset, as docs/algorithms/dqn.md states it.
+    small = dqn.resolve_args(dqn.Args(env_id="CartPole-v1", lstm=True))
+    stated = dict(seq_len=20, burn_in=10, seq_period=10, n_step=3, lstm_size=64, replay_ratio=48.0, learning_rate=1e-3,
+                  target_network_frequency=2000, start_e=1.0, end_e=0.05, exploration_fraction=0.2)
+    assert {k: getattr(small, k) for k in stated} == stated
+    # Without --lstm nothing changes: Rainbow's replay settings.
+    plain = dqn.resolve_args(dqn.Args(env_id="Pong-v5"))
+    assert (plain.priority_alpha, plain.priority_beta, plain.priority_beta_end, plain.max_grad_norm) == (0.5, 0.4, 1.0, 10.0)
+    assert plain.lstm_size is None and plain.seq_len is None and not plain.apex_epsilon
+
+
+@pytest.mark.timeout(600)
+def test_r2d2_on_atari_frames(tmp_path, capsys):
+    """Pong --lstm (the Nature CNN and 512 layer, then the LSTM; frames stored once) for two
+    learning rounds of 2 sequences of 2 + 4 + 2 rows, 4-frame stacks rebuilt in every window."""
+    code, out, err = run_main(SCRIPT, argv("Pong-v5", run_dir=tmp_path / "p", num_envs=4, num_steps=8,
+                                           total_timesteps=96, learning_starts=32, **dict(R2D2_TINY, batch_size=2,
+                                                                                          replay_ratio=0.75)), capsys)
+    assert code == 0, err
+    assert "preset atari-lstm, 2 gradient steps a round" in out
+    assert len(tag_values(read_metrics(tmp_path / "p"), "losses/loss")) == 2
+
+
+@pytest.mark.timeout(600)
+def test_r2d2_resumes_and_its_checkpoint_plays_with_its_state(tmp_path, capsys):
+    """A --lstm run resumed (the flag and the sequence flags read back from the run), then
+    utils/evaluate.py plays its checkpoint without being told --lstm."""
+    run = tmp_path / "r"
+    assert run_main(SCRIPT, argv(run_dir=run, **R2D2_TINY), capsys)[0] == 0
+    code, _, err = run_main(SCRIPT, ["--resume", run, "--total-timesteps", 320, "--learning-starts", 64], capsys)
+    assert code == 0, err
+    assert tag_steps(read_metrics(run), "losses/loss") == [128, 192, 320]
+    assert int(read_checkpoint(run)["state"]["global_step"]) == 320
+    result = run_script("utils/evaluate.py", [run, "--episodes", 3], timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert json.loads((run / "eval.json").read_text())["episodes"] == 3
+
+
+@pytest.mark.timeout(600)
+def test_r2d2_on_two_learner_devices_with_two_actor_threads_and_a_video(tmp_path, monkeypatch):
+    """2 CPU devices (XLA_FLAGS) sharing the batch of sequences, 2 actor threads each keeping its
+    envs' states, and the final evaluation filmed with the state carried through the game."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    run = tmp_path / "r"
+    result = run_script(SCRIPT, [*argv(run_dir=run, num_actor_threads=2, total_timesteps=768, learning_starts=256,
+                                       eval_episodes=1, capture_video=True, **R2D2_TINY),
+                                 "--learner-device-ids", "0", "1", "--actor-device-ids", "0", "1"], timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "4 actor threads x 4 envs x 16 steps = 256 env steps" in result.stdout, result.stdout
+    records = read_metrics(run)
+    assert tag_values(records, "replay/ratio") == [3.0, 3.0]
+    assert [p.stat().st_size > 0 for p in (run / "videos").glob("*.mp4")] == [True]
+
+
+@pytest.mark.parametrize("flags, fragments", [
+    (dict(c51=True), ["--c51", "--lstm"]),
+    (dict(buffer_size=40), ["--buffer-size 40 ", "10 steps of each of the 4 envs", "--seq-len 4", "need 11"]),
+    (dict(seq_len=40, buffer_size=160), ["--buffer-size 160 ", "--seq-len 40", "need 47"]),
+    (dict(replay_ratio=2.0), ["--replay-ratio 2.0", "6 steps a sequence (--burn-in + --seq-len)", "whole number"]),
+    (dict(lstm=None, lstm_size=None, seq_len=8), ["--seq-len 8", "--lstm"]),  # no --lstm
+    (dict(env_id="tests.user_envs:LegalMoves"), ["--lstm does not apply action masks yet", "--no-action-mask"]),
+])
+def test_r2d2_bad_input_gets_one_line_and_exit_2(flags, fragments, tmp_path, capsys):
+    code, _, err = run_main(SCRIPT, argv(run_dir=tmp_path / "r", **{**R2D2_TINY, **flags}), capsys)
+    assert code == 2 and all(f in err for f in fragments) and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "r").exists()
+
+
+# R2D2 (--lstm) on two memory tasks at default flags (the `lstm` preset), on this 2-core CPU
+# (docs/results.md#dqn---lstm-r2d2). Measured, seeds 1 and 2, async and serial (4 runs a task):
+# - examples/corridor.py at length 8, 60k steps: the final policy (100 games at ε 0.001) scores 0.88-0.91
+#   in all 4 (0.92 is the best possible: 8 steps of -0.01, then +1); feed-forward DQN (its classic
+#   preset), which cannot see the cue at the end, -0.32 and -0.31.
+# - CartPole-v1 with its velocities hidden (tests/test_lstm.py's HideVelocities), 100k steps: the first
+#   20-episode mean of 400 at 33k-39k steps, of 475 at 39k-67k; feed-forward DQN (its CartPole preset)
+#   best 57 and 56 in 100k.
+# The suite runs seed 1 async and seed 2 serial of each, and feed-forward on the corridor.
+CORRIDOR = ["--env-id", "examples.corridor:Corridor", "--env-kwargs", '{"length": 8}', "--total-timesteps", 60_000]
+NO_VELOCITIES_BUDGET = 100_000
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("lstm, serial, seed", [(True, False, 1), (True, True, 2), (False, False, 1)])
+def test_r2d2_remembers_the_corridors_cue(lstm, serial, seed, tmp_path, capsys):
+    """At the corridor's end the agent must turn as the cue at its start said: --lstm scores at
+    least 0.8 of the best 0.92 over 100 final games; feed-forward DQN guesses (below 0.3)."""
+    code, _, err = run_main(SCRIPT, [*CORRIDOR, "--run-dir", tmp_path / "r", "--seed", seed, "--eval-episodes", 100,
+                                     *(["--lstm"] if lstm else []), *(["--serial"] if serial else [])], capsys)
+    assert code == 0, err
+    score = tag_values(read_metrics(tmp_path / "r"), "eval/episodic_return")[0]
+    assert score >= 0.8 if lstm else score < 0.3, f"final policy's mean score {score:.2f}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("serial, seed", [(False, 1), (True, 2)])
+def test_r2d2_balances_cartpole_without_its_velocities(serial, seed, tmp_path, capsys, monkeypatch):
+    """--lstm infers the velocities from successive positions: some 20 consecutive episodes
+    average at least 400 within the budget (feed-forward DQN: about 50)."""
+    from test_lstm import HideVelocities
+
+    from jax_async_rl import tasks
+
+    make_env = tasks.make_env
+    monkeypatch.setattr(tasks, "make_env", lambda *a, **k: HideVelocities(make_env(*a, **k)))
+    code, _, err = run_main(SCRIPT, ["--env-id", "CartPole-v1", "--lstm", "--run-dir", tmp_path / "r", "--seed", seed,
+                                     "--total-timesteps", NO_VELOCITIES_BUDGET, "--eval-episodes", 0,
+                                     *(["--serial"] if serial else [])], capsys)
+    assert code == 0, err
+    returns = tag_values(read_metrics(tmp_path / "r"), "charts/episodic_return")
+    windows = np.convolve(returns, np.ones(20) / 20, "valid")
+    curve = json.dumps([round(float(w)) for w in windows[:: max(1, len(windows) // 40)]])
+    assert windows.max() >= 400, f"best 20-episode mean {windows.max():.1f}; along the run: {curve}"

@@ -10,7 +10,7 @@
 3. end_to_end: training throughput of the scripts with matching flags over a sweep of
                --num-envs, with the fraction of wall time each stage is busy;
 4. replay:     (with --parts ... replay) --replay-script (dqn_envpool.py, sac_envpool.py or
-               td3_envpool.py) at its defaults, asynchronous and --serial
+               td3_envpool.py) at its defaults (and --replay-flags), asynchronous and --serial
                (rlpyt's two modes, the same replay ratio), each trained for --replay-budget env
                steps: SPS, steps and seconds to a 20-episode mean of --replay-threshold, the
                replay ratio achieved and the policy lag;
@@ -27,6 +27,8 @@ Usage: python utils/benchmark.py [--quick] [--env-id Pong-v5]
        python utils/benchmark.py --env-id CartPole-v1 --parts replay      (DQN, async vs serial)
        python utils/benchmark.py --env-id HalfCheetah-v4 --parts replay --replay-script sac_envpool.py \
            --replay-budget 300000 --replay-threshold 3000                  (SAC, async vs serial)
+       python utils/benchmark.py --env-id examples.corridor:Corridor --env-kwargs '{"length": 8}' --parts replay \
+           --replay-flags=--lstm --replay-budget 60000 --replay-threshold 0.5  (R2D2, async vs serial)
 """
 
 import dataclasses
@@ -34,6 +36,7 @@ import json
 import os
 import platform
 import queue
+import shlex
 import shutil
 import signal
 import subprocess
@@ -102,6 +105,8 @@ class Args:
     """replay: env steps each --replay-script run trains (async, then --serial)"""
     replay_threshold: float = 475.0
     """replay: the 20-episode mean return whose first crossing is timed"""
+    replay_flags: str = ""
+    """replay: more flags of --replay-script, as on its command line (e.g. '--lstm': R2D2)"""
     scaling_learners: tuple[int, ...] = (1, 2, 4)
     """scaling: learner device counts (--learner-device-ids 0 .. n-1)"""
     scaling_actor_threads: tuple[int, ...] = (1, 2)
@@ -350,16 +355,17 @@ def measure_end_to_end(script, env_id, num_envs, num_steps, seconds, out_dir, ex
     return sps, busy, len(updates), busy.get("update", 0.0) * wall / (len(updates) - 1)
 
 
-def measure_replay(script, env_id, serial: bool, budget: int, threshold: float, out_dir):
+def measure_replay(script, env_id, serial: bool, budget: int, threshold: float, out_dir, flags=()):
     """A replay-family script at its defaults, asynchronous or --serial, trained for `budget` env steps:
     SPS between its first and last update, env steps and seconds (from the first update) to the
     first 20-episode mean at `threshold` (None: not reached), the replay ratio it logged last and
-    its mean policy lag (rounds between the parameters a chunk was collected with and the update)."""
+    its mean policy lag (rounds between the parameters a chunk was collected with and the update).
+    `flags`: more of the script's flags."""
     run_dir = os.path.join(out_dir, "replay", "serial" if serial else "async")
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, os.path.join(ROOT, script), "--env-id", env_id, "--total-timesteps", str(budget),
            "--eval-episodes", "0", "--save-interval", "0", "--log-frequency", "1", "--run-dir", run_dir,
-           *(["--serial"] if serial else [])]
+           *(["--serial"] if serial else []), *flags]
     proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{script} exited with code {proc.returncode}:\n{proc.stderr[-2000:]}")
@@ -457,7 +463,8 @@ def write_report(out_dir, results, quick):
                          f"{r['fps']:.0f} | {ratio} | {of_free} | {r['updates']} | {busy} |")
     replay = [r for r in rows if r["kind"] == "replay"]
     if replay:
-        lines += ["", f"## Replay ({replay[0]['script']}: asynchronous vs --serial, the same replay ratio)", "",
+        flags = f" {replay[0]['flags']}" if replay[0].get("flags") else ""
+        lines += ["", f"## Replay ({replay[0]['script']}{flags}: asynchronous vs --serial, the same replay ratio)", "",
                   f"| mode | SPS | steps to a 20-episode mean of {replay[0]['threshold']:g} | seconds to it | best mean | "
                   "replay ratio achieved (set) | policy lag | rounds |", "|---|---|---|---|---|---|---|---|"]
         for r in replay:
@@ -564,11 +571,15 @@ def main(args: Args) -> int:
             threads = param or min(os.cpu_count() or 1, args.num_envs)
             row.update(num_threads=threads, sps=measure_ceiling(args.env_id, args.num_envs, threads, seconds))
         elif kind == "replay":
-            measured = measure_replay(args.replay_script, args.env_id, param, args.replay_budget, args.replay_threshold, out_dir)
+            flags = [*(["--env-module", args.env_module] if args.env_module else []),
+                     *(["--env-kwargs", args.env_kwargs] if args.env_kwargs else []), *shlex.split(args.replay_flags)]
+            measured = measure_replay(args.replay_script, args.env_id, param, args.replay_budget, args.replay_threshold,
+                                      out_dir, flags)
             if measured is None:
                 print(f"    {args.replay_script} made fewer than 2 updates in --replay-budget {args.replay_budget}", flush=True)
                 continue
-            row.update(script=args.replay_script, serial=param, num_envs=None, threshold=args.replay_threshold, **measured)
+            row.update(script=args.replay_script, serial=param, num_envs=None, threshold=args.replay_threshold,
+                       flags=args.replay_flags, **measured)
         elif kind == "sampler":
             num_splits, lstm, xla = param
             sps, busy, layout = measure_sampler(args.env_id, args.num_envs, num_splits, args.num_steps, seconds, args.pin, lstm, xla,
