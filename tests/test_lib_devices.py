@@ -47,9 +47,9 @@ def test_one_device_is_the_actor_and_a_mesh_of_one_learner():
     actors, mesh = devices.make_mesh(Sync())
     assert actors == [jax.local_devices()[0]] and mesh.devices.shape == (1,) and mesh.axis_names == ("env",)
     rollout = {"obs": np.zeros((4, 8, 3)), "bootstrap_obs": np.zeros((8, 3)), "state": (np.zeros((8, 2)),)}
-    placed = devices.to_learner(mesh, rollout)
-    assert placed["obs"].sharding.spec == jax.sharding.PartitionSpec(None, "env")
-    assert placed["bootstrap_obs"].sharding.spec == jax.sharding.PartitionSpec("env")
+    # One learner device in one process: the host arrays go into the jitted update's call as they
+    # are (no device_put of their own: 5x cheaper for a replay round's small batches).
+    assert devices.to_learner(mesh, rollout) is rollout
     assert devices.to_actor(None, rollout) is rollout
 
 

@@ -235,10 +235,10 @@ def test_sample_action_distribution():
     """Samples follow the distribution that log_prob_entropy scores (fixed key: deterministic)."""
     key_c, key_g = jax.random.split(jax.random.PRNGKey(0))
     logits = jnp.log(jnp.array([[0.1, 0.6, 0.3]]))
-    samples = np.asarray(ppo.sample_action(jnp.repeat(logits, 20_000, axis=0), key_c, False))
+    samples = np.asarray(ppo.sample_action(jnp.repeat(logits, 20_000, axis=0), jax.random.split(key_c, 20_000), False))
     np.testing.assert_allclose(np.bincount(samples, minlength=3) / samples.size, [0.1, 0.6, 0.3], atol=0.02)
     pi = jnp.repeat(jnp.array([[1.0, -2.0, math.log(0.5), math.log(2.0)]]), 20_000, axis=0)
-    samples = np.asarray(ppo.sample_action(pi, key_g, True))
+    samples = np.asarray(ppo.sample_action(pi, jax.random.split(key_g, 20_000), True))
     assert samples.shape == (20_000, 2)
     np.testing.assert_allclose(samples.mean(axis=0), [1.0, -2.0], atol=0.05)
     np.testing.assert_allclose(samples.std(axis=0), [0.5, 2.0], rtol=0.05)

@@ -228,7 +228,7 @@ def test_actor_loop_trajectory_integrity(script, num_splits):
         assert envs.count.max() > envs.count.min()
     # Each rollout carries the games that ended in it: each an env's episode length; the env
     # steps sampled (the run's counter) are every action sent.
-    lengths = [length for rollout in rollouts for _, _, length in rollout["games"]]
+    lengths = [length for rollout in rollouts for _, _, length in rollout["host"]["games"]]
     assert lengths and set(lengths) <= set(EPISODE_LENGTHS[: envs.num_envs])
     assert int(shared.sampled.sum()) == sum(len(actions) for actions in envs.received)
 

@@ -446,7 +446,7 @@ def test_a_copied_and_edited_script_runs_anywhere_and_is_scored(tmp_path):
     script, exit 2."""
     copy = tmp_path / "my_appo.py"
     text = (REPO_ROOT / "appo_envpool.py").read_text()
-    edited = text.replace("    queue_size: Annotated[int, POSITIVE] = 2\n", "    queue_size: Annotated[int, POSITIVE] = 1\n")
+    edited = text.replace("    queue_size: Annotated[int, POSITIVE, at_most(1024)] = 2\n", "    queue_size: Annotated[int, POSITIVE, at_most(1024)] = 1\n")
     assert edited != text
     copy.write_text(edited)
     run = tmp_path / "run"

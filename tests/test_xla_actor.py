@@ -31,7 +31,7 @@ def collect(module, env_id, num_envs, num_splits, num_rollouts, version=7, num_s
                       jax.random.PRNGKey(1), args, num_rollouts)
     envs.close()
     rollouts = [rollouts.get_nowait() for _ in range(num_rollouts)]
-    return rollouts, [game for rollout in rollouts for game in rollout.pop("games")], shared, network, continuous
+    return rollouts, [game for rollout in rollouts for game in rollout["host"].pop("games")], shared, network, continuous
 
 
 def replay(env_id, num_envs, rollouts, module=None):
