@@ -211,12 +211,12 @@ def test_a_run_that_saved_no_checkpoint_starts_afresh(tmp_path):
 def test_one_launcher_per_sweep(tmp_path):
     """A second launcher of a running sweep exits 2 with one line naming the first (both wrote
     sweep.json.tmp, one crashed, and one SIGKILLed its training child); the first goes on."""
-    first = launch(tmp_path, "--name", "twice", budget=40_000, wait=False)
+    first = launch(tmp_path, "--name", "twice", budget=5_000_000, wait=False)  # still running when the second starts
     folder = tmp_path / "twice" / "default__seed1"
     try:
         wait_until(lambda: (folder / "metrics.jsonl").exists() and '"losses/' in (folder / "metrics.jsonl").read_text(),
                    first, 240)
-        second = launch(tmp_path, "--name", "twice", budget=40_000)
+        second = launch(tmp_path, "--name", "twice", budget=5_000_000)
         assert second.returncode == 2, second.stdout + second.stderr
         assert second.stderr.splitlines() == [f"error: {tmp_path / 'twice'} is in use by another launcher (pid "
                                               f"{first.pid} on {os.uname().nodename}); wait for it to end, or pick "
