@@ -205,7 +205,7 @@ def test_a_hung_env_is_named_and_close_kills_it_and_what_it_started(tmp_path):
 
 
 PARENT = """
-import functools, sys, time
+import functools, os, sys, time
 sys.path.insert(0, {tests!r})
 from user_envs import Stuck
 from jax_async_rl.gym_pool import GymPool
@@ -213,6 +213,8 @@ pool = GymPool(functools.partial(Stuck, {pid_dir!r}, 2), num_envs=2, batch_size=
 pool.async_reset(); pool.recv(); pool.recv()
 pool.send([0], [0]); pool.recv(); pool.send([0], [0])
 open({ready!r}, "w").close()
+while not os.path.exists({go!r}):  # the test counts the live processes first
+    time.sleep(0.05)
 {end}
 """
 
@@ -223,9 +225,9 @@ def test_no_process_outlives_the_process_that_made_the_pool(end, tmp_path):
     """A process makes a pool whose env 0 hangs in a step and whose envs each started a process,
     then is SIGKILLed (nothing of it runs again) or ends by an exception without closing the
     pool: every worker, every process the envs started and the guard are gone within 10 s."""
-    pid_dir, ready = tmp_path / "pids", tmp_path / "ready"
+    pid_dir, ready, go = tmp_path / "pids", tmp_path / "ready", tmp_path / "go"
     pid_dir.mkdir()
-    code = PARENT.format(tests=str(Path(__file__).parent), pid_dir=str(pid_dir), ready=str(ready),
+    code = PARENT.format(tests=str(Path(__file__).parent), pid_dir=str(pid_dir), ready=str(ready), go=str(go),
                          end="time.sleep(1000)" if end == "SIGKILL" else "raise RuntimeError('the run crashed')")
     parent = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
     try:
@@ -235,6 +237,7 @@ def test_no_process_outlives_the_process_that_made_the_pool(end, tmp_path):
         assert ready.exists(), parent.stderr.read() if parent.poll() is not None else "not ready"
         pids = [pid for pid in pids_in(pid_dir) if pid != parent.pid]
         assert len(live(pids)) == 4, pids
+        go.touch()
         if end == "SIGKILL":
             parent.kill()
         parent.wait(30)
