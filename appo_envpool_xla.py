@@ -129,20 +129,20 @@ class Args(flags.RunArgs):
 NO_NORM = dict(norm_obs=False, norm_reward=False)
 PRESETS = {
     # CleanRL's ppo_atari_envpool.py (Huang et al. 2022).
-    "atari": dict(num_steps=128, learning_rate=2.5e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=4,
-                  update_epochs=4, clip_coef=0.1, ent_coef=0.01, **NO_NORM),
+    "atari": dict(num_steps=128, learning_rate=2.5e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=4, update_epochs=4,
+                  clip_coef=0.1, ent_coef=0.01, **NO_NORM),
     # CleanRL's ppo_continuous_action.py (2048 steps a rollout, minibatches of 64 at 8 envs), with
     # its observation and reward normalisation.
-    "mujoco": dict(num_steps=256, learning_rate=3e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=32,
-                   update_epochs=10, clip_coef=0.2, ent_coef=0.0, norm_obs=True, norm_reward=True),
+    "mujoco": dict(num_steps=256, learning_rate=3e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=32, update_epochs=10,
+                   clip_coef=0.2, ent_coef=0.0, norm_obs=True, norm_reward=True),
     # Any other vector task: CleanRL's ppo.py defaults, a general starting point, not a tuned one.
     "classic": dict(num_steps=128, learning_rate=2.5e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=4,
                     update_epochs=4, clip_coef=0.2, ent_coef=0.01, **NO_NORM),
     # rl-baselines3-zoo's tuned PPO (hyperparams/ppo.yml): CartPole solves within 100k steps.
-    "CartPole": dict(num_steps=32, learning_rate=1e-3, gamma=0.98, gae_lambda=0.8, num_minibatches=1,
-                     update_epochs=20, clip_coef=0.2, anneal_clip=True, ent_coef=0.0, **NO_NORM),
-    "Acrobot": dict(num_steps=256, learning_rate=3e-4, gamma=0.99, gae_lambda=0.94, num_minibatches=32,
-                    update_epochs=4, clip_coef=0.2, ent_coef=0.0, norm_obs=True, norm_reward=True),
+    "CartPole": dict(num_steps=32, learning_rate=1e-3, gamma=0.98, gae_lambda=0.8, num_minibatches=1, update_epochs=20,
+                     clip_coef=0.2, anneal_clip=True, ent_coef=0.0, **NO_NORM),
+    "Acrobot": dict(num_steps=256, learning_rate=3e-4, gamma=0.99, gae_lambda=0.94, num_minibatches=32, update_epochs=4,
+                    clip_coef=0.2, ent_coef=0.0, norm_obs=True, norm_reward=True),
     "MountainCar": dict(num_steps=16, learning_rate=3e-4, gamma=0.99, gae_lambda=0.98, num_minibatches=2,
                         update_epochs=4, clip_coef=0.2, ent_coef=0.0, norm_obs=True, norm_reward=True),
     "Pendulum": dict(num_steps=1024, learning_rate=1e-3, gamma=0.9, gae_lambda=0.95, num_minibatches=128,
@@ -156,15 +156,15 @@ PRESETS = {
     "dm_control": dict(num_steps=256, learning_rate=3e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=32,
                        update_epochs=10, clip_coef=0.2, ent_coef=0.0, norm_obs=True, norm_reward=True),
     # MiniGrid and BabyAI: rl-starter-files' PPO (torch-ac): 128 steps an env, minibatches of 256, lr 1e-3.
-    "minigrid": dict(num_steps=128, learning_rate=1e-3, gamma=0.99, gae_lambda=0.95, num_minibatches=4,
-                     update_epochs=4, clip_coef=0.2, ent_coef=0.01, **NO_NORM),
+    "minigrid": dict(num_steps=128, learning_rate=1e-3, gamma=0.99, gae_lambda=0.95, num_minibatches=4, update_epochs=4,
+                     clip_coef=0.2, ent_coef=0.01, **NO_NORM),
     # MiniGrid's memory task: Pleines et al. 2022's recurrent PPO on MiniGrid-Memory (their
     # configs/minigrid.yaml: 256 steps an env, 8 minibatches, 4 epochs, lr 2e-4, entropy 0.001).
     "MiniGrid-MemoryS7": dict(num_steps=256, learning_rate=2e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=8,
                               update_epochs=4, clip_coef=0.2, ent_coef=0.001, **NO_NORM),
     # highway-env's scripts/sb3_highway_ppo.py: gamma 0.8, 10 epochs of minibatches of 64, lr 5e-4.
-    "highway": dict(num_steps=128, learning_rate=5e-4, gamma=0.8, gae_lambda=0.95, num_minibatches=16,
-                    update_epochs=10, clip_coef=0.2, ent_coef=0.0, **NO_NORM),
+    "highway": dict(num_steps=128, learning_rate=5e-4, gamma=0.8, gae_lambda=0.95, num_minibatches=16, update_epochs=10,
+                    clip_coef=0.2, ent_coef=0.0, **NO_NORM),
     # Google Research Football's PPO reproduction (Kurach et al. 2020, 11_vs_11_easy_stochastic).
     "gfootball": dict(num_steps=512, learning_rate=3.43e-4, gamma=0.993, gae_lambda=0.95, num_minibatches=8,
                       update_epochs=2, clip_coef=0.08, ent_coef=0.003, **NO_NORM),
@@ -186,10 +186,13 @@ def resolve_args(args: Args) -> Args:
         raise UsageError(f"--num-splits {args.num_splits} must divide --num-envs {args.num_envs} "
                          "(left out, --num-splits is 2 with image observations, else 1)")
     if devices.global_envs(args) * args.num_steps % args.num_minibatches:
-        raise UsageError(f"--num-minibatches {args.num_minibatches} must divide the global batch {devices.describe_batch(args)}")
+        raise UsageError(
+            f"--num-minibatches {args.num_minibatches} must divide the global batch {devices.describe_batch(args)}")
     if args.lstm and devices.global_envs(args) % args.num_minibatches:
-        raise UsageError(f"--num-minibatches {args.num_minibatches} must divide the {devices.global_envs(args)} envs of an "
-                         "update (--num-envs, summed over actors and processes) with --lstm (a minibatch holds whole env sequences); pass a divisor")
+        raise UsageError(
+            f"--num-minibatches {args.num_minibatches} must divide the {devices.global_envs(args)} envs of an "
+            "update (--num-envs, summed over actors and processes) with --lstm (a minibatch holds whole env sequences); pass a divisor"
+        )
     return args
 
 
@@ -217,7 +220,8 @@ def zero_core(lstm_size: int, num_envs: int):
     [N, lstm_size], first [N] all True); None without an LSTM."""
     if not lstm_size:
         return None
-    return (np.zeros((num_envs, lstm_size), np.float32), np.zeros((num_envs, lstm_size), np.float32)), np.ones(num_envs, bool)
+    return (np.zeros((num_envs, lstm_size), np.float32), np.zeros((num_envs, lstm_size), np.float32)), np.ones(
+        num_envs, bool)
 
 
 class ActorCritic(nn.Module):
@@ -248,8 +252,9 @@ class ActorCritic(nn.Module):
             shape = first.shape  # [T, B], or [B] for one step
             first = first.reshape(-1, shape[-1])
             # Rows env-major [B x T, ...]: with the envs split over learner devices, each keeps its own.
-            obs = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(*first.shape, *x.shape[len(shape):]), 0, 1).reshape(
-                -1, *x.shape[len(shape):]), obs)
+            obs = jax.tree.map(
+                lambda x: jnp.swapaxes(x.reshape(*first.shape, *x.shape[len(shape):]), 0, 1).reshape(
+                    -1, *x.shape[len(shape):]), obs)
 
         def conv(x, size, kernel, stride=1):
             return nn.relu(nn.Conv(size, (kernel, kernel), (stride, stride), "VALID", kernel_init=orth(np.sqrt(2)))(x))
@@ -314,7 +319,7 @@ def log_prob_entropy(pi, actions, continuous: bool, legal=None):
     if continuous:
         mean, log_std = jnp.split(pi, 2, axis=-1)
         z = (actions - mean) / jnp.exp(log_std)
-        logprob = jnp.sum(-0.5 * z**2 - log_std - 0.5 * jnp.log(2 * jnp.pi), axis=-1)
+        logprob = jnp.sum(-0.5 * z ** 2 - log_std - 0.5 * jnp.log(2 * jnp.pi), axis=-1)
         entropy = jnp.sum(log_std + 0.5 * (1.0 + jnp.log(2 * jnp.pi)), axis=-1)
         return logprob, entropy
     log_p = jax.nn.log_softmax(masked_logits(pi, legal))
@@ -366,8 +371,15 @@ def compute_gae(rewards, values, bootstrap_value, discounts, gae_lambda):
 
 
 def vtrace(
-    log_rhos, discounts, rewards, values, bootstrap_value,
-    clip_rho_threshold=1.0, clip_c_threshold=1.0, clip_pg_rho_threshold=1.0, lambda_=1.0,
+    log_rhos,
+    discounts,
+    rewards,
+    values,
+    bootstrap_value,
+    clip_rho_threshold=1.0,
+    clip_c_threshold=1.0,
+    clip_pg_rho_threshold=1.0,
+    lambda_=1.0,
 ):
     """V-trace targets and policy-gradient advantages (Espeholt et al. 2018, eq. 1 and §4.2),
     with rlax's `lambda_` (vtrace_td_error_and_advantage): traces c = lambda min(c bar, rho), and
@@ -434,7 +446,8 @@ def masked_mean(x, mask):
     return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def ppo_loss(logprobs, old_logprobs, advantages, values, returns, entropy, mask, clip_coef, vf_coef, ent_coef, norm_adv):
+def ppo_loss(logprobs, old_logprobs, advantages, values, returns, entropy, mask, clip_coef, vf_coef, ent_coef,
+             norm_adv):
     """PPO-clip surrogate (Schulman et al. 2017, eq. 7) + value regression - entropy bonus, on
     advantages normalised over the minibatch when `norm_adv` (CleanRL's detail 7).
 
@@ -446,7 +459,8 @@ def ppo_loss(logprobs, old_logprobs, advantages, values, returns, entropy, mask,
         advantages = (advantages - mean) / (jnp.sqrt(masked_mean((advantages - mean) ** 2, mask)) + 1e-8)
     log_ratio = logprobs - old_logprobs
     ratio = jnp.exp(log_ratio)
-    pg_loss = masked_mean(jnp.maximum(-advantages * ratio, -advantages * jnp.clip(ratio, 1 - clip_coef, 1 + clip_coef)), mask)
+    pg_loss = masked_mean(jnp.maximum(-advantages * ratio, -advantages * jnp.clip(ratio, 1 - clip_coef, 1 + clip_coef)),
+                          mask)
     value_loss = 0.5 * masked_mean((values - returns) ** 2, mask)
     entropy_loss = masked_mean(entropy, mask)
     loss = pg_loss + vf_coef * value_loss - ent_coef * entropy_loss
@@ -456,8 +470,9 @@ def ppo_loss(logprobs, old_logprobs, advantages, values, returns, entropy, mask,
         "entropy": entropy_loss,
         "approx_kl": masked_mean((ratio - 1) - log_ratio, mask),
         "clipfrac": masked_mean((jnp.abs(ratio - 1) > clip_coef).astype(jnp.float32), mask),
-        "explained_variance": jnp.where(jnp.sum(mask) > 0, 1 - masked_mean((returns - values) ** 2, mask) / jnp.maximum(
-            masked_mean((returns - masked_mean(returns, mask)) ** 2, mask), 1e-8), 0.0),
+        "explained_variance": jnp.where(
+            jnp.sum(mask) > 0, 1 - masked_mean((returns - values) ** 2, mask) /
+            jnp.maximum(masked_mean((returns - masked_mean(returns, mask)) ** 2, mask), 1e-8), 0.0),
     }
     return loss, diagnostics
 
@@ -534,12 +549,24 @@ class XlaRollouts:
 
     def init(self, key, R: int, first: int) -> dict:
         """The first carry, for rollout `first` of the run (its envs' steps counted from first x T)."""
-        B, ring = self.B, {"bootstrapped": np.zeros((self.B,), bool), **new_rollout(self.T, self.B, self.first, self.actions, self.memory)}
-        return {"handle": self.handle, "key": key, "offset": np.int32(first * self.T), "steps": np.zeros(B, np.int32),
-                "prev_dones": np.zeros(B, bool),
-                "returns": np.zeros(B, np.float32), "ring": jax.tree.map(lambda x: np.stack([x] * R), ring),
-                "count": np.int32(0), "oldest": np.int32(0), "norm": None, "norm_returns": np.zeros(B, np.float32),
-                "memory": self.memory}
+        B, ring = self.B, {
+            "bootstrapped": np.zeros((self.B,), bool),
+            **new_rollout(self.T, self.B, self.first, self.actions, self.memory)
+        }
+        return {
+            "handle": self.handle,
+            "key": key,
+            "offset": np.int32(first * self.T),
+            "steps": np.zeros(B, np.int32),
+            "prev_dones": np.zeros(B, bool),
+            "returns": np.zeros(B, np.float32),
+            "ring": jax.tree.map(lambda x: np.stack([x] * R), ring),
+            "count": np.int32(0),
+            "oldest": np.int32(0),
+            "norm": None,
+            "norm_returns": np.zeros(B, np.float32),
+            "memory": self.memory
+        }
 
     def step(self, R: int, params, version, c: dict) -> dict:
         """One recv, policy, write and send of the loop (what appo_envpool.py's actor_loop does per recv)."""
@@ -561,20 +588,27 @@ class XlaRollouts:
         for name, x in (("rewards", reward), ("truncated", truncated), ("dones", done)):
             ring[name] = ring[name].at[slot, row, ids].set(x.astype(ring[name].dtype), mode="drop")
         slot = jnp.where(ended & (n % T == 0), slot, R)  # ... and is the bootstrap_obs of its rollout
-        ring["bootstrap_obs"] = jax.tree.map(lambda b, x: b.at[slot, ids].set(x, mode="drop"), ring["bootstrap_obs"], obs)
+        ring["bootstrap_obs"] = jax.tree.map(lambda b, x: b.at[slot, ids].set(x, mode="drop"), ring["bootstrap_obs"],
+                                             obs)
         ring["bootstrapped"] = ring["bootstrapped"].at[slot, ids].set(True, mode="drop")
         action, logprob, _, state = self.policy_step(params, obs, core, c["key"], ids, c["offset"] + n)
         action = f32(action)  # as the env gets it (the policy samples float64 under x64)
         slot, row = n // T % R, n % T  # env step n
         ring["obs"] = jax.tree.map(lambda b, x: b.at[slot, row, ids].set(x), ring["obs"], obs)
-        stamps = {"valid": 1.0 - c["prev_dones"][ids], "policy_version": version, "actions": action, "logprobs": logprob}
+        stamps = {
+            "valid": 1.0 - c["prev_dones"][ids],
+            "policy_version": version,
+            "actions": action,
+            "logprobs": logprob
+        }
         for name, x in dict(stamps, **({} if core is None else {"first": core[1]})).items():
             ring[name] = ring[name].at[slot, row, ids].set(jnp.asarray(x, ring[name].dtype))
         if core is not None:  # a rollout records the states before its row 0 (as appo_envpool.py's actor)
             start = jnp.where(row == 0, slot, R)
             ring["state"] = jax.tree.map(lambda b, x: b.at[start, ids].set(x, mode="drop"), ring["state"], core[0])
             c["memory"] = jax.tree.map(lambda m, x: m.at[ids].set(x), c["memory"], state)
-        action = action.astype(jnp.int32) if hasattr(space, "n") else tasks.env_action(action, space).astype(space.dtype)
+        action = action.astype(jnp.int32) if hasattr(space, "n") else tasks.env_action(action, space).astype(
+            space.dtype)
         c["handle"], c["steps"] = self.send(c["handle"], action, ids), c["steps"].at[ids].add(1)
         return dict(c, ring=ring)
 
@@ -590,8 +624,10 @@ class XlaRollouts:
         @functools.partial(jax.jit, donate_argnums=0)
         def call(carry, params, version):
             games = {k: jnp.zeros(R * T * B, dtype) for k, dtype in [("env", int), ("return", float), ("length", int)]}
-            carry = jax.lax.while_loop(running, functools.partial(self.step, R, params, version), dict(carry, count=0, games=games))
-            slot, ring, games = carry["oldest"] % R, dict(carry["ring"]), carry.pop("games")  # a call ends < R T B games
+            carry = jax.lax.while_loop(running, functools.partial(self.step, R, params, version),
+                                       dict(carry, count=0, games=games))
+            # A call ends < R T B games
+            slot, ring, games = carry["oldest"] % R, dict(carry["ring"]), carry.pop("games")
             rollout = {k: jax.tree.map(lambda x: x[slot], v) for k, v in ring.items() if k != "bootstrapped"}
             complete = ring["bootstrapped"][slot].all()  # then the slot starts the next rollout R on
             ring["bootstrapped"] = ring["bootstrapped"].at[slot].set(ring["bootstrapped"][slot] & ~complete)
@@ -613,7 +649,8 @@ def xla_games(c, ids, reward, terminated, truncated, info):
     at = jnp.where(over, c["count"] + jnp.cumsum(over) - 1, len(c["games"]["env"]))  # past the end: dropped
     values = {"env": ids, "return": returns[ids], "length": info["elapsed_step"]}
     games = {name: c["games"][name].at[at].set(x, mode="drop") for name, x in values.items()}
-    return dict(c, games=games, count=c["count"] + over.sum(dtype=jnp.int32), returns=returns.at[ids].multiply(1.0 - over))
+    return dict(c, games=games, count=c["count"] + over.sum(dtype=jnp.int32),
+                returns=returns.at[ids].multiply(1.0 - over))
 
 
 def xla_normalize(c, obs, reward, done, ids, args):
@@ -717,6 +754,7 @@ def rollout_forward(network, params, rollout, continuous: bool):
         legal = legal_actions(network, rollout["obs"], pi[:-1])  # the masks stored with the rollout
         logprobs, entropy = log_prob_entropy(pi[:-1], rollout["actions"], continuous, legal)
         return logprobs, entropy, values[:-1], values[-1]
+
     def rows(x):  # [T, B, ...] -> [B x T, ...], env-major: rows stay on the learner device that holds their env
         return jnp.swapaxes(x, 0, 1).reshape(B * T, *x.shape[2:])
 
@@ -734,7 +772,8 @@ def minibatches(key, data, num_minibatches: int):
     T, B = data["valid"].shape
     if "state" not in data:
         order = jax.random.permutation(key, T * B)
-        return jax.tree.map(lambda x: x.reshape(T * B, *x.shape[2:])[order].reshape(num_minibatches, -1, *x.shape[2:]), data)
+        return jax.tree.map(lambda x: x.reshape(T * B, *x.shape[2:])[order].reshape(num_minibatches, -1, *x.shape[2:]),
+                            data)
     order = jax.random.permutation(key, B)
 
     def split(x):  # [B, ...] -> [M, B / M, ...] in the shuffled env order
@@ -755,8 +794,15 @@ def targets(network, state, rollout, args: Args, continuous: bool, clip_coef):
     log_ratio = logprobs - rollout["logprobs"]  # pi / mu before this update moves pi
     if args.vtrace:  # the advantage without IMPALA's rho: PPO's ratio is already each sample's weight
         returns, advantages = vtrace(
-            log_ratio, discounts, rewards, values, bootstrap_value, args.vtrace_rho_bar, args.vtrace_c_bar,
-            clip_pg_rho_threshold=None, lambda_=args.gae_lambda,
+            log_ratio,
+            discounts,
+            rewards,
+            values,
+            bootstrap_value,
+            args.vtrace_rho_bar,
+            args.vtrace_c_bar,
+            clip_pg_rho_threshold=None,
+            lambda_=args.gae_lambda,
         )
     else:
         advantages = compute_gae(rewards, values, bootstrap_value, discounts, args.gae_lambda)
@@ -816,20 +862,21 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
         def epoch(carry, key):
             epoch_data = minibatches(key, data, args.num_minibatches)
             if mesh is not None:  # each learner device takes its share of every minibatch: data parallel
-                epoch_data = jax.tree_util.tree_map_with_path(lambda path, x: jax.lax.with_sharding_constraint(
-                    x, devices.split_envs(mesh, 1 + (devices.env_axis(path) if "state" in data else 0))), epoch_data)
-            return jax.lax.scan(functools.partial(minibatch_step, learning_rate, clip_coef), carry, epoch_data, unroll=unroll)
+                epoch_data = jax.tree_util.tree_map_with_path(
+                    lambda path, x: jax.lax.with_sharding_constraint(
+                        x, devices.split_envs(mesh, 1 + (devices.env_axis(path)
+                                                         if "state" in data else 0))), epoch_data)
+            return jax.lax.scan(functools.partial(minibatch_step, learning_rate, clip_coef), carry, epoch_data,
+                                unroll=unroll)
 
-        (params, opt_state), losses = jax.lax.scan(
-            epoch, (params, opt_state), jax.random.split(key, args.update_epochs), unroll=unroll
-        )
+        epoch_keys = jax.random.split(key, args.update_epochs)
+        (params, opt_state), losses = jax.lax.scan(epoch, (params, opt_state), epoch_keys, unroll=unroll)
         diagnostics.update(jax.tree.map(jnp.mean, losses), learning_rate=learning_rate)
         if args.anneal_clip:
             diagnostics["clip_coef"] = clip_coef
         leaves = jax.tree.leaves(params)
         diagnostics["finite"] = jnp.isfinite(diagnostics["loss"]) & jnp.all(
-            jnp.array([jnp.all(jnp.isfinite(x)) for x in leaves])
-        )
+            jnp.array([jnp.all(jnp.isfinite(x)) for x in leaves]))
         new_state = dict(state, params=params, opt_state=opt_state, policy_version=state["policy_version"] + 1)
         return new_state, diagnostics
 
@@ -859,8 +906,10 @@ def learner_loop(run, update, shared, queues, key):
         state, diagnostics = update(state, batch, subkey, run.args.total_timesteps)
         diagnostics = jax.device_get(diagnostics)
         timing["update"] += time.perf_counter() - start
-        pipeline = {"timing/queue_size": sum(q.qsize() for q in queues),
-                    "timing/learner_busy_fraction": timing["update"] / run.elapsed()}
+        pipeline = {
+            "timing/queue_size": sum(q.qsize() for q in queues),
+            "timing/learner_busy_fraction": timing["update"] / run.elapsed()
+        }
         state = run.learned(state, diagnostics, timing, pipeline)
         shared.publish(state["params"], int(state["policy_version"]))
     else:
@@ -883,8 +932,8 @@ def build(args: Args, key):
                           args.action_mask and tasks.mask_shape(obs_space) is not None)
     params = network.init(key, tasks.zeros_like_space(obs_space, 1), zero_core(network.lstm_size, 1))
     optimizer = make_optimizer(args)
-    normalizer = Normalizer(tasks.zeros_like_space(obs_space), devices.local_envs(args), args.norm_obs, args.norm_reward,
-                            args.gamma)
+    normalizer = Normalizer(tasks.zeros_like_space(obs_space), devices.local_envs(args), args.norm_obs,
+                            args.norm_reward, args.gamma)
     state = {"params": params, "opt_state": optimizer.init(params), "global_step": 0, "policy_version": 0}
     return network, optimizer, continuous, normalizer, state
 
@@ -909,19 +958,24 @@ def main(args: Args, given=None) -> int:
         network, optimizer, continuous, normalizer, state = build(args, run.init_key)
         state = run.open(state, normalizer)
         actors = run.actors()  # (device, env seed, action key) of each actor thread
-        envs = [tasks.make_env(args.env_id, args.num_envs, seed, run.env_threads, train=True,
-                               batch_size=args.num_envs // args.num_splits) for _, seed, _ in actors]
+        envs = [
+            tasks.make_env(args.env_id, args.num_envs, seed, run.env_threads, train=True,
+                           batch_size=args.num_envs // args.num_splits) for _, seed, _ in actors
+        ]
         policy_step = make_policy_step(network, continuous, values=False)  # the actor needs no values
         update = make_update(network, optimizer, args, continuous, run.mesh)
         shared = threads.Shared(state["params"], state["policy_version"], normalizer, run.sampled, run.stop,
                                 learning=True, keep=(args.actor_lag or 0) + 2)
-        run.begin(f"preset {tasks.preset_name(args.env_id, PRESETS)}, {args.num_splits} split{'s' * (args.num_splits > 1)}, XLA actor")
+        run.begin(
+            f"preset {tasks.preset_name(args.env_id, PRESETS)}, {args.num_splits} split{'s' * (args.num_splits > 1)}, XLA actor"
+        )
         queues = [queue.Queue(maxsize=args.queue_size) for _ in actors]
         for i, (device, _, key) in enumerate(actors):
-            run.threads.start(f"actor {i}" if i else "actor", actor_loop, envs[i], policy_step, shared, queues[i], key, args,
-                              run.num_updates - run.start_update, device, i, run.start_update, owns=envs[i])
+            run.threads.start(f"actor {i}" if i else "actor", actor_loop, envs[i], policy_step, shared, queues[i], key,
+                              args, run.num_updates - run.start_update, device, i, run.start_update, owns=envs[i])
         run.wait(run.threads.start("learner", learner_loop, run, update, shared, queues, run.update_key))
-        return run.finish(make_policy_step(network, continuous, values=False), functools.partial(zero_core, network.lstm_size))
+        return run.finish(make_policy_step(network, continuous, values=False),
+                          functools.partial(zero_core, network.lstm_size))
 
 
 if __name__ == "__main__":

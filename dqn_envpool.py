@@ -164,7 +164,8 @@ class Args(flags.RunArgs):
 
 PLAIN = dict(double_dqn=False, dueling=False, n_step=1, prioritized_replay=False, c51=False)
 # Rainbow's prioritised replay (α 0.5, β 0.4 -> 1), gradients clipped at 10 (rlpyt, Stable-Baselines3), the ε schedule.
-RAINBOW_REPLAY = dict(priority_alpha=0.5, priority_beta=0.4, priority_beta_end=1.0, max_grad_norm=10.0, apex_epsilon=False)
+RAINBOW_REPLAY = dict(priority_alpha=0.5, priority_beta=0.4, priority_beta_end=1.0, max_grad_norm=10.0,
+                      apex_epsilon=False)
 PRESETS = {
     # Rainbow minus noisy nets (rlpyt's "ernbw"): Hessel et al. 2018, Table 1 (Adam 6.25e-5 with
     # eps 1.5e-4, 3-step, α 0.5, β 0.4 -> 1, 51 atoms in [-10, 10], target every 32k frames, 80k
@@ -183,9 +184,9 @@ PRESETS = {
     # -> 5e-4 and a buffer of the whole run (500k; with its 100k the policy forgot its failures and
     # fell back), 3-step returns and Double DQN (as published, squared error: Q diverged to 1,834).
     "CartPole": dict(num_steps=32, buffer_size=500_000, learning_starts=1000, replay_ratio=32.0, batch_size=64,
-                     learning_rate=5e-4, adam_eps=1e-8, gamma=0.99, target_network_frequency=10, start_e=1.0,
-                     end_e=0.04, exploration_fraction=0.16, huber_delta=0.0, **dict(PLAIN, n_step=3, double_dqn=True),
-                     **RAINBOW_REPLAY),
+                     learning_rate=5e-4, adam_eps=1e-8, gamma=0.99, target_network_frequency=10,
+                     start_e=1.0, end_e=0.04, exploration_fraction=0.16, huber_delta=0.0,
+                     **dict(PLAIN, n_step=3, double_dqn=True), **RAINBOW_REPLAY),
     # --lstm on Atari, R2D2 as rlpyt's atari_r2d1.py runs it (Kapturowski et al. 2019, Table 2): γ 0.997,
     # sequences of 80 after a burn-in of 40, one every 40 steps, 5-step double-Q targets, squared error,
     # priorities α 0.9 (η 0.9), β 0.6, Adam 1e-4 with eps 1e-3, gradients clipped at 80, batches of 32
@@ -200,11 +201,10 @@ PRESETS = {
                        burn_in=40, seq_period=40),
     # --lstm on any other task: a small R2D2, measured on two memory tasks (docs/algorithms/dqn.md).
     "lstm": dict(num_steps=20, buffer_size=100_000, learning_starts=2000, replay_ratio=48.0, batch_size=32,
-                 learning_rate=1e-3, adam_eps=1e-3, gamma=0.99, target_network_frequency=2000, start_e=1.0,
-                 end_e=0.05, exploration_fraction=0.2, double_dqn=True, dueling=True, n_step=3,
-                 prioritized_replay=True, c51=False, huber_delta=0.0, priority_alpha=0.9, priority_beta=0.6,
-                 priority_beta_end=0.6, max_grad_norm=80.0, apex_epsilon=False, lstm_size=64, seq_len=20,
-                 burn_in=10, seq_period=10),
+                 learning_rate=1e-3, adam_eps=1e-3, gamma=0.99, target_network_frequency=2000, start_e=1.0, end_e=0.05,
+                 exploration_fraction=0.2, double_dqn=True, dueling=True, n_step=3, prioritized_replay=True, c51=False,
+                 huber_delta=0.0, priority_alpha=0.9, priority_beta=0.6, priority_beta_end=0.6, max_grad_norm=80.0,
+                 apex_epsilon=False, lstm_size=64, seq_len=20, burn_in=10, seq_period=10),
 }
 RAINBOW = {k: v for k, v in PRESETS["atari"].items() if k in PLAIN}  # the five switches, for any task
 LSTM_ONLY = ("lstm_size", "seq_len", "burn_in", "seq_period")
@@ -223,11 +223,13 @@ def resolve_args(args: Args) -> Args:
     if args.lstm:
         fill = {k: v for k, v in PRESETS[preset_name(args)].items() if getattr(args, k) is None}
     elif given := [k for k in LSTM_ONLY if getattr(args, k) is not None]:
-        raise UsageError(f"--{given[0].replace('_', '-')} {getattr(args, given[0])} is a flag of --lstm (R2D2); add --lstm, "
-                         "or leave it out")
+        raise UsageError(
+            f"--{given[0].replace('_', '-')} {getattr(args, given[0])} is a flag of --lstm (R2D2); add --lstm, "
+            "or leave it out")
     if hasattr(tasks.policy_space(args.env_id), "nvec"):
-        raise UsageError(f"--env-id {args.env_id} has multi-discrete actions without a joint mask (a factored policy, one "
-                         "choice a dimension); DQN's Q-values are over one set of actions: use appo_envpool.py")
+        raise UsageError(
+            f"--env-id {args.env_id} has multi-discrete actions without a joint mask (a factored policy, one "
+            "choice a dimension); DQN's Q-values are over one set of actions: use appo_envpool.py")
     if not hasattr(tasks.policy_space(args.env_id), "n"):
         raise UsageError(f"--env-id {args.env_id} has continuous actions; DQN picks one of a finite set: "
                          "use sac_envpool.py (or appo_envpool.py)")
@@ -257,9 +259,10 @@ def check_sequences(args: Args):
     rows = args.buffer_size // devices.local_envs(args) // args.seq_period * args.seq_period
     need = args.burn_in + args.seq_len + args.n_step + args.seq_period + stack
     if rows < need:
-        raise UsageError(f"--buffer-size {args.buffer_size:,} keeps {rows:,} steps of each of the {devices.local_envs(args)} "
-                         f"envs; sequences of --burn-in {args.burn_in} + --seq-len {args.seq_len} + --n-step {args.n_step} "
-                         f"steps, one every --seq-period {args.seq_period}, need {need:,}: raise --buffer-size or shorten them")
+        raise UsageError(
+            f"--buffer-size {args.buffer_size:,} keeps {rows:,} steps of each of the {devices.local_envs(args)} "
+            f"envs; sequences of --burn-in {args.burn_in} + --seq-len {args.seq_len} + --n-step {args.n_step} "
+            f"steps, one every --seq-period {args.seq_period}, need {need:,}: raise --buffer-size or shorten them")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,7 +311,8 @@ def zero_core(lstm_size: int, num_envs: int):
     [N, lstm_size], first [N] all True); None without an LSTM."""
     if not lstm_size:
         return None
-    return (np.zeros((num_envs, lstm_size), np.float32), np.zeros((num_envs, lstm_size), np.float32)), np.ones(num_envs, bool)
+    return (np.zeros((num_envs, lstm_size), np.float32), np.zeros((num_envs, lstm_size), np.float32)), np.ones(
+        num_envs, bool)
 
 
 class QNetwork(nn.Module):
@@ -334,8 +338,9 @@ class QNetwork(nn.Module):
             state, first = core
             shape = first.shape  # [T, B], or [B] for one step
             first = first.reshape(-1, shape[-1])
-            obs = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(*first.shape, *x.shape[len(shape):]), 0, 1).reshape(
-                -1, *x.shape[len(shape):]), obs)
+            obs = jax.tree.map(
+                lambda x: jnp.swapaxes(x.reshape(*first.shape, *x.shape[len(shape):]), 0, 1).reshape(
+                    -1, *x.shape[len(shape):]), obs)
         x = encode(obs, self.encoders)
         for size in [512] if any(kind == "nature" for kind, _ in self.encoders) else [256, 256]:
             x = nn.relu(nn.Dense(size)(x))
@@ -466,7 +471,8 @@ def r2d2_targets(q_target, q_online, reward, terminated, truncated, gamma: float
     length = reward.shape[0] - n_step
     best = jnp.argmax(q_online if double else q_target, axis=-1)
     value = value_unrescale(jnp.take_along_axis(q_target, best[..., None], axis=-1)[..., 0])
-    ret, discount, bootstrap = jnp.zeros_like(reward[:length]), jnp.ones_like(reward[:length]), jnp.zeros_like(reward[:length])
+    ret, discount, bootstrap = jnp.zeros_like(reward[:length]), jnp.ones_like(reward[:length]), jnp.zeros_like(
+        reward[:length])
     alive = jnp.ones(ret.shape, bool)
     for k in range(1, n_step + 1):
         rows = slice(k, k + length)
@@ -509,13 +515,14 @@ def r2d2_loss(params, target_params, network, batch, args: Args, support=None):
     q = unroll(network, params, seq["obs"], first, batch["memory"], args.burn_in)
     q_target = jax.lax.stop_gradient(unroll(network, target_params, seq["obs"], first, batch["memory"]))
     start, stop = args.burn_in, args.burn_in + args.seq_len
-    targets = jax.lax.stop_gradient(r2d2_targets(
-        q_target[start:], q[start:], seq["reward"][start:], seq["terminated"][start:], seq["truncated"][start:],
-        args.gamma, args.n_step, args.double_dqn))
-    q_taken = jnp.take_along_axis(q[start:stop], seq["action"][start:stop].astype(jnp.int32)[..., None], axis=-1)[..., 0]
+    targets = jax.lax.stop_gradient(
+        r2d2_targets(q_target[start:], q[start:], seq["reward"][start:], seq["terminated"][start:],
+                     seq["truncated"][start:], args.gamma, args.n_step, args.double_dqn))
+    q_taken = jnp.take_along_axis(q[start:stop], seq["action"][start:stop].astype(jnp.int32)[..., None], axis=-1)[...,
+                                                                                                                  0]
     mask = 1.0 - ended[start:stop]
     errors = q_taken - targets
-    losses = optax.huber_loss(q_taken, targets, delta=args.huber_delta) if args.huber_delta else 0.5 * errors**2
+    losses = optax.huber_loss(q_taken, targets, delta=args.huber_delta) if args.huber_delta else 0.5 * errors ** 2
     per_sequence = jnp.sum(losses * mask, axis=0) / jnp.maximum(mask.sum(axis=0), 1)
     mean_q = jnp.sum(value_unrescale(q_taken) * mask) / jnp.maximum(mask.sum(), 1)
     return jnp.mean(batch["weights"] * per_sequence), (sequence_priorities(errors, mask, args.priority_eta), mean_q)
@@ -532,6 +539,7 @@ def dqn_loss(params, target_params, network, batch, args: Args, support):
     action = batch["action"].astype(jnp.int32)[:, None]
     legal = legal_actions(network, batch["next_obs"], len(action))  # the masks stored with the transitions
     if args.c51:
+
         def values(logits):
             return jnp.sum(jax.nn.softmax(logits) * support, axis=-1)
 
@@ -542,11 +550,11 @@ def dqn_loss(params, target_params, network, batch, args: Args, support):
         errors = -jnp.sum(target * log_p, axis=-1)
         q_taken, losses = jnp.sum(jnp.exp(log_p) * support, axis=-1), errors
     else:
-        target = jax.lax.stop_gradient(q_targets(next_target, next_online, batch["reward"], batch["discount"],
-                                                 args.double_dqn, legal))
+        target = jax.lax.stop_gradient(
+            q_targets(next_target, next_online, batch["reward"], batch["discount"], args.double_dqn, legal))
         q_taken = jnp.take_along_axis(q, action, axis=-1)[:, 0]
         errors = q_taken - target
-        losses = optax.huber_loss(q_taken, target, delta=args.huber_delta) if args.huber_delta else 0.5 * errors**2
+        losses = optax.huber_loss(q_taken, target, delta=args.huber_delta) if args.huber_delta else 0.5 * errors ** 2
     return jnp.mean(batch["weights"] * losses), (errors, q_taken)
 
 
@@ -611,7 +619,8 @@ def make_recurrent_act(greedy, args: Args, network, streams: EnvStreams):
         for m, s in zip(memory, after):
             m[env_ids] = s
         epsilon = epsilon_at(args, int(steps.max()) * devices.global_envs(args))[env_ids]
-        return epsilon_greedy(lambda *_: action, params, obs, epsilon, network.action_dim, streams.uniform(env_ids, steps)), state
+        return epsilon_greedy(lambda *_: action, params, obs, epsilon, network.action_dim,
+                              streams.uniform(env_ids, steps)), state
 
     return act
 
@@ -637,7 +646,8 @@ def evaluation_player(args: Args, built):
         if core is None:
             return epsilon_greedy(greedy, params, obs, epsilon, network.action_dim, draws, legal), None, None, None
         action, state = jax.device_get(greedy(params, obs, core))
-        return epsilon_greedy(lambda *_: action, params, obs, epsilon, network.action_dim, draws, legal), None, None, state
+        return epsilon_greedy(lambda *_: action, params, obs, epsilon, network.action_dim, draws,
+                              legal), None, None, state
 
     return policy, functools.partial(zero_core, network.lstm_size)
 
@@ -663,14 +673,17 @@ def make_update(network, optimizer, args: Args, support, mesh=None):
             params, target_params, network, batch, args, support)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return (params, opt_state, target_params), ({"loss": loss, "q_values": q.mean(),
-                                                     "grad_norm": optax.global_norm(grads)}, errors)
+        return (params, opt_state, target_params), ({
+            "loss": loss,
+            "q_values": q.mean(),
+            "grad_norm": optax.global_norm(grads)
+        }, errors)
 
     @jax.jit
     def update(state, batches, env_step):
         sync = env_step // args.target_network_frequency != (env_step - round_steps) // args.target_network_frequency
-        target = jax.tree.map(lambda p, t: jnp.where(sync, args.tau * p + (1 - args.tau) * t, t),
-                              state["params"], state["target_params"])
+        target = jax.tree.map(lambda p, t: jnp.where(sync, args.tau * p + (1 - args.tau) * t, t), state["params"],
+                              state["target_params"])
         # XLA:CPU runs convs in a loop ~10x slower than unrolled (Nature CNN): unroll up to 16 steps there.
         images = any(kind in ("nature", "grid") for kind, _ in network.encoders)
         unroll = jax.default_backend() == "cpu" and images and jax.tree.leaves(batches)[0].shape[0] <= 16
@@ -702,11 +715,17 @@ def build(args: Args, key):
     network = QNetwork(int(action_space.n), tasks.encoders(obs_space), args.dueling, args.num_atoms if args.c51 else 0,
                        args.action_mask and tasks.mask_shape(obs_space) is not None, args.lstm_size if args.lstm else 0)
     params = network.init(key, tasks.zeros_like_space(obs_space, 1), *[zero_core(network.lstm_size, 1)] * args.lstm)
-    optimizer = optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adam(args.learning_rate, eps=args.adam_eps))
+    optimizer = optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
+                            optax.adam(args.learning_rate, eps=args.adam_eps))
     support = jnp.linspace(args.v_min, args.v_max, args.num_atoms)
     normalizer = Normalizer(tasks.zeros_like_space(obs_space), devices.local_envs(args), False, False, args.gamma)
-    state = {"params": params, "target_params": params, "opt_state": optimizer.init(params), "global_step": 0,
-             "policy_version": 0}
+    state = {
+        "params": params,
+        "target_params": params,
+        "opt_state": optimizer.init(params),
+        "global_step": 0,
+        "policy_version": 0
+    }
     return network, optimizer, support, normalizer, state
 
 
@@ -717,9 +736,9 @@ def make_replay(args: Args, envs):
     stack = obs_space.shape[0] if tasks.env_kind(args.env_id) == "atari" else 1
     if args.lstm:
         return SequenceReplay(args.buffer_size, devices.local_envs(args), tasks.zeros_like_space(obs_space, 1),
-                              np.zeros(1, action_space.dtype), zero_core(args.lstm_size, 1)[0],
-                              args.burn_in + args.seq_len + args.n_step, args.seq_period, stack,
-                              args.priority_alpha if args.prioritized_replay else 0.0)
+                              np.zeros(1, action_space.dtype),
+                              zero_core(args.lstm_size, 1)[0], args.burn_in + args.seq_len + args.n_step,
+                              args.seq_period, stack, args.priority_alpha if args.prioritized_replay else 0.0)
     return Replay(args.buffer_size, devices.local_envs(args), tasks.zeros_like_space(obs_space, 1),
                   np.zeros(1, action_space.dtype), args.n_step, args.gamma, stack,
                   args.priority_alpha if args.prioritized_replay else 0.0)
@@ -737,20 +756,28 @@ def main(args: Args, given=None) -> int:
         built = network, optimizer, support, normalizer, state = build(args, run.init_key)
         state = run.open(state, normalizer)
         actors = run.actors()  # (device, env seed, action key) of each actor thread
-        envs = [tasks.make_actor_env(args.env_id, args.num_envs, seed, run.env_threads, args.num_splits, args.deterministic)
-                for _, seed, _ in actors]
+        envs = [
+            tasks.make_actor_env(args.env_id, args.num_envs, seed, run.env_threads, args.num_splits, args.deterministic)
+            for _, seed, _ in actors
+        ]
         greedy = make_greedy(network, args.c51, support)
         shared = threads.Shared(state["params"], state["policy_version"], normalizer, run.sampled, run.stop,
                                 learning=not args.serial, keep=(args.actor_lag or 0) + 2)
         acting = make_recurrent_act if args.lstm else make_act
-        collectors = [rounds.Collector(envs[i], acting(greedy, args, network, EnvStreams(seed, i * args.num_envs,
-                                       args.num_envs, 2)), args, i, shared, run.start_update, args.lstm)
-                      for i, (_, seed, _) in enumerate(actors)]
-        learner = rounds.Learner(run, make_replay(args, envs), make_update(network, optimizer, args, support, run.mesh),
-                                 np.random.default_rng(run.seed), shared.timing, args.learning_rate,
-                                 beta=lambda step: importance_exponent(args, step), scalars=lambda step: {
-                                     "charts/epsilon": float(np.mean(epsilon_at(args, step))),
-                                     **({"replay/burn_in": args.burn_in} if args.lstm else {})})
+        collectors = [
+            rounds.Collector(envs[i],
+                             acting(greedy, args, network, EnvStreams(seed, i * args.num_envs, args.num_envs, 2)), args,
+                             i, shared, run.start_update, args.lstm) for i, (_, seed, _) in enumerate(actors)
+        ]
+        learner = rounds.Learner(
+            run, make_replay(args, envs), make_update(network, optimizer, args, support, run.mesh),
+            np.random.default_rng(run.seed), shared.timing, args.learning_rate,
+            beta=lambda step: importance_exponent(args, step), scalars=lambda step: {
+                "charts/epsilon": float(np.mean(epsilon_at(args, step))),
+                **({
+                    "replay/burn_in": args.burn_in
+                } if args.lstm else {})
+            })
         sequences = f", R2D2: sequences of {args.seq_len} after a burn-in of {args.burn_in}, one every {args.seq_period} steps"
         run.begin(f"preset {preset_name(args)}, {gradient_steps(args)} gradient steps a round"
                   f"{sequences * args.lstm}{', serial' if args.serial else ''}")

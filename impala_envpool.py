@@ -175,7 +175,8 @@ def zero_core(lstm_size: int, num_envs: int):
     [N, lstm_size], first [N] all True); None without an LSTM."""
     if not lstm_size:
         return None
-    return (np.zeros((num_envs, lstm_size), np.float32), np.zeros((num_envs, lstm_size), np.float32)), np.ones(num_envs, bool)
+    return (np.zeros((num_envs, lstm_size), np.float32), np.zeros((num_envs, lstm_size), np.float32)), np.ones(
+        num_envs, bool)
 
 
 class ActorCritic(nn.Module):
@@ -206,8 +207,9 @@ class ActorCritic(nn.Module):
             shape = first.shape  # [T, B], or [B] for one step
             first = first.reshape(-1, shape[-1])
             # Rows env-major [B x T, ...]: with the envs split over learner devices, each keeps its own.
-            obs = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(*first.shape, *x.shape[len(shape):]), 0, 1).reshape(
-                -1, *x.shape[len(shape):]), obs)
+            obs = jax.tree.map(
+                lambda x: jnp.swapaxes(x.reshape(*first.shape, *x.shape[len(shape):]), 0, 1).reshape(
+                    -1, *x.shape[len(shape):]), obs)
 
         def conv(x, size, kernel, stride=1):
             return nn.relu(nn.Conv(size, (kernel, kernel), (stride, stride), "VALID", kernel_init=orth(np.sqrt(2)))(x))
@@ -272,7 +274,7 @@ def log_prob_entropy(pi, actions, continuous: bool, legal=None):
     if continuous:
         mean, log_std = jnp.split(pi, 2, axis=-1)
         z = (actions - mean) / jnp.exp(log_std)
-        logprob = jnp.sum(-0.5 * z**2 - log_std - 0.5 * jnp.log(2 * jnp.pi), axis=-1)
+        logprob = jnp.sum(-0.5 * z ** 2 - log_std - 0.5 * jnp.log(2 * jnp.pi), axis=-1)
         entropy = jnp.sum(log_std + 0.5 * (1.0 + jnp.log(2 * jnp.pi)), axis=-1)
         return logprob, entropy
     log_p = jax.nn.log_softmax(masked_logits(pi, legal))
@@ -306,8 +308,15 @@ def legal_actions(network, obs, pi):
 
 
 def vtrace(
-    log_rhos, discounts, rewards, values, bootstrap_value,
-    clip_rho_threshold=1.0, clip_c_threshold=1.0, clip_pg_rho_threshold=1.0, lambda_=1.0,
+    log_rhos,
+    discounts,
+    rewards,
+    values,
+    bootstrap_value,
+    clip_rho_threshold=1.0,
+    clip_c_threshold=1.0,
+    clip_pg_rho_threshold=1.0,
+    lambda_=1.0,
 ):
     """V-trace targets and policy-gradient advantages (Espeholt et al. 2018, eq. 1 and §4.2),
     with rlax's `lambda_` (vtrace_td_error_and_advantage): traces c = lambda min(c bar, rho), and
@@ -472,8 +481,10 @@ class Trajectories:
         index, self.prev_dones[env_ids] = self.steps[env_ids], done  # a first observation's done is False
         s = self.sent[env_ids] & (index > self.start)  # the envs a step of this run's rollouts returned
         for _, buf, rows, ids, sel in self.at(index[s] - 1, env_ids[s], obs):  # that step's row
-            buf["rewards"][rows, ids], buf["truncated"][rows, ids], buf["dones"][rows, ids] = (
-                reward[s][sel], truncated[s][sel], done[s][sel])
+            buf["rewards"][rows, ids], buf["truncated"][rows,
+                                                        ids], buf["dones"][rows,
+                                                                           ids] = (reward[s][sel], truncated[s][sel],
+                                                                                   done[s][sel])
         ends = s & (index % self.T == 0)
         for n, buf, _, ids, sel in self.at(index[ends] - self.T, env_ids[ends], obs) if ends.any() else []:
             write(buf["bootstrap_obs"], ids, jax.tree.map(lambda x: x[ends], obs), sel)
@@ -541,7 +552,8 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
         obs, reward, terminated, truncated, info = envs.recv()
         timing["env"] += (now := time.perf_counter()) - start
         env_ids, index = info["env_id"], trajectories.steps[info["env_id"]]
-        reward = np.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's reward is undefined (dm_control: NaN at times)
+        # A reset's reward is undefined (dm_control: NaN at times)
+        reward = np.where(info["elapsed_step"] > 0, reward, 0.0)
         obs = shared.normalizer.observe(obs)
         ended = trajectories.sent[env_ids]  # the observation ends a step (not an env's first)
         if memory is not None:  # the envs' states, and which observations start an episode
@@ -609,6 +621,7 @@ def rollout_forward(network, params, rollout, continuous: bool):
         legal = legal_actions(network, rollout["obs"], pi[:-1])  # the masks stored with the rollout
         logprobs, entropy = log_prob_entropy(pi[:-1], rollout["actions"], continuous, legal)
         return logprobs, entropy, values[:-1], values[-1]
+
     def rows(x):  # [T, B, ...] -> [B x T, ...], env-major: rows stay on the learner device that holds their env
         return jnp.swapaxes(x, 0, 1).reshape(B * T, *x.shape[2:])
 
@@ -628,12 +641,10 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
         rewards = time_limit_bootstrap(rollout["rewards"], values, bootstrap_value, rollout["truncated"], args.gamma)
         discounts = args.gamma * (1.0 - rollout["dones"])
         log_rhos = logprobs - rollout["logprobs"]
-        vs, pg_advantages = vtrace(
-            log_rhos, discounts, rewards, values, bootstrap_value, args.vtrace_rho_bar, args.vtrace_c_bar
-        )
-        loss, diagnostics = impala_loss(
-            logprobs, pg_advantages, values, vs, entropy, mask, args.baseline_cost, args.entropy_cost
-        )
+        vs, pg_advantages = vtrace(log_rhos, discounts, rewards, values, bootstrap_value, args.vtrace_rho_bar,
+                                   args.vtrace_c_bar)
+        loss, diagnostics = impala_loss(logprobs, pg_advantages, values, vs, entropy, mask, args.baseline_cost,
+                                        args.entropy_cost)
         diagnostics["approx_kl"] = masked_mean(jnp.expm1(log_rhos) - log_rhos, mask)
         diagnostics["clipfrac"] = masked_mean((log_rhos > jnp.log(args.vtrace_rho_bar)).astype(jnp.float32), mask)
         return loss, diagnostics
@@ -655,8 +666,7 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
         diagnostics["async/stale_fraction"] = masked_mean(1.0 - fresh, rollout["valid"])
         leaves = jax.tree.leaves(params)
         diagnostics["finite"] = jnp.isfinite(diagnostics["loss"]) & jnp.all(
-            jnp.array([jnp.all(jnp.isfinite(x)) for x in leaves])
-        )
+            jnp.array([jnp.all(jnp.isfinite(x)) for x in leaves]))
         new_state = dict(state, params=params, opt_state=opt_state, policy_version=state["policy_version"] + 1)
         return new_state, diagnostics
 
@@ -686,8 +696,10 @@ def learner_loop(run, update, shared, queues, key):
         state, diagnostics = update(state, batch, subkey, run.args.total_timesteps)
         diagnostics = jax.device_get(diagnostics)
         timing["update"] += time.perf_counter() - start
-        pipeline = {"timing/queue_size": sum(q.qsize() for q in queues),
-                    "timing/learner_busy_fraction": timing["update"] / run.elapsed()}
+        pipeline = {
+            "timing/queue_size": sum(q.qsize() for q in queues),
+            "timing/learner_busy_fraction": timing["update"] / run.elapsed()
+        }
         state = run.learned(state, diagnostics, timing, pipeline)
         shared.publish(state["params"], int(state["policy_version"]))
     else:
@@ -710,8 +722,8 @@ def build(args: Args, key):
                           args.action_mask and tasks.mask_shape(obs_space) is not None)
     params = network.init(key, tasks.zeros_like_space(obs_space, 1), zero_core(network.lstm_size, 1))
     optimizer = make_optimizer(args)
-    normalizer = Normalizer(tasks.zeros_like_space(obs_space), devices.local_envs(args), args.norm_obs, args.norm_reward,
-                            args.gamma)
+    normalizer = Normalizer(tasks.zeros_like_space(obs_space), devices.local_envs(args), args.norm_obs,
+                            args.norm_reward, args.gamma)
     state = {"params": params, "opt_state": optimizer.init(params), "global_step": 0, "policy_version": 0}
     return network, optimizer, continuous, normalizer, state
 
@@ -725,21 +737,28 @@ def main(args: Args, given=None) -> int:
         args = run.args
         network, optimizer, continuous, normalizer, state = build(args, run.init_key)
         state = run.open(state, normalizer)
-        resumes = run.journal_for(tasks.policy_space(args.env_id))  # --deterministic: a resume replays the run's actions
+        # --deterministic: a resume replays the run's actions
+        resumes = run.journal_for(tasks.policy_space(args.env_id))
         actors = run.actors()  # (device, env seed, action key) of each actor thread
-        envs = [tasks.make_actor_env(args.env_id, args.num_envs, seed, run.env_threads, args.num_splits, args.deterministic)
-                for _, seed, _ in actors]
+        envs = [
+            tasks.make_actor_env(args.env_id, args.num_envs, seed, run.env_threads, args.num_splits, args.deterministic)
+            for _, seed, _ in actors
+        ]
         policy_step = make_policy_step(network, continuous, values=False)  # the actor needs no values
         update = make_update(network, optimizer, args, continuous, run.mesh)
         shared = threads.Shared(state["params"], state["policy_version"], normalizer, run.sampled, run.stop,
-                                learning=True, keep=(args.actor_lag or 0) + 2, published=run.keeper and run.keeper.acting())
-        run.begin(f"preset {tasks.preset_name(args.env_id, PRESETS)}, {args.num_splits} split{'s' * (args.num_splits > 1)}")
+                                learning=True, keep=(args.actor_lag or 0) + 2, published=run.keeper
+                                and run.keeper.acting())
+        run.begin(
+            f"preset {tasks.preset_name(args.env_id, PRESETS)}, {args.num_splits} split{'s' * (args.num_splits > 1)}")
         queues = [queue.Queue(maxsize=args.queue_size) for _ in actors]
         for i, (device, _, key) in enumerate(actors):
-            run.threads.start(f"actor {i}" if i else "actor", actor_loop, envs[i], policy_step, shared, queues[i], key, args,
-                              run.num_updates - run.start_update, device, i, run.start_update, resumes[i], owns=envs[i])
+            run.threads.start(f"actor {i}" if i else "actor", actor_loop, envs[i], policy_step, shared, queues[i], key,
+                              args, run.num_updates - run.start_update, device, i, run.start_update, resumes[i],
+                              owns=envs[i])
         run.wait(run.threads.start("learner", learner_loop, run, update, shared, queues, run.update_key))
-        return run.finish(make_policy_step(network, continuous, values=False), functools.partial(zero_core, network.lstm_size))
+        return run.finish(make_policy_step(network, continuous, values=False),
+                          functools.partial(zero_core, network.lstm_size))
 
 
 if __name__ == "__main__":

@@ -101,20 +101,20 @@ class Args(flags.RunArgs):
 NO_NORM = dict(norm_obs=False, norm_reward=False)
 PRESETS = {
     # CleanRL's ppo_atari_envpool.py (Huang et al. 2022).
-    "atari": dict(num_steps=128, learning_rate=2.5e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=4,
-                  update_epochs=4, clip_coef=0.1, ent_coef=0.01, **NO_NORM),
+    "atari": dict(num_steps=128, learning_rate=2.5e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=4, update_epochs=4,
+                  clip_coef=0.1, ent_coef=0.01, **NO_NORM),
     # CleanRL's ppo_continuous_action.py (2048 steps a rollout, minibatches of 64 at 8 envs), with
     # its observation and reward normalisation.
-    "mujoco": dict(num_steps=256, learning_rate=3e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=32,
-                   update_epochs=10, clip_coef=0.2, ent_coef=0.0, norm_obs=True, norm_reward=True),
+    "mujoco": dict(num_steps=256, learning_rate=3e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=32, update_epochs=10,
+                   clip_coef=0.2, ent_coef=0.0, norm_obs=True, norm_reward=True),
     # Any other vector task: CleanRL's ppo.py defaults, a general starting point, not a tuned one.
     "classic": dict(num_steps=128, learning_rate=2.5e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=4,
                     update_epochs=4, clip_coef=0.2, ent_coef=0.01, **NO_NORM),
     # rl-baselines3-zoo's tuned PPO (hyperparams/ppo.yml): CartPole solves within 100k steps.
-    "CartPole": dict(num_steps=32, learning_rate=1e-3, gamma=0.98, gae_lambda=0.8, num_minibatches=1,
-                     update_epochs=20, clip_coef=0.2, anneal_clip=True, ent_coef=0.0, **NO_NORM),
-    "Acrobot": dict(num_steps=256, learning_rate=3e-4, gamma=0.99, gae_lambda=0.94, num_minibatches=32,
-                    update_epochs=4, clip_coef=0.2, ent_coef=0.0, norm_obs=True, norm_reward=True),
+    "CartPole": dict(num_steps=32, learning_rate=1e-3, gamma=0.98, gae_lambda=0.8, num_minibatches=1, update_epochs=20,
+                     clip_coef=0.2, anneal_clip=True, ent_coef=0.0, **NO_NORM),
+    "Acrobot": dict(num_steps=256, learning_rate=3e-4, gamma=0.99, gae_lambda=0.94, num_minibatches=32, update_epochs=4,
+                    clip_coef=0.2, ent_coef=0.0, norm_obs=True, norm_reward=True),
     "MountainCar": dict(num_steps=16, learning_rate=3e-4, gamma=0.99, gae_lambda=0.98, num_minibatches=2,
                         update_epochs=4, clip_coef=0.2, ent_coef=0.0, norm_obs=True, norm_reward=True),
     "Pendulum": dict(num_steps=1024, learning_rate=1e-3, gamma=0.9, gae_lambda=0.95, num_minibatches=128,
@@ -128,15 +128,15 @@ PRESETS = {
     "dm_control": dict(num_steps=256, learning_rate=3e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=32,
                        update_epochs=10, clip_coef=0.2, ent_coef=0.0, norm_obs=True, norm_reward=True),
     # MiniGrid and BabyAI: rl-starter-files' PPO (torch-ac): 128 steps an env, minibatches of 256, lr 1e-3.
-    "minigrid": dict(num_steps=128, learning_rate=1e-3, gamma=0.99, gae_lambda=0.95, num_minibatches=4,
-                     update_epochs=4, clip_coef=0.2, ent_coef=0.01, **NO_NORM),
+    "minigrid": dict(num_steps=128, learning_rate=1e-3, gamma=0.99, gae_lambda=0.95, num_minibatches=4, update_epochs=4,
+                     clip_coef=0.2, ent_coef=0.01, **NO_NORM),
     # MiniGrid's memory task: Pleines et al. 2022's recurrent PPO on MiniGrid-Memory (their
     # configs/minigrid.yaml: 256 steps an env, 8 minibatches, 4 epochs, lr 2e-4, entropy 0.001).
     "MiniGrid-MemoryS7": dict(num_steps=256, learning_rate=2e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=8,
                               update_epochs=4, clip_coef=0.2, ent_coef=0.001, **NO_NORM),
     # highway-env's scripts/sb3_highway_ppo.py: gamma 0.8, 10 epochs of minibatches of 64, lr 5e-4.
-    "highway": dict(num_steps=128, learning_rate=5e-4, gamma=0.8, gae_lambda=0.95, num_minibatches=16,
-                    update_epochs=10, clip_coef=0.2, ent_coef=0.0, **NO_NORM),
+    "highway": dict(num_steps=128, learning_rate=5e-4, gamma=0.8, gae_lambda=0.95, num_minibatches=16, update_epochs=10,
+                    clip_coef=0.2, ent_coef=0.0, **NO_NORM),
     # Google Research Football's PPO reproduction (Kurach et al. 2020, 11_vs_11_easy_stochastic).
     "gfootball": dict(num_steps=512, learning_rate=3.43e-4, gamma=0.993, gae_lambda=0.95, num_minibatches=8,
                       update_epochs=2, clip_coef=0.08, ent_coef=0.003, **NO_NORM),
@@ -155,10 +155,12 @@ def resolve_args(args: Args) -> Args:
     if len(args.actor_device_ids) != 1:
         raise UsageError("--actor-device-ids: the synchronous loop acts on one device; give one id")
     if devices.global_envs(args) * args.num_steps % args.num_minibatches:
-        raise UsageError(f"--num-minibatches {args.num_minibatches} must divide the global batch {devices.describe_batch(args)}")
+        raise UsageError(
+            f"--num-minibatches {args.num_minibatches} must divide the global batch {devices.describe_batch(args)}")
     if args.lstm and devices.global_envs(args) % args.num_minibatches:
-        raise UsageError(f"--num-minibatches {args.num_minibatches} must divide the {devices.global_envs(args)} envs of an "
-                         "update (--num-envs of every process) with --lstm (a minibatch holds whole env sequences); pass a divisor")
+        raise UsageError(
+            f"--num-minibatches {args.num_minibatches} must divide the {devices.global_envs(args)} envs of an "
+            "update (--num-envs of every process) with --lstm (a minibatch holds whole env sequences); pass a divisor")
     return args
 
 
@@ -186,7 +188,8 @@ def zero_core(lstm_size: int, num_envs: int):
     [N, lstm_size], first [N] all True); None without an LSTM."""
     if not lstm_size:
         return None
-    return (np.zeros((num_envs, lstm_size), np.float32), np.zeros((num_envs, lstm_size), np.float32)), np.ones(num_envs, bool)
+    return (np.zeros((num_envs, lstm_size), np.float32), np.zeros((num_envs, lstm_size), np.float32)), np.ones(
+        num_envs, bool)
 
 
 class ActorCritic(nn.Module):
@@ -217,8 +220,9 @@ class ActorCritic(nn.Module):
             shape = first.shape  # [T, B], or [B] for one step
             first = first.reshape(-1, shape[-1])
             # Rows env-major [B x T, ...]: with the envs split over learner devices, each keeps its own.
-            obs = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(*first.shape, *x.shape[len(shape):]), 0, 1).reshape(
-                -1, *x.shape[len(shape):]), obs)
+            obs = jax.tree.map(
+                lambda x: jnp.swapaxes(x.reshape(*first.shape, *x.shape[len(shape):]), 0, 1).reshape(
+                    -1, *x.shape[len(shape):]), obs)
 
         def conv(x, size, kernel, stride=1):
             return nn.relu(nn.Conv(size, (kernel, kernel), (stride, stride), "VALID", kernel_init=orth(np.sqrt(2)))(x))
@@ -283,7 +287,7 @@ def log_prob_entropy(pi, actions, continuous: bool, legal=None):
     if continuous:
         mean, log_std = jnp.split(pi, 2, axis=-1)
         z = (actions - mean) / jnp.exp(log_std)
-        logprob = jnp.sum(-0.5 * z**2 - log_std - 0.5 * jnp.log(2 * jnp.pi), axis=-1)
+        logprob = jnp.sum(-0.5 * z ** 2 - log_std - 0.5 * jnp.log(2 * jnp.pi), axis=-1)
         entropy = jnp.sum(log_std + 0.5 * (1.0 + jnp.log(2 * jnp.pi)), axis=-1)
         return logprob, entropy
     log_p = jax.nn.log_softmax(masked_logits(pi, legal))
@@ -369,7 +373,8 @@ def masked_mean(x, mask):
     return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def ppo_loss(logprobs, old_logprobs, advantages, values, returns, entropy, mask, clip_coef, vf_coef, ent_coef, norm_adv):
+def ppo_loss(logprobs, old_logprobs, advantages, values, returns, entropy, mask, clip_coef, vf_coef, ent_coef,
+             norm_adv):
     """PPO-clip surrogate (Schulman et al. 2017, eq. 7) + value regression - entropy bonus, on
     advantages normalised over the minibatch when `norm_adv` (CleanRL's detail 7).
 
@@ -381,7 +386,8 @@ def ppo_loss(logprobs, old_logprobs, advantages, values, returns, entropy, mask,
         advantages = (advantages - mean) / (jnp.sqrt(masked_mean((advantages - mean) ** 2, mask)) + 1e-8)
     log_ratio = logprobs - old_logprobs
     ratio = jnp.exp(log_ratio)
-    pg_loss = masked_mean(jnp.maximum(-advantages * ratio, -advantages * jnp.clip(ratio, 1 - clip_coef, 1 + clip_coef)), mask)
+    pg_loss = masked_mean(jnp.maximum(-advantages * ratio, -advantages * jnp.clip(ratio, 1 - clip_coef, 1 + clip_coef)),
+                          mask)
     value_loss = 0.5 * masked_mean((values - returns) ** 2, mask)
     entropy_loss = masked_mean(entropy, mask)
     loss = pg_loss + vf_coef * value_loss - ent_coef * entropy_loss
@@ -391,8 +397,9 @@ def ppo_loss(logprobs, old_logprobs, advantages, values, returns, entropy, mask,
         "entropy": entropy_loss,
         "approx_kl": masked_mean((ratio - 1) - log_ratio, mask),
         "clipfrac": masked_mean((jnp.abs(ratio - 1) > clip_coef).astype(jnp.float32), mask),
-        "explained_variance": jnp.where(jnp.sum(mask) > 0, 1 - masked_mean((returns - values) ** 2, mask) / jnp.maximum(
-            masked_mean((returns - masked_mean(returns, mask)) ** 2, mask), 1e-8), 0.0),
+        "explained_variance": jnp.where(
+            jnp.sum(mask) > 0, 1 - masked_mean((returns - values) ** 2, mask) /
+            jnp.maximum(masked_mean((returns - masked_mean(returns, mask)) ** 2, mask), 1e-8), 0.0),
     }
     return loss, diagnostics
 
@@ -464,7 +471,8 @@ def collect_rollout(envs, policy_step, params, obs, prev_dones, core, key, first
             rollout["first"][t] = core[1]
         start = time.perf_counter()
         obs, reward, terminated, truncated, info = envs.step(tasks.env_action(action, envs.action_space))
-        reward = np.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's reward is undefined (dm_control: NaN at times)
+        # A reset's reward is undefined (dm_control: NaN at times)
+        reward = np.where(info["elapsed_step"] > 0, reward, 0.0)
         timing["env"] += time.perf_counter() - start
         stats.update(env_ids, reward, terminated, truncated, info)
         rollout["valid"][t], prev_dones = 1.0 - prev_dones, terminated | truncated
@@ -498,6 +506,7 @@ def rollout_forward(network, params, rollout, continuous: bool):
         legal = legal_actions(network, rollout["obs"], pi[:-1])  # the masks stored with the rollout
         logprobs, entropy = log_prob_entropy(pi[:-1], rollout["actions"], continuous, legal)
         return logprobs, entropy, values[:-1], values[-1]
+
     def rows(x):  # [T, B, ...] -> [B x T, ...], env-major: rows stay on the learner device that holds their env
         return jnp.swapaxes(x, 0, 1).reshape(B * T, *x.shape[2:])
 
@@ -515,7 +524,8 @@ def minibatches(key, data, num_minibatches: int):
     T, B = data["valid"].shape
     if "state" not in data:
         order = jax.random.permutation(key, T * B)
-        return jax.tree.map(lambda x: x.reshape(T * B, *x.shape[2:])[order].reshape(num_minibatches, -1, *x.shape[2:]), data)
+        return jax.tree.map(lambda x: x.reshape(T * B, *x.shape[2:])[order].reshape(num_minibatches, -1, *x.shape[2:]),
+                            data)
     order = jax.random.permutation(key, B)
 
     def split(x):  # [B, ...] -> [M, B / M, ...] in the shuffled env order
@@ -579,20 +589,21 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
         def epoch(carry, key):
             epoch_data = minibatches(key, data, args.num_minibatches)
             if mesh is not None:  # each learner device takes its share of every minibatch: data parallel
-                epoch_data = jax.tree_util.tree_map_with_path(lambda path, x: jax.lax.with_sharding_constraint(
-                    x, devices.split_envs(mesh, 1 + (devices.env_axis(path) if "state" in data else 0))), epoch_data)
-            return jax.lax.scan(functools.partial(minibatch_step, learning_rate, clip_coef), carry, epoch_data, unroll=unroll)
+                epoch_data = jax.tree_util.tree_map_with_path(
+                    lambda path, x: jax.lax.with_sharding_constraint(
+                        x, devices.split_envs(mesh, 1 + (devices.env_axis(path)
+                                                         if "state" in data else 0))), epoch_data)
+            return jax.lax.scan(functools.partial(minibatch_step, learning_rate, clip_coef), carry, epoch_data,
+                                unroll=unroll)
 
-        (params, opt_state), losses = jax.lax.scan(
-            epoch, (params, opt_state), jax.random.split(key, args.update_epochs), unroll=unroll
-        )
+        epoch_keys = jax.random.split(key, args.update_epochs)
+        (params, opt_state), losses = jax.lax.scan(epoch, (params, opt_state), epoch_keys, unroll=unroll)
         diagnostics.update(jax.tree.map(jnp.mean, losses), learning_rate=learning_rate)
         if args.anneal_clip:
             diagnostics["clip_coef"] = clip_coef
         leaves = jax.tree.leaves(params)
         diagnostics["finite"] = jnp.isfinite(diagnostics["loss"]) & jnp.all(
-            jnp.array([jnp.all(jnp.isfinite(x)) for x in leaves])
-        )
+            jnp.array([jnp.all(jnp.isfinite(x)) for x in leaves]))
         new_state = dict(state, params=params, opt_state=opt_state, policy_version=state["policy_version"] + 1)
         return new_state, diagnostics
 
@@ -616,12 +627,14 @@ def train_loop(run, envs, policy_step, update, normalizer, key, device, resume=N
     for rollout_index in range(run.start_update, run.num_updates):
         if run.should_stop(False, stats.pop()):
             break
-        rollout, obs, dones, core = collect_rollout(envs, policy_step, devices.to_actor(device, state["params"]), obs, dones,
-                                                    core, key, rollout_index * args.num_steps, stats, normalizer, args, timing)
+        params = devices.to_actor(device, state["params"])
+        rollout, obs, dones, core = collect_rollout(envs, policy_step, params, obs, dones, core, key,
+                                                    rollout_index * args.num_steps, stats, normalizer, args, timing)
         run.sampled[0] += args.num_envs * args.num_steps
         start = time.perf_counter()
         run.journaled(rollout["actions"], [core], {})
-        subkey = jax.random.fold_in(run.update_key, int(state["policy_version"]))  # the update's own: a resume draws the same
+        # The update's own: a resume draws the same
+        subkey = jax.random.fold_in(run.update_key, int(state["policy_version"]))
         state, diagnostics = update(state, devices.to_learner(run.mesh, rollout), subkey, args.total_timesteps)
         diagnostics = jax.device_get(diagnostics)
         timing["update"] += time.perf_counter() - start
@@ -645,8 +658,8 @@ def build(args: Args, key):
                           args.action_mask and tasks.mask_shape(obs_space) is not None)
     params = network.init(key, tasks.zeros_like_space(obs_space, 1), zero_core(network.lstm_size, 1))
     optimizer = make_optimizer(args)
-    normalizer = Normalizer(tasks.zeros_like_space(obs_space), devices.local_envs(args), args.norm_obs, args.norm_reward,
-                            args.gamma)
+    normalizer = Normalizer(tasks.zeros_like_space(obs_space), devices.local_envs(args), args.norm_obs,
+                            args.norm_reward, args.gamma)
     state = {"params": params, "opt_state": optimizer.init(params), "global_step": 0, "policy_version": 0}
     return network, optimizer, continuous, normalizer, state
 
@@ -660,17 +673,20 @@ def main(args: Args, given=None) -> int:
         args = run.args
         network, optimizer, continuous, normalizer, state = build(args, run.init_key)
         state = run.open(state, normalizer)
-        resume, = run.journal_for(tasks.policy_space(args.env_id))  # --deterministic: a resume replays the run's actions
+        # --deterministic: a resume replays the run's actions
+        resume, = run.journal_for(tasks.policy_space(args.env_id))
         (device, seed, key), = run.actors()  # (device, env seed, action key): the synchronous loop acts on one device
         envs = tasks.make_env(args.env_id, args.num_envs, seed, run.env_threads, train=True)
         policy_step = make_policy_step(network, continuous)
         update = make_update(network, optimizer, args, continuous, run.mesh)
         run.begin(f"preset {tasks.preset_name(args.env_id, PRESETS)}")
         try:
-            run.threads.run("training loop", train_loop, run, envs, policy_step, update, normalizer, key, device, resume)
+            run.threads.run("training loop", train_loop, run, envs, policy_step, update, normalizer, key, device,
+                            resume)
         finally:
             envs.close()
-        return run.finish(make_policy_step(network, continuous, values=False), functools.partial(zero_core, network.lstm_size))
+        return run.finish(make_policy_step(network, continuous, values=False),
+                          functools.partial(zero_core, network.lstm_size))
 
 
 if __name__ == "__main__":

@@ -201,7 +201,8 @@ def sample_action(actor, actor_params, obs, key, scale, bias):
     """(a, log π(a)) [B, A], [B]: a reparameterised sample of the squashed Gaussian, from one `key`
     or, keys [B, 2], row i from keys[i] (an env's at its step)."""
     mean, log_std = actor.apply(actor_params, obs)
-    noise = jax.vmap(lambda k: jax.random.normal(k, mean.shape[1:]))(key) if key.ndim == 2 else jax.random.normal(key, mean.shape)
+    noise = jax.vmap(lambda k: jax.random.normal(k, mean.shape[1:]))(key) if key.ndim == 2 else jax.random.normal(
+        key, mean.shape)
     u = mean + jnp.exp(log_std) * noise
     return jnp.tanh(u) * scale + bias, squashed_log_prob(u, mean, log_std, scale)
 
@@ -302,8 +303,10 @@ def make_gradient_steps(networks, optimizers, args: Args, bounds):
         (q_loss, q), grads = jax.value_and_grad(loss, has_aux=True)(state["params"]["q"])
         updates, q_state = q_opt.update(grads, state["opt_state"]["q"], state["params"]["q"])
         params = dict(state["params"], q=optax.apply_updates(state["params"]["q"], updates))
-        return dict(state, params=params, opt_state=dict(state["opt_state"], q=q_state)), {"qf_loss": q_loss,
-                                                                                           "q_values": q.mean()}
+        return dict(state, params=params, opt_state=dict(state["opt_state"], q=q_state)), {
+            "qf_loss": q_loss,
+            "q_values": q.mean()
+        }
 
     def policy_step(state, batch, key):
         actor_key, alpha_key = jax.random.split(key)
@@ -324,7 +327,10 @@ def make_gradient_steps(networks, optimizers, args: Args, bounds):
             log_alpha = optax.apply_updates(log_alpha, updates)
         opt_state = dict(state["opt_state"], actor=actor_state, alpha=alpha_state)
         return dict(state, params=params, opt_state=opt_state, log_alpha=log_alpha), {
-            "actor_loss": actor_loss, "alpha_loss": alpha_loss, "entropy": -jnp.mean(log_prob)}
+            "actor_loss": actor_loss,
+            "alpha_loss": alpha_loss,
+            "entropy": -jnp.mean(log_prob)
+        }
 
     return critic_step, policy_step
 
@@ -350,7 +356,8 @@ def make_update(networks, optimizers, args: Args, bounds, mesh=None):
 
         due = state["gradient_step"] % args.policy_frequency == 0
         zeros = {"actor_loss": 0.0, "alpha_loss": 0.0, "entropy": 0.0}
-        state, policy_diagnostics = jax.lax.cond(due, policy_steps, lambda s: (s, jax.tree.map(jnp.float32, zeros)), state)
+        state, policy_diagnostics = jax.lax.cond(due, policy_steps, lambda s: (s, jax.tree.map(jnp.float32, zeros)),
+                                                 state)
         sync = state["gradient_step"] % args.target_network_frequency == 0
         target_q = jax.tree.map(lambda p, t: jnp.where(sync, args.tau * p + (1 - args.tau) * t, t),
                                 state["params"]["q"], state["target_q"])
@@ -363,7 +370,10 @@ def make_update(networks, optimizers, args: Args, bounds, mesh=None):
         state, steps = jax.lax.scan(step, state, (batches, keys))
         diagnostics = {k: jnp.mean(v) for k, v in steps.items() if k in ("qf_loss", "q_values")}
         policy = jnp.maximum(jnp.sum(steps["policy_step"]), 1)  # the means over the steps that updated the policy
-        diagnostics.update({k: jnp.sum(v) / policy for k, v in steps.items() if k in ("actor_loss", "alpha_loss", "entropy")})
+        diagnostics.update({
+            k: jnp.sum(v) / policy
+            for k, v in steps.items() if k in ("actor_loss", "alpha_loss", "entropy")
+        })
         diagnostics["alpha"] = jnp.exp(state["log_alpha"])
         finite = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(state["params"])]
         diagnostics["finite"] = jnp.isfinite(diagnostics["qf_loss"]) & jnp.all(jnp.array(finite))
@@ -395,18 +405,31 @@ def build(args: Args, key):
     obs_space, action_space = tasks.spaces(args.env_id)
     low, high = (np.asarray(x, np.float32) for x in (action_space.low, action_space.high))
     bounds = ((high - low) / 2, (high + low) / 2, low, high)  # CleanRL's action_scale and action_bias
-    actor, critic = Actor(int(np.prod(action_space.shape)), tasks.encoders(obs_space)), Critic(tasks.encoders(obs_space))
+    actor, critic = Actor(int(np.prod(action_space.shape)),
+                          tasks.encoders(obs_space)), Critic(tasks.encoders(obs_space))
     obs, action = tasks.zeros_like_space(obs_space, 1), np.zeros((1, *action_space.shape), np.float32)
     actor_key, q_key = jax.random.split(key)
-    params = {"actor": actor.init(actor_key, obs),
-              "q": jax.vmap(critic.init, in_axes=(0, None, None))(jax.random.split(q_key, 2), obs, action)}
+    params = {
+        "actor": actor.init(actor_key, obs),
+        "q": jax.vmap(critic.init, in_axes=(0, None, None))(jax.random.split(q_key, 2), obs, action)
+    }
     optimizers = optax.adam(args.policy_lr), optax.adam(args.q_lr), optax.adam(args.q_lr)
     log_alpha = jnp.asarray(0.0 if args.autotune else math.log(max(args.alpha, 1e-30)), jnp.float32)
     normalizer = Normalizer(tasks.zeros_like_space(obs_space), devices.local_envs(args), False, False, args.gamma)
-    opt_state = {"actor": optimizers[0].init(params["actor"]), "q": optimizers[1].init(params["q"]),
-                 "alpha": optimizers[2].init(log_alpha)}
-    state = {"params": params, "target_q": params["q"], "log_alpha": log_alpha, "opt_state": opt_state,
-             "gradient_step": 0, "global_step": 0, "policy_version": 0}
+    opt_state = {
+        "actor": optimizers[0].init(params["actor"]),
+        "q": optimizers[1].init(params["q"]),
+        "alpha": optimizers[2].init(log_alpha)
+    }
+    state = {
+        "params": params,
+        "target_q": params["q"],
+        "log_alpha": log_alpha,
+        "opt_state": opt_state,
+        "gradient_step": 0,
+        "global_step": 0,
+        "policy_version": 0
+    }
     return (actor, critic), optimizers, bounds, normalizer, state
 
 
@@ -429,13 +452,17 @@ def main(args: Args, given=None) -> int:
         built = (actor, _), optimizers, bounds, normalizer, state = build(args, run.init_key)
         state = run.open(state, normalizer)
         actors = run.actors()  # (device, env seed, action key) of each actor thread
-        envs = [tasks.make_actor_env(args.env_id, args.num_envs, seed, run.env_threads, args.num_splits, args.deterministic)
-                for _, seed, _ in actors]
+        envs = [
+            tasks.make_actor_env(args.env_id, args.num_envs, seed, run.env_threads, args.num_splits, args.deterministic)
+            for _, seed, _ in actors
+        ]
         policy_step = make_policy_step(actor, *bounds)
         shared = threads.Shared(state["params"], state["policy_version"], normalizer, run.sampled, run.stop,
                                 learning=not args.serial, keep=(args.actor_lag or 0) + 2)
-        collectors = [rounds.Collector(envs[i], make_act(policy_step, args, key), args, i, shared, run.start_update)
-                      for i, (_, _, key) in enumerate(actors)]
+        collectors = [
+            rounds.Collector(envs[i], make_act(policy_step, args, key), args, i, shared, run.start_update)
+            for i, (_, _, key) in enumerate(actors)
+        ]
         learn = make_learn(make_update(built[0], optimizers, args, bounds, run.mesh), run.update_key)
         learner = rounds.Learner(run, make_replay(args, envs), learn, np.random.default_rng(run.seed), shared.timing,
                                  args.policy_lr)

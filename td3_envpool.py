@@ -295,10 +295,13 @@ def make_gradient_steps(networks, optimizer, args: Args, bounds):
         (q_loss, q), grads = jax.value_and_grad(loss, has_aux=True)(state["params"]["q"])
         updates, q_state = optimizer.update(grads, state["opt_state"]["q"], state["params"]["q"])
         params = dict(state["params"], q=optax.apply_updates(state["params"]["q"], updates))
-        return dict(state, params=params, opt_state=dict(state["opt_state"], q=q_state)), {"qf_loss": q_loss,
-                                                                                           "q_values": q.mean()}
+        return dict(state, params=params, opt_state=dict(state["opt_state"], q=q_state)), {
+            "qf_loss": q_loss,
+            "q_values": q.mean()
+        }
 
     def policy_step(state, batch, key):
+
         def loss(actor_params):  # -Q_1(s, μ(s)): the deterministic policy gradient (Silver et al. 2014)
             q_params = jax.tree.map(lambda p: p[:1], state["params"]["q"])
             return -jnp.mean(critics(critic, q_params, batch["obs"], actor.apply(actor_params, batch["obs"])))
@@ -308,8 +311,10 @@ def make_gradient_steps(networks, optimizer, args: Args, bounds):
         params = dict(state["params"], actor=optax.apply_updates(state["params"]["actor"], updates))
         polyak = lambda p, t: args.tau * p + (1 - args.tau) * t  # noqa: E731
         return dict(state, params=params, opt_state=dict(state["opt_state"], actor=actor_state),
-                    target_actor=jax.tree.map(polyak, params["actor"], state["target_actor"]),
-                    target_q=jax.tree.map(polyak, params["q"], state["target_q"])), {"actor_loss": actor_loss}
+                    target_actor=jax.tree.map(polyak, params["actor"], state["target_actor"]), target_q=jax.tree.map(
+                        polyak, params["q"], state["target_q"])), {
+                            "actor_loss": actor_loss
+                        }
 
     return critic_step, policy_step
 
@@ -326,8 +331,9 @@ def make_update(networks, optimizer, args: Args, bounds, mesh=None):
             batch = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, devices.split_envs(mesh, 0)), batch)
         state, diagnostics = critic_step(state, batch, key)
         due = policy_due(state["gradient_step"], args.policy_delay)
-        state, policy_diagnostics = jax.lax.cond(due, policy_step, lambda s, b, k: (s, {"actor_loss": jnp.float32(0)}),
-                                                 state, batch, key)
+        state, policy_diagnostics = jax.lax.cond(due, policy_step, lambda s, b, k: (s, {
+            "actor_loss": jnp.float32(0)
+        }), state, batch, key)
         state = dict(state, gradient_step=state["gradient_step"] + 1)
         return state, dict(diagnostics, **policy_diagnostics, policy_step=due)
 
@@ -373,13 +379,22 @@ def build(args: Args, key):
     critic = Critic(tasks.encoders(obs_space))
     obs, action = tasks.zeros_like_space(obs_space, 1), np.zeros((1, *action_space.shape), np.float32)
     actor_key, q_key = jax.random.split(key)
-    params = {"actor": actor.init(actor_key, obs),
-              "q": jax.vmap(critic.init, in_axes=(0, None, None))(jax.random.split(q_key, 1 + args.twin_q), obs, action)}
+    params = {
+        "actor": actor.init(actor_key, obs),
+        "q": jax.vmap(critic.init, in_axes=(0, None, None))(jax.random.split(q_key, 1 + args.twin_q), obs, action)
+    }
     optimizer = optax.adam(args.learning_rate)
     normalizer = Normalizer(tasks.zeros_like_space(obs_space), devices.local_envs(args), False, False, args.gamma)
     opt_state = {"actor": optimizer.init(params["actor"]), "q": optimizer.init(params["q"])}
-    state = {"params": params, "target_actor": params["actor"], "target_q": params["q"], "opt_state": opt_state,
-             "gradient_step": 0, "global_step": 0, "policy_version": 0}
+    state = {
+        "params": params,
+        "target_actor": params["actor"],
+        "target_q": params["q"],
+        "opt_state": opt_state,
+        "gradient_step": 0,
+        "global_step": 0,
+        "policy_version": 0
+    }
     return (actor, critic), optimizer, bounds, normalizer, state
 
 
@@ -402,13 +417,17 @@ def main(args: Args, given=None) -> int:
         built = (actor, _), optimizer, bounds, normalizer, state = build(args, run.init_key)
         state = run.open(state, normalizer)
         actors = run.actors()  # (device, env seed, action key) of each actor thread
-        envs = [tasks.make_actor_env(args.env_id, args.num_envs, seed, run.env_threads, args.num_splits, args.deterministic)
-                for _, seed, _ in actors]
+        envs = [
+            tasks.make_actor_env(args.env_id, args.num_envs, seed, run.env_threads, args.num_splits, args.deterministic)
+            for _, seed, _ in actors
+        ]
         policy_step = make_policy_step(actor, args.exploration_noise, bounds[0], *bounds[2:])
         shared = threads.Shared(state["params"], state["policy_version"], normalizer, run.sampled, run.stop,
                                 learning=not args.serial, keep=(args.actor_lag or 0) + 2)
-        collectors = [rounds.Collector(envs[i], make_act(policy_step, args, key), args, i, shared, run.start_update)
-                      for i, (_, _, key) in enumerate(actors)]
+        collectors = [
+            rounds.Collector(envs[i], make_act(policy_step, args, key), args, i, shared, run.start_update)
+            for i, (_, _, key) in enumerate(actors)
+        ]
         learn = make_learn(make_update(built[0], optimizer, args, bounds, run.mesh), run.update_key)
         learner = rounds.Learner(run, make_replay(args, envs), learn, np.random.default_rng(run.seed), shared.timing,
                                  args.learning_rate)

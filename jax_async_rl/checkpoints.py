@@ -104,8 +104,9 @@ def find_checkpoint(path: str) -> str:
     if os.path.isfile(ckpt) or not os.path.isfile(f"{ckpt}.tmp"):
         return ckpt
     if complete_tmp(ckpt):
-        print(f"note: no {CHECKPOINT} in {os.path.dirname(ckpt) or '.'}, but a complete {CHECKPOINT}.tmp (the run was "
-              "stopped while renaming it): resuming from it", file=sys.stderr)
+        print(
+            f"note: no {CHECKPOINT} in {os.path.dirname(ckpt) or '.'}, but a complete {CHECKPOINT}.tmp (the run was "
+            "stopped while renaming it): resuming from it", file=sys.stderr)
         return f"{ckpt}.tmp"
     raise UsageError(f"no checkpoint at {ckpt}; {ckpt}.tmp is an incomplete write (the run was killed while saving "
                      "its first checkpoint): nothing to resume; remove the folder and start again")
@@ -132,8 +133,10 @@ def read_checkpoint(path: str) -> dict:
         config = json.loads(payload["config"])
     except (TypeError, ValueError):
         config = None
-    if not isinstance(config, dict) or not isinstance(config.get("env_id"), str) or not isinstance(payload["state"], dict):
-        raise UsageError(f"{path} has no readable config (with an env_id) or state; it is not a checkpoint of this project")
+    if not isinstance(config, dict) or not isinstance(config.get("env_id"), str) or not isinstance(
+            payload["state"], dict):
+        raise UsageError(
+            f"{path} has no readable config (with an env_id) or state; it is not a checkpoint of this project")
     return dict(payload, config=config)
 
 
@@ -145,8 +148,7 @@ def load_checkpoint(payload: dict, template: dict, path: str) -> dict:
     except Exception as e:
         raise UsageError(
             f"--resume: {path} does not match this network/optimiser ({e}); it needs the run's flags and the "
-            "version of the script that wrote it"
-        )
+            "version of the script that wrote it")
     if not all(jax.tree.leaves(shapes_match)):
         raise UsageError(f"--resume: {path} has parameters of other shapes; use the flags of the run that wrote it")
     # A Python number of the template (a fresh run's counters) is weakly typed in JAX, and stays so
@@ -172,8 +174,9 @@ def resume_args(args, given, script: str):
     if os.path.basename(script) not in {payload["script"], *heirs}:
         raise UsageError(f"--resume: {path} was written by {payload['script']}, not {os.path.basename(script)}")
     for name in retired:  # a run of an earlier version: its job moved, or is gone
-        print(f"note: {path} was trained with --{name.replace('_', '-')}, which is {RETIRED[name]}; "
-              f"{os.path.basename(script)} continues it", file=sys.stderr)
+        print(
+            f"note: {path} was trained with --{name.replace('_', '-')}, which is {RETIRED[name]}; "
+            f"{os.path.basename(script)} continues it", file=sys.stderr)
     defaults = type(args)()
     fields = [f.name for f in dataclasses.fields(args) if f.name not in ("resume", "run_dir", *LAUNCH)]
     if given is None:
@@ -185,10 +188,10 @@ def resume_args(args, given, script: str):
         if name in changed:
             raise UsageError(
                 f"--resume: --{name.replace('_', '-')} cannot change mid-run ({path} has {stored[name]!r}); "
-                "start a new run to change it"
-            )
+                "start a new run to change it")
     if not getattr(args, "trust_env_module", False):
-        named = env_modules(args.env_id if "env_id" in given else "", args.env_module if "env_module" in given else None)
+        named = env_modules(args.env_id if "env_id" in given else "",
+                            args.env_module if "env_module" in given else None)
         check_trusted(payload["config"], named, f"--resume: {path}", "name it again (--{}) or pass --trust-env-module")
     return dataclasses.replace(args, **{name: stored[name] for name in fields if name not in given}), payload, changed
 
@@ -245,5 +248,5 @@ def run_identity(run_dir: str) -> dict:
     if not os.path.isfile(ckpt):
         raise UsageError(f"{run_dir} has neither {CONFIG} nor {CHECKPOINT}: which script and env wrote it is unknown")
     payload = read_checkpoint(ckpt)
-    script = payload["script"][: -len(".py")]
+    script = payload["script"][:-len(".py")]
     return {"script": script, "env_id": str(payload["config"].get("env_id")), "seed": payload["config"].get("seed")}

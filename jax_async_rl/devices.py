@@ -29,8 +29,11 @@ def start_processes(args):
     fails (a machine that vanished) or process 0 dies (it holds JAX's coordination service), the
     service's heartbeats end the others within 30 s by an abort in C++ (SIGABRT, "the JAX
     distributed service detected fatal errors"), before Python can say more."""
-    given = [f"--{name.replace('_', '-')}" for name, unset in
-             [("coordinator_address", ""), ("num_processes", 0), ("process_id", -1)] if getattr(args, name) != unset]
+    given = [
+        f"--{name.replace('_', '-')}"
+        for name, unset in [("coordinator_address", ""), ("num_processes", 0), ("process_id", -1)]
+        if getattr(args, name) != unset
+    ]
     if not args.distributed:
         if given:
             raise UsageError(f"{given[0]} is for a run of many processes: pass --distributed too")
@@ -38,15 +41,20 @@ def start_processes(args):
     if args.num_processes < 0:
         raise UsageError(f"--num-processes must be >= 0 (0: detected), got {args.num_processes}")
     if args.process_id < -1 or (args.num_processes and not -1 < args.process_id < args.num_processes):
-        raise UsageError(f"--process-id {args.process_id} must be in 0 to --num-processes - 1 ({args.num_processes - 1})")
+        raise UsageError(
+            f"--process-id {args.process_id} must be in 0 to --num-processes - 1 ({args.num_processes - 1})")
     if (args.num_processes or args.process_id >= 0) and not args.coordinator_address:
         raise UsageError("--num-processes and --process-id need --coordinator-address HOST:PORT (process 0's)")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # collectives between CPU processes
     jax.config.update("jax_enable_preemption_service", False)  # it would take SIGTERM from the run's signal handler
     try:
         jax.distributed.initialize(
-            args.coordinator_address or None, args.num_processes or None, None if args.process_id < 0 else args.process_id,
-            heartbeat_timeout_seconds=30, shutdown_timeout_seconds=3600,  # the others wait at exit for process 0's evaluation
+            args.coordinator_address or None,
+            args.num_processes or None,
+            None if args.process_id < 0 else args.process_id,
+            # The others wait at exit for process 0's evaluation
+            heartbeat_timeout_seconds=30,
+            shutdown_timeout_seconds=3600,
         )
     except ValueError as e:  # no cluster detected, and no --coordinator-address
         raise UsageError(f"--distributed: {e} Pass --coordinator-address, --num-processes and --process-id, "
@@ -97,8 +105,10 @@ def make_mesh(args):
     if local_envs(args) % len(args.learner_device_ids):
         raise UsageError(f"the {local_envs(args)} envs of this process do not divide over its "
                          f"{len(args.learner_device_ids)} learner devices (--learner-device-ids)")
-    learners = [d for p in range(jax.process_count()) for d in
-                np.array([d for d in jax.devices() if d.process_index == p])[args.learner_device_ids]]
+    learners = [
+        d for p in range(jax.process_count())
+        for d in np.array([d for d in jax.devices() if d.process_index == p])[args.learner_device_ids]
+    ]
     return [local[i] for i in args.actor_device_ids], jax.sharding.Mesh(np.array(learners), ("env",))
 
 
@@ -176,7 +186,7 @@ def agree(received: list, stopped: bool, episodes: list):
         return mine > 0, episodes
     counts = multihost_utils.process_allgather(np.array([mine, len(episodes)]))
     table = np.zeros((max(1, counts[:, 1].max()), 3))
-    table[: len(episodes)] = np.reshape(episodes, (-1, 3))
+    table[:len(episodes)] = np.reshape(episodes, (-1, 3))
     tables = multihost_utils.process_allgather(table)
     code = int(counts[:, 0].max())
     if code == 1 and mine == 0:
@@ -188,8 +198,8 @@ def agree(received: list, stopped: bool, episodes: list):
 
 def peer_failure(error) -> bool:
     """Whether `error` is a collective that failed because another process of the run is gone."""
-    return jax.process_count() > 1 and any(s in str(error) for s in ("Connection closed by peer",
-                                                                     "Connection reset by peer"))
+    return jax.process_count() > 1 and any(s in str(error)
+                                           for s in ("Connection closed by peer", "Connection reset by peer"))
 
 
 def describe_dead(error) -> str:
@@ -210,7 +220,8 @@ def use_compile_cache(path: str):
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
-        raise UsageError(f"--compile-cache {path}: cannot create it ({e.strerror}); pass another folder, or '' for none")
+        raise UsageError(
+            f"--compile-cache {path}: cannot create it ({e.strerror}); pass another folder, or '' for none")
     if not os.access(path, os.W_OK):
         raise UsageError(f"--compile-cache {path} is not writable; pass another folder, or '' for none")
     jax.config.update("jax_compilation_cache_dir", path)

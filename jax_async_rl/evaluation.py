@@ -19,15 +19,14 @@ def evaluate(policy, params, initial_core, args, normalizer, num_episodes: int, 
     core's state): the script's jitted policy step (env_ids, steps: each env's index and step);
     `initial_core(n)` the recurrent core of n envs before their first step (None without one).
     Each env plays at most its share of the episodes, so that short games are not favoured. With
-    `video_dir`, the first episode of the first env is written to an mp4 there. Stops early, with the scores so far and no video, once `signals` (the main thread's
-    received signals) fills.
+    `video_dir`, the first episode of the first env is written to an mp4 there. Stops early, with
+    the scores so far and no video, once `signals` (the main thread's received signals) fills.
     """
     num_envs = min(num_episodes, 8)
     quota = np.full(num_envs, -(-num_episodes // num_envs))
     render = video_dir is not None and env_kind(args.env_id) not in ("mujoco", "dm_control")
-    envs = make_env(
-        args.env_id, num_envs, args.seed + 10_000, 1, train=False, **({"render_mode": "rgb_array"} if render else {})
-    )
+    rendering = {"render_mode": "rgb_array"} if render else {}
+    envs = make_env(args.env_id, num_envs, args.seed + 10_000, 1, train=False, **rendering)
     key = jax.random.PRNGKey(args.seed + 10_000)
     stats = EpisodeStats(num_envs)
     obs, info = envs.reset()
@@ -43,7 +42,8 @@ def evaluate(policy, params, initial_core, args, normalizer, num_episodes: int, 
         done = terminated | truncated
         if lives is not None:  # Atari: as in training (episodic life), each life lost resets the LSTM
             done, lives = done | (info["lives"] < lives), info["lives"]
-        reward = np.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's reward is undefined (dm_control: NaN at times)
+        # A reset's reward is undefined (dm_control: NaN at times).
+        reward = np.where(info["elapsed_step"] > 0, reward, 0.0)
         stats.update(np.arange(num_envs), reward, terminated, truncated, info)
         for env, ret, _ in stats.pop():
             if quota[env] > 0:

@@ -48,17 +48,18 @@ NON_NEGATIVE = Bound(lambda v: v >= 0, "must be >= 0")
 UNIT = Bound(lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]")
 # Every int flag fits in 32 bits: JAX computes with int32 (a jitted update takes the step and the
 # budget), so a larger one would end in an overflow at the first update.
-INT32 = 2**31 - 1
+INT32 = 2 ** 31 - 1
 
 
 def at_most(limit) -> Bound:
     """A flag's upper limit: past it nothing sensible runs (an overflow, a loop or an allocation
     that no machine finishes)."""
-    return Bound(lambda v: v <= limit, f"must be at most {limit:,}" if isinstance(limit, int) else f"must be at most {limit:g}")
+    return Bound(lambda v: v <= limit,
+                 f"must be at most {limit:,}" if isinstance(limit, int) else f"must be at most {limit:g}")
 
 
 # Seeds of envs (int32 in envpool) are the seed plus env indices, and evaluation's seed + 10,000.
-SEED = Bound(lambda v: 0 <= v <= 2**30, "must be in [0, 2**30]")
+SEED = Bound(lambda v: 0 <= v <= 2 ** 30, "must be in [0, 2**30]")
 
 
 def default_is(text: str):
@@ -71,7 +72,7 @@ PRESET = default_is("preset")
 # Flags that no longer exist, and where their job went: one line instead of tyro's box.
 RETIRED = {
     "xla_actor": "retired: the XLA actor is the script appo_envpool_xla.py now (APPO, always with that actor; "
-                 "IMPALA's is gone: port it from `diff appo_envpool.py appo_envpool_xla.py`)",
+    "IMPALA's is gone: port it from `diff appo_envpool.py appo_envpool_xla.py`)",
 }
 
 
@@ -175,8 +176,10 @@ def default_exp_name(stem: str, args) -> str:
     """--exp-name left out: the script's name (`stem`) and the names of the variants the flags
     make (the script's `Args.NAMED`: {name: {flag: value}}, e.g. TD3's `ddpg`, the replay
     scripts' `serial`), so that runs of two variants are told apart by their folders and headers."""
-    named = [name for name, values in getattr(type(args), "NAMED", {}).items()
-             if all(getattr(args, flag) == value for flag, value in values.items())]
+    named = [
+        name for name, values in getattr(type(args), "NAMED", {}).items() if all(
+            getattr(args, flag) == value for flag, value in values.items())
+    ]
     return "__".join([stem, *named])
 
 
@@ -196,7 +199,10 @@ def flags_given(argv, args_class) -> set:
     """The Args fields named on a command line (`--flag value`, `--flag=value`, `--no-flag`)."""
     fields = {f.name for f in dataclasses.fields(args_class)}
     names = {token[2:].split("=")[0].replace("-", "_") for token in argv if token.startswith("--")}
-    return {name for name in names if name in fields} | {name[3:] for name in names if name.startswith("no_") and name[3:] in fields}
+    return {name
+            for name in names
+            if name in fields} | {name[3:]
+                                  for name in names if name.startswith("no_") and name[3:] in fields}
 
 
 def check_names(argv, args_class):
@@ -255,7 +261,7 @@ def command_line(main, args_class, presets: dict):
     argv = sys.argv[1:]
 
     def call():
-        if {"-h", "--help"} & set(argv[: argv.index("--") if "--" in argv else len(argv)]):
+        if {"-h", "--help"} & set(argv[:argv.index("--") if "--" in argv else len(argv)]):
             try:
                 text = helptext.help_text(os.path.basename(sys.argv[0]), args_class, presets)
             except Exception:  # an Args this layout does not know (a user's edit): tyro's own help

@@ -86,8 +86,9 @@ def lock(f, path: str) -> bool:
         except BlockingIOError:
             time.sleep(0.05 * (attempt + 1))
         except OSError as e:  # ENOLCK, EOPNOTSUPP, ENOSYS: no locks here
-            print(f"warning: {path}: the file system does not lock ({e.strerror}); nothing stops a second run "
-                  "from using this folder at the same time", file=sys.stderr)
+            print(
+                f"warning: {path}: the file system does not lock ({e.strerror}); nothing stops a second run "
+                "from using this folder at the same time", file=sys.stderr)
             return True
     return False
 
@@ -102,7 +103,8 @@ def claim(folder: str, owner: str = "run"):
         f.seek(0)
         holder = f.read().strip() or "unknown"
         f.close()
-        raise UsageError(f"{folder} is in use by another {owner} ({holder}); wait for it to end, or pick another folder")
+        raise UsageError(
+            f"{folder} is in use by another {owner} ({holder}); wait for it to end, or pick another folder")
     f.seek(0)
     f.truncate()
     f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
@@ -183,7 +185,8 @@ def read_config(path: str) -> dict:
     except FileNotFoundError:
         raise UsageError(f"{path} is missing: the run's record is gone; restore it, or --resume into a new --run-dir")
     except (ValueError, UnicodeDecodeError) as e:
-        raise UsageError(f"{path} is not readable JSON ({type(e).__name__}); restore it, or --resume into a new --run-dir")
+        raise UsageError(
+            f"{path} is not readable JSON ({type(e).__name__}); restore it, or --resume into a new --run-dir")
     if not isinstance(config, dict):
         raise UsageError(f"{path} holds a {type(config).__name__}, not a run's record (an object)")
     return config
@@ -195,11 +198,17 @@ def write_config(run_dir: str, args, changed: dict, global_step: int, batch: str
     the step it resumed from, under "resumes" (read_config's errors if the record is damaged)."""
     path = os.path.join(run_dir, CONFIG)
     config = dict(dataclasses.asdict(args), global_batch=batch)
-    if args.resume and (os.path.exists(path) or same_folder(run_dir, own_folder(dataclasses.replace(args, run_dir=None)))):
+    if args.resume and (os.path.exists(path)
+                        or same_folder(run_dir, own_folder(dataclasses.replace(args, run_dir=None)))):
         config = read_config(path)
     if args.resume:
-        resume = {"step": global_step, "wall_time": time.time(), "from": os.path.abspath(args.resume), "changed": changed,
-                  "global_batch": batch}
+        resume = {
+            "step": global_step,
+            "wall_time": time.time(),
+            "from": os.path.abspath(args.resume),
+            "changed": changed,
+            "global_batch": batch
+        }
         config["resumes"] = [*config.get("resumes", []), resume]
     checkpoints.write_atomically(path, json.dumps(config, indent=2).encode())
 

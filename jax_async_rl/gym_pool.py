@@ -40,7 +40,6 @@ import gymnasium
 import numpy as np
 
 
-
 class EnvError(RuntimeError):
     """An env raised in its worker, hung, returned what it cannot, or its worker died: `line`, one
     line naming the env by its index (the run adds its --env-id), and `details`, its traceback."""
@@ -74,8 +73,9 @@ def fault(obs: list, first: list, env_ids, elapsed):
         when = f"at step {elapsed[k]} of its episode"
         for (path, x), (_, shape, dtype) in zip(leaves(o), first):
             if (x.shape, x.dtype) != (shape, dtype):
-                return env_ids[k], (f"returned an observation{path} of shape {x.shape} {x.dtype} {when}, where its first "
-                                    f"had {shape} {dtype}")
+                return env_ids[k], (
+                    f"returned an observation{path} of shape {x.shape} {x.dtype} {when}, where its first "
+                    f"had {shape} {dtype}")
             if x.dtype.kind == "f" and not np.isfinite(x).all():
                 return env_ids[k], f"returned a non-finite observation{path} ({x[~np.isfinite(x)][0]}) {when}"
     return None
@@ -200,8 +200,10 @@ class GymPool:
         process that runs JAX's threads), which takes `make` over its socket."""
         parent, child = socket.socketpair()
         with child:
-            proc = subprocess.Popen([sys.executable, "-c", WORKER, str(child.fileno()), str(os.getpid()), tie],
-                                    pass_fds=[child.fileno()], stdin=subprocess.DEVNULL, process_group=self.guard.pid)
+            proc = subprocess.Popen([sys.executable, "-c", WORKER,
+                                     str(child.fileno()),
+                                     str(os.getpid()), tie], pass_fds=[child.fileno()], stdin=subprocess.DEVNULL,
+                                    process_group=self.guard.pid)
         conn = Connection(parent.detach())
         conn.send(sys.path)
         conn.send((make, env_ids, seed))
@@ -261,7 +263,8 @@ class GymPool:
                 from jax_async_rl.threads import Stopped  # here: a worker, which imports this module, imports no JAX
 
                 raise Stopped("the run stops")
-            watched = [self.conns[i] for i in waiting] + [self.sentinels[i] for i in waiting if self.sentinels[i] is not None]
+            watched = [self.conns[i]
+                       for i in waiting] + [self.sentinels[i] for i in waiting if self.sentinels[i] is not None]
             ready = wait(watched, timeout=min(overdue, give_up or overdue, now + (0.2 if self.stop else 1e9)) - now)
             for i in waiting:
                 if self.conns[i] in ready or self.sentinels[i] in ready:

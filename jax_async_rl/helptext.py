@@ -16,8 +16,8 @@ import tyro
 from jax_async_rl import flags
 
 # --help's groups: flags not named here are the algorithm's (or, in flags.RunArgs, the run's).
-ENVIRONMENT = ("env_id", "env_module", "env_kwargs", "env_timeout", "trust_env_module", "seed", "num_envs", "num_splits", "num_threads",
-               "norm_obs", "norm_reward")
+ENVIRONMENT = ("env_id", "env_module", "env_kwargs", "env_timeout", "trust_env_module", "seed", "num_envs",
+               "num_splits", "num_threads", "norm_obs", "norm_reward")
 DEVICES = ("actor_device_ids", "learner_device_ids", "num_actor_threads", "distributed", "coordinator_address",
            "num_processes", "process_id")
 
@@ -33,7 +33,8 @@ def field_docs(cls) -> dict:
         if not isinstance(body, list):
             continue
         for node, after in zip(body, body[1:]):
-            if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+            if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(
+                    after.value, ast.Constant):
                 docs[node.target.id] = " ".join(str(after.value.value).split())
     return docs
 
@@ -60,8 +61,14 @@ def help_text(prog: str, args_class, presets: dict) -> str:
     docs, hints = field_docs(args_class), typing.get_type_hints(args_class, include_extras=True)
     run_fields = {f.name for f in dataclasses.fields(flags.RunArgs)}
     script = issubclass(args_class, flags.RunArgs)
-    groups = {"arguments": [], "algorithm flags": [], "environment flags": [], "run flags": [], "devices flags": [],
-              "flags": []}
+    groups = {
+        "arguments": [],
+        "algorithm flags": [],
+        "environment flags": [],
+        "run flags": [],
+        "devices flags": [],
+        "flags": []
+    }
     for field in dataclasses.fields(args_class):
         name, meta = field.name, getattr(hints[field.name], "__metadata__", ())
         hint = hints[name].__origin__ if typing.get_origin(hints[name]) is typing.Annotated else hints[name]
@@ -72,20 +79,24 @@ def help_text(prog: str, args_class, presets: dict) -> str:
         if POSITIONAL in meta:
             group, flag, default = "arguments", label, ""
         else:
-            group = ("flags" if not script else "environment flags" if name in ENVIRONMENT else "devices flags"
-                     if name in DEVICES else "run flags" if name in run_fields else "algorithm flags")
+            group = ("flags" if not script else "environment flags" if name in ENVIRONMENT else
+                     "devices flags" if name in DEVICES else "run flags" if name in run_fields else "algorithm flags")
             flag = f"--{flags.flag_name(name)}" + (f" / --no-{flags.flag_name(name)}" if hint is bool else f" {label}")
             default = "(required)" if value is dataclasses.MISSING else default
         text = textwrap.fill(f"{docs.get(name, '')} {default}".strip(), 100, initial_indent=" " * 6,
                              subsequent_indent=" " * 6)
         groups[group].append(f"  {flag}\n{text}")
-    preset_lines = [textwrap.fill(f"{name}: " + ", ".join(f"{k}={v}" for k, v in values.items()), 100,
-                                  initial_indent="  ", subsequent_indent="      ") for name, values in presets.items()]
+    preset_lines = [
+        textwrap.fill(f"{name}: " + ", ".join(f"{k}={v}" for k, v in values.items()), 100, initial_indent="  ",
+                      subsequent_indent="      ") for name, values in presets.items()
+    ]
     paragraphs = inspect.cleandoc(args_class.__doc__).split("\n\n")
     description = "\n\n".join(textwrap.fill(" ".join(p.split()), 100) for p in paragraphs)
     arguments = "".join(f"{entry.split(chr(10))[0].strip()} " for entry in groups["arguments"])
-    out = [f"usage: {prog} {arguments}[--flag VALUE ...]", "", description,
-           *(["", "presets:", *preset_lines] if presets else [])]
+    out = [
+        f"usage: {prog} {arguments}[--flag VALUE ...]", "", description,
+        *(["", "presets:", *preset_lines] if presets else [])
+    ]
     for group, entries in groups.items():
         if entries:
             out += ["", f"{group}:", *entries]
@@ -95,13 +106,16 @@ def help_text(prog: str, args_class, presets: dict) -> str:
 def light_import(node, needed: set):
     """An import statement cut to the names in `needed` that come from the standard library or
     jax_async_rl.flags (nothing that imports JAX, flax or envpool); None when none is left."""
+
     def light(module, name):
         return module.split(".")[0] in sys.stdlib_module_names or "jax_async_rl.flags" in (module, f"{module}.{name}")
 
     if isinstance(node, ast.Import):
         kept = [a for a in node.names if (a.asname or a.name.split(".")[0]) in needed and light(a.name, "")]
     else:
-        kept = [a for a in node.names if (a.asname or a.name) in needed and node.level == 0 and light(node.module, a.name)]
+        kept = [
+            a for a in node.names if (a.asname or a.name) in needed and node.level == 0 and light(node.module, a.name)
+        ]
     return type(node)(**{**vars(node), "names": kept}) if kept else None
 
 
@@ -120,7 +134,7 @@ def help_from_source(path: str):
     `help_text` and exit 0. On any failure it returns, and the script's command line prints the
     same help after its imports (an Args edited to need JAX costs only the time)."""
     argv = sys.argv[1:]
-    if not {"-h", "--help"} & set(argv[: argv.index("--") if "--" in argv else len(argv)]):
+    if not {"-h", "--help"} & set(argv[:argv.index("--") if "--" in argv else len(argv)]):
         return
     module = types.ModuleType(f"_help_source_{abs(hash(path))}")  # field_docs reads the file through it
     module.__file__ = path

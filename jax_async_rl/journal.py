@@ -122,8 +122,18 @@ class Keeper:
     def carry(self, version: int, actor_lag: int) -> dict:
         """What the checkpoint of `version` carries; the journal synced to disk."""
         self.journal.sync()
-        carry = {"acting": {str(v): self.published[v] for v in range(version - actor_lag, version)
-                            if self.published and v in self.published}}
+        carry = {
+            "acting": {
+                str(v): self.published[v]
+                for v in range(version - actor_lag, version) if self.published and v in self.published
+            }
+        }
         if self.memories and self.memories[0] is not None:
-            carry["memory"] = {str(i): {str(j): x for j, x in enumerate(jax.tree.leaves(m))} for i, m in enumerate(self.memories)}
+            carry["memory"] = {
+                str(i): {
+                    str(j): x
+                    for j, x in enumerate(jax.tree.leaves(m))
+                }
+                for i, m in enumerate(self.memories)
+            }
         return carry

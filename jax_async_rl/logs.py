@@ -39,8 +39,9 @@ class Logger:
         self.events = open(self.events_path, "wb", buffering=0)
         first = [event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2")]
         if purge_step is not None:
-            first.append(event_pb2.Event(step=purge_step, wall_time=time.time(),
-                                         session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
+            first.append(
+                event_pb2.Event(step=purge_step, wall_time=time.time(),
+                                session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
         self.events.write(b"".join(map(record, first)))
         self.path = os.path.join(run_dir, METRICS)
         self.jsonl = open(self.path, "a", buffering=1)
@@ -82,8 +83,9 @@ class Logger:
                 return
         self.jsonl.close()
         self.jsonl = open(self.path, "a", buffering=1)
-        print(f"warning: {self.path} was deleted mid-run; recreated from step {step} on (the records before are in "
-              "TensorBoard's events file)", file=sys.stderr, flush=True)
+        print(
+            f"warning: {self.path} was deleted mid-run; recreated from step {step} on (the records before are in "
+            "TensorBoard's events file)", file=sys.stderr, flush=True)
 
     def close(self):
         """Both files closed; an error the run has not reported yet is raised (one, naming its file)."""

@@ -47,7 +47,7 @@ class Normalizer:
             delta = batch_mean - m
             batch_var = np.square(leaf - batch_mean).mean(0)
             means.append(m + delta * n / total)
-            variances.append((v * count + batch_var * n + delta**2 * count * n / total) / total)
+            variances.append((v * count + batch_var * n + delta ** 2 * count * n / total) / total)
         return jax.tree.unflatten(tree, means), jax.tree.unflatten(tree, variances), total
 
     def observe(self, obs, train: bool = True):
@@ -125,6 +125,6 @@ def combined(a, b):
     (mean_a, var_a, n_a), (mean_b, var_b, n_b) = a, b
     n = n_a + n_b
     mean = jax.tree.map(lambda ma, mb: ma + (mb - ma) * n_b / n, mean_a, mean_b)
-    var = jax.tree.map(lambda ma, va, mb, vb: (va * n_a + vb * n_b + (mb - ma) ** 2 * n_a * n_b / n) / n,
-                       mean_a, var_a, mean_b, var_b)
+    var = jax.tree.map(lambda ma, va, mb, vb: (va * n_a + vb * n_b + (mb - ma) ** 2 * n_a * n_b / n) / n, mean_a, var_a,
+                       mean_b, var_b)
     return mean, var, n

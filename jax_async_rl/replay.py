@@ -47,10 +47,12 @@ def check_rounds(args, min_rows: int):
     steps = args.replay_ratio * chunk / (args.batch_size * per)
     if steps < 1 or abs(steps - round(steps)) > 1e-6:
         rows = f" x {per} steps a sequence (--burn-in + --seq-len)" if getattr(args, "lstm", False) else ""
-        raise UsageError(f"--replay-ratio {args.replay_ratio} x a round's {chunk} env steps ({devices.describe_batch(args)}) "
-                         f"/ --batch-size {args.batch_size}{rows} = {steps:g} gradient steps: make it a whole number")
+        raise UsageError(
+            f"--replay-ratio {args.replay_ratio} x a round's {chunk} env steps ({devices.describe_batch(args)}) "
+            f"/ --batch-size {args.batch_size}{rows} = {steps:g} gradient steps: make it a whole number")
     if args.batch_size % len(args.learner_device_ids):
-        raise UsageError(f"--batch-size {args.batch_size} must divide over the {len(args.learner_device_ids)} learner devices")
+        raise UsageError(
+            f"--batch-size {args.batch_size} must divide over the {len(args.learner_device_ids)} learner devices")
     if args.buffer_size < 2 * chunk or args.buffer_size // devices.local_envs(args) <= min_rows:
         raise UsageError(f"--buffer-size {args.buffer_size} must hold two rounds ({chunk} env steps) and more than "
                          f"{min_rows} steps of each of the {devices.local_envs(args)} envs")
@@ -69,11 +71,13 @@ def check_rounds(args, min_rows: int):
     buffer = rows * row + 16 * 2 ** max(1, math.ceil(math.log2(rows)))  # the sum tree: 2 float64 a leaf
     batches = round(steps) * args.batch_size * sample
     if buffer + batches > 0.9 * available:
-        flag, what = ((f"--buffer-size {args.buffer_size:,}", f"its {rows:,} rows of {row:,} bytes")
-                      if buffer >= batches else (f"--replay-ratio {args.replay_ratio:g}", f"a round's {round(steps):,} batches"))
-        raise UsageError(f"{flag}: the replay buffer and a round's batches take {(buffer + batches) / 2**30:.1f} GiB ({what}"
-                         f"{', Atari frames stored once' if stack > 1 else ''}), more than 90% of the "
-                         f"{available / 2**30:.1f} GiB this machine has available; lower {flag.split()[0]}")
+        flag, what = ((f"--buffer-size {args.buffer_size:,}",
+                       f"its {rows:,} rows of {row:,} bytes") if buffer >= batches else
+                      (f"--replay-ratio {args.replay_ratio:g}", f"a round's {round(steps):,} batches"))
+        raise UsageError(
+            f"{flag}: the replay buffer and a round's batches take {(buffer + batches) / 2**30:.1f} GiB ({what}"
+            f"{', Atari frames stored once' if stack > 1 else ''}), more than 90% of the "
+            f"{available / 2**30:.1f} GiB this machine has available; lower {flag.split()[0]}")
 
 
 def gradient_steps(args) -> int:
@@ -140,8 +144,8 @@ class Replay:
     weights, 1 under uniform replay); `update_priorities(slots, td_errors)` under prioritised
     replay."""
 
-    def __init__(self, capacity: int, num_envs: int, obs_example, action_example, n_step: int = 1,
-                 gamma: float = 0.99, frame_stack: int = 1, alpha: float = 0.0, eps: float = 1e-6):
+    def __init__(self, capacity: int, num_envs: int, obs_example, action_example, n_step: int = 1, gamma: float = 0.99,
+                 frame_stack: int = 1, alpha: float = 0.0, eps: float = 1e-6):
         if capacity < num_envs:
             raise ValueError(f"a buffer of {capacity} transitions cannot hold a row of {num_envs} envs")
         self.capacity, self.rows, self.num_envs = capacity, capacity // num_envs, num_envs
@@ -154,11 +158,18 @@ class Replay:
             return np.zeros((self.rows, num_envs, *example.shape[2 if frames else 1:]), example.dtype)
 
         leaves, tree = jax.tree_util.tree_flatten_with_path(obs_example)
-        self.bits = {i: (np.shape(x)[1:], np.asarray(x).dtype) for i, (path, x) in enumerate(leaves)  # masks' leaves
-                     if path and getattr(path[-1], "key", None) == MASK}
-        self.obs = jax.tree.unflatten(tree, [storage(x, frame_stack > 1) if i not in self.bits else
-                                             storage(np.zeros((1, -(-np.size(x[0]) // 8)), np.uint8))  # bytes of bits
-                                             for i, (_, x) in enumerate(leaves)])
+        self.bits = {
+            i: (np.shape(x)[1:], np.asarray(x).dtype)
+            for i, (path, x) in enumerate(leaves)  # masks' leaves
+            if path and getattr(path[-1], "key", None) == MASK
+        }
+        self.obs = jax.tree.unflatten(
+            tree,
+            [
+                storage(x, frame_stack > 1) if i not in self.bits else storage(
+                    np.zeros((1, -(-np.size(x[0]) // 8)), np.uint8))  # bytes of bits
+                for i, (_, x) in enumerate(leaves)
+            ])
         self.action = storage(action_example)
         self.reward = np.zeros((self.rows, num_envs), np.float32)
         self.terminated = np.zeros((self.rows, num_envs), bool)
@@ -203,7 +214,8 @@ class Replay:
         self.live[stale], self.live[fresh] = False, True
         if self.tree is not None:
             self.tree.update(np.concatenate([stale, fresh]),
-                             np.r_[np.zeros(len(stale)), np.full(len(fresh), self.max_priority ** self.alpha)])
+                             np.r_[np.zeros(len(stale)),
+                                   np.full(len(fresh), self.max_priority ** self.alpha)])
 
     def write(self, env_ids, obs, action, reward, terminated, truncated, elapsed):
         """`add`'s rows, written; returns each one's (row number, env id)."""
@@ -293,8 +305,8 @@ class Replay:
             terminated, truncated = self.terminated[row, e], self.truncated[row, e]
             discount = np.where(alive & terminated, 0.0, discount)
             alive &= ~(terminated | truncated)
-        return dict(obs=self.stacked(t, e), action=self.action[t % self.rows, e], reward=reward,
-                    discount=discount, next_obs=self.stacked(next_t, e), slots=slots, weights=self.weights(slots, beta))
+        return dict(obs=self.stacked(t, e), action=self.action[t % self.rows, e], reward=reward, discount=discount,
+                    next_obs=self.stacked(next_t, e), slots=slots, weights=self.weights(slots, beta))
 
     def weights(self, slots, beta: float):
         """Prioritised replay's importance weights (N P(slot))^-beta (1 without; normalised by `sample`)."""

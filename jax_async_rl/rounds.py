@@ -64,7 +64,8 @@ class Collector:
             obs, reward, terminated, truncated, info = self.envs.recv()
             timing["env"] += (now := time.perf_counter()) - start
             env_ids = info["env_id"]
-            reward = np.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's reward is undefined (dm_control: NaN at times)
+            # A reset's reward is undefined (dm_control: NaN at times)
+            reward = np.where(info["elapsed_step"] > 0, reward, 0.0)
             state = ()
             if self.ended is None:
                 action = np.asarray(self.act(params, obs, env_ids + self.offset, self.steps[env_ids]))
@@ -74,7 +75,8 @@ class Collector:
             timing["inference"] += (start := time.perf_counter()) - now
             self.envs.send(tasks.env_action(action, self.envs.action_space), env_ids)
             self.stats.update(env_ids, reward, terminated, truncated, info)
-            rows.append((env_ids + self.offset, obs, action, reward, terminated, truncated, info["elapsed_step"], *state))
+            rows.append(
+                (env_ids + self.offset, obs, action, reward, terminated, truncated, info["elapsed_step"], *state))
             self.steps[env_ids] += 1
             self.shared.sampled[self.thread] += len(env_ids)
             timing["bookkeeping"] += time.perf_counter() - start

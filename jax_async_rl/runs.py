@@ -27,11 +27,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jax_async_rl import checkpoints, devices, evaluation, folders, journal, tasks
+from jax_async_rl import checkpoints, devices, evaluation, folders, journal, tasks, threads
 from jax_async_rl.checkpoints import CHECKPOINT
-from jax_async_rl.flags import (UsageError, budget_note, check_bounds, default_exp_name, describe_os_error,
-                                is_file_system_error)
-from jax_async_rl.gym_pool import EnvError
+from jax_async_rl.flags import UsageError, budget_note, check_bounds, default_exp_name
 from jax_async_rl.logs import Logger, Progress
 from jax_async_rl.signals import Signals
 from jax_async_rl.threads import Threads
@@ -48,7 +46,8 @@ class Run:
         self.saving = threading.Lock()  # one checkpoint write at a time (the learner's and the main thread's)
         self.run_dir = self.logger = self.progress = self.lock = None
         self.peer_lost = False  # another process died: exit without JAX's shutdown
-        self.last_episode_step, self.episode_lock = -1, threading.Lock()  # each game its own step (TensorBoard keeps one a step)
+        self.last_episode_step, self.episode_lock = -1, threading.Lock(
+        )  # each game its own step (TensorBoard keeps one a step)
         self.warned = False
 
     def __enter__(self):
@@ -88,15 +87,17 @@ class Run:
         args, self.payload, self.changed = checkpoints.resume_args(self.args, self.given, self.script)
         args = dataclasses.replace(args, exp_name=args.exp_name or default_exp_name(Path(self.script).stem, args))
         flags = os.environ.get("XLA_FLAGS", "")
-        if args.deterministic and "xla_gpu_deterministic_ops" not in flags:  # GPU kernels without atomics, read at backend start
+        # GPU kernels without atomics, read at backend start
+        if args.deterministic and "xla_gpu_deterministic_ops" not in flags:
             os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_deterministic_ops=true".strip()
         devices.start_processes(args)
         self.args, self.actor_devices, self.mesh = prepare(args, self.resolve, self.payload is not None)
         self.batch_size = devices.global_envs(self.args) * self.args.num_steps
         if self.args.num_steps < 4:
-            print(f"warning: --num-steps {self.args.num_steps}: rollouts this short give the returns almost nothing "
-                  "to bootstrap from and most of an update's time goes to overhead; 4 or more is usual",
-                  file=sys.stderr, flush=True)
+            print(
+                f"warning: --num-steps {self.args.num_steps}: rollouts this short give the returns almost nothing "
+                "to bootstrap from and most of an update's time goes to overhead; 4 or more is usual", file=sys.stderr,
+                flush=True)
         self.global_step = self.start_step = int(self.payload["state"]["global_step"]) if self.payload else 0
         self.finished = self.payload is not None and self.global_step + self.batch_size > self.args.total_timesteps
         if self.finished:
@@ -108,10 +109,14 @@ class Run:
             print(note, file=sys.stderr, flush=True)
         trained = (self.args.total_timesteps - self.global_step) // self.batch_size * self.batch_size
         if getattr(self.args, "learning_starts", 0) >= trained:  # replay: a run (or resume) fills its buffer first
-            raise UsageError(f"--learning-starts {self.args.learning_starts} is not below the {trained} env steps left of "
-                             f"--total-timesteps {self.args.total_timesteps}: no gradient step would run; lower it or raise the budget")
-        print(f"jax {jax.__version__} on {jax.default_backend()}: {', '.join(map(str, jax.local_devices()))}", flush=True)
-        self.seed = (self.args.seed + self.global_step) % 2**30  # a resumed run draws new seeds; within int32 (flags.SEED)
+            raise UsageError(
+                f"--learning-starts {self.args.learning_starts} is not below the {trained} env steps left of "
+                f"--total-timesteps {self.args.total_timesteps}: no gradient step would run; lower it or raise the budget"
+            )
+        print(f"jax {jax.__version__} on {jax.default_backend()}: {', '.join(map(str, jax.local_devices()))}",
+              flush=True)
+        self.seed = (self.args.seed +
+                     self.global_step) % 2 ** 30  # a resumed run draws new seeds; within int32 (flags.SEED)
         self.env_seed, self.keeper = self.seed, None  # journal_for: the run's own seeds, to replay its envs
         # Keys from --seed alone: draws are keyed by env and step, updates by their number (fold_in).
         self.key, self.init_key, self.update_key = jax.random.split(jax.random.PRNGKey(self.args.seed), 3)
@@ -140,10 +145,12 @@ class Run:
             path = checkpoints.checkpoint_path(self.args.resume) if self.payload else None
             if path and not os.path.exists(path) and folders.same_folder(os.path.dirname(path), self.run_dir):
                 checkpoints.finish_rename(path)  # resumed from a complete .tmp: make it the checkpoint
-            folders.write_config(self.run_dir, self.args, self.changed, self.global_step, devices.describe_batch(self.args))
+            folders.write_config(self.run_dir, self.args, self.changed, self.global_step,
+                                 devices.describe_batch(self.args))
             if self.payload and (dropped := folders.cut_metrics(self.run_dir, self.global_step)):
-                print(f"note: {dropped} records past step {self.global_step} (sampled after the checkpoint, never "
-                      "learned from) cut from metrics.jsonl", file=sys.stderr)
+                print(
+                    f"note: {dropped} records past step {self.global_step} (sampled after the checkpoint, never "
+                    "learned from) cut from metrics.jsonl", file=sys.stderr)
         self.checkpoint_file = os.path.join(self.run_dir, CHECKPOINT) if self.run_dir else "process 0's"
         self.logger = Logger(self.run_dir, self.args, purge_step=self.global_step + 1 if self.payload else None)
         return self.state
@@ -168,11 +175,13 @@ class Run:
         """The header line (`details`: the preset, the splits, ...), the clock and the progress line."""
         variant = "" if self.args.exp_name == Path(self.script).stem else f" ({self.args.exp_name})"
         name = os.path.basename(self.script) + variant
-        print(f"{name}: {self.args.env_id} ({details}), {self.num_updates - self.start_update} "
-              f"updates of {devices.describe_batch(self.args)} -> {self.run_dir or 'the run folder of process 0'}", flush=True)
+        print(
+            f"{name}: {self.args.env_id} ({details}), {self.num_updates - self.start_update} "
+            f"updates of {devices.describe_batch(self.args)} -> {self.run_dir or 'the run folder of process 0'}",
+            flush=True)
         processes = jax.process_count()  # sampled: as if every process sampled at this one's pace
-        self.progress = Progress(self.args.total_timesteps,
-                                 lambda: (self.start_step + int(self.sampled.sum()) * processes, self.global_step),
+        self.progress = Progress(self.args.total_timesteps, lambda:
+                                 (self.start_step + int(self.sampled.sum()) * processes, self.global_step),
                                  learning_from=self.start_step + getattr(self.args, "learning_starts", 0))
         self.start_time = time.time()
 
@@ -221,7 +230,10 @@ class Run:
         self.global_step += self.batch_size
         self.state = dict(state, global_step=self.global_step)
         self.signals.started.set()
-        scalars = {k if "/" in k else f"losses/{k}": v for k, v in diagnostics.items() if k not in ("finite", "learning_rate")}
+        scalars = {
+            k if "/" in k else f"losses/{k}": v
+            for k, v in diagnostics.items() if k not in ("finite", "learning_rate")
+        }
         scalars.update(extra or {})
         scalars["charts/learning_rate"] = diagnostics["learning_rate"]
         scalars["charts/SPS"] = (self.global_step - self.start_step) / self.elapsed()
@@ -231,7 +243,8 @@ class Run:
         if not self.warned and (warning := stale_warning(scalars, self.args)):
             self.warned = True
             print(warning, file=sys.stderr, flush=True)
-        if update_idx == self.start_update or (update_idx + 1) % self.args.log_frequency == 0 or update_idx + 1 == self.num_updates:
+        if update_idx == self.start_update or (update_idx +
+                                               1) % self.args.log_frequency == 0 or update_idx + 1 == self.num_updates:
             self.logger.log(*self.pending)
             self.pending = None
         if self.args.save_interval and (update_idx + 1) % self.args.save_interval == 0:
@@ -257,9 +270,11 @@ class Run:
             self.keeper.kept(actions, memories, published)
 
     def save(self):
-        carry = self.keeper and self.keeper.carry(int(self.state["policy_version"]), getattr(self.args, "actor_lag", 0) or 0)
+        carry = self.keeper and self.keeper.carry(int(self.state["policy_version"]),
+                                                  getattr(self.args, "actor_lag", 0) or 0)
         with self.saving:
-            checkpoints.save_checkpoint(self.checkpoint_file, self.state, self.args, self.normalizer, self.script, carry)
+            checkpoints.save_checkpoint(self.checkpoint_file, self.state, self.args, self.normalizer, self.script,
+                                        carry)
 
     def wait(self, learner: threading.Thread):
         """The main thread, while the threads train: until the learner ends or the run stops; then
@@ -279,7 +294,8 @@ class Run:
         if self.pending:
             self.logger.log(*self.pending)
         self.peer_lost = any(devices.peer_failure(error) for _, error, _ in self.threads.errors)
-        if not report_errors(self.threads.errors, self.checkpoint_file, self.global_step, self.args.env_id, self.lock):
+        if not threads.report_errors(self.threads.errors, self.checkpoint_file, self.global_step, self.args.env_id,
+                                     self.lock):
             self.save()
         if self.threads.errors:
             return 1
@@ -290,7 +306,9 @@ class Run:
                   file=sys.stderr)
             return 128 + received[0]
         if self.progress.returns:
-            print(f"final: mean return over the last {len(self.progress.returns)} episodes {np.mean(self.progress.returns):.2f}")
+            print(
+                f"final: mean return over the last {len(self.progress.returns)} episodes {np.mean(self.progress.returns):.2f}"
+            )
         if not (self.args.eval_episodes and self.run_dir):  # process 0 evaluates
             return 0
         video_dir = os.path.join(self.run_dir, "videos") if self.args.capture_video else None
@@ -299,8 +317,9 @@ class Run:
         scores = evaluation.evaluate(policy, params, initial_core, self.args, self.normalizer, self.args.eval_episodes,
                                      video_dir, signals=received)
         if received:
-            print(f"evaluation stopped by signal {received[0]} after {len(scores)} episodes; checkpoint: "
-                  f"{self.checkpoint_file}", file=sys.stderr)
+            print(
+                f"evaluation stopped by signal {received[0]} after {len(scores)} episodes; checkpoint: "
+                f"{self.checkpoint_file}", file=sys.stderr)
             return 128 + received[0]
         self.logger.log(self.global_step, {"eval/episodic_return": np.mean(scores)})
         print(f"eval: {len(scores)} episodes, return {np.mean(scores):.2f} +- {np.std(scores):.2f}")
@@ -349,7 +368,8 @@ def checked(args):
     if args.deterministic:
         check_deterministic(args)
     if args.total_timesteps < devices.global_envs(args) * args.num_steps:
-        raise UsageError(f"--total-timesteps {args.total_timesteps} is less than one update ({devices.describe_batch(args)})")
+        raise UsageError(
+            f"--total-timesteps {args.total_timesteps} is less than one update ({devices.describe_batch(args)})")
     return args
 
 
@@ -363,37 +383,7 @@ def check_deterministic(args):
     if args.actor_lag == 0 and args.num_splits > 1:
         raise UsageError("--actor-lag 0 acts on a rollout once every env has finished the one before, so no split "
                          "steps meanwhile, and with --deterministic none may: pass --num-splits 1")
-    if getattr(args, "num_actor_threads", 1) > 1 and (getattr(args, "norm_obs", False) or getattr(args, "norm_reward", False)):
+    if getattr(args, "num_actor_threads", 1) > 1 and (getattr(args, "norm_obs", False)
+                                                      or getattr(args, "norm_reward", False)):
         raise UsageError("--deterministic: actor threads share the normaliser in the order their steps come; with "
                          "--num-actor-threads over 1 pass --norm-obs False --norm-reward False")
-
-
-def report_errors(errors, ckpt_file: str, global_step: int, env_id: str = "", lock=None) -> bool:
-    """Print the threads' errors: one line for another process gone, a file system error, a
-    non-finite loss or an env's fault (named with `env_id`; an env's own traceback above it),
-    else the traceback. True if the last good checkpoint must stay (a non-finite state, a disk
-    that failed, a run that lost a process: nothing more is written). `lock`: the run folder's (folders.kept)."""
-    kept = folders.kept(ckpt_file, lock)
-    keep = traced = False
-    for where, error, trace in errors:
-        if isinstance(error, EnvError):  # the learning is sound: checkpointed
-            if error.details:
-                print(error.details.rstrip(), file=sys.stderr)
-            print(f"error in {where}: --env-id {env_id}: {error.line}; stopped at step {global_step}, checkpoint: "
-                  f"{ckpt_file}", file=sys.stderr)
-            continue
-        if devices.peer_failure(error):
-            print(f"error in {where}: {devices.describe_dead(error)}; {kept}", file=sys.stderr)
-        elif is_file_system_error(error):
-            print(f"error in {where}: {describe_os_error(error)} (step {global_step}); {kept}", file=sys.stderr)
-        elif isinstance(error, FloatingPointError):
-            print(f"error: {error} (step {global_step}); {kept}. Try a lower --learning-rate or --max-grad-norm.",
-                  file=sys.stderr)
-        else:
-            print(f"error in {where}:\n{trace}", file=sys.stderr)
-            traced = True
-            continue
-        keep = True
-    if traced and not keep:
-        print(f"stopped by an error at step {global_step}; checkpoint: {ckpt_file}", file=sys.stderr)
-    return keep

@@ -41,8 +41,8 @@ class SequenceReplay(Replay):
             raise ValueError(f"{rows} rows an env are too few for sequences of {length} every {period} rows")
         super().__init__(rows * num_envs, num_envs, obs_example, action_example, frame_stack=frame_stack, eps=eps)
         self.length, self.period, self.starts, self.alpha = length, period, rows // period, alpha
-        self.state = jax.tree.map(lambda x: np.zeros((self.starts, num_envs, *np.shape(x)[1:]), np.asarray(x).dtype),
-                                  state_example)
+        self.state = jax.tree.map(lambda x: np.zeros((self.starts, num_envs, *np.shape(x)[1:]),
+                                                     np.asarray(x).dtype), state_example)
         self.begin = np.full((self.starts, num_envs), -1, np.int64)  # the row each slot's sequence starts at
         self.live = np.zeros(self.starts * num_envs, bool)  # slots whose sequence can be sampled
         self.tree = SumTree(self.starts * num_envs) if alpha else None
@@ -67,7 +67,8 @@ class SequenceReplay(Replay):
         if self.tree is not None:
             stale, fresh = np.flatnonzero(was & ~self.live), np.flatnonzero(self.live & (~was | renewed))
             self.tree.update(np.concatenate([stale, fresh]),
-                             np.r_[np.zeros(len(stale)), np.full(len(fresh), self.max_priority ** self.alpha)])
+                             np.r_[np.zeros(len(stale)),
+                                   np.full(len(fresh), self.max_priority ** self.alpha)])
 
     def row_of(self, slots):
         """(first row, env id) of the sequences in `slots`."""
@@ -86,6 +87,6 @@ class SequenceReplay(Replay):
         rows = (t % self.rows, e_rows)
         j = first // self.period % self.starts
         return dict(obs=jax.tree.map(windows, self.stacked(t, e_rows)), action=windows(self.action[rows]),
-                    reward=windows(self.reward[rows]), terminated=windows(self.terminated[rows]),
-                    truncated=windows(self.truncated[rows]), memory=jax.tree.map(lambda store: store[j, e], self.state),
-                    slots=slots, weights=self.weights(slots, beta))
+                    reward=windows(self.reward[rows]), terminated=windows(
+                        self.terminated[rows]), truncated=windows(self.truncated[rows]), memory=jax.tree.map(
+                            lambda store: store[j, e], self.state), slots=slots, weights=self.weights(slots, beta))

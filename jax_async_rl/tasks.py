@@ -22,8 +22,14 @@ from jax_async_rl import gym_pool
 from jax_async_rl.flags import UsageError
 
 # envpool's module of a task (envpool.mujoco.dmc, ...) -> the PRESETS family it takes.
-FAMILIES = {"atari": "atari", "mujoco.dmc": "dm_control", "minigrid": "minigrid", "highway": "highway", "gfootball": "gfootball",
-            "vizdoom": "vizdoom"}
+FAMILIES = {
+    "atari": "atari",
+    "mujoco.dmc": "dm_control",
+    "minigrid": "minigrid",
+    "highway": "highway",
+    "gfootball": "gfootball",
+    "vizdoom": "vizdoom"
+}
 MASK = "action_mask"  # the observation leaf of the legal actions (Jumanji's tasks; a user's env's Dict)
 # VizDoom's buttons as one Discrete action: envpool's default is a float Box over [DBL_MIN, DBL_MAX].
 VIZDOOM = dict(use_combined_action=True)
@@ -66,7 +72,8 @@ def user_maker(env_id: str, env_module, env_kwargs: str):
     try:
         importlib.import_module(module)
     except Exception as e:
-        raise UsageError(f"--env-{'module' if env_module else 'id'} {module}: cannot import it ({type(e).__name__}: {e})")
+        raise UsageError(
+            f"--env-{'module' if env_module else 'id'} {module}: cannot import it ({type(e).__name__}: {e})")
     if not env_module and not hasattr(sys.modules[module], env_id.split(":", 1)[1]):
         raise UsageError(f"--env-id {env_id}: {module} has no {env_id.split(':', 1)[1]!r}")
     if env_module and env_id not in gymnasium.registry:
@@ -101,8 +108,9 @@ def check_observation(env_id: str, space, obs, where: str):
     """UsageError naming the field of a reset's observation that its space does not describe."""
     if isinstance(space, gymnasium.spaces.Dict):
         if not isinstance(obs, dict) or set(obs) != set(space.spaces):
-            raise UsageError(f"--env-id {env_id}: reset() returned {where} keys {sorted(obs) if isinstance(obs, dict) else type(obs).__name__}"
-                             f" where observation_space has {sorted(space.spaces)}")
+            raise UsageError(
+                f"--env-id {env_id}: reset() returned {where} keys {sorted(obs) if isinstance(obs, dict) else type(obs).__name__}"
+                f" where observation_space has {sorted(space.spaces)}")
         for key, sub in space.spaces.items():
             check_observation(env_id, sub, obs[key], f"{where}[{key!r}]")
         return
@@ -164,7 +172,8 @@ def check_task(env_id: str):
     except Exception as e:  # e.g. Procgen without the system Qt 5 runtime: envpool's line gives the install command
         raise UsageError(f"--env-id {env_id} cannot be made here: {(str(e) or type(e).__name__).splitlines()[0]}")
     if spec.config.max_num_players > 1:
-        raise UsageError(f"--env-id {env_id} is a {spec.config.max_num_players}-player task; these scripts train one agent")
+        raise UsageError(
+            f"--env-id {env_id} is a {spec.config.max_num_players}-player task; these scripts train one agent")
     return check_spaces(env_id, obs_space, action_space)
 
 
@@ -179,8 +188,9 @@ def check_spaces(env_id: str, obs_space, action_space):
     fits = [] if nvec is None else [tuple(nvec.tolist()), (len(nvec), int(nvec.max()))]  # joint, one row a dimension
     fits = [(int(action_space.n),)] if kind == "Discrete" else fits
     if shape is not None and fits and shape not in fits:
-        raise UsageError(f"--env-id {env_id}: its observation's {MASK!r} {shape} is no mask of its {action_space} actions "
-                         f"(shapes that are: {' or '.join(map(str, fits))}); rename the leaf if it is something else")
+        raise UsageError(
+            f"--env-id {env_id}: its observation's {MASK!r} {shape} is no mask of its {action_space} actions "
+            f"(shapes that are: {' or '.join(map(str, fits))}); rename the leaf if it is something else")
     for leaf in jax.tree.leaves(space_tree(obs_space)):
         if type(leaf).__name__ not in ("Box", "Discrete", "MultiBinary"):
             raise UsageError(f"--env-id {env_id} has {type(leaf).__name__} observations; these scripts take Box, "
@@ -212,15 +222,13 @@ def make_env(env_id: str, num_envs: int, seed: int, num_threads: int, train: boo
     if env_id in USER_ENVS:  # a user's Gymnasium env, in worker processes behind envpool's interface
         extra = {"render_mode": kwargs["render_mode"]} if "render_mode" in kwargs else {}
         maker = functools.partial(USER_ENVS[env_id], **extra) if extra else USER_ENVS[env_id]
-        return gym_pool.GymPool(maker, num_envs, kwargs.get("batch_size", num_envs), seed, num_threads or os.cpu_count() or 1,
-                                ENV_TIMEOUTS.get(env_id, 300.0), RUN_STOP[0] if train else None)
+        return gym_pool.GymPool(maker, num_envs, kwargs.get("batch_size", num_envs), seed, num_threads
+                                or os.cpu_count() or 1, ENV_TIMEOUTS.get(env_id, 300.0), RUN_STOP[0] if train else None)
     kind = env_kind(env_id)
     kwargs.update(dict(episodic_life=train, reward_clip=train, noop_max=30) if kind == "atari" else {})
     kwargs.update(VIZDOOM if kind == "vizdoom" else {})
     num_threads = num_threads or min(os.cpu_count() or 1, num_envs)
-    return envpool.make(
-        env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, num_threads=num_threads, **kwargs
-    )
+    return envpool.make(env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, num_threads=num_threads, **kwargs)
 
 
 def mask_shape(obs_space):
@@ -268,7 +276,8 @@ def make_actor_env(env_id: str, num_envs: int, seed: int, num_threads: int, num_
     if not deterministic:
         return make_env(env_id, num_envs, seed, num_threads, train=True, batch_size=num_envs // num_splits)
     split, threads = num_envs // num_splits, max(1, (num_threads or os.cpu_count() or 1) // num_splits)
-    return SplitPools([make_env(env_id, split, seed + i * split, threads, train=True) for i in range(num_splits)], split)
+    return SplitPools([make_env(env_id, split, seed + i * split, threads, train=True)
+                       for i in range(num_splits)], split)
 
 
 class SplitPools:
@@ -314,7 +323,8 @@ def env_action(action, action_space):
         return action.reshape(len(action), *action_space.shape).clip(action_space.low, action_space.high)
     if action.ndim == 1:  # an index over the product of the choices
         action = action[:, None] // np.append(np.cumprod(nvec[::-1])[::-1][1:], 1) % nvec
-    return (action.reshape(len(action), *action_space.shape) + low.reshape(action_space.shape)).astype(action_space.dtype)
+    return (action.reshape(len(action), *action_space.shape) + low.reshape(action_space.shape)).astype(
+        action_space.dtype)
 
 
 def leaf_encoder(space) -> tuple:

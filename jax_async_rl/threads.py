@@ -1,15 +1,20 @@
 """Thread plumbing of the asynchronous scripts: what the actor and learner threads share, queues
 that give up when the run stops, and the lifetime of a run's threads (an exception in any one
-stops all, and is reported with its traceback). No call here waits forever.
+stops all, and is reported: one line for a fault it can name, else its traceback). No call here
+waits forever.
 """
 
 import queue
+import sys
 import threading
 import time
 import traceback
 
 import numpy as np
 
+from jax_async_rl import devices, folders
+from jax_async_rl.flags import describe_os_error, is_file_system_error
+from jax_async_rl.gym_pool import EnvError
 from jax_async_rl.normalize import Normalizer
 
 
@@ -37,7 +42,8 @@ class Shared:
         self.sampled = np.zeros(1, np.int64) if sampled is None else sampled
         self.stop = stop or threading.Event()
         self.report = report or (lambda games: None)
-        self.timing = dict.fromkeys(["env", "inference", "bookkeeping", "device_get", "queue_put", "queue_get", "update"], 0.0)
+        self.timing = dict.fromkeys(
+            ["env", "inference", "bookkeeping", "device_get", "queue_put", "queue_get", "update"], 0.0)
 
     def publish(self, params, version: int):
         """The learner's parameters after an update, and their version."""
@@ -131,3 +137,35 @@ class Threads:
             if owned is not None and not thread.is_alive():
                 for item in owned if isinstance(owned, list) else [owned]:
                     item.close()
+
+
+def report_errors(errors, ckpt_file: str, global_step: int, env_id: str = "", lock=None) -> bool:
+    """Print the threads' errors: one line for another process gone, a file system error, a
+    non-finite loss or an env's fault (named with `env_id`; an env's own traceback above it),
+    else the traceback. True if the last good checkpoint must stay (a non-finite state, a disk
+    that failed, a run that lost a process: nothing more is written). `lock`: the run folder's (folders.kept)."""
+    kept = folders.kept(ckpt_file, lock)
+    keep = traced = False
+    for where, error, trace in errors:
+        if isinstance(error, EnvError):  # the learning is sound: checkpointed
+            if error.details:
+                print(error.details.rstrip(), file=sys.stderr)
+            print(
+                f"error in {where}: --env-id {env_id}: {error.line}; stopped at step {global_step}, checkpoint: "
+                f"{ckpt_file}", file=sys.stderr)
+            continue
+        if devices.peer_failure(error):
+            print(f"error in {where}: {devices.describe_dead(error)}; {kept}", file=sys.stderr)
+        elif is_file_system_error(error):
+            print(f"error in {where}: {describe_os_error(error)} (step {global_step}); {kept}", file=sys.stderr)
+        elif isinstance(error, FloatingPointError):
+            print(f"error: {error} (step {global_step}); {kept}. Try a lower --learning-rate or --max-grad-norm.",
+                  file=sys.stderr)
+        else:
+            print(f"error in {where}:\n{trace}", file=sys.stderr)
+            traced = True
+            continue
+        keep = True
+    if traced and not keep:
+        print(f"stopped by an error at step {global_step}; checkpoint: {ckpt_file}", file=sys.stderr)
+    return keep

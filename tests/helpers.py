@@ -71,14 +71,17 @@ PPO_BAD_INPUTS = {
 PPO_PRESETS = {
     "CartPole-v1": dict(num_steps=32, learning_rate=1e-3, gamma=0.98, gae_lambda=0.8, update_epochs=20, ent_coef=0.0,
                         anneal_clip=True),
-    "Pendulum-v1": dict(num_steps=1024, learning_rate=1e-3, gamma=0.9, gae_lambda=0.95, update_epochs=10, norm_obs=False),
-    "LunarLander-v2": dict(num_steps=1024, gamma=0.999, gae_lambda=0.98, update_epochs=4, ent_coef=0.01, num_minibatches=128),
+    "Pendulum-v1": dict(num_steps=1024, learning_rate=1e-3, gamma=0.9, gae_lambda=0.95, update_epochs=10,
+                        norm_obs=False),
+    "LunarLander-v2": dict(num_steps=1024, gamma=0.999, gae_lambda=0.98, update_epochs=4, ent_coef=0.01,
+                           num_minibatches=128),
     "Acrobot-v1": dict(num_steps=256, gamma=0.99, gae_lambda=0.94, update_epochs=4, norm_obs=True, norm_reward=True),
     "MountainCar-v0": dict(num_steps=16, gamma=0.99, gae_lambda=0.98, update_epochs=4, norm_obs=True, norm_reward=True),
     "HalfCheetah-v4": dict(num_steps=256, learning_rate=3e-4, update_epochs=10, norm_obs=True, norm_reward=True),
     "Pong-v5": dict(num_steps=128, learning_rate=2.5e-4, clip_coef=0.1, ent_coef=0.01, norm_obs=False),
     # No preset of its own: CleanRL's ppo.py defaults.
-    "MountainCarContinuous-v0": dict(num_steps=128, learning_rate=2.5e-4, update_epochs=4, ent_coef=0.01, norm_obs=False),
+    "MountainCarContinuous-v0": dict(num_steps=128, learning_rate=2.5e-4, update_epochs=4, ent_coef=0.01,
+                                     norm_obs=False),
 }
 # rl-baselines3-zoo hyperparams/a2c.yml, TorchBeast (Atari), Cleanba (MuJoCo).
 IMPALA_PRESETS = {
@@ -110,8 +113,12 @@ SCRIPT_TABLE = {
         tiny=dict(PPO_TINY, **ASYNC_TINY),
         diverge=dict(learning_rate=1e30, max_grad_norm=1e30, update_epochs=2),
         bad_inputs=dict(PPO_BAD_INPUTS, **ASYNC_BAD_INPUTS),
-        variants={"num-splits-1": dict(num_splits=1), "no-vtrace": dict(vtrace=False), "lstm": dict(lstm=True),
-                  "lstm-num-splits-1": dict(lstm=True, num_splits=1)},
+        variants={
+            "num-splits-1": dict(num_splits=1),
+            "no-vtrace": dict(vtrace=False),
+            "lstm": dict(lstm=True),
+            "lstm-num-splits-1": dict(lstm=True, num_splits=1)
+        },
         extra_tags=ASYNC_TAGS,
         # Measured at 150k: seeds 1-20 reached a 20-episode mean >= 475 at 19k-53k steps; all 25
         # runs (seeds 1-20, seed 1 five more times) ended at 500, but one CI run ended at 388.
@@ -125,7 +132,10 @@ SCRIPT_TABLE = {
         # first update's parameters overflow float32.
         diverge=dict(learning_rate=1e38, max_grad_norm=1e30),
         bad_inputs=dict(ASYNC_BAD_INPUTS),
-        variants={"num-splits-1": dict(num_splits=1), "lstm": dict(lstm=True)},
+        variants={
+            "num-splits-1": dict(num_splits=1),
+            "lstm": dict(lstm=True)
+        },
         extra_tags=ASYNC_TAGS,
         # The budget. Measured with the classic preset (5-step unrolls, RMSProp 7e-4):
         # seeds 1 and 2 passed at 1M twice each (500 from 200k-300k steps on); at 500k, 3 runs
@@ -139,7 +149,10 @@ SCRIPT_TABLE = {
         tiny=dict(PPO_TINY, **ASYNC_TINY),
         diverge=dict(learning_rate=1e30, max_grad_norm=1e30, update_epochs=2),
         bad_inputs=dict(PPO_BAD_INPUTS, **ASYNC_BAD_INPUTS),
-        variants={"num-splits-1": dict(num_splits=1), "lstm": dict(lstm=True)},
+        variants={
+            "num-splits-1": dict(num_splits=1),
+            "lstm": dict(lstm=True)
+        },
         extra_tags=ASYNC_TAGS,
         # APPO's budget and criteria (measured with --xla-actor before it became this script).
         learning_timesteps=150_000,

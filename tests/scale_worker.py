@@ -47,8 +47,9 @@ def main(argv):
     launch = {}
     if "--distributed" in rest:
         at = rest.index("--distributed")
-        address, processes, process_id = rest[at + 1 : at + 4]
-        launch = dict(distributed=True, coordinator_address=address, num_processes=int(processes), process_id=int(process_id))
+        address, processes, process_id = rest[at + 1:at + 4]
+        launch = dict(distributed=True, coordinator_address=address, num_processes=int(processes),
+                      process_id=int(process_id))
         rest = rest[:at]
     module = load_script(script)
     num_processes = launch.get("num_processes", 1)
@@ -61,14 +62,15 @@ def main(argv):
         args = module.resolve_args(module.Args(**flags, learner_device_ids=[int(i) for i in ids.split(",")]))
         _, mesh = devices.make_mesh(args)
         network, optimizer, continuous, _, state = module.build(args, jax.random.PRNGKey(0))
-        state = dict(state, params=devices.replicated(mesh, state["params"]),
-                     opt_state=devices.replicated(mesh, state["opt_state"]))
+        state = dict(state, params=devices.replicated(mesh, state["params"]), opt_state=devices.replicated(
+            mesh, state["opt_state"]))
         share = B // num_processes
         envs = slice(jax.process_index() * share, (jax.process_index() + 1) * share)
-        local = jax.tree_util.tree_map_with_path(
-            lambda path, x: x[envs] if devices.env_axis(path) == 0 else x[:, envs], global_batch("sync" in script))
+        local = jax.tree_util.tree_map_with_path(lambda path, x: x[envs] if devices.env_axis(path) == 0 else x[:, envs],
+                                                 global_batch("sync" in script))
         update = module.make_update(network, optimizer, args, continuous, mesh)
-        new_state, diagnostics = update(state, devices.to_learner(mesh, local), jax.random.PRNGKey(1), args.total_timesteps)
+        new_state, diagnostics = update(state, devices.to_learner(mesh, local), jax.random.PRNGKey(1),
+                                        args.total_timesteps)
         assert bool(jax.device_get(diagnostics["finite"]))
         leaves = jax.tree.leaves(jax.device_get(new_state["params"]))
         results[ids] = np.concatenate([np.ravel(x) for x in leaves])

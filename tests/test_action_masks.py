@@ -90,8 +90,9 @@ def test_masked_sampling_frequencies_and_no_illegal_draw():
     largest logit: none is drawn, and the others' frequencies pass χ² (fixed key: deterministic)."""
     logits = np.array([0.3, 5.0, -1.0, 0.0, 1.2, 6.0, -0.4, 0.9], np.float32)
     legal = np.array([1, 0, 1, 1, 1, 0, 0, 1], np.int8)
-    samples = np.asarray(ppo.sample_action(jnp.tile(logits, (DRAWS, 1)), jax.random.split(jax.random.PRNGKey(3), DRAWS), False, False,
-                                           jnp.tile(legal, (DRAWS, 1))))
+    samples = np.asarray(
+        ppo.sample_action(jnp.tile(logits, (DRAWS, 1)), jax.random.split(jax.random.PRNGKey(3), DRAWS), False, False,
+                          jnp.tile(legal, (DRAWS, 1))))
     assert samples.shape == (DRAWS,) and np.all(legal[samples] == 1)
     assert chi_square_p(samples, softmax_over(logits, legal > 0)) > 1e-3
     greedy = ppo.sample_action(jnp.asarray(logits[None]), None, False, True, jnp.asarray(legal[None]))
@@ -121,8 +122,9 @@ def test_factored_categorical_is_the_sum_over_dimensions():
     want_entropy = sum(-np.sum(np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0), axis=1) for p in per_dim)
     np.testing.assert_allclose(np.asarray(entropy), want_entropy, rtol=1e-5, atol=1e-5)
 
-    samples = np.asarray(ppo.sample_action(jnp.tile(logits[:1], (DRAWS, 1)), jax.random.split(jax.random.PRNGKey(4), DRAWS), False, False,
-                                           jnp.tile(legal[:1], (DRAWS, 1, 1))))
+    samples = np.asarray(
+        ppo.sample_action(jnp.tile(logits[:1], (DRAWS, 1)), jax.random.split(jax.random.PRNGKey(4), DRAWS), False,
+                          False, jnp.tile(legal[:1], (DRAWS, 1, 1))))
     assert samples.shape == (DRAWS, 3)
     for d in range(3):
         assert np.all(legal[0, d][samples[:, d]] == 1) and samples[:, d].max() < heads[d]
@@ -148,8 +150,10 @@ def test_a_joint_mask_is_flattened_as_the_env_unravels_its_index():
 # The learner recomputes with the masks stored with each transition
 # ---------------------------------------------------------------------------------------------
 
-OBS_SPACE = gymnasium.spaces.Dict({"x": gymnasium.spaces.Box(-1.0, 1.0, (3,), np.float32),
-                                   "action_mask": gymnasium.spaces.MultiBinary(5)})
+OBS_SPACE = gymnasium.spaces.Dict({
+    "x": gymnasium.spaces.Box(-1.0, 1.0, (3,), np.float32),
+    "action_mask": gymnasium.spaces.MultiBinary(5)
+})
 
 
 class MaskedInside(ppo.ActorCritic):
@@ -164,8 +168,10 @@ class MaskedInside(ppo.ActorCritic):
 def masked_rollout(module, network, params, T=8, B=4, seed=0):
     """A rollout [T, B] acted by the script's own policy step on random observations and masks."""
     rng = np.random.default_rng(seed)
-    obs = {"x": rng.uniform(-1, 1, (T + 1, B, 3)).astype(np.float32),
-           "action_mask": random_legal_rows(rng, (T + 1, B, 5))}
+    obs = {
+        "x": rng.uniform(-1, 1, (T + 1, B, 3)).astype(np.float32),
+        "action_mask": random_legal_rows(rng, (T + 1, B, 5))
+    }
     policy_step, key = module.make_policy_step(network, False), jax.random.PRNGKey(seed)
     actions, logprobs, values = [], [], []
     for t in range(T):
@@ -173,10 +179,18 @@ def masked_rollout(module, network, params, T=8, B=4, seed=0):
                                                 np.full(B, t))
         actions.append(action), logprobs.append(logprob), values.append(value)
     dones = (rng.random((T, B)) < 0.1).astype(np.float32)
-    return {"obs": jax.tree.map(lambda x: x[:T], obs), "bootstrap_obs": jax.tree.map(lambda x: x[T], obs),
-            "actions": np.stack(actions), "logprobs": np.stack(logprobs), "values": np.stack(values),
-            "rewards": rng.normal(size=(T, B)).astype(np.float32), "dones": dones, "truncated": np.zeros((T, B), np.float32),
-            "valid": np.ones((T, B), np.float32), "policy_version": np.zeros((T, B), np.int32)}
+    return {
+        "obs": jax.tree.map(lambda x: x[:T], obs),
+        "bootstrap_obs": jax.tree.map(lambda x: x[T], obs),
+        "actions": np.stack(actions),
+        "logprobs": np.stack(logprobs),
+        "values": np.stack(values),
+        "rewards": rng.normal(size=(T, B)).astype(np.float32),
+        "dones": dones,
+        "truncated": np.zeros((T, B), np.float32),
+        "valid": np.ones((T, B), np.float32),
+        "policy_version": np.zeros((T, B), np.int32)
+    }
 
 
 @pytest.mark.parametrize("script", ["ppo_sync_baseline.py", "appo_envpool.py", "impala_envpool.py"])
@@ -186,11 +200,13 @@ def test_the_learner_recomputes_with_the_stored_masks(script):
     equals the reference's, a network that masks its own logits."""
     module = load_script(script)
     small = {} if script == "impala_envpool.py" else dict(update_epochs=2, num_minibatches=2)  # a quick compile
-    args = module.resolve_args(module.Args(env_id="CartPole-v1", num_envs=4, num_steps=8, total_timesteps=10_000, **small))
+    args = module.resolve_args(
+        module.Args(env_id="CartPole-v1", num_envs=4, num_steps=8, total_timesteps=10_000, **small))
     network = module.ActorCritic(5, False, tasks.encoders(OBS_SPACE), 0, (), True)
     params = network.init(jax.random.PRNGKey(0), tasks.zeros_like_space(OBS_SPACE, 1))
     # Large output weights: the policy is far from uniform, so masks change it a lot.
-    params = jax.tree_util.tree_map_with_path(lambda p, x: x * 300 if "Dense_4" in jax.tree_util.keystr(p) else x, params)
+    params = jax.tree_util.tree_map_with_path(lambda p, x: x * 300
+                                              if "Dense_4" in jax.tree_util.keystr(p) else x, params)
     optimizer = module.make_optimizer(args)
     state = {"params": params, "opt_state": optimizer.init(params), "global_step": 0, "policy_version": 0}
     rollout = jax.tree.map(jnp.asarray, masked_rollout(module, network, params))
@@ -199,14 +215,15 @@ def test_the_learner_recomputes_with_the_stored_masks(script):
                       ("reference", MaskedInside(5, False, tasks.encoders(OBS_SPACE)))]:
         results[name] = module.make_update(net, optimizer, args, False)(state, rollout, jax.random.PRNGKey(1),
                                                                         args.total_timesteps)
-    (masked, d_masked), (unmasked, d_unmasked), (reference, _) = (results[k] for k in ("masked", "unmasked", "reference"))
+    (masked, d_masked), (unmasked, d_unmasked), (reference, _) = (results[k]
+                                                                  for k in ("masked", "unmasked", "reference"))
     if "async/start_kl" in d_masked:
         assert abs(float(d_masked["async/start_kl"])) < 1e-6 and float(d_unmasked["async/start_kl"]) > 0.01
     assert abs(float(d_masked["loss"]) - float(d_unmasked["loss"])) > 1e-3
     for a, b in zip(jax.tree.leaves(masked["params"]), jax.tree.leaves(reference["params"])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-    assert any(not np.allclose(a, b, atol=1e-6) for a, b in zip(jax.tree.leaves(masked["params"]),
-                                                               jax.tree.leaves(unmasked["params"])))
+    assert any(not np.allclose(a, b, atol=1e-6)
+               for a, b in zip(jax.tree.leaves(masked["params"]), jax.tree.leaves(unmasked["params"])))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,7 +247,8 @@ def test_dqn_epsilon_greedy_never_takes_an_illegal_action():
     B, A, steps = 100, 9, DRAWS // 100
     network = dqn.QNetwork(A, (("flat", 1.0),), action_mask=True)
     q_weights = rng.normal(size=(A,)).astype(np.float32) * 10  # Q = x * w: the greedy action is visible
-    greedy = jax.jit(lambda params, obs: dqn.legal_argmax(obs["x"] * q_weights, dqn.legal_actions(network, obs, len(obs["x"]))))
+    greedy = jax.jit(
+        lambda params, obs: dqn.legal_argmax(obs["x"] * q_weights, dqn.legal_actions(network, obs, len(obs["x"]))))
     taken = explored = 0
     for _ in range(steps):
         obs = {"x": np.ones((B, A), np.float32), "action_mask": random_legal_rows(rng, (B, A))}
@@ -288,7 +306,8 @@ def test_both_actors_act_legally_and_the_env_gets_the_cell_the_policy_chose(scri
         if network.heads:  # [T, B, D] of D choices
             legal = np.take_along_axis(mask, actions[..., None].astype(int), axis=-1)[..., 0].all(axis=-1)
         else:  # [T, B] indices into the flattened joint mask
-            legal = np.take_along_axis(mask.reshape(*actions.shape, -1), actions[..., None].astype(int), axis=-1)[..., 0]
+            legal = np.take_along_axis(mask.reshape(*actions.shape, -1), actions[..., None].astype(int), axis=-1)[...,
+                                                                                                                  0]
         valid = rollout["valid"] > 0
         assert valid.sum() > 0 and np.all(legal[valid] == 1)
         for t in range(len(actions)):
@@ -303,8 +322,10 @@ def test_both_actors_act_legally_and_the_env_gets_the_cell_the_policy_chose(scri
 def test_the_ppo_family_never_takes_an_illegal_action(script, tmp_path, capsys):
     """Acting (sampled), evaluation (sampled and greedy: utils/evaluate.py's --greedy plays the
     script's make_policy_step with greedy=True) over a few thousand steps: the env never raises."""
-    flags = ["--total-timesteps", 4096, "--num-envs", 8, "--num-steps", 32, "--eval-episodes", 4,
-             "--run-dir", tmp_path / "run", "--compile-cache", ""]
+    flags = [
+        "--total-timesteps", 4096, "--num-envs", 8, "--num-steps", 32, "--eval-episodes", 4, "--run-dir",
+        tmp_path / "run", "--compile-cache", ""
+    ]
     code, _, err = run_main(script, STRICT + flags, capsys)
     assert code == 0, err
     module = load_script(script)
@@ -320,9 +341,12 @@ def test_the_ppo_family_never_takes_an_illegal_action(script, tmp_path, capsys):
 def test_dqn_never_takes_an_illegal_action_over_100k_steps(tmp_path, capsys):
     """10^5 env steps, ε from 1 to 0 over the first 30% (exploring, then greedy: its greedy action
     among the legal ones), then the evaluation's games: the strict env never raises."""
-    flags = ["--total-timesteps", 100_032, "--num-envs", 8, "--num-steps", 8, "--learning-starts", 1000,  # 1,563 rounds of 64
-             "--replay-ratio", 1, "--batch-size", 64, "--buffer-size", 20_000, "--exploration-fraction", 0.3,
-             "--end-e", 0, "--eval-episodes", 8, "--run-dir", tmp_path / "run", "--compile-cache", ""]
+    # 1,563 rounds of 64
+    flags = [
+        "--total-timesteps", 100_032, "--num-envs", 8, "--num-steps", 8, "--learning-starts", 1000, "--replay-ratio", 1,
+        "--batch-size", 64, "--buffer-size", 20_000, "--exploration-fraction", 0.3, "--end-e", 0, "--eval-episodes", 8,
+        "--run-dir", tmp_path / "run", "--compile-cache", ""
+    ]
     code, _, err = run_main("dqn_envpool.py", STRICT + flags, capsys)
     assert code == 0, err
     records = read_metrics(tmp_path / "run")
@@ -351,8 +375,10 @@ LEGAL_MOVES_BUDGET = {"appo_envpool.py": 100_000, "dqn_envpool.py": 120_000}
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("script", list(LEGAL_MOVES_BUDGET))
 def test_masked_agents_learn_legal_moves(script, tmp_path, capsys):
-    flags = ["--env-id", "tests.user_envs:LegalMoves", "--seed", 1, "--total-timesteps", LEGAL_MOVES_BUDGET[script],
-             "--eval-episodes", 0, "--run-dir", tmp_path / "run"]
+    flags = [
+        "--env-id", "tests.user_envs:LegalMoves", "--seed", 1, "--total-timesteps", LEGAL_MOVES_BUDGET[script],
+        "--eval-episodes", 0, "--run-dir", tmp_path / "run"
+    ]
     code, _, err = run_main(script, flags, capsys)
     assert code == 0, err
     returns = [r["value"] for r in read_metrics(tmp_path / "run") if r["tag"] == "charts/episodic_return"]

@@ -15,8 +15,12 @@ FIELDS = ["kind", "script", "env_id", "num_envs", "num_splits", "num_threads", "
 
 def test_benchmark_quick_writes_valid_results(tmp_path):
     out = tmp_path / "bench"
-    cmd = [sys.executable, str(REPO_ROOT / "utils" / "benchmark.py"), "--quick", "--env-id", "CartPole-v1",
-           "--seconds", "1", "--e2e-seconds", "5", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        str(REPO_ROOT / "utils" / "benchmark.py"), "--quick", "--env-id", "CartPole-v1", "--seconds", "1",
+        "--e2e-seconds", "5", "--out",
+        str(out)
+    ]
     result = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
@@ -34,9 +38,11 @@ def test_benchmark_quick_writes_valid_results(tmp_path):
     assert kinds.count("ceiling") == 2 and kinds.count("sampler") == 5
     ceilings = [r for r in rows if r["kind"] == "ceiling"]
     assert all(r["script"] is None for r in ceilings)
-    samplers = sorted((r for r in rows if r["kind"] == "sampler"), key=lambda r: (r["xla_actor"], r["lstm"], r["num_splits"]))
-    assert [(r["num_splits"], r["lstm"], r["xla_actor"]) for r in samplers] == [
-        (1, False, False), (2, False, False), (2, True, False), (1, False, True), (2, False, True)]
+    samplers = sorted((r for r in rows if r["kind"] == "sampler"), key=lambda r:
+                      (r["xla_actor"], r["lstm"], r["num_splits"]))
+    assert [(r["num_splits"], r["lstm"], r["xla_actor"]) for r in samplers] == [(1, False, False), (2, False, False),
+                                                                                (2, True, False), (1, False, True),
+                                                                                (2, False, True)]
     assert [r["script"] for r in samplers] == ["appo_envpool.py"] * 3 + ["appo_envpool_xla.py"] * 2
     assert all(r["num_threads"] == 1 for r in samplers)
     for r in samplers:  # envpool's thread and the actor on separate cores, where there are two
@@ -52,7 +58,8 @@ def test_benchmark_quick_writes_valid_results(tmp_path):
     for r in rows:
         if r["kind"] == "end_to_end":
             assert r["updates"] >= 2 and 0 <= r["busy"]["update"] <= 1.05
-            assert r["num_splits"] == (None if r["script"] == "ppo_sync_baseline.py" else 1)  # CartPole: 1 split by default
+            # CartPole: 1 split by default
+            assert r["num_splits"] == (None if r["script"] == "ppo_sync_baseline.py" else 1)
     table = (out / "results.md").read_text()
     assert "Double buffering" in table and "| end_to_end" not in table  # tables, not raw rows
     e2e_sps = {r["script"]: r["sps"] for r in rows if r["kind"] == "end_to_end"}
@@ -99,7 +106,8 @@ def test_user_env_ceiling_with_processes_and_async_vector_env(bench_module, monk
 
     monkeypatch.chdir(REPO_ROOT)
     env_id = "examples.corridor:Corridor"
-    tasks.register_user_env(type("Args", (), dict(env_id=env_id, env_module=None, env_kwargs='{"step_seconds": 0.02}'))())
+    tasks.register_user_env(
+        type("Args", (), dict(env_id=env_id, env_module=None, env_kwargs='{"step_seconds": 0.02}'))())
     one, four = (bench_module.measure_ceiling(env_id, 4, processes, 2.0) for processes in (1, 4))
     async_vector_env = bench_module.measure_ceiling(env_id, 4, 0, 2.0, async_vector_env=True)
     assert four > 2 * one, (one, four)
@@ -117,8 +125,9 @@ def test_replay_part_times_both_modes_and_reports_the_ratio(bench_module, tmp_pa
         assert measured["replay_ratio"] == pytest.approx(32.0) and measured["target_ratio"] == 32.0
         assert measured["sps"] > 0 and measured["steps_to_threshold"] is None and measured["updates"] == 5
         assert measured["policy_lag"] == 0 or not serial  # serial: each chunk learned by the parameters that made it
-        rows.append(dict(kind="replay", script="dqn_envpool.py", serial=serial, threshold=475.0, fps=measured["sps"],
-                         **measured))
+        rows.append(
+            dict(kind="replay", script="dqn_envpool.py", serial=serial, threshold=475.0, fps=measured["sps"],
+                 **measured))
     # --replay-script sac_envpool.py: its critic's loss marks the updates; CleanRL's ratio, a batch of 256 a step.
     sac = bench_module.measure_replay("sac_envpool.py", "Pendulum-v1", True, 5000 + 4 * 32, -200.0, str(tmp_path))
     assert sac["replay_ratio"] == pytest.approx(256.0) and sac["updates"] == 4
@@ -130,7 +139,8 @@ def test_replay_part_times_both_modes_and_reports_the_ratio(bench_module, tmp_pa
     machine = dict(cpu_count=2, jax_backend="cpu", processor="x")
     bench_module.write_report(str(tmp_path), dict(env_id="CartPole-v1", machine=machine, measurements=rows), True)
     table = (tmp_path / "results.md").read_text()
-    assert "## Replay (dqn_envpool.py --lstm:" in table and "| async |" in table and "| serial |" in table and table.count("| not reached |") == 2
+    assert "## Replay (dqn_envpool.py --lstm:" in table and "| async |" in table and "| serial |" in table and table.count(
+        "| not reached |") == 2
     assert f"Async / serial SPS: **{rows[0]['sps'] / rows[1]['sps']:.2f}x**." in table
 
 
@@ -138,18 +148,25 @@ def test_benchmark_measures_the_deterministic_mode_beside_the_free_running_actor
     """--deterministic: each asynchronous script runs twice end to end, free-running and with
     --deterministic (its run's config says so), and the table gives the ratio of the two."""
     out = tmp_path / "bench"
-    cmd = [sys.executable, str(REPO_ROOT / "utils" / "benchmark.py"), "--quick", "--env-id", "CartPole-v1", "--parts",
-           "end_to_end", "--scripts", "ppo_sync_baseline.py", "appo_envpool.py", "--deterministic", "--e2e-seconds", "3",
-           "--out", str(out)]
+    cmd = [
+        sys.executable,
+        str(REPO_ROOT / "utils" / "benchmark.py"), "--quick", "--env-id", "CartPole-v1", "--parts", "end_to_end",
+        "--scripts", "ppo_sync_baseline.py", "appo_envpool.py", "--deterministic", "--e2e-seconds", "3", "--out",
+        str(out)
+    ]
     result = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads((out / "results.json").read_text())["measurements"]
-    assert [(r["script"], r["deterministic"]) for r in rows] == [
-        ("ppo_sync_baseline.py", False), ("appo_envpool.py", False), ("appo_envpool.py", True)]
-    configs = {det: json.loads((out / "e2e" / f"appo_envpool__8{'__deterministic' * det}" / "config.json").read_text())
-               for det in (False, True)}
+    assert [(r["script"], r["deterministic"]) for r in rows] == [("ppo_sync_baseline.py", False),
+                                                                 ("appo_envpool.py", False), ("appo_envpool.py", True)]
+    configs = {
+        det: json.loads((out / "e2e" / f"appo_envpool__8{'__deterministic' * det}" / "config.json").read_text())
+        for det in (False, True)
+    }
     assert [configs[det]["deterministic"] for det in (False, True)] == [False, True]
     free, det = rows[1]["sps"], rows[2]["sps"]
     assert f"| appo_envpool.py --deterministic | 8 | 1 | 64 | {det:.0f} |" in (out / "results.md").read_text()
     assert f"| {det / free:.2f}x |" in (out / "results.md").read_text()
-    assert set(rows[2]["busy"]) <= {"env", "inference", "bookkeeping", "device_get", "queue_put", "queue_get", "update"}, rows[2]
+    assert set(rows[2]["busy"]) <= {
+        "env", "inference", "bookkeeping", "device_get", "queue_put", "queue_get", "update"
+    }, rows[2]

@@ -48,7 +48,8 @@ def test_env_streams_draw_the_same_whatever_batches_the_envs_come_in():
                 draws[int(e), t] = u
         for e in range(8, 16):
             np.testing.assert_array_equal(batch[e - 8], draws[e, t])
-    assert not np.array_equal(other.uniform(np.arange(8, 16), np.zeros(8, int)), full.uniform(np.arange(8, 16), np.zeros(8, int)))
+    assert not np.array_equal(other.uniform(np.arange(8, 16), np.zeros(8, int)),
+                              full.uniform(np.arange(8, 16), np.zeros(8, int)))
 
 
 def test_split_pools_hand_out_the_splits_in_turn_as_one_pool_would_step_them():
@@ -69,7 +70,7 @@ def test_split_pools_hand_out_the_splits_in_turn_as_one_pool_would_step_them():
         np.testing.assert_array_equal(got, expected, err_msg=f"step {t}")
         actions = rng.integers(0, 2, 6)
         for split in range(3):
-            pools.send(actions[2 * split: 2 * split + 2], np.arange(2 * split, 2 * split + 2))
+            pools.send(actions[2 * split:2 * split + 2], np.arange(2 * split, 2 * split + 2))
         expected = whole.step(actions)[0]
     pools.close()
     whole.close()
@@ -91,10 +92,12 @@ RUNS = {
     "xla-actor": ("appo_envpool_xla.py", dict(num_splits=1)),
     "appo-masked-factored": ("appo_envpool.py", dict(env_id="Cleaner-v0", num_splits=2)),  # a mask row a dimension
     "dqn": ("dqn_envpool.py", dict(TINY_REPLAY, actor_lag=1, num_splits=2, prioritized_replay=True, n_step=3)),
-    "dqn-masked": ("dqn_envpool.py", dict(TINY_REPLAY, env_id="Minesweeper-v0", actor_lag=1, num_splits=2, replay_ratio=1)),
+    "dqn-masked": ("dqn_envpool.py",
+                   dict(TINY_REPLAY, env_id="Minesweeper-v0", actor_lag=1, num_splits=2, replay_ratio=1)),
     # R2D2: 2 gradient steps a round on 8 sequences of 2 burn-in + 4 learned steps, the states the actor held.
-    "dqn-lstm": ("dqn_envpool.py", dict(TINY_REPLAY, actor_lag=1, num_splits=2, lstm=True, lstm_size=16, seq_len=4, burn_in=2,
-                                        seq_period=2, n_step=2, batch_size=8, replay_ratio=3.0)),
+    "dqn-lstm": ("dqn_envpool.py",
+                 dict(TINY_REPLAY, actor_lag=1, num_splits=2, lstm=True, lstm_size=16, seq_len=4, burn_in=2,
+                      seq_period=2, n_step=2, batch_size=8, replay_ratio=3.0)),
     "sac": ("sac_envpool.py", dict(TINY_REPLAY, env_id="Pendulum-v1", actor_lag=1, num_splits=2)),
     "td3": ("td3_envpool.py", dict(TINY_REPLAY, env_id="Pendulum-v1", actor_lag=1)),
 }
@@ -115,7 +118,8 @@ def flags_of(script, **flags) -> list:
 def records(run_dir) -> list:
     """metrics.jsonl but wall time, SPS and timing/*: what a run computes, not how fast."""
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["tag"], r["value"]) for r in lines if r["tag"] != "charts/SPS" and not r["tag"].startswith("timing/")]
+    return [(r["step"], r["tag"], r["value"]) for r in lines
+            if r["tag"] != "charts/SPS" and not r["tag"].startswith("timing/")]
 
 
 def assert_identical(a, b):
@@ -139,15 +143,19 @@ def test_two_runs_with_one_seed_are_identical(name, tmp_path, capsys, monkeypatc
         code, _, err = run_main(script, [*flags_of(script, **flags), "--run-dir", tmp_path / str(i)], capsys)
         assert code == 0, err
     assert_identical(tmp_path / "0", tmp_path / "1")
-    assert os.environ["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=1", "--xla_gpu_deterministic_ops=true"]
+    assert os.environ["XLA_FLAGS"].split() == [
+        "--xla_force_host_platform_device_count=1", "--xla_gpu_deterministic_ops=true"
+    ]
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("script, own", [
-    ("appo_envpool.py", dict(num_splits=2, lstm=True, norm_obs=True, norm_reward=True)),
-    ("ppo_sync_baseline.py", dict(lstm=True)),
-    ("appo_envpool.py", dict(env_id="Minesweeper-v0", num_splits=2)),  # the journal holds the joint mask's indices
-])
+@pytest.mark.parametrize(
+    "script, own",
+    [
+        ("appo_envpool.py", dict(num_splits=2, lstm=True, norm_obs=True, norm_reward=True)),
+        ("ppo_sync_baseline.py", dict(lstm=True)),
+        ("appo_envpool.py", dict(env_id="Minesweeper-v0", num_splits=2)),  # the journal holds the joint mask's indices
+    ])
 def test_a_run_stopped_and_resumed_goes_on_as_the_run_uninterrupted(script, own, tmp_path, capsys):
     """SIGTERM after a few updates, then --resume: the envs stepped back through the journal of
     actions, the recurrent states and the normaliser as they were. The final checkpoint is the
@@ -155,8 +163,13 @@ def test_a_run_stopped_and_resumed_goes_on_as_the_run_uninterrupted(script, own,
     uninterrupted run is there with its value (the stopped and the resumed run log an update's
     scalars more: the last before the stop, the first after the resume)."""
     whole, cut = tmp_path / "whole", tmp_path / "cut"
-    argv = flags_of(script, **{**tiny_flags(script), "env_id": "CartPole-v1", **own, "deterministic": True,
-                               "total_timesteps": 40 * 64, "save_interval": 1000})
+    argv = flags_of(
+        script, **{
+            **tiny_flags(script), "env_id": "CartPole-v1",
+            **own, "deterministic": True,
+            "total_timesteps": 40 * 64,
+            "save_interval": 1000
+        })
     code, _, err = run_main(script, [*argv, "--run-dir", whole], capsys)
     assert code == 0, err
     code, _, err = sigterm_when(script, [*argv, "--run-dir", cut], tmp_path / "logs",
@@ -210,11 +223,14 @@ def test_appo_at_lag_0_with_vtrace_is_the_sync_baseline_within_rounding(env_id, 
     update, 2e-6 after 2, 2e-3 after 3), so the bound holds for the first update."""
     common = dict(env_id=env_id, num_envs=4, num_steps=num_steps, total_timesteps=updates * 4 * num_steps,
                   eval_episodes=0, seed=7, num_minibatches=2)
-    for script, own in [("ppo_sync_baseline.py", {}), ("appo_envpool.py", dict(deterministic=True, actor_lag=0, num_splits=1))]:
+    for script, own in [("ppo_sync_baseline.py", {}),
+                        ("appo_envpool.py", dict(deterministic=True, actor_lag=0, num_splits=1))]:
         code, _, err = run_main(script, [*flags_of(script, **common, **own), "--run-dir", tmp_path / script], capsys)
         assert code == 0, err
     sync, appo = (read_checkpoint(tmp_path / s)["state"] for s in ("ppo_sync_baseline.py", "appo_envpool.py"))
-    differences = [float(np.max(np.abs(x - y))) for x, y in zip(jax.tree.leaves(sync["params"]), jax.tree.leaves(appo["params"]))]
+    differences = [
+        float(np.max(np.abs(x - y))) for x, y in zip(jax.tree.leaves(sync["params"]), jax.tree.leaves(appo["params"]))
+    ]
     assert 0 < max(differences) < 1e-6, differences  # not bit for bit: V-trace's recursion rounds otherwise
 
 
@@ -229,8 +245,10 @@ def test_a_run_on_4_devices_reproduces(tmp_path, monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
     flags = {**tiny_flags("appo_envpool.py"), "env_id": "CartPole-v1", "deterministic": True, "num_splits": 2}
     for i in (0, 1):
-        argv = [*flags_of("appo_envpool.py", **flags), "--actor-device-ids", "0", "1", "--learner-device-ids", "2", "3",
-                "--run-dir", tmp_path / str(i)]
+        argv = [
+            *flags_of("appo_envpool.py", **flags), "--actor-device-ids", "0", "1", "--learner-device-ids", "2", "3",
+            "--run-dir", tmp_path / str(i)
+        ]
         result = run_script("appo_envpool.py", argv, timeout=500)
         assert result.returncode == 0, result.stderr[-3000:]
     assert_identical(tmp_path / "0", tmp_path / "1")
@@ -244,7 +262,8 @@ def test_a_run_of_2_processes_reproduces(tmp_path, monkeypatch):
     for i in (0, 1):
         (tmp_path / f"logs{i}").mkdir()
         argv = [*flags_of("appo_envpool.py", **flags), "--run-dir", tmp_path / str(i)]
-        results = finish_processes(start_processes("appo_envpool.py", argv, tmp_path / f"logs{i}"), tmp_path / f"logs{i}", 500)
+        results = finish_processes(start_processes("appo_envpool.py", argv, tmp_path / f"logs{i}"),
+                                   tmp_path / f"logs{i}", 500)
         assert [code for code, _, _ in results] == [0, 0], results
     assert_identical(tmp_path / "0", tmp_path / "1")
 
@@ -254,13 +273,15 @@ def test_a_run_of_2_processes_reproduces(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("script, flags, fragments", [
-    ("appo_envpool.py", ["--actor-lag", "None"], ["--deterministic", "--actor-lag"]),
-    ("dqn_envpool.py", [], ["--deterministic", "--actor-lag"]),  # the replay family's actor runs free by default
-    ("appo_envpool.py", ["--actor-lag", "0", "--num-splits", "2"], ["--actor-lag 0", "--num-splits 1"]),
-    ("appo_envpool_xla.py", ["--num-splits", "2"], ["--num-splits 1"]),
-    ("appo_envpool.py", ["--num-actor-threads", "2", "--norm-obs", "True"], ["--num-actor-threads", "--norm-obs"]),
-])
+@pytest.mark.parametrize(
+    "script, flags, fragments",
+    [
+        ("appo_envpool.py", ["--actor-lag", "None"], ["--deterministic", "--actor-lag"]),
+        ("dqn_envpool.py", [], ["--deterministic", "--actor-lag"]),  # the replay family's actor runs free by default
+        ("appo_envpool.py", ["--actor-lag", "0", "--num-splits", "2"], ["--actor-lag 0", "--num-splits 1"]),
+        ("appo_envpool_xla.py", ["--num-splits", "2"], ["--num-splits 1"]),
+        ("appo_envpool.py", ["--num-actor-threads", "2", "--norm-obs", "True"], ["--num-actor-threads", "--norm-obs"]),
+    ])
 def test_what_it_cannot_reproduce_is_one_line(script, flags, fragments, tmp_path):
     result = run_script(script, ["--env-id", "CartPole-v1", "--deterministic", *flags, "--run-dir", tmp_path / "r"])
     assert_usage_error(result, *fragments)

@@ -12,13 +12,23 @@ import pytest
 
 from helpers import REPO_ROOT, load_script
 
-SCRIPTS = ["ppo_sync_baseline.py", "appo_envpool.py", "appo_envpool_xla.py", "impala_envpool.py", "dqn_envpool.py",
-           "sac_envpool.py", "td3_envpool.py"]
-TOOLS = {"utils/benchmark.py": "Args", "utils/evaluate.py": "EvalArgs", "utils/launch.py": "LaunchArgs",
-         "utils/plot.py": "PlotArgs"}
+SCRIPTS = [
+    "ppo_sync_baseline.py", "appo_envpool.py", "appo_envpool_xla.py", "impala_envpool.py", "dqn_envpool.py",
+    "sac_envpool.py", "td3_envpool.py"
+]
+TOOLS = {
+    "utils/benchmark.py": "Args",
+    "utils/evaluate.py": "EvalArgs",
+    "utils/launch.py": "LaunchArgs",
+    "utils/plot.py": "PlotArgs"
+}
 # The scripts a page is about: a default it states must be theirs (elsewhere: every script's with the flag).
-PAGE_SCRIPTS = {"docs/algorithms/ppo.md": SCRIPTS[:3], "docs/algorithms/impala.md": ["impala_envpool.py"],
-                "docs/algorithms/dqn.md": ["dqn_envpool.py"], "docs/algorithms/sac_td3.md": SCRIPTS[5:]}
+PAGE_SCRIPTS = {
+    "docs/algorithms/ppo.md": SCRIPTS[:3],
+    "docs/algorithms/impala.md": ["impala_envpool.py"],
+    "docs/algorithms/dqn.md": ["dqn_envpool.py"],
+    "docs/algorithms/sac_td3.md": SCRIPTS[5:]
+}
 PAGES = sorted([REPO_ROOT / "README.md", REPO_ROOT / "CONTRIBUTING.md", *(REPO_ROOT / "docs").rglob("*.md")])
 # Flags every program has, and other programs' that the docs name (pytest's, tensorboard's, py-spy's).
 OTHER_FLAGS = {"help", "timeout", "dist", "logdir", "gil"}
@@ -128,7 +138,8 @@ def test_a_default_the_docs_state_is_the_codes(path):
     text = prose(path.read_text())
     table = defaults(PAGE_SCRIPTS.get(page_id(path), [*SCRIPTS, *TOOLS]))
     wrong = []
-    for flag, value in re.findall(r"`--([a-z0-9-]+)`(?:(?!`--)[^.;]){0,60}?\(default:? `?(\d{1,3}(?:,\d{3})+|[^,;)`\s]+)", text):
+    for flag, value in re.findall(
+            r"`--([a-z0-9-]+)`(?:(?!`--)[^.;]){0,60}?\(default:? `?(\d{1,3}(?:,\d{3})+|[^,;)`\s]+)", text):
         if flag not in table or not re.fullmatch(r"-?[\d,]+(\.\d*)?(e-?\d+)?|True|False", value):
             continue  # a default in words (a path, "the cores") is not checked
         literal = {"True": True, "False": False}.get(value, value.replace(",", ""))
@@ -162,6 +173,8 @@ def test_measured_figures_are_the_results_pages():
     results = (REPO_ROOT / "docs" / "results.md").read_text()
     figure = r"-?\d[\d,.]*(?:\.\d+)? ± \d[\d,.]*\d"
     missing = []
-    for path in [REPO_ROOT / "README.md", REPO_ROOT / "docs" / "parity.md", *(REPO_ROOT / "docs" / "algorithms").glob("*.md")]:
+    for path in [
+            REPO_ROOT / "README.md", REPO_ROOT / "docs" / "parity.md", *(REPO_ROOT / "docs" / "algorithms").glob("*.md")
+    ]:
         missing += [(page_id(path), f) for f in re.findall(figure, path.read_text()) if f not in results]
     assert not missing, missing

@@ -84,8 +84,9 @@ def test_c51_projection_against_bellemare_algorithm_1():
     reward[:3] = [0.0, 25.0, -30.0]  # onto the atoms exactly; clipped at both ends
     discount = np.full(B, 0.99)
     discount[0], discount[4] = 1.0, 0.0  # every atom onto an atom; a termination (all mass at r)
-    got = np.asarray(dqn.c51_project(jnp.asarray(probs, jnp.float32), jnp.asarray(reward, jnp.float32),
-                                     jnp.asarray(discount, jnp.float32), jnp.asarray(z, jnp.float32)))
+    got = np.asarray(
+        dqn.c51_project(jnp.asarray(probs, jnp.float32), jnp.asarray(reward, jnp.float32),
+                        jnp.asarray(discount, jnp.float32), jnp.asarray(z, jnp.float32)))
     for i in range(B):
         np.testing.assert_allclose(got[i], bellemare_projection(probs[i], reward[i], discount[i], z), atol=2e-6)
     np.testing.assert_allclose(got.sum(axis=1), 1.0, atol=1e-5)  # no mass lost
@@ -98,8 +99,8 @@ def test_losses_and_priorities(huber_delta):
     rng = np.random.default_rng(2)
     obs_space = np.zeros((1, 3), np.float32)
     batch = dict(obs=rng.normal(size=(6, 3)).astype(np.float32), next_obs=rng.normal(size=(6, 3)).astype(np.float32),
-                 action=rng.integers(0, 2, 6), reward=rng.normal(size=6).astype(np.float32) * 3,
-                 discount=np.full(6, 0.9, np.float32), weights=rng.random(6).astype(np.float32))
+                 action=rng.integers(0, 2, 6), reward=rng.normal(size=6).astype(np.float32) * 3, discount=np.full(
+                     6, 0.9, np.float32), weights=rng.random(6).astype(np.float32))
     support = jnp.linspace(-10.0, 10.0, 11)
     for c51 in (False, True):
         net = dqn.QNetwork(2, (("flat", 1.0),), dueling=True, num_atoms=11 if c51 else 0)
@@ -107,14 +108,17 @@ def test_losses_and_priorities(huber_delta):
         target = net.init(jax.random.PRNGKey(1), obs_space)
         args = dqn.Args(double_dqn=True, c51=c51, huber_delta=huber_delta)
         loss, (errors, q_taken) = dqn.dqn_loss(params, target, net, batch, args, support)
-        q, nt, no = (np.asarray(net.apply(p, batch[k])) for p, k in [(params, "obs"), (target, "next_obs"),
-                                                                      (params, "next_obs")])
+        q, nt, no = (np.asarray(net.apply(p, batch[k]))
+                     for p, k in [(params, "obs"), (target, "next_obs"), (params, "next_obs")])
         a = batch["action"]
         if c51:
-            soft = lambda x: np.exp(x - x.max(-1, keepdims=True)) / np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)
+            soft = lambda x: np.exp(x - x.max(-1, keepdims=True)) / np.exp(x - x.max(-1, keepdims=True)).sum(
+                -1, keepdims=True)
             best = np.argmax((soft(no) * np.asarray(support)).sum(-1), axis=1)
-            m = np.stack([bellemare_projection(soft(nt[i, best[i]]), batch["reward"][i], 0.9, np.asarray(support))
-                          for i in range(6)])
+            m = np.stack([
+                bellemare_projection(soft(nt[i, best[i]]), batch["reward"][i], 0.9, np.asarray(support))
+                for i in range(6)
+            ])
             logp = np.log(soft(q[np.arange(6), a]))
             ce = -(m * logp).sum(-1)
             np.testing.assert_allclose(errors, ce, rtol=1e-4)
@@ -123,7 +127,7 @@ def test_losses_and_priorities(huber_delta):
             y = batch["reward"] + 0.9 * nt[np.arange(6), np.argmax(no, axis=1)]
             d = q[np.arange(6), a] - y
             assert np.abs(d).max() > 1  # both branches of Huber are exercised
-            per = (np.where(np.abs(d) <= 1, 0.5 * d**2, np.abs(d) - 0.5) if huber_delta else 0.5 * d**2)
+            per = (np.where(np.abs(d) <= 1, 0.5 * d ** 2, np.abs(d) - 0.5) if huber_delta else 0.5 * d ** 2)
             np.testing.assert_allclose(errors, d, rtol=1e-5, atol=1e-6)
             assert float(loss) == pytest.approx(np.mean(batch["weights"] * per), rel=1e-5)
 
@@ -137,7 +141,8 @@ def test_dueling_head_and_exploration_schedules():
     np.testing.assert_allclose(eps, [0.4 ** (1 + 7 * i / 7) for i in range(8)])
     assert dqn.apex_epsilons(1, 0.4, 7.0)[0] == pytest.approx(0.4)
     # CleanRL's linear schedule.
-    assert [dqn.linear_schedule(1.0, 0.05, 100, t) for t in (0, 50, 100, 1000)] == pytest.approx([1.0, 0.525, 0.05, 0.05])
+    assert [dqn.linear_schedule(1.0, 0.05, 100, t)
+            for t in (0, 50, 100, 1000)] == pytest.approx([1.0, 0.525, 0.05, 0.05])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -147,8 +152,8 @@ def test_dueling_head_and_exploration_schedules():
 
 @pytest.mark.parametrize("serial", [False, True])
 def test_rounds_hold_the_replay_ratio_and_log(serial, tmp_path, capsys):
-    code, out, err = run_main(SCRIPT, argv(run_dir=tmp_path / "r", serial=serial, double_dqn=True, n_step=3,
-                                           prioritized_replay=True), capsys)
+    code, out, err = run_main(
+        SCRIPT, argv(run_dir=tmp_path / "r", serial=serial, double_dqn=True, n_step=3, prioritized_replay=True), capsys)
     assert code == 0, err
     records = read_metrics(tmp_path / "r")
     assert tag_values(records, "replay/ratio") == [2.0, 2.0]
@@ -166,8 +171,10 @@ def test_rounds_hold_the_replay_ratio_and_log(serial, tmp_path, capsys):
 
 def test_atari_rainbow_preset_with_frame_storage(tmp_path, capsys):
     """Pong at its preset (C51, dueling, double, 3-step, prioritised) for two small rounds."""
-    code, out, err = run_main(SCRIPT, argv("Pong-v5", run_dir=tmp_path / "p", num_envs=4, num_steps=8,
-                                           total_timesteps=96, learning_starts=32, batch_size=8, replay_ratio=1.0), capsys)
+    code, out, err = run_main(
+        SCRIPT,
+        argv("Pong-v5", run_dir=tmp_path / "p", num_envs=4, num_steps=8, total_timesteps=96, learning_starts=32,
+             batch_size=8, replay_ratio=1.0), capsys)
     assert code == 0, err
     config = json.loads((tmp_path / "p" / "config.json").read_text())
     assert all(config[k] for k in ("c51", "dueling", "double_dqn", "prioritized_replay")) and config["n_step"] == 3
@@ -233,9 +240,9 @@ def test_sigterm_stops_with_a_checkpoint_and_resume_finishes(tmp_path):
     """SIGTERM in the middle of learning (async): exit 143 within seconds, no traceback, the
     newest round checkpointed; --resume then trains to the budget."""
     run, total = tmp_path / "r", 64 * 200
-    code, seconds, err = sigterm_when(SCRIPT, argv(run_dir=run, total_timesteps=total, save_interval=1000),
-                                      tmp_path / "logs", lambda: count_complete_lines(run / "metrics.jsonl",
-                                                                                      '"losses/loss"') >= 3, 240)
+    code, seconds, err = sigterm_when(SCRIPT, argv(run_dir=run, total_timesteps=total,
+                                                   save_interval=1000), tmp_path / "logs",
+                                      lambda: count_complete_lines(run / "metrics.jsonl", '"losses/loss"') >= 3, 240)
     assert code == 128 + signal.SIGTERM and seconds < 20 and "Traceback" not in err, err[-3000:]
     step = int(read_checkpoint(run)["state"]["global_step"])
     assert 3 * 64 <= step < total and step == max(tag_steps(read_metrics(run), "losses/loss"))
@@ -243,23 +250,25 @@ def test_sigterm_stops_with_a_checkpoint_and_resume_finishes(tmp_path):
     assert code == 0 and int(read_checkpoint(run)["state"]["global_step"]) == step + 4 * 64
 
 
-@pytest.mark.parametrize("flags, fragments", [
-    (dict(replay_ratio=1.7), ["--replay-ratio", "whole number"]),
-    (dict(distributed=True), ["--distributed"]),
-    (dict(buffer_size=64), ["--buffer-size"]),
-    (dict(num_splits=3), ["--num-splits", "--num-envs"]),
-    (dict(c51=True, v_min=5.0, v_max=5.0), ["--v-min", "--v-max"]),
-    # Absurd values, once tracebacks (an overflow, a 1.86 TiB allocation at the first update):
-    (dict(replay_ratio=1e308), ["--replay-ratio", "at most"]),
-    (dict(replay_ratio=1e9), ["--replay-ratio", "at most"]),
-    (dict(priority_alpha=1000.0), ["--priority-alpha", "[0, 1]"]),
-    (dict(buffer_size=10_000_000_000), ["--buffer-size", "at most 2,147,483,647"]),
-    (dict(buffer_size=1_000_000_000), ["--buffer-size 1,000,000,000", "GiB", "of the 16.0 GiB"]),  # 31 bytes a row
-    (dict(total_timesteps=2**31), ["--total-timesteps", "32-bit"]),
-    (dict(learning_starts=192), ["--learning-starts 192", "no gradient step"]),  # the whole budget
-])
+@pytest.mark.parametrize(
+    "flags, fragments",
+    [
+        (dict(replay_ratio=1.7), ["--replay-ratio", "whole number"]),
+        (dict(distributed=True), ["--distributed"]),
+        (dict(buffer_size=64), ["--buffer-size"]),
+        (dict(num_splits=3), ["--num-splits", "--num-envs"]),
+        (dict(c51=True, v_min=5.0, v_max=5.0), ["--v-min", "--v-max"]),
+        # Absurd values, once tracebacks (an overflow, a 1.86 TiB allocation at the first update):
+        (dict(replay_ratio=1e308), ["--replay-ratio", "at most"]),
+        (dict(replay_ratio=1e9), ["--replay-ratio", "at most"]),
+        (dict(priority_alpha=1000.0), ["--priority-alpha", "[0, 1]"]),
+        (dict(buffer_size=10_000_000_000), ["--buffer-size", "at most 2,147,483,647"]),
+        (dict(buffer_size=1_000_000_000), ["--buffer-size 1,000,000,000", "GiB", "of the 16.0 GiB"]),  # 31 bytes a row
+        (dict(total_timesteps=2 ** 31), ["--total-timesteps", "32-bit"]),
+        (dict(learning_starts=192), ["--learning-starts 192", "no gradient step"]),  # the whole budget
+    ])
 def test_bad_input_gets_one_line_and_exit_2(flags, fragments, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(devices, "available_memory", lambda: 16 * 2**30)  # this machine's, whatever it has
+    monkeypatch.setattr(devices, "available_memory", lambda: 16 * 2 ** 30)  # this machine's, whatever it has
     code, _, err = run_main(SCRIPT, argv(run_dir=tmp_path / "r", **flags), capsys)
     assert code == 2 and all(f in err for f in fragments) and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "r").exists()
@@ -283,8 +292,10 @@ CARTPOLE_BUDGET = 150_000
 @pytest.mark.slow
 @pytest.mark.parametrize("serial", [False, True])
 def test_learns_cartpole_async_and_serial(serial, tmp_path, capsys):
-    code, _, err = run_main(SCRIPT, ["--env-id", "CartPole-v1", "--run-dir", tmp_path / "r", "--total-timesteps",
-                                     CARTPOLE_BUDGET, "--eval-episodes", 0, *(["--serial"] if serial else [])], capsys)
+    code, _, err = run_main(SCRIPT, [
+        "--env-id", "CartPole-v1", "--run-dir", tmp_path / "r", "--total-timesteps", CARTPOLE_BUDGET, "--eval-episodes",
+        0, *(["--serial"] if serial else [])
+    ], capsys)
     assert code == 0, err
     records = read_metrics(tmp_path / "r")
     returns = tag_values(records, "charts/episodic_return")
@@ -300,8 +311,13 @@ def test_learns_cartpole_async_and_serial(serial, tmp_path, capsys):
 # 1 / (1 - gamma) = 100 on CartPole.
 @pytest.mark.slow
 def test_the_classic_preset_learns_cartpole_with_bounded_values(tmp_path, capsys):
-    classic = {**dqn.PRESETS["classic"], "num_envs": 8, "num_steps": 5, "total_timesteps": 60_000, "eval_episodes": 0,
-               "seed": 1}
+    classic = {
+        **dqn.PRESETS["classic"], "num_envs": 8,
+        "num_steps": 5,
+        "total_timesteps": 60_000,
+        "eval_episodes": 0,
+        "seed": 1
+    }
     code, _, err = run_main(SCRIPT, [*argv_of(classic), "--env-id", "CartPole-v1", "--run-dir", tmp_path / "r"], capsys)
     assert code == 0, err
     records = read_metrics(tmp_path / "r")
@@ -334,8 +350,10 @@ def test_value_rescaling_and_its_inverse_against_the_formulas():
     h = np.asarray(dqn.value_rescale(jnp.asarray(x)))
     np.testing.assert_allclose(h, h_reference(exact), rtol=1e-6, atol=0)
     z = h.astype(np.float64)
-    np.testing.assert_allclose(np.asarray(dqn.value_unrescale(jnp.asarray(h))), h_inverse_reference(z), rtol=1e-6, atol=0)
-    np.testing.assert_allclose(np.asarray(dqn.value_unrescale(dqn.value_rescale(jnp.asarray(x)))), exact, rtol=1e-6, atol=0)
+    np.testing.assert_allclose(np.asarray(dqn.value_unrescale(jnp.asarray(h))), h_inverse_reference(z), rtol=1e-6,
+                               atol=0)
+    np.testing.assert_allclose(np.asarray(dqn.value_unrescale(dqn.value_rescale(jnp.asarray(x)))), exact, rtol=1e-6,
+                               atol=0)
     assert dqn.value_rescale(jnp.float32(99.0)) == pytest.approx(9.0 + 0.099, rel=1e-6)  # sqrt(100) - 1 + eps 99
 
 
@@ -354,7 +372,8 @@ def r2d2_targets_reference(q_target, q_online, reward, terminated, truncated, ga
                     break
             choice = q_online if double else q_target
             a = int(np.argmax(choice[t + k, b]))
-            bootstrap = 0.0 if terminated[t + k, b] else gamma**k * h_inverse_reference(float(q_target[t + k, b, a]), eps)
+            bootstrap = 0.0 if terminated[t + k,
+                                          b] else gamma ** k * h_inverse_reference(float(q_target[t + k, b, a]), eps)
             out[t, b] = h_reference(ret + bootstrap, eps)
     return out
 
@@ -374,7 +393,8 @@ def test_r2d2_targets_over_episode_ends_and_truncations(double):
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
     assert terminated[1:].any() and truncated[1:].any()
     # The case can fail: a truncation taken as a termination changes the targets.
-    wrong = np.asarray(dqn.r2d2_targets(q_target, q_online, reward, terminated | truncated, truncated * 0, gamma, n, double))
+    wrong = np.asarray(
+        dqn.r2d2_targets(q_target, q_online, reward, terminated | truncated, truncated * 0, gamma, n, double))
     assert np.abs(wrong - expected).max() > 0.1
 
 
@@ -410,13 +430,13 @@ def test_burn_in_from_stored_states_is_the_unroll_from_the_episode_start():
     params = network.init(jax.random.PRNGKey(0), np.zeros((1, 2), np.float32), dqn.zero_core(H, 1))
     params = jax.tree.map(lambda x: x * 3.0, params)  # the state then carries more of the past
     args = dqn.Args(env_id="CartPole-v1", num_envs=6, lstm=True, lstm_size=H, start_e=0.0, end_e=0.0,
-                    exploration_fraction=0.5, apex_epsilon=False, burn_in=burn_in, seq_len=seq_len, n_step=n,
-                    gamma=0.9, huber_delta=0.0, double_dqn=True, priority_eta=0.9)
+                    exploration_fraction=0.5, apex_epsilon=False, burn_in=burn_in, seq_len=seq_len, n_step=n, gamma=0.9,
+                    huber_delta=0.0, double_dqn=True, priority_eta=0.9)
     envs = ScriptedEnvPool(6, SPLIT_SIZE, EPISODE_LENGTHS[:6], TRUNCATING, seed=3)
     act = dqn.make_recurrent_act(dqn.make_greedy(network, False, None), args, network, EnvStreams(0, 0, 6, 2))
     collector = rounds.Collector(envs, act, RoundArgs(6, 2, 7), 0, threads.Shared(params, 0), 0, recurrent=True)
-    replay = SequenceReplay(6 * 40, 6, np.zeros((1, 2), np.float32), np.zeros(1, np.int64), dqn.zero_core(H, 1)[0],
-                            burn_in + seq_len + n, 4)
+    replay = SequenceReplay(6 * 40, 6, np.zeros((1, 2), np.float32), np.zeros(1, np.int64),
+                            dqn.zero_core(H, 1)[0], burn_in + seq_len + n, 4)
     for _ in range(8):
         replay.add(*collector.collect(params, 0)["rows"])
     batch = replay.sample(24, np.random.default_rng(1))
@@ -455,12 +475,14 @@ def test_burn_in_from_stored_states_is_the_unroll_from_the_episode_start():
     mask = ~ended[learned]
     per_sequence = [np.mean(0.5 * delta[mask[:, b], b] ** 2) for b in range(24)]
     assert float(loss) == pytest.approx(np.mean(batch["weights"] * per_sequence), rel=1e-4)
-    np.testing.assert_allclose(priorities, [0.9 * np.abs(delta[mask[:, b], b]).max() + 0.1 * np.abs(delta[mask[:, b], b]).mean()
-                                            for b in range(24)], rtol=1e-4)
+    np.testing.assert_allclose(priorities, [
+        0.9 * np.abs(delta[mask[:, b], b]).max() + 0.1 * np.abs(delta[mask[:, b], b]).mean() for b in range(24)
+    ], rtol=1e-4)
     assert not mask.all()  # rows that end an episode were left out
     # Burn-in: the same values, and no gradient reaches the stored state through it.
     for burn, reaches in ((burn_in, False), (0, True)):
-        grad = jax.grad(lambda m: dqn.unroll(network, params, seq["obs"], first, m, burn)[burn_in:].sum())(batch["memory"])
+        grad = jax.grad(lambda m: dqn.unroll(network, params, seq["obs"], first, m, burn)[burn_in:].sum())(
+            batch["memory"])
         assert bool(np.abs(np.asarray(grad[1])).max() > 0) == reaches
 
 
@@ -477,7 +499,8 @@ def test_r2d2_rounds_hold_the_replay_ratio_and_log_sequences(serial, tmp_path, c
     records = read_metrics(tmp_path / "r")
     assert tag_values(records, "replay/ratio") == [3.0, 3.0]  # burn-in and learned steps of 8 x 4 sequences a round
     assert tag_values(records, "replay/burn_in") == [2.0] * 3
-    assert all(p > 0 for p in tag_values(records, "replay/priority_mean")) and tag_steps(records, "losses/loss") == [128, 192]
+    assert all(p > 0 for p in tag_values(records, "replay/priority_mean")) and tag_steps(records,
+                                                                                         "losses/loss") == [128, 192]
     # 48 rows of each env's 250; sequences start every 2 rows and need 8: 21 of its 125 slots at the end.
     assert tag_values(records, "replay/fill")[-1] == pytest.approx(21 / 125)
     config = json.loads((tmp_path / "r" / "config.json").read_text())
@@ -504,7 +527,8 @@ def test_r2d2_presets_are_rlpyts_and_the_papers():
     assert {k: getattr(small, k) for k in stated} == stated
     # Without --lstm nothing changes: Rainbow's replay settings.
     plain = dqn.resolve_args(dqn.Args(env_id="Pong-v5"))
-    assert (plain.priority_alpha, plain.priority_beta, plain.priority_beta_end, plain.max_grad_norm) == (0.5, 0.4, 1.0, 10.0)
+    assert (plain.priority_alpha, plain.priority_beta, plain.priority_beta_end, plain.max_grad_norm) == (0.5, 0.4, 1.0,
+                                                                                                         10.0)
     assert plain.lstm_size is None and plain.seq_len is None and not plain.apex_epsilon
 
 
@@ -512,9 +536,10 @@ def test_r2d2_presets_are_rlpyts_and_the_papers():
 def test_r2d2_on_atari_frames(tmp_path, capsys):
     """Pong --lstm (the Nature CNN and 512 layer, then the LSTM; frames stored once) for two
     learning rounds of 2 sequences of 2 + 4 + 2 rows, 4-frame stacks rebuilt in every window."""
-    code, out, err = run_main(SCRIPT, argv("Pong-v5", run_dir=tmp_path / "p", num_envs=4, num_steps=8,
-                                           total_timesteps=96, learning_starts=32, **dict(R2D2_TINY, batch_size=2,
-                                                                                          replay_ratio=0.75)), capsys)
+    code, out, err = run_main(
+        SCRIPT,
+        argv("Pong-v5", run_dir=tmp_path / "p", num_envs=4, num_steps=8, total_timesteps=96, learning_starts=32,
+             **dict(R2D2_TINY, batch_size=2, replay_ratio=0.75)), capsys)
     assert code == 0, err
     assert "preset atari-lstm, 2 gradient steps a round" in out
     assert len(tag_values(read_metrics(tmp_path / "p"), "losses/loss")) == 2
@@ -541,9 +566,10 @@ def test_r2d2_on_two_learner_devices_with_two_actor_threads_and_a_video(tmp_path
     envs' states, and the final evaluation filmed with the state carried through the game."""
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
     run = tmp_path / "r"
-    result = run_script(SCRIPT, [*argv(run_dir=run, num_actor_threads=2, total_timesteps=768, learning_starts=256,
-                                       eval_episodes=1, capture_video=True, **R2D2_TINY),
-                                 "--learner-device-ids", "0", "1", "--actor-device-ids", "0", "1"], timeout=600)
+    result = run_script(SCRIPT, [
+        *argv(run_dir=run, num_actor_threads=2, total_timesteps=768, learning_starts=256, eval_episodes=1,
+              capture_video=True, **R2D2_TINY), "--learner-device-ids", "0", "1", "--actor-device-ids", "0", "1"
+    ], timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "4 actor threads x 4 envs x 16 steps = 256 env steps" in result.stdout, result.stdout
     records = read_metrics(run)
@@ -551,14 +577,16 @@ def test_r2d2_on_two_learner_devices_with_two_actor_threads_and_a_video(tmp_path
     assert [p.stat().st_size > 0 for p in (run / "videos").glob("*.mp4")] == [True]
 
 
-@pytest.mark.parametrize("flags, fragments", [
-    (dict(c51=True), ["--c51", "--lstm"]),
-    (dict(buffer_size=40), ["--buffer-size 40 ", "10 steps of each of the 4 envs", "--seq-len 4", "need 11"]),
-    (dict(seq_len=40, buffer_size=160), ["--buffer-size 160 ", "--seq-len 40", "need 47"]),
-    (dict(replay_ratio=2.0), ["--replay-ratio 2.0", "6 steps a sequence (--burn-in + --seq-len)", "whole number"]),
-    (dict(lstm=None, lstm_size=None, seq_len=8), ["--seq-len 8", "--lstm"]),  # no --lstm
-    (dict(env_id="tests.user_envs:LegalMoves"), ["--lstm does not apply action masks yet", "--no-action-mask"]),
-])
+@pytest.mark.parametrize(
+    "flags, fragments",
+    [
+        (dict(c51=True), ["--c51", "--lstm"]),
+        (dict(buffer_size=40), ["--buffer-size 40 ", "10 steps of each of the 4 envs", "--seq-len 4", "need 11"]),
+        (dict(seq_len=40, buffer_size=160), ["--buffer-size 160 ", "--seq-len 40", "need 47"]),
+        (dict(replay_ratio=2.0), ["--replay-ratio 2.0", "6 steps a sequence (--burn-in + --seq-len)", "whole number"]),
+        (dict(lstm=None, lstm_size=None, seq_len=8), ["--seq-len 8", "--lstm"]),  # no --lstm
+        (dict(env_id="tests.user_envs:LegalMoves"), ["--lstm does not apply action masks yet", "--no-action-mask"]),
+    ])
 def test_r2d2_bad_input_gets_one_line_and_exit_2(flags, fragments, tmp_path, capsys):
     code, _, err = run_main(SCRIPT, argv(run_dir=tmp_path / "r", **{**R2D2_TINY, **flags}), capsys)
     assert code == 2 and all(f in err for f in fragments) and len(err.strip().splitlines()) == 1, err
@@ -584,8 +612,10 @@ NO_VELOCITIES_BUDGET = 100_000
 def test_r2d2_remembers_the_corridors_cue(lstm, serial, seed, tmp_path, capsys):
     """At the corridor's end the agent must turn as the cue at its start said: --lstm scores at
     least 0.8 of the best 0.92 over 100 final games; feed-forward DQN guesses (below 0.3)."""
-    code, _, err = run_main(SCRIPT, [*CORRIDOR, "--run-dir", tmp_path / "r", "--seed", seed, "--eval-episodes", 100,
-                                     *(["--lstm"] if lstm else []), *(["--serial"] if serial else [])], capsys)
+    code, _, err = run_main(SCRIPT, [
+        *CORRIDOR, "--run-dir", tmp_path / "r", "--seed", seed, "--eval-episodes", 100, *(["--lstm"] if lstm else []),
+        *(["--serial"] if serial else [])
+    ], capsys)
     assert code == 0, err
     score = tag_values(read_metrics(tmp_path / "r"), "eval/episodic_return")[0]
     assert score >= 0.8 if lstm else score < 0.3, f"final policy's mean score {score:.2f}"
@@ -603,11 +633,12 @@ def test_r2d2_balances_cartpole_without_its_velocities(serial, seed, tmp_path, c
 
     make_env = tasks.make_env
     monkeypatch.setattr(tasks, "make_env", lambda *a, **k: HideVelocities(make_env(*a, **k)))
-    code, _, err = run_main(SCRIPT, ["--env-id", "CartPole-v1", "--lstm", "--run-dir", tmp_path / "r", "--seed", seed,
-                                     "--total-timesteps", NO_VELOCITIES_BUDGET, "--eval-episodes", 0,
-                                     *(["--serial"] if serial else [])], capsys)
+    code, _, err = run_main(SCRIPT, [
+        "--env-id", "CartPole-v1", "--lstm", "--run-dir", tmp_path / "r", "--seed", seed, "--total-timesteps",
+        NO_VELOCITIES_BUDGET, "--eval-episodes", 0, *(["--serial"] if serial else [])
+    ], capsys)
     assert code == 0, err
     returns = tag_values(read_metrics(tmp_path / "r"), "charts/episodic_return")
     windows = np.convolve(returns, np.ones(20) / 20, "valid")
-    curve = json.dumps([round(float(w)) for w in windows[:: max(1, len(windows) // 40)]])
+    curve = json.dumps([round(float(w)) for w in windows[::max(1, len(windows) // 40)]])
     assert windows.max() >= 400, f"best 20-episode mean {windows.max():.1f}; along the run: {curve}"

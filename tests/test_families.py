@@ -39,6 +39,7 @@ def evaluate_tool():
 
     return evaluate
 
+
 # ---------------------------------------------------------------------------------------------
 # The encoder of each observation leaf
 # ---------------------------------------------------------------------------------------------
@@ -79,8 +80,10 @@ def test_both_image_layouts_reach_the_conv_as_bhwc():
         # The same image in either layout is the same input to the conv.
         chw_image = np.random.default_rng(1).integers(0, 255, (2, *chw), dtype=np.uint8)
         hwc_image = np.transpose(chw_image, (0, 2, 3, 1))
-        seen = [inputs_seen(module.ActorCritic(4, False, tasks.encoders(box(x.shape[1:], np.uint8, 255))), x, nn.Conv)[0]
-                for x in (chw_image, hwc_image)]
+        seen = [
+            inputs_seen(module.ActorCritic(4, False, tasks.encoders(box(x.shape[1:], np.uint8, 255))), x, nn.Conv)[0]
+            for x in (chw_image, hwc_image)
+        ]
         np.testing.assert_allclose(seen[0], seen[1], rtol=1e-6)
 
 
@@ -91,7 +94,10 @@ def test_discrete_leaves_are_one_hot_and_a_dict_gives_one_trunk_input():
         "image": box((7, 7, 3), np.uint8, 255),
         "mission": box((96,), np.uint8, 255),
         "mask": gymnasium.spaces.MultiBinary(3),
-        "goal": gymnasium.spaces.Dict({"row": gymnasium.spaces.Discrete(5, start=-1), "xy": box((2, 2))}),  # nested
+        "goal": gymnasium.spaces.Dict({
+            "row": gymnasium.spaces.Discrete(5, start=-1),
+            "xy": box((2, 2))
+        }),  # nested
     })
     network = ppo.ActorCritic(7, False, tasks.encoders(space))
     obs = tasks.zeros_like_space(space, 2)
@@ -115,22 +121,58 @@ def test_box_observations_keep_the_networks_of_before():
     atari = ppo.ActorCritic(6, False, tasks.encoders(box((4, 84, 84), np.uint8, 255)))
     shapes = jax.tree.map(np.shape, atari.init(jax.random.PRNGKey(0), np.zeros((1, 4, 84, 84), np.uint8)))["params"]
     assert shapes == {
-        "Conv_0": {"kernel": (8, 8, 4, 32), "bias": (32,)},
-        "Conv_1": {"kernel": (4, 4, 32, 64), "bias": (64,)},
-        "Conv_2": {"kernel": (3, 3, 64, 64), "bias": (64,)},
-        "Dense_0": {"kernel": (3136, 512), "bias": (512,)},
-        "Dense_1": {"kernel": (512, 6), "bias": (6,)},
-        "Dense_2": {"kernel": (512, 1), "bias": (1,)},
+        "Conv_0": {
+            "kernel": (8, 8, 4, 32),
+            "bias": (32,)
+        },
+        "Conv_1": {
+            "kernel": (4, 4, 32, 64),
+            "bias": (64,)
+        },
+        "Conv_2": {
+            "kernel": (3, 3, 64, 64),
+            "bias": (64,)
+        },
+        "Dense_0": {
+            "kernel": (3136, 512),
+            "bias": (512,)
+        },
+        "Dense_1": {
+            "kernel": (512, 6),
+            "bias": (6,)
+        },
+        "Dense_2": {
+            "kernel": (512, 1),
+            "bias": (1,)
+        },
     }
     vector = ppo.ActorCritic(2, True, tasks.encoders(box((17,))))
     shapes = jax.tree.map(np.shape, vector.init(jax.random.PRNGKey(0), np.zeros((1, 17), np.float32)))["params"]
     assert shapes == {
-        "Dense_0": {"kernel": (17, 64), "bias": (64,)},
-        "Dense_1": {"kernel": (17, 64), "bias": (64,)},
-        "Dense_2": {"kernel": (64, 64), "bias": (64,)},
-        "Dense_3": {"kernel": (64, 64), "bias": (64,)},
-        "Dense_4": {"kernel": (64, 2), "bias": (2,)},
-        "Dense_5": {"kernel": (64, 1), "bias": (1,)},
+        "Dense_0": {
+            "kernel": (17, 64),
+            "bias": (64,)
+        },
+        "Dense_1": {
+            "kernel": (17, 64),
+            "bias": (64,)
+        },
+        "Dense_2": {
+            "kernel": (64, 64),
+            "bias": (64,)
+        },
+        "Dense_3": {
+            "kernel": (64, 64),
+            "bias": (64,)
+        },
+        "Dense_4": {
+            "kernel": (64, 2),
+            "bias": (2,)
+        },
+        "Dense_5": {
+            "kernel": (64, 1),
+            "bias": (1,)
+        },
         "log_std": (2,),
     }
 
@@ -177,7 +219,8 @@ def test_every_envpool_task_builds_a_network_or_exits_with_one_line(capsys, monk
             # (tests above and the family runs below initialise real ones).
             heads = tuple(map(int, getattr(policy_space, "nvec", ())))
             continuous = not hasattr(policy_space, "n") and not heads
-            action_dim = len(heads) * max(heads) if heads else int(getattr(policy_space, "n", np.prod(policy_space.shape)))
+            action_dim = len(heads) * max(heads) if heads else int(
+                getattr(policy_space, "n", np.prod(policy_space.shape)))
             network = ppo.ActorCritic(action_dim, continuous, tasks.encoders(obs_space), 0, heads,
                                       tasks.mask_shape(obs_space) is not None)
             policy_step = ppo.make_policy_step(network, continuous)
@@ -215,7 +258,8 @@ def jumanji_row(env_id: str) -> str:
         dqn = "no (factored)"
     else:
         samples, dqn = f"one categorical of {policy.n}{' (joint)' if not hasattr(actions, 'n') else ''}", "yes"
-    kind = f"`Discrete({actions.n})`" if hasattr(actions, "n") else f"`{type(actions).__name__}{actions.shape}` {actions.dtype}"
+    kind = f"`Discrete({actions.n})`" if hasattr(actions,
+                                                 "n") else f"`{type(actions).__name__}{actions.shape}` {actions.dtype}"
     return f"| `{env_id}` | {kind} | {f'`{mask}`' if mask else 'none'} | {samples} | {dqn} |"
 
 
@@ -261,7 +305,6 @@ FAMILY_TINY = {
     "appo_envpool_xla.py": dict(num_minibatches=1, update_epochs=1, **ASYNC_TINY),
 }
 
-
 # The sync baseline trains every family (the network per leaf, envpool's spaces, evaluation); the
 # two actors every kind of observation tree they carry: images CHW (Atari) and HWC (Box2D), a Box
 # vector with Box actions (MuJoCo), Dicts of vectors (dm_control), of an image and discrete
@@ -302,10 +345,12 @@ def test_family_presets():
     expected = {
         "ppo_sync_baseline.py": {
             "CheetahRun-v1": ("dm_control", dict(num_steps=256, learning_rate=3e-4, norm_obs=True)),
-            "MiniGrid-Empty-5x5-v0": ("minigrid", dict(num_steps=128, learning_rate=1e-3, num_minibatches=4, ent_coef=0.01)),
+            "MiniGrid-Empty-5x5-v0": ("minigrid",
+                                      dict(num_steps=128, learning_rate=1e-3, num_minibatches=4, ent_coef=0.01)),
             "BabyAI-GoToRedBallGrey-v0": ("minigrid", dict(num_steps=128, learning_rate=1e-3)),
-            "MiniGrid-MemoryS7-v0": ("MiniGrid-MemoryS7", dict(num_steps=256, learning_rate=2e-4, num_minibatches=8,
-                                                             ent_coef=0.001, anneal_clip=False)),
+            "MiniGrid-MemoryS7-v0": ("MiniGrid-MemoryS7",
+                                     dict(num_steps=256, learning_rate=2e-4, num_minibatches=8, ent_coef=0.001,
+                                          anneal_clip=False)),
             "Highway-v0": ("highway", dict(gamma=0.8, learning_rate=5e-4, update_epochs=10)),
             "gfootball/academy_empty_goal_close-v1": ("gfootball", dict(num_steps=512, gamma=0.993, clip_coef=0.08)),
             "CarRacing-v3": ("CarRacing", dict(num_steps=512, learning_rate=1e-4, norm_reward=True, norm_obs=False)),
@@ -355,7 +400,6 @@ def test_the_header_line_names_the_split_count_and_the_actor(script, actor, tmp_
 # ---------------------------------------------------------------------------------------------
 # Learning at default flags
 # ---------------------------------------------------------------------------------------------
-
 
 # Measured (seeds 1 and 2, default flags): the mean of 20 episodes first reached 0.9 at 9k steps
 # (sync) and 12k-13k steps (APPO), and stayed at 0.955 (the optimal return) to 50k. The parity

@@ -32,8 +32,10 @@ class Counter(gymnasium.Env):
     def __init__(self, fail_at=None, dict_obs=False):
         self.fail_at, self.dict_obs, self.t, self.length, self.total = fail_at, dict_obs, 0, 5, 0
         if dict_obs:
-            self.observation_space = gymnasium.spaces.Dict({"count": Counter.observation_space,
-                                                            "flag": gymnasium.spaces.Discrete(2)})
+            self.observation_space = gymnasium.spaces.Dict({
+                "count": Counter.observation_space,
+                "flag": gymnasium.spaces.Discrete(2)
+            })
 
     def obs(self, action):
         o = np.array([self.t, action], np.float32)
@@ -54,6 +56,7 @@ class Counter(gymnasium.Env):
 
 
 class Make:
+
     def __init__(self, **kwargs):
         self.kwargs = kwargs
 
@@ -164,8 +167,10 @@ def test_a_worker_killed_by_the_os_is_reported():
 
 def live(pids) -> list:
     """The processes of `pids` that are running (the process table; a zombie is not)."""
-    return [pid for pid in pids if Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status")
-            .read_text().lower()]
+    return [
+        pid for pid in pids
+        if Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+    ]
 
 
 def pids_in(pid_dir) -> list:

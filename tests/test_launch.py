@@ -18,13 +18,18 @@ from helpers import REPO_ROOT, count_complete_lines, load_script, read_checkpoin
 
 LAUNCH = str(REPO_ROOT / "utils" / "launch.py")
 SCRIPT = "ppo_sync_baseline.py"
-COMMON = ["--env-id", "CartPole-v1", "--num-steps", "16", "--num-minibatches", "2", "--update-epochs", "1",
-          "--eval-episodes", "0", "--compile-cache", ""]
+COMMON = [
+    "--env-id", "CartPole-v1", "--num-steps", "16", "--num-minibatches", "2", "--update-epochs", "1", "--eval-episodes",
+    "0", "--compile-cache", ""
+]
 
 
 def launch(tmp_path, *argv, budget=256, wait=True, common=COMMON):
-    cmd = [sys.executable, LAUNCH, SCRIPT, "--out", str(tmp_path), *map(str, argv), "--",
-           *common, "--total-timesteps", str(budget)]
+    cmd = [
+        sys.executable, LAUNCH, SCRIPT, "--out",
+        str(tmp_path), *map(str, argv), "--", *common, "--total-timesteps",
+        str(budget)
+    ]
     if not wait:
         return subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
@@ -52,8 +57,8 @@ def test_a_grid_sweep_runs_once_each_and_is_plotted(tmp_path):
     """2 x 2 grid x 2 seeds, 2 at a time: 8 folders, each trained to the budget with its own
     flags; sweep.json says done with exit 0 for each; the same command again trains nothing;
     plot.py draws one curve per configuration and tabulates 4 configurations."""
-    result = launch(tmp_path, "--grid", "num-envs=4,8", "learning-rate=1e-3,3e-4", "--seeds", 1, 2,
-                    "--parallel", 2, "--name", "grid")
+    result = launch(tmp_path, "--grid", "num-envs=4,8", "learning-rate=1e-3,3e-4", "--seeds", 1, 2, "--parallel", 2,
+                    "--name", "grid")
     assert result.returncode == 0, result.stdout + result.stderr
     record = sweep_record(tmp_path, "grid")
     assert len(record["runs"]) == 8 and all(r["state"] == "done" and r["exit_code"] == 0 for r in record["runs"])
@@ -67,8 +72,8 @@ def test_a_grid_sweep_runs_once_each_and_is_plotted(tmp_path):
         assert config["exp_name"] == "grid__" + name.rsplit("__seed", 1)[0]
         assert read_checkpoint(tmp_path / "grid" / name)["state"]["global_step"] >= 256 - 8 * 16
     stamps = {name: (tmp_path / "grid" / name / "checkpoint.msgpack").stat().st_mtime_ns for name in names}
-    again = launch(tmp_path, "--grid", "num-envs=4,8", "learning-rate=1e-3,3e-4", "--seeds", 1, 2,
-                   "--parallel", 2, "--name", "grid")
+    again = launch(tmp_path, "--grid", "num-envs=4,8", "learning-rate=1e-3,3e-4", "--seeds", 1, 2, "--parallel", 2,
+                   "--name", "grid")
     assert again.returncode == 0 and "8 done" in again.stdout, again.stdout + again.stderr
     assert stamps == {name: (tmp_path / "grid" / name / "checkpoint.msgpack").stat().st_mtime_ns for name in names}
 
@@ -103,8 +108,9 @@ def test_ctrl_c_stops_every_run_and_the_same_command_resumes(tmp_path):
     proc = launch(tmp_path, "--seeds", 1, 2, "--parallel", 2, "--name", "stop", budget=budget, wait=False)
     folders = [tmp_path / "stop" / f"default__seed{s}" for s in (1, 2)]
     try:
-        wait_until(lambda: all((f / "metrics.jsonl").exists() and '"losses/' in (f / "metrics.jsonl").read_text()
-                               for f in folders), proc, 240)
+        wait_until(
+            lambda: all((f / "metrics.jsonl").exists() and '"losses/' in (f / "metrics.jsonl").read_text()
+                        for f in folders), proc, 240)
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:
@@ -146,7 +152,8 @@ def test_a_boolean_grid_value_is_a_switch(tmp_path):
     runs = sweep_record(tmp_path, "switch")["runs"]
     assert sorted(tuple(r["flags"]) for r in runs) == [("--anneal-lr",), ("--no-anneal-lr",)]
     for r in runs:
-        assert json.loads((Path(r["dir"]) / "config.json").read_text())["anneal_lr"] is (r["config"] == "anneal-lr=True")
+        assert json.loads(
+            (Path(r["dir"]) / "config.json").read_text())["anneal_lr"] is (r["config"] == "anneal-lr=True")
 
 
 def test_a_sweep_refuses_other_flags_under_its_name(tmp_path):
@@ -218,9 +225,11 @@ def test_one_launcher_per_sweep(tmp_path):
                    first, 240)
         second = launch(tmp_path, "--name", "twice", budget=5_000_000)
         assert second.returncode == 2, second.stdout + second.stderr
-        assert second.stderr.splitlines() == [f"error: {tmp_path / 'twice'} is in use by another launcher (pid "
-                                              f"{first.pid} on {os.uname().nodename}); wait for it to end, or pick "
-                                              "another folder"], second.stderr
+        assert second.stderr.splitlines() == [
+            f"error: {tmp_path / 'twice'} is in use by another launcher (pid "
+            f"{first.pid} on {os.uname().nodename}); wait for it to end, or pick "
+            "another folder"
+        ], second.stderr
         assert first.poll() is None and [r["state"] for r in sweep_record(tmp_path, "twice")["runs"]] == ["running"]
         first.send_signal(signal.SIGINT)
         first.communicate(timeout=60)
@@ -318,8 +327,10 @@ def test_the_slurm_script_quotes_every_value(tmp_path):
     as they are; nothing runs that the user did not write."""
     out = tmp_path / "it's $HOME dir"
     common = [*COMMON, "--wandb-project", "$(touch MARKER); `touch MARKER2`"]
-    result = subprocess.run([sys.executable, LAUNCH, str(REPO_ROOT / SCRIPT), "--out", str(out), "--name", "q",
-                             "--slurm", "--", *common], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, LAUNCH,
+         str(REPO_ROOT / SCRIPT), "--out",
+         str(out), "--name", "q", "--slurm", "--", *common], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     text = (out / "q" / "sweep.sbatch").read_text()
     assert f"#SBATCH --output='{tmp_path}/it'\"'\"'s $HOME dir/q/slurm_%a.out'" in text

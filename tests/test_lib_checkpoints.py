@@ -35,9 +35,15 @@ class ToyArgs(flags.RunArgs):
 def small_state():
     """A state like a script's: params, Adam state after one step (non-zero moments), counters."""
     rng = np.random.default_rng(0)
-    params = {"params": {"Dense_0": {"kernel": rng.normal(size=(4, 3)).astype(np.float32),
-                                     "bias": rng.normal(size=3).astype(np.float32)},
-                         "log_std": rng.normal(size=2).astype(np.float32)}}
+    params = {
+        "params": {
+            "Dense_0": {
+                "kernel": rng.normal(size=(4, 3)).astype(np.float32),
+                "bias": rng.normal(size=3).astype(np.float32)
+            },
+            "log_std": rng.normal(size=2).astype(np.float32)
+        }
+    }
     optimizer = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-3))
     opt_state = optimizer.init(params)
     _, opt_state = optimizer.update(jax.tree.map(lambda x: np.full_like(x, 0.3), params), opt_state, params)
@@ -130,11 +136,20 @@ def test_a_crash_during_a_write_keeps_the_previous_file(tmp_path, monkeypatch):
     (lambda d: None, "no checkpoint at"),
     (lambda d: (d / CHECKPOINT).write_bytes(np.random.default_rng(0).bytes(4096)), "not a readable checkpoint"),
     (lambda d: (d / CHECKPOINT).write_bytes(b""), "not a readable checkpoint"),
-    (lambda d: (d / CHECKPOINT).write_bytes(flax.serialization.msgpack_serialize({"weights": np.zeros(3)})), "no 'state'"),
-    (lambda d: (d / CHECKPOINT).write_bytes(flax.serialization.msgpack_serialize(
-        {"state": {}, "config": "{}", "script": "../evil.py"})), "not a script's file name"),
-    (lambda d: (d / CHECKPOINT).write_bytes(flax.serialization.msgpack_serialize(
-        {"state": {}, "config": "[1, 2]", "script": "a.py"})), "no readable config"),
+    (lambda d:
+     (d / CHECKPOINT).write_bytes(flax.serialization.msgpack_serialize({"weights": np.zeros(3)})), "no 'state'"),
+    (lambda d: (d / CHECKPOINT).write_bytes(
+        flax.serialization.msgpack_serialize({
+            "state": {},
+            "config": "{}",
+            "script": "../evil.py"
+        })), "not a script's file name"),
+    (lambda d: (d / CHECKPOINT).write_bytes(
+        flax.serialization.msgpack_serialize({
+            "state": {},
+            "config": "[1, 2]",
+            "script": "a.py"
+        })), "no readable config"),
 ])
 def test_what_is_not_a_checkpoint_is_one_line(tmp_path, make, fragment):
     make(tmp_path)
@@ -153,7 +168,8 @@ def test_a_truncated_checkpoint_is_one_line(tmp_path):
 def test_resume_takes_the_runs_flags_and_those_given_replace_them(tmp_path):
     path, _, _ = saved(tmp_path, gamma=0.9, num_envs=4)
     script = "/elsewhere/toy_script.py"
-    resumed, payload, changed = checkpoints.resume_args(ToyArgs(resume=str(path.parent), num_envs=16), {"num_envs"}, script)
+    resumed, payload, changed = checkpoints.resume_args(ToyArgs(resume=str(path.parent), num_envs=16), {"num_envs"},
+                                                        script)
     assert (resumed.env_id, resumed.gamma, resumed.num_envs, resumed.norm_obs) == ("HalfCheetah-v4", 0.9, 16, True)
     assert changed == {"num_envs": 16} and payload["state"]["global_step"] == 12_345
     # A flag given as None (its preset) keeps the run's value: no way around a fixed flag.
@@ -196,7 +212,8 @@ def test_load_script_imports_a_file_once_and_names_one_that_does_not_import(tmp_
 def test_run_identity_reads_config_json_else_the_checkpoint(tmp_path):
     path, _, _ = saved(tmp_path)
     assert checkpoints.run_identity(str(path.parent)) == {"script": "toy_script", "env_id": "HalfCheetah-v4", "seed": 1}
-    (path.parent / "config.json").write_text(json.dumps(dict(dataclasses.asdict(ToyArgs(env_id="Pong-v5")), exp_name="mine")))
+    (path.parent / "config.json").write_text(
+        json.dumps(dict(dataclasses.asdict(ToyArgs(env_id="Pong-v5")), exp_name="mine")))
     assert checkpoints.run_identity(str(path.parent))["script"] == "mine"
     (path.parent / "config.json").write_text("not json")
     with pytest.raises(UsageError, match="is not a run's config"):

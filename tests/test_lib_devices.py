@@ -55,8 +55,16 @@ def test_one_device_is_the_actor_and_a_mesh_of_one_learner():
 
 def test_the_env_axis_of_each_leaf():
     paths = jax.tree_util.tree_flatten_with_path({"obs": 0, "bootstrap_obs": 0, "state": (0, 0), "rewards": 0})[0]
-    assert {jax.tree_util.keystr(p): devices.env_axis(p) for p, _ in paths} == {
-        "['bootstrap_obs']": 0, "['obs']": 1, "['rewards']": 1, "['state'][0]": 0, "['state'][1]": 0}
+    assert {
+        jax.tree_util.keystr(p): devices.env_axis(p)
+        for p, _ in paths
+    } == {
+        "['bootstrap_obs']": 0,
+        "['obs']": 1,
+        "['rewards']": 1,
+        "['state'][0]": 0,
+        "['state'][1]": 0
+    }
 
 
 def test_agree_in_one_process_stops_on_a_signal_or_a_stop_and_keeps_its_games():

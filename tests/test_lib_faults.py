@@ -115,7 +115,7 @@ def test_a_read_only_folder_for_training_resume_and_evaluation(host_run_copy, tm
     with read_only(tmp_path, monkeypatch):
         code, _, err = run_main(HOST, cli(HOST, run_dir=empty), capsys)
         assert code == 1 and "Read-only file system" in one_error_line(err) and str(empty) in err, err
-        code, _, err = run_main(HOST, ["--resume", host_run_copy, "--total-timesteps", 10**6], capsys)
+        code, _, err = run_main(HOST, ["--resume", host_run_copy, "--total-timesteps", 10 ** 6], capsys)
         assert code == 1 and "Read-only file system" in one_error_line(err) and str(host_run_copy) in err, err
         evaluate = load_script(Path(__file__).parent.parent / "utils" / "evaluate.py")
         code = evaluate.main(evaluate.EvalArgs(run=str(host_run_copy), episodes=2))
@@ -146,7 +146,8 @@ def test_a_full_disk_stops_with_one_line_and_the_last_checkpoint_resumes(tmp_pat
 
     with monkeypatch.context() as m:
         m.setattr(checkpoints, "write_atomically", full_after_one)
-        code, _, err = run_main(HOST, cli(HOST, run_dir=run_dir, total_timesteps=4 * TINY_BATCH, save_interval=1), capsys)
+        code, _, err = run_main(HOST, cli(HOST, run_dir=run_dir, total_timesteps=4 * TINY_BATCH, save_interval=1),
+                                capsys)
     line = one_error_line(err)
     assert code == 1 and "No space left on device" in line and f"{CHECKPOINT}.tmp" in line, err
     assert "the last good checkpoint is kept" in line, err
@@ -161,7 +162,7 @@ def test_a_run_folder_moved_mid_run_is_where_the_message_says(tmp_path):
     """The run folder renamed while the run trains: the next checkpoint cannot be written (exit
     1), and the line says where the last good checkpoint is: in the folder's new place."""
     run_dir, moved = tmp_path / "run", tmp_path / "moved"
-    proc = start_script(HOST, cli(HOST, run_dir=run_dir, total_timesteps=10**6, save_interval=5), tmp_path / "logs")
+    proc = start_script(HOST, cli(HOST, run_dir=run_dir, total_timesteps=10 ** 6, save_interval=5), tmp_path / "logs")
     try:
         wait_until(lambda: (run_dir / CHECKPOINT).exists(), proc, 200)
         os.rename(run_dir, moved)
@@ -180,7 +181,8 @@ def small_disk(tmp_path):
     root; elsewhere the test is skipped, and test_lib_logs fakes the full disk in the logger)."""
     folder = tmp_path / "disk"
     folder.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(folder)], capture_output=True).returncode:
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs",
+                       str(folder)], capture_output=True).returncode:
         pytest.skip("mounting a small tmpfs needs root")
     yield folder
     subprocess.run(["umount", "-l", str(folder)], capture_output=True)
@@ -191,7 +193,7 @@ def test_a_full_disk_while_logging_is_one_line(small_disk):
     """The run's disk fills with its logs (no checkpoint due): one line naming the file and the
     OS error, exit 1, nothing after it (no traceback of TensorBoard's writer, at close or exit)."""
     run_dir = small_disk / "run"
-    result = run_script(HOST, cli(HOST, run_dir=run_dir, total_timesteps=10**6, save_interval=0), timeout=280)
+    result = run_script(HOST, cli(HOST, run_dir=run_dir, total_timesteps=10 ** 6, save_interval=0), timeout=280)
     line = one_error_line(result.stderr)
     assert result.returncode == 1 and "No space left on device" in line and str(run_dir) in line, result.stderr
 
@@ -212,11 +214,11 @@ def test_a_full_disk_in_the_writer_itself_keeps_the_old_file(tmp_path, monkeypat
 def test_every_thread_error_is_reported(tmp_path, capsys):
     """A file system error in one thread and a bug in another: one line for the first, the
     traceback of the second, and the checkpoint kept (nothing more is written)."""
-    from jax_async_rl import runs
+    from jax_async_rl import threads
 
     errors = [("the learner", OSError(errno.ENOSPC, "No space left on device", "x.tmp"), "trace 1"),
               ("the actor thread", RuntimeError("a bug"), "Traceback: RuntimeError: a bug")]
-    assert runs.report_errors(errors, str(tmp_path / CHECKPOINT), 64) is True
+    assert threads.report_errors(errors, str(tmp_path / CHECKPOINT), 64) is True
     err = capsys.readouterr().err
     assert "error in the learner: No space left on device: x.tmp (step 64)" in err
     assert "error in the actor thread:\nTraceback: RuntimeError: a bug" in err
@@ -229,8 +231,9 @@ def test_a_kill_during_the_first_checkpoint_write(host_run_copy, complete, capsy
     ckpt = host_run_copy / CHECKPOINT
     data = ckpt.read_bytes()
     ckpt.unlink()
-    (host_run_copy / f"{CHECKPOINT}.tmp").write_bytes(data if complete else data[: len(data) // 2])
-    step = int(checkpoints.read_checkpoint(str(host_run_copy / f"{CHECKPOINT}.tmp"))["state"]["global_step"]) if complete else 0
+    (host_run_copy / f"{CHECKPOINT}.tmp").write_bytes(data if complete else data[:len(data) // 2])
+    step = int(checkpoints.read_checkpoint(str(host_run_copy /
+                                               f"{CHECKPOINT}.tmp"))["state"]["global_step"]) if complete else 0
     code, _, err = run_main(HOST, ["--resume", host_run_copy, "--total-timesteps", step + 2 * TINY_BATCH], capsys)
     if complete:
         assert code == 0 and "complete checkpoint.msgpack.tmp" in err and "resuming from it" in err, err
@@ -250,7 +253,7 @@ def test_a_damaged_config_is_an_error_that_names_it(host_run_copy, content, caps
     else:
         config.write_text(content)
     before = file_contents(host_run_copy)
-    code, _, err = run_main(HOST, ["--resume", host_run_copy, "--total-timesteps", 10**6], capsys)
+    code, _, err = run_main(HOST, ["--resume", host_run_copy, "--total-timesteps", 10 ** 6], capsys)
     assert code == 2 and str(config) in one_error_line(err), err
     assert file_contents(host_run_copy) == before
 
@@ -307,8 +310,10 @@ def test_warnings_for_flags_that_cripple_a_run(tmp_path, capsys):
     code, _, err = run_main(HOST, cli(HOST, run_dir=tmp_path / "r", num_steps=2, total_timesteps=8 * 4 * 2), capsys)
     assert code == 0 and "warning: --num-steps 2" in err, err
     appo = "appo_envpool.py"
-    code, _, err = run_main(appo, cli(appo, run_dir=tmp_path / "a", max_policy_lag=0, total_timesteps=12 * TINY_BATCH,
-                                      num_splits=1, log_frequency=1), capsys)
+    code, _, err = run_main(
+        appo,
+        cli(appo, run_dir=tmp_path / "a", max_policy_lag=0, total_timesteps=12 * TINY_BATCH, num_splits=1,
+            log_frequency=1), capsys)
     warnings = [line for line in err.splitlines() if line.startswith("warning:")]
     # How stale the data is depends on the two threads' pace: the line comes iff an update masked most.
     stale = [r["value"] for r in read_metrics(tmp_path / "a") if r["tag"] == "async/stale_fraction"]

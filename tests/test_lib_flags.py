@@ -50,8 +50,8 @@ PRESETS = {"classic": dict(steps=128, rate=2.5e-4), "CartPole": dict(steps=32, r
     ("log_frequency", 0, "--log-frequency must be positive"),
     ("eval_episodes", -1, "--eval-episodes must be >= 0"),
     ("ratio", 1e308, "--ratio must be at most 100000, got 1e+308"),
-    ("count", 2**31, "--count must be at most 2,147,483,647"),
-    ("total_timesteps", 10**10, "--total-timesteps must be at most 2,147,483,647"),
+    ("count", 2 ** 31, "--count must be at most 2,147,483,647"),
+    ("total_timesteps", 10 ** 10, "--total-timesteps must be at most 2,147,483,647"),
     ("seed", -1, "--seed must be in [0, 2**30]"),
     ("env_timeout", 1e9, "--env-timeout must be at most"),
 ])
@@ -199,8 +199,8 @@ def run_help_script(tmp_path, source, *argv):
     path.write_text(HELP_SCRIPT.format(**source))
     probe = ("import runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
              "finally:\n    print('imported', sorted({'numpy', 'jax'} & set(sys.modules)), file=sys.stderr)\n")
-    return subprocess.run([sys.executable, "-c", probe, str(path), *argv], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)
+    return subprocess.run([sys.executable, "-c", probe, str(path), *argv], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["-h"], ["--env-id", "CartPole-v1", "--help"]])
@@ -209,7 +209,8 @@ def test_help_from_source_prints_the_help_without_the_scripts_imports(tmp_path, 
     before the rest of the script (before any import below its __main__ block)."""
     result = run_help_script(tmp_path, LIGHT, *argv)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("usage: tiny.py [--flag VALUE ...]") and "past help_from_source" not in result.stdout
+    assert result.stdout.startswith(
+        "usage: tiny.py [--flag VALUE ...]") and "past help_from_source" not in result.stdout
     assert "classic: rate=0.25" in result.stdout and "a learning rate (default: 0.25)" in result.stdout
     assert "imported []" in result.stderr, result.stderr
 

@@ -80,7 +80,7 @@ def test_check_names_what_a_killed_first_save_left(tmp_path, host_run):
     (tmp_path / "config.json").write_text("{}")
     data = (host_run / "checkpoint.msgpack").read_bytes()
     tmp = tmp_path / "checkpoint.msgpack.tmp"
-    tmp.write_bytes(data[: len(data) // 3])
+    tmp.write_bytes(data[:len(data) // 3])
     with pytest.raises(UsageError, match=r"saved no checkpoint \(only an incomplete checkpoint.msgpack.tmp\)"):
         folders.check(args_for(str(tmp_path)), resumed=False)
     tmp.write_bytes(data)

@@ -70,8 +70,8 @@ def test_a_full_disk_is_one_error_naming_the_file_and_nothing_after(full, tmp_pa
     assert error.value.filename == (logger.path if full == "jsonl" else logger.events_path)
     logger.log(3, {"a": 3.0})
     logger.close()
-    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == (
-        [1] if full == "jsonl" else [1, 2])
+    assert [json.loads(line)["step"]
+            for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == ([1] if full == "jsonl" else [1, 2])
 
 
 def test_a_metrics_file_deleted_mid_run_is_recreated_with_a_warning(tmp_path, capsys):
@@ -169,7 +169,8 @@ def test_the_eta_is_steady_on_a_steady_run(seconds_per_update):
     a line every 5 s: between consecutive lines the ETA moves by less than 20% of its value
     beyond the 5 s that passed (the issue's Pong run flipped by 2x)."""
     clock, learned, batch = [0.0], [0], 512
-    progress = Progress(10_000_000, lambda: (learned[0], learned[0]), interval=3600, clock=lambda: clock[0], start=False)
+    progress = Progress(10_000_000, lambda: (learned[0], learned[0]), interval=3600, clock=lambda: clock[0],
+                        start=False)
     next_update, etas = 30.0, []  # the first update ends after 30 s of compiling
     for line in range(1, 400):
         while next_update <= line * 5.0:

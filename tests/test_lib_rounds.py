@@ -12,8 +12,10 @@ from helpers import count_complete_lines, fail_on_call, read_checkpoint, run_mai
 from jax_async_rl import rounds
 
 SCRIPT = "dqn_envpool.py"
-TINY = ["--env-id", "CartPole-v1", "--num-envs", "4", "--num-steps", "16", "--learning-starts", "64", "--buffer-size",
-        "1000", "--batch-size", "32", "--replay-ratio", "2.0", "--eval-episodes", "0", "--log-frequency", "1"]
+TINY = [
+    "--env-id", "CartPole-v1", "--num-envs", "4", "--num-steps", "16", "--learning-starts", "64", "--buffer-size",
+    "1000", "--batch-size", "32", "--replay-ratio", "2.0", "--eval-episodes", "0", "--log-frequency", "1"
+]
 
 
 @pytest.mark.timeout(300)
@@ -23,8 +25,9 @@ def test_a_thread_error_stops_the_run_within_seconds(where, serial, tmp_path, ca
     with the traceback, naming the thread."""
     cls = rounds.Collector if where == "actor" else rounds.Learner
     failed_at = fail_on_call(monkeypatch, cls, "collect" if where == "actor" else "round", 4, f"injected {where} fault")
-    code, _, err = run_main(SCRIPT, [*TINY, "--run-dir", tmp_path / "r", "--total-timesteps", 64 * 1000,
-                                     *(["--serial"] if serial else [])], capsys)
+    code, _, err = run_main(SCRIPT, [
+        *TINY, "--run-dir", tmp_path / "r", "--total-timesteps", 64 * 1000, *(["--serial"] if serial else [])
+    ], capsys)
     assert code == 1 and f"RuntimeError: injected {where} fault" in err and "in faulty" in err, err[-3000:]
     assert f"error in the {'training loop' if serial else where} thread" in err
     assert time.monotonic() - failed_at[0] < 20
@@ -37,8 +40,10 @@ def test_a_signal_stops_a_long_round_within_seconds_with_a_checkpoint(serial, tm
     first round (filling the buffer) is logged, in the middle of the second, stops the run within
     10 s, exit 143, with the first round's checkpoint."""
     run = tmp_path / "r"
-    argv = [*TINY, "--run-dir", run, "--total-timesteps", 64 * 50, "--batch-size", "256", "--replay-ratio", "32000",
-            *(["--serial"] if serial else [])]
+    argv = [
+        *TINY, "--run-dir", run, "--total-timesteps", 64 * 50, "--batch-size", "256", "--replay-ratio", "32000",
+        *(["--serial"] if serial else [])
+    ]
     code, seconds, err = sigterm_when(SCRIPT, argv, tmp_path / "logs",
                                       lambda: count_complete_lines(run / "metrics.jsonl", '"replay/fill"') >= 1, 240)
     assert code == 128 + signal.SIGTERM and seconds < 10 and "Traceback" not in err, (seconds, err[-3000:])
@@ -51,8 +56,10 @@ def test_a_signal_stops_a_run_whose_env_never_answers(serial, tmp_path):
     """A user's env that hangs in `step` in the second round: SIGTERM stops the run within 10 s
     with its checkpoint, in either mode."""
     run = tmp_path / "r"
-    argv = [*TINY, "--env-id", "tests.user_envs:Faulty", "--env-kwargs", '{"at": 20, "how": "hang"}',
-            "--run-dir", run, "--total-timesteps", 64 * 50, "--num-threads", "2", *(["--serial"] if serial else [])]
+    argv = [
+        *TINY, "--env-id", "tests.user_envs:Faulty", "--env-kwargs", '{"at": 20, "how": "hang"}', "--run-dir", run,
+        "--total-timesteps", 64 * 50, "--num-threads", "2", *(["--serial"] if serial else [])
+    ]
     code, seconds, err = sigterm_when(SCRIPT, argv, tmp_path / "logs",
                                       lambda: count_complete_lines(run / "metrics.jsonl", '"replay/fill"') >= 1, 240)
     assert code == 128 + signal.SIGTERM and seconds < 10 and "Traceback" not in err, (seconds, err[-3000:])

@@ -57,7 +57,7 @@ def corrupt_random(run, tmp_path):
 def corrupt_truncated(run, tmp_path):
     data = (run / CHECKPOINT).read_bytes()
     path = tmp_path / CHECKPOINT
-    path.write_bytes(data[: len(data) // 2])
+    path.write_bytes(data[:len(data) // 2])
     return path
 
 
@@ -78,7 +78,8 @@ BAD_INPUTS = {
     "resume-with-lstm": (dict(lstm=True), ["--resume", "--lstm", "cannot change"], lambda run, tmp: run),
     "zero-lstm-size": (dict(lstm=True, lstm_size=0), ["--lstm-size"], None),
     "unusable-compile-cache": (dict(compile_cache="/proc/no_such_folder"), ["--compile-cache"], None),
-    "norm-obs-on-images": (dict(env_id="Pong-v5", norm_obs="True"), ["--norm-obs", "float observations", "Pong-v5"], None),
+    "norm-obs-on-images": (dict(env_id="Pong-v5", norm_obs="True"), ["--norm-obs", "float observations",
+                                                                     "Pong-v5"], None),
     "unknown-flag": (dict(num_env=4), ["--num-env", "did you mean --num-envs"], None),
     "track-without-wandb": (dict(track=True), ["--track", "pip install"], None),
     "retired-flag": (dict(xla_actor=True), ["--xla-actor", "appo_envpool_xla.py"], None),
@@ -125,11 +126,14 @@ def test_resuming_a_crafted_folder_runs_no_code(route, tmp_path, monkeypatch, ca
     marker = tmp_path / "marker"
     monkeypatch.chdir(tmp_path)  # the working directory's modules are importable (user_maker)
     if route == "env-id":
-        config, allow = dict(env_id="os:system", env_kwargs=json.dumps({"command": f"touch {marker}"})), ["--trust-env-module"]
+        config, allow = dict(env_id="os:system",
+                             env_kwargs=json.dumps({"command": f"touch {marker}"})), ["--trust-env-module"]
     else:
         (tmp_path / "planted_env_module.py").write_text(marker_code(marker))
-        config, allow = dict(env_id="Planted-v0", env_module="planted_env_module"), ["--env-module", "planted_env_module"]
-    run = write_crafted_run(tmp_path / "shared_run", HOST, dict(config, trust_env_module=True))  # a file grants no trust
+        config, allow = dict(env_id="Planted-v0",
+                             env_module="planted_env_module"), ["--env-module", "planted_env_module"]
+    # A file grants no trust
+    run = write_crafted_run(tmp_path / "shared_run", HOST, dict(config, trust_env_module=True))
     code, _, err = run_main(HOST, ["--resume", run], capsys)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and "--trust-env-module" in lines[0], err
@@ -199,9 +203,11 @@ def test_the_run_name_says_which_variant_and_a_partial_update_is_said(tmp_path, 
     (folder,) = (tmp_path / "runs").iterdir()
     assert folder.name.startswith("CartPole-v1__ppo_sync_baseline__lstm__1__"), folder.name
     assert f"{HOST} (ppo_sync_baseline__lstm): CartPole-v1 (preset CartPole), 3 updates of " in out, out
-    assert err.splitlines() == [f"note: --total-timesteps {3 * TINY_BATCH + 10} is not a whole number of updates of 1 "
-                                f"process x 4 envs x 16 steps = {TINY_BATCH} env steps: 3 updates will train, to step "
-                                f"{3 * TINY_BATCH}"], err
+    assert err.splitlines() == [
+        f"note: --total-timesteps {3 * TINY_BATCH + 10} is not a whole number of updates of 1 "
+        f"process x 4 envs x 16 steps = {TINY_BATCH} env steps: 3 updates will train, to step "
+        f"{3 * TINY_BATCH}"
+    ], err
     assert int(read_checkpoint(folder)["state"]["global_step"]) == 3 * TINY_BATCH
 
 
@@ -221,7 +227,8 @@ def test_resume_continues_the_run(host_run_copy, capsys):
 
     total = saved_step + 3 * TINY_BATCH
     assert run_main(HOST, ["--resume", run, "--total-timesteps", total, "--eval-episodes", 0]) == 0
-    assert int(read_checkpoint(run)["state"]["global_step"]) == total, "the resumed run did not train exactly the steps left"
+    assert int(
+        read_checkpoint(run)["state"]["global_step"]) == total, "the resumed run did not train exactly the steps left"
     config = json.loads((run / "config.json").read_text())
     assert {k: v for k, v in config.items() if k != "resumes"} == original, "config.json lost the original flags"
     assert config["resumes"][0]["changed"] == {"total_timesteps": total, "eval_episodes": 0}
@@ -244,7 +251,8 @@ def test_tensorboard_reads_the_events(host_run):
 
     tensorboard = shutil.which("tensorboard", path=str(Path(sys.executable).parent)) or shutil.which("tensorboard")
     assert tensorboard, "no tensorboard command next to this Python"
-    result = subprocess.run([tensorboard, "--inspect", "--logdir", str(host_run)], capture_output=True, text=True, timeout=100)
+    result = subprocess.run([tensorboard, "--inspect", "--logdir", str(host_run)], capture_output=True, text=True,
+                            timeout=100)
     assert result.returncode == 0, result.stderr
     for tag in UPDATE_TAGS + ["charts/episodic_return", "eval/episodic_return"]:
         assert tag in result.stdout, (tag, result.stdout)
@@ -254,7 +262,8 @@ def test_tensorboard_reads_the_events(host_run):
     for tag in UPDATE_TAGS:
         got = [(e.step, e.value) for e in events.Scalars(tag)]
         want = [(r["step"], r["value"]) for r in records if r["tag"] == tag]
-        assert len(got) == len(want) and all(a[0] == b[0] and a[1] == pytest.approx(b[1], rel=1e-6) for a, b in zip(got, want))
+        assert len(got) == len(want) and all(a[0] == b[0] and a[1] == pytest.approx(b[1], rel=1e-6)
+                                             for a, b in zip(got, want))
 
 
 @pytest.mark.timeout(300)

@@ -47,8 +47,10 @@ class RoundArgs:
 def reference_sequences(envs, count, rows, length, period, stack=1):
     """{(env, first row)} of the whole sequences a ring of `rows` rows an env keeps: starting on a
     multiple of `period`, all `length` rows written, the first one's stack not overwritten."""
-    return {(e, s) for e in range(envs.num_envs) for s in range(0, int(count[e]) - length + 1, period)
-            if s >= count[e] - rows + stack - 1}
+    return {(e, s)
+            for e in range(envs.num_envs)
+            for s in range(0,
+                           int(count[e]) - length + 1, period) if s >= count[e] - rows + stack - 1}
 
 
 @pytest.mark.parametrize("period, length", [(4, 9), (5, 5), (6, 3)])
@@ -64,8 +66,10 @@ def test_sampled_sequences_are_what_the_actor_saw_and_held(period, length):
     act = RecurrentStandIn(num_envs)
     collector = rounds.Collector(envs, act, RoundArgs(num_envs, 2, 7), 0, threads.Shared(None, 0), 0, recurrent=True)
     state_example = (np.zeros((1, H), np.float32),) * 2
-    replays = [SequenceReplay(rows * num_envs, num_envs, np.zeros((1, 2), np.float32), np.zeros(1, np.int64),
-                              state_example, length, period, alpha=alpha) for alpha in (0.0, 0.9)]
+    replays = [
+        SequenceReplay(rows * num_envs, num_envs, np.zeros((1, 2), np.float32), np.zeros(1, np.int64), state_example,
+                       length, period, alpha=alpha) for alpha in (0.0, 0.9)
+    ]
     starts_at_zero = 0
     for _ in range(14):
         chunk = collector.collect(None, 0)
@@ -104,8 +108,8 @@ def test_prioritised_sequences_in_proportion_and_renewed_at_the_largest_priority
     weights (N P)^-beta normalised by the batch's largest, priorities of overwritten sequences
     dropped, a new sequence at the largest priority so far."""
     num_envs, rows, length, period, alpha, beta = 2, 40, 6, 4, 0.9, 0.6
-    replay = SequenceReplay(rows * num_envs, num_envs, np.zeros((1, 1), np.float32), np.zeros(1, np.int64),
-                            (np.zeros((1, H), np.float32),), length, period, alpha=alpha)
+    replay = SequenceReplay(rows * num_envs, num_envs, np.zeros((1, 1), np.float32), np.zeros(1, np.int64), (np.zeros(
+        (1, H), np.float32),), length, period, alpha=alpha)
 
     def add(steps):
         for _ in range(steps):
@@ -147,10 +151,13 @@ def test_atari_bytes_per_stored_step():
 
     obs_space, action_space = tasks.spaces("Pong-v5")
     rows, num_envs = 400, 4
-    replay = SequenceReplay(rows * num_envs, num_envs, tasks.zeros_like_space(obs_space, 1), np.zeros(1, action_space.dtype),
-                            (np.zeros((1, 512), np.float32),) * 2, 125, 40, frame_stack=4)
-    arrays = [replay.obs, replay.action, replay.reward, replay.terminated, replay.truncated, replay.back, replay.begin,
-              replay.live, *replay.state]
+    replay = SequenceReplay(rows * num_envs, num_envs, tasks.zeros_like_space(obs_space, 1),
+                            np.zeros(1, action_space.dtype), (np.zeros((1, 512), np.float32),) * 2, 125, 40,
+                            frame_stack=4)
+    arrays = [
+        replay.obs, replay.action, replay.reward, replay.terminated, replay.truncated, replay.back, replay.begin,
+        replay.live, *replay.state
+    ]
     per_step = sum(a.nbytes for a in arrays) / (rows * num_envs)
     assert per_step == pytest.approx(84 * 84 + 8 + 4 + 1 + 1 + 1 + 2 * 512 * 4 / 40 + (8 + 1) / 40)
     assert 7.17e9 < per_step * 1e6 < 7.18e9

@@ -60,10 +60,16 @@ PRESETS = {"classic": {}, "CartPole": {}, "mujoco": {}, "atari": {}, "dm_control
 
 
 @pytest.mark.parametrize(("env_id", "kind", "preset"), [
-    ("Pong-v5", "atari", "atari"), ("CartPole-v1", "classic", "CartPole"), ("Acrobot-v1", "classic", "classic"),
-    ("HalfCheetah-v4", "mujoco", "mujoco"), ("MetaWorld/Reach-v3", "mujoco", "mujoco"), ("FetchReach-v1", "mujoco", "mujoco"),
-    ("CheetahRun-v1", "dm_control", "dm_control"), ("BabyAI-GoToRedBallGrey-v0", "minigrid", "minigrid"),
-    ("Highway-v0", "highway", "classic"), ("Taxi-v3", "classic", "classic"),
+    ("Pong-v5", "atari", "atari"),
+    ("CartPole-v1", "classic", "CartPole"),
+    ("Acrobot-v1", "classic", "classic"),
+    ("HalfCheetah-v4", "mujoco", "mujoco"),
+    ("MetaWorld/Reach-v3", "mujoco", "mujoco"),
+    ("FetchReach-v1", "mujoco", "mujoco"),
+    ("CheetahRun-v1", "dm_control", "dm_control"),
+    ("BabyAI-GoToRedBallGrey-v0", "minigrid", "minigrid"),
+    ("Highway-v0", "highway", "classic"),
+    ("Taxi-v3", "classic", "classic"),
 ])
 def test_a_task_takes_its_own_preset_else_its_familys_else_classic(env_id, kind, preset):
     assert tasks.env_kind(env_id) == kind
@@ -93,6 +99,7 @@ def test_what_is_not_served_is_one_line(env_id, fragments):
 
 
 def test_preset_values_fill_only_what_is_left_out():
+
     class Args:
         env_id, steps, rate = "CartPole-v1", None, 0.1
 
@@ -185,6 +192,7 @@ def test_a_non_finite_reward_is_the_envs_fault_named_where_it_enters():
     and its step, before the learner turns it into a non-finite loss."""
     stats = tasks.EpisodeStats(3)
     stats.update(np.arange(3), np.ones(3), np.zeros(3, bool), np.zeros(3, bool), {"elapsed_step": np.ones(3, int)})
-    with pytest.raises(gym_pool.EnvError, match=r"^env 2 returned a non-finite reward \(-inf\) at step 4 of its episode$"):
+    with pytest.raises(gym_pool.EnvError,
+                       match=r"^env 2 returned a non-finite reward \(-inf\) at step 4 of its episode$"):
         stats.update(np.array([1, 2]), np.array([0.5, -np.inf]), np.zeros(2, bool), np.zeros(2, bool),
                      {"elapsed_step": np.array([4, 4])})

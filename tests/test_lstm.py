@@ -65,8 +65,12 @@ def test_learner_unroll_reproduces_the_actor(script, num_splits):
     envs.action_space = gymnasium.spaces.Discrete(3)
     shared = threads.Shared(params, 0)
     args = dataclasses.replace(
-        module.Args(env_id="CartPole-v1"), num_envs=num_envs, num_steps=NUM_STEPS, num_splits=num_splits,
-        lstm=True, lstm_size=LSTM_SIZE,
+        module.Args(env_id="CartPole-v1"),
+        num_envs=num_envs,
+        num_steps=NUM_STEPS,
+        num_splits=num_splits,
+        lstm=True,
+        lstm_size=LSTM_SIZE,
     )
     policy = RecordingPolicy(module.make_policy_step(network, continuous=False))
     rollout_queue, num_rollouts, T = module.queue.Queue(), 5, NUM_STEPS
@@ -79,8 +83,7 @@ def test_learner_unroll_reproduces_the_actor(script, num_splits):
     resets_inside = 0
     for k, rollout in enumerate(rollouts):
         logprobs, _, values, bootstrap_value = jax.device_get(
-            jax.jit(module.rollout_forward, static_argnums=(0, 3))(network, params, rollout, False)
-        )
+            jax.jit(module.rollout_forward, static_argnums=(0, 3))(network, params, rollout, False))
         for e in range(num_envs):
             for t in range(T):
                 n, where = k * T + t, f"rollout {k}, row {t}, env {e}"
@@ -89,7 +92,8 @@ def test_learner_unroll_reproduces_the_actor(script, num_splits):
                 resets_inside += t > 0 and first_flags(envs, e, n)
                 np.testing.assert_allclose(logprobs[t, e], rollout["logprobs"][t, e], atol=1e-5, err_msg=where)
                 np.testing.assert_allclose(values[t, e], policy.values[(e, n)], atol=1e-5, err_msg=where)
-            np.testing.assert_allclose(bootstrap_value[e], policy.values[(e, (k + 1) * T)], atol=1e-5, err_msg=f"{k}, {e}")
+            np.testing.assert_allclose(bootstrap_value[e], policy.values[(e, (k + 1) * T)], atol=1e-5,
+                                       err_msg=f"{k}, {e}")
     assert resets_inside > 5  # episodes started mid-rollout, not only at rollout boundaries
 
     # The check can fail: ignoring the recorded state, or the resets, changes the outputs.
@@ -118,9 +122,8 @@ def test_sync_rollouts_unroll_to_the_actors_numbers():
     forward = jax.jit(ppo.rollout_forward, static_argnums=(0, 3))
     previous = None
     for k in range(6):
-        rollout, obs, dones, core = ppo.collect_rollout(
-            envs, policy_step, params, obs, dones, core, key, k * args.num_steps, stats, normalizer, args, timing
-        )
+        rollout, obs, dones, core = ppo.collect_rollout(envs, policy_step, params, obs, dones, core, key,
+                                                        k * args.num_steps, stats, normalizer, args, timing)
         logprobs, _, values, bootstrap_value = jax.device_get(forward(network, params, rollout, False))
         np.testing.assert_allclose(logprobs, rollout["logprobs"], atol=1e-5, err_msg=f"rollout {k}")
         np.testing.assert_allclose(values, rollout["values"], atol=1e-5, err_msg=f"rollout {k}")
@@ -138,8 +141,12 @@ def test_recurrent_minibatches_are_whole_env_sequences_with_their_states():
     T, B, M = 6, 8, 4
     rng = np.random.default_rng(0)
     data = {
-        "obs": {"a": rng.normal(size=(T, B, 3)), "b": rng.integers(0, 9, (T, B))},
-        "valid": rng.random((T, B)), "first": rng.random((T, B)) < 0.2,
+        "obs": {
+            "a": rng.normal(size=(T, B, 3)),
+            "b": rng.integers(0, 9, (T, B))
+        },
+        "valid": rng.random((T, B)),
+        "first": rng.random((T, B)) < 0.2,
         "state": (rng.normal(size=(B, 5)), rng.normal(size=(B, 5))),
     }
     data = jax.tree.map(lambda x: x.astype(np.float32) if x.dtype == np.float64 else x, data)  # as JAX holds them
@@ -166,7 +173,8 @@ def test_lstm_run_saves_resumes_and_evaluates(script, tmp_path):
     """A tiny --lstm run with a video; --resume continues it with the LSTM (the flag read from the
     checkpoint); utils/evaluate.py scores the checkpoint with no --lstm flag of its own."""
     run_dir = tmp_path / "run"
-    assert run_main(script, cli(script, run_dir=run_dir, lstm=True, lstm_size=16, eval_episodes=2, capture_video=True)) == 0
+    assert run_main(script, cli(script, run_dir=run_dir, lstm=True, lstm_size=16, eval_episodes=2,
+                                capture_video=True)) == 0
     assert len(list((run_dir / "videos").glob("*.mp4"))) == 1
     config = json.loads((run_dir / "config.json").read_text())
     assert config["lstm"] is True and config["lstm_size"] == 16
@@ -196,12 +204,14 @@ def test_evaluation_starts_from_zeros_and_resets_where_episodes_start(env_id, ep
 
         @staticmethod
         def apply(params, obs, core):
-            jax.debug.callback(lambda s, f: seen.append((np.asarray(s).copy(), np.asarray(f).copy())), core[0][1], core[1])
+            jax.debug.callback(lambda s, f: seen.append((np.asarray(s).copy(), np.asarray(f).copy())), core[0][1],
+                               core[1])
             return network.apply(params, obs, core)
 
     make_env = tasks.make_env
 
     class Recorded:
+
         def __init__(self, envs):
             self.envs, self.lives = envs, None
 
@@ -222,8 +232,8 @@ def test_evaluation_starts_from_zeros_and_resets_where_episodes_start(env_id, ep
 
     monkeypatch.setattr(evaluation, "make_env", lambda *a, **k: Recorded(make_env(*a, **k)))
     policy = appo.make_policy_step(Probe, continuous, values=False)
-    scores = evaluation.evaluate(policy, state["params"], lambda n: appo.zero_core(network.lstm_size, n), args, normalizer,
-                                 episodes)
+    scores = evaluation.evaluate(policy, state["params"], lambda n: appo.zero_core(network.lstm_size, n), args,
+                                 normalizer, episodes)
     assert len(scores) == episodes
     assert not seen[0][0].any() and seen[0][1].all()  # zeros, every env starting
     # Call t acts on the observation of step t - 1; envpool's step after an episode's end (the
@@ -312,13 +322,19 @@ def test_lstm_learns_cartpole_without_velocities(script_name, lstm, tmp_path, mo
     monkeypatch.setattr(tasks, "make_env", lambda *args, **kwargs: HideVelocities(make_env(*args, **kwargs)))
     run_dir = tmp_path / "run"
     args = dataclasses.replace(
-        module.Args(), env_id="CartPole-v1", seed=1, total_timesteps=MEMORY_BUDGET, lstm=lstm, eval_episodes=0,
-        run_dir=str(run_dir), **MEMORY_FLAGS[script_name],
+        module.Args(),
+        env_id="CartPole-v1",
+        seed=1,
+        total_timesteps=MEMORY_BUDGET,
+        lstm=lstm,
+        eval_episodes=0,
+        run_dir=str(run_dir),
+        **MEMORY_FLAGS[script_name],
     )
     assert module.main(args) == 0
     returns = tag_values(read_metrics(run_dir), "charts/episodic_return")
     windows = np.convolve(returns, np.ones(20) / 20, "valid")
-    curve = json.dumps([round(float(w)) for w in windows[:: max(1, len(windows) // 40)]])
+    curve = json.dumps([round(float(w)) for w in windows[::max(1, len(windows) // 40)]])
     if lstm:
         assert windows.max() >= 400, f"best 20-episode mean {windows.max():.1f}; means along the run: {curve}"
     else:
@@ -343,5 +359,5 @@ def test_appo_lstm_learns_cartpole_and_stays(seed, tmp_path):
     assert module.main(args) == 0
     returns = tag_values(read_metrics(tmp_path / "run"), "charts/episodic_return")
     windows = np.convolve(returns, np.ones(20) / 20, "valid")
-    curve = json.dumps([round(float(w)) for w in windows[:: max(1, len(windows) // 40)]])
+    curve = json.dumps([round(float(w)) for w in windows[::max(1, len(windows) // 40)]])
     assert windows[-1] >= 475, f"last 20: {windows[-1]:.1f}; along the run: {curve}"

@@ -13,7 +13,6 @@ from helpers import load_script, random_rollout
 appo = load_script("appo_envpool.py")
 impala = load_script("impala_envpool.py")
 
-
 # ---------------------------------------------------------------------------------------------
 # V-trace (Espeholt et al. 2018)
 # ---------------------------------------------------------------------------------------------
@@ -216,8 +215,14 @@ def impala_case():
 
 def call_impala_loss(case, entropy_cost=ENTROPY_COST):
     return impala.impala_loss(
-        case["logprobs"], case["pg_advantages"], case["values"], case["vs"], case["entropy"], case["mask"],
-        BASELINE_COST, entropy_cost,
+        case["logprobs"],
+        case["pg_advantages"],
+        case["values"],
+        case["vs"],
+        case["entropy"],
+        case["mask"],
+        BASELINE_COST,
+        entropy_cost,
     )
 
 
@@ -266,8 +271,14 @@ def test_impala_loss_gradient_moves_log_prob_with_the_advantage():
     def loss_of(logits):
         logprobs, entropy = impala.log_prob_entropy(logits, actions, False)
         return impala.impala_loss(
-            logprobs.reshape(T, B), advantages, case["values"], case["vs"], entropy.reshape(T, B), mask,
-            BASELINE_COST, 0.0,
+            logprobs.reshape(T, B),
+            advantages,
+            case["values"],
+            case["vs"],
+            entropy.reshape(T, B),
+            mask,
+            BASELINE_COST,
+            0.0,
         )[0]
 
     grad = np.asarray(jax.grad(loss_of)(logits))

@@ -11,7 +11,6 @@ from helpers import load_script, random_rollout
 
 ppo = load_script("ppo_sync_baseline.py")
 
-
 # ---------------------------------------------------------------------------------------------
 # GAE (Schulman et al. 2016)
 # ---------------------------------------------------------------------------------------------
@@ -52,13 +51,11 @@ def test_compute_gae_lambda_one_is_discounted_return_minus_value():
     bootstrap_value = np.array([10.0, 20.0], np.float32)
     dones = np.array([[0.0, 0.0], [0.0, 1.0], [0.0, 0.0]], np.float32)  # env 1 ends after step 1
     discounts = gamma * (1.0 - dones)
-    returns = np.array(
-        [
-            [1 + 0.9 * 2 + 0.81 * 3 + 0.729 * 10, 1 + 0.9 * 0],
-            [2 + 0.9 * 3 + 0.81 * 10, 0.0],
-            [3 + 0.9 * 10, 5 + 0.9 * 20],
-        ]
-    )
+    returns = np.array([
+        [1 + 0.9 * 2 + 0.81 * 3 + 0.729 * 10, 1 + 0.9 * 0],
+        [2 + 0.9 * 3 + 0.81 * 10, 0.0],
+        [3 + 0.9 * 10, 5 + 0.9 * 20],
+    ])
     got = np.asarray(ppo.compute_gae(rewards, values, bootstrap_value, discounts, 1.0))
     np.testing.assert_allclose(got + values, returns, rtol=1e-6)
 
@@ -101,15 +98,29 @@ def ppo_case():
     entropy = np.array([0.5, 0.7, 0.6, 0.2, 1.0, 50.0])
     f32 = lambda x: jnp.asarray(x, jnp.float32)
     return dict(
-        logprobs=f32(logprobs), old_logprobs=f32(old_logprobs), advantages=f32(advantages),
-        values=f32(values), returns=f32(returns), entropy=f32(entropy), mask=f32(mask),
+        logprobs=f32(logprobs),
+        old_logprobs=f32(old_logprobs),
+        advantages=f32(advantages),
+        values=f32(values),
+        returns=f32(returns),
+        entropy=f32(entropy),
+        mask=f32(mask),
     )
 
 
 def call_ppo_loss(case, norm_adv=False):
     return ppo.ppo_loss(
-        case["logprobs"], case["old_logprobs"], case["advantages"], case["values"], case["returns"],
-        case["entropy"], case["mask"], CLIP, VF_COEF, ENT_COEF, norm_adv,
+        case["logprobs"],
+        case["old_logprobs"],
+        case["advantages"],
+        case["values"],
+        case["returns"],
+        case["entropy"],
+        case["mask"],
+        CLIP,
+        VF_COEF,
+        ENT_COEF,
+        norm_adv,
     )
 
 
@@ -220,9 +231,9 @@ def test_log_prob_entropy_diagonal_gaussian():
     logprob, entropy = ppo.log_prob_entropy(jnp.asarray(pi), jnp.asarray(actions, jnp.float32), True)
     assert logprob.shape == entropy.shape == (B,)
     sigma = np.exp(log_std)
-    density = np.exp(-((actions - mean) ** 2) / (2 * sigma**2)) / (sigma * math.sqrt(2 * math.pi))
+    density = np.exp(-((actions - mean) ** 2) / (2 * sigma ** 2)) / (sigma * math.sqrt(2 * math.pi))
     want_logprob = np.log(np.prod(density, axis=-1))
-    want_entropy = np.sum(0.5 * np.log(2 * math.pi * math.e * sigma**2), axis=-1)
+    want_entropy = np.sum(0.5 * np.log(2 * math.pi * math.e * sigma ** 2), axis=-1)
     np.testing.assert_allclose(np.asarray(logprob), want_logprob, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(entropy), want_entropy, rtol=1e-5, atol=1e-5)
     # Standard normal in A dimensions at its mean: -A/2 log(2 pi).

@@ -79,7 +79,7 @@ class ScriptedEnvPool:
         if len(ready) < self.batch_size:
             self.errors.append(f"recv() with only {len(ready)} envs in flight")
             raise RuntimeError(self.errors[-1])
-        env_ids = self.rng.permutation(ready)[: self.batch_size]
+        env_ids = self.rng.permutation(ready)[:self.batch_size]
         obs = np.zeros((self.batch_size, 2), np.float32)
         reward = np.zeros(self.batch_size, np.float32)
         terminated = np.zeros(self.batch_size, bool)
@@ -155,7 +155,8 @@ def make_pipeline(module, num_splits, queue_size=0, seed=0):
     envs = ScriptedEnvPool(num_envs, SPLIT_SIZE, EPISODE_LENGTHS[:num_envs], TRUNCATING, seed)
     shared = threads.Shared(0, 0)
     policy = ScriptedPolicy(shared)
-    args = dataclasses.replace(module.Args(env_id="CartPole-v1"), num_envs=num_envs, num_steps=NUM_STEPS, num_splits=num_splits)
+    args = dataclasses.replace(module.Args(env_id="CartPole-v1"), num_envs=num_envs, num_steps=NUM_STEPS,
+                               num_splits=num_splits)
     return envs, policy, shared, args, queue.Queue(maxsize=queue_size)
 
 
@@ -229,7 +230,7 @@ def test_actor_loop_trajectory_integrity(script, num_splits):
     # Each rollout carries the games that ended in it: each an env's episode length; the env
     # steps sampled (the run's counter) are every action sent.
     lengths = [length for rollout in rollouts for _, _, length in rollout["host"]["games"]]
-    assert lengths and set(lengths) <= set(EPISODE_LENGTHS[: envs.num_envs])
+    assert lengths and set(lengths) <= set(EPISODE_LENGTHS[:envs.num_envs])
     assert int(shared.sampled.sum()) == sum(len(actions) for actions in envs.received)
 
 
@@ -300,7 +301,8 @@ def test_actor_loop_stops_on_stop_event_while_blocked(script):
     envs, policy, shared, args, _ = make_pipeline(module, num_splits=2)
     rollout_queue = queue.Queue(maxsize=1)
     lifetime = threads.Threads(shared.stop)
-    actor = lifetime.start("actor", module.actor_loop, envs, policy, shared, rollout_queue, jax.random.PRNGKey(0), args, 10)
+    actor = lifetime.start("actor", module.actor_loop, envs, policy, shared, rollout_queue, jax.random.PRNGKey(0), args,
+                           10)
     deadline = time.monotonic() + 30
     while not rollout_queue.full():
         assert time.monotonic() < deadline and actor.is_alive(), lifetime.errors
@@ -396,7 +398,7 @@ def learner(module, **flags):
 
 
 def updated_params(update, state, rollout):
-    new_state, diagnostics = update(state, rollout, jax.random.PRNGKey(1), 10**6)
+    new_state, diagnostics = update(state, rollout, jax.random.PRNGKey(1), 10 ** 6)
     return np.concatenate([np.ravel(x) for x in jax.tree.leaves(new_state["params"])]), diagnostics
 
 
@@ -429,9 +431,16 @@ def test_the_clip_anneals_with_the_budget(script):
     The scheduled clip is logged; without the flag it is neither logged nor annealed."""
     module = load_script(script)
     asynchronous = {"max_policy_lag": 100, "num_splits": 1} if hasattr(module.Args, "max_policy_lag") else {}
-    args = module.resolve_args(dataclasses.replace(
-        module.Args(env_id="CartPole-v1"), **{**tiny_flags(script), "num_envs": 5, "num_steps": 6, "total_timesteps": 3000,
-                                                 "update_epochs": 1, "num_minibatches": 1, **asynchronous}))
+    args = module.resolve_args(
+        dataclasses.replace(
+            module.Args(env_id="CartPole-v1"), **{
+                **tiny_flags(script), "num_envs": 5,
+                "num_steps": 6,
+                "total_timesteps": 3000,
+                "update_epochs": 1,
+                "num_minibatches": 1,
+                **asynchronous
+            }))
     assert args.anneal_clip and args.clip_coef == 0.2  # the preset
     network = TinyActorCritic(3)
     params = network.init(jax.random.PRNGKey(0), np.zeros((1, 3), np.float32))
@@ -445,7 +454,12 @@ def test_the_clip_anneals_with_the_budget(script):
     for flag, step, clip, clipfrac in [(True, 0, 0.2, 0.0), (True, 1000, 0.2 * 2 / 3, 0.0), (True, 1500, 0.1, 1.0),
                                        (True, 3000, 0.0, 1.0), (False, 1500, None, 0.0)]:
         update = module.make_update(network, optimizer, dataclasses.replace(args, anneal_clip=flag), False)
-        state = {"params": params, "opt_state": optimizer.init(params), "global_step": step, "policy_version": LEARNER_VERSION}
+        state = {
+            "params": params,
+            "opt_state": optimizer.init(params),
+            "global_step": step,
+            "policy_version": LEARNER_VERSION
+        }
         _, diagnostics = update(state, rollout, jax.random.PRNGKey(1), 3000)
         assert float(diagnostics["clipfrac"]) == clipfrac, (flag, step)
         assert ("clip_coef" in diagnostics) == flag
@@ -470,7 +484,8 @@ def test_appo_advantages_carry_one_importance_weight(script):
     rollout["logprobs"] = np.asarray(logprobs) - shift  # log rho = shift
     advantages, returns, _, _ = module.targets(network, state, rollout, args, False, args.clip_coef)
     rewards = module.time_limit_bootstrap(rollout["rewards"], values, bootstrap_value, rollout["truncated"], args.gamma)
-    inputs = (shift, args.gamma * (1.0 - rollout["dones"]), np.asarray(rewards), np.asarray(values), np.asarray(bootstrap_value))
+    inputs = (shift, args.gamma * (1.0 - rollout["dones"]), np.asarray(rewards), np.asarray(values),
+              np.asarray(bootstrap_value))
     want_vs, want_advantages = vtrace_by_definition(*inputs, 1.0, 1.0, None, lam=args.gae_lambda)
     np.testing.assert_allclose(np.asarray(returns), want_vs, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(np.asarray(advantages), want_advantages, rtol=1e-4, atol=1e-5)
@@ -479,13 +494,14 @@ def test_appo_advantages_carry_one_importance_weight(script):
 
 
 # Every asynchronous script, and the GAE path of those that can turn V-trace off.
-LEARNER_CASES = [(name, {}) for name in ASYNC_SCRIPTS] + [
-    (name, {"vtrace": False}) for name in ASYNC_SCRIPTS if "vtrace" in load_script(name).Args.__dataclass_fields__
-]
+LEARNER_CASES = [(name, {}) for name in ASYNC_SCRIPTS] + [(name, {
+    "vtrace": False
+}) for name in ASYNC_SCRIPTS if "vtrace" in load_script(name).Args.__dataclass_fields__]
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("script", "flags"), LEARNER_CASES, ids=lambda x: x if isinstance(x, str) else ",".join(f"{k}={v}" for k, v in x.items()) or "defaults")
+@pytest.mark.parametrize(("script", "flags"), LEARNER_CASES, ids=lambda x: x
+                         if isinstance(x, str) else ",".join(f"{k}={v}" for k, v in x.items()) or "defaults")
 def test_update_masks_stale_transitions(script, flags):
     module = load_script(script)
     update, state = learner(module, **flags)
@@ -502,7 +518,7 @@ def test_update_masks_stale_transitions(script, flags):
     assert float(diagnostics["async/policy_lag_mean"]) == pytest.approx(want_mean, rel=1e-6)
     assert float(diagnostics["async/policy_lag_max"]) == lag.max()
     assert float(diagnostics["async/stale_fraction"]) == pytest.approx(want_stale, rel=1e-6)
-    new_state = update(state, rollout, jax.random.PRNGKey(1), 10**6)[0]
+    new_state = update(state, rollout, jax.random.PRNGKey(1), 10 ** 6)[0]
     assert int(new_state["policy_version"]) == LEARNER_VERSION + 1
     assert not np.allclose(params, before), "the update did not change the parameters"
 
@@ -610,8 +626,12 @@ def check_fault_exit(script, where, tmp_path, actor_fault_call, first_update_sec
     deadline, then os._exit; the rest is margin for a loaded machine), printing the original
     traceback and message."""
     program = FAULT_PROGRAM.format(
-        tests_dir=str(REPO_ROOT / "tests"), script=script, where=where, actor_fault_call=actor_fault_call,
-        first_update_seconds=first_update_seconds, run_dir=str(tmp_path / "run"),
+        tests_dir=str(REPO_ROOT / "tests"),
+        script=script,
+        where=where,
+        actor_fault_call=actor_fault_call,
+        first_update_seconds=first_update_seconds,
+        run_dir=str(tmp_path / "run"),
     )
     start = time.time()
     result = run_script("-c", [program], timeout=150)
@@ -653,8 +673,9 @@ def test_actor_lag_one_keeps_the_data_one_update_old(script, tmp_path, monkeypat
     monkeypatch.setattr(module, "make_update", slow_update)
     lags, means = {}, {}
     for lag_one in (False, True):
-        flags = dict(tiny_flags(script), env_id="CartPole-v1", num_splits=1, queue_size=2, actor_lag=1 if lag_one else None,
-                     total_timesteps=10 * TINY_BATCH, run_dir=str(tmp_path / str(lag_one)))
+        flags = dict(tiny_flags(script), env_id="CartPole-v1", num_splits=1, queue_size=2,
+                     actor_lag=1 if lag_one else None, total_timesteps=10 * TINY_BATCH, run_dir=str(tmp_path /
+                                                                                                    str(lag_one)))
         assert module.main(dataclasses.replace(module.Args(), **flags)) == 0
         records = read_metrics(tmp_path / str(lag_one))
         lags[lag_one], means[lag_one] = (tag_values(records, f"async/policy_lag_{x}") for x in ("max", "mean"))
@@ -678,7 +699,8 @@ def test_thread_fault_exits_nonzero_with_traceback(script, where, tmp_path):
 def test_actor_fault_while_learner_is_in_a_long_call(script, tmp_path):
     """The actor fails while the learner is inside one 20 s call (as in the first XLA compile of
     the update, which takes that long for the Atari CNN on a busy CPU)."""
-    check_fault_exit(script, "actor", tmp_path, actor_fault_call=ACTOR_FAULT_CALL.get(script, 40), first_update_seconds=20)
+    check_fault_exit(script, "actor", tmp_path, actor_fault_call=ACTOR_FAULT_CALL.get(script, 40),
+                     first_update_seconds=20)
 
 
 @pytest.mark.timeout(300)

@@ -58,10 +58,12 @@ def test_squashed_log_prob_against_a_numerical_change_of_variables():
     h = 1e-5
     da_du = (tail(u + h) - tail(u - h)) / (2 * h) * scale
     want = np.sum(normal_log_density(u, mean, np.exp(log_std)) - np.log(da_du), axis=1)
-    got = np.asarray(sac.squashed_log_prob(u.astype(np.float32), mean.astype(np.float32), log_std.astype(np.float32),
-                                           scale.astype(np.float32)))
+    got = np.asarray(
+        sac.squashed_log_prob(u.astype(np.float32), mean.astype(np.float32), log_std.astype(np.float32),
+                              scale.astype(np.float32)))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
-    cleanrl = np.sum(normal_log_density(u, mean, np.exp(log_std)) - np.log(scale * (1 - np.tanh(u) ** 2) + 1e-6), axis=1)
+    cleanrl = np.sum(
+        normal_log_density(u, mean, np.exp(log_std)) - np.log(scale * (1 - np.tanh(u) ** 2) + 1e-6), axis=1)
     assert abs(cleanrl[0] - want[0]) > 1.0  # the form with an epsilon is off where tanh saturates
     # And the samples: actions within the bounds, their log-probabilities those of their u.
     actor = sac.Actor(3, (("flat", 1.0),))
@@ -112,9 +114,9 @@ def tiny_state(module, **flags):
     args = module.resolve_args(module.Args(env_id="Pendulum-v1", **{**TINY, **flags}))
     built = module.build(args, jax.random.PRNGKey(0))
     rng = np.random.default_rng(3)
-    batches = dict(obs=rng.normal(size=(1, 8, 3)).astype(np.float32), action=rng.uniform(-2, 2, (1, 8, 1)).astype(np.float32),
-                   reward=rng.normal(size=(1, 8)).astype(np.float32), next_obs=rng.normal(size=(1, 8, 3)).astype(np.float32),
-                   discount=np.array([[0.99] * 7 + [0.0]], np.float32))
+    batches = dict(obs=rng.normal(size=(1, 8, 3)).astype(np.float32), action=rng.uniform(-2, 2, (1, 8, 1)).astype(
+        np.float32), reward=rng.normal(size=(1, 8)).astype(np.float32), next_obs=rng.normal(size=(1, 8, 3)).astype(
+            np.float32), discount=np.array([[0.99] * 7 + [0.0]], np.float32))
     return args, built, built[-1], batches
 
 
@@ -192,8 +194,8 @@ def test_rounds_hold_the_replay_ratio_and_log(script, serial, tmp_path, capsys):
         assert evaluate.main(evaluate.EvalArgs(run=str(tmp_path / "r"), episodes=1, greedy=True)) == 0
         out = capsys.readouterr().out
         assert "1 episodes with the run's own evaluation policy, the deterministic policy" in out, out
-        assert "(--greedy changes nothing for it)" in out and json.loads((tmp_path / "r" / "eval.json").read_text())[
-            "greedy"] is False
+        assert "(--greedy changes nothing for it)" in out and json.loads(
+            (tmp_path / "r" / "eval.json").read_text())["greedy"] is False
 
 
 @pytest.mark.parametrize("script", list(SCRIPTS))
@@ -221,8 +223,9 @@ def test_two_actor_threads_feed_one_learner_and_the_evaluation_records_a_video(t
     """--num-actor-threads 2: a round takes a chunk from each (2 x 2 envs x 16 steps, 8 gradient
     steps of 16 at ratio 2), every env's rows in their own ring; the final game is filmed."""
     run = tmp_path / "r"
-    code, out, err = run_main("td3_envpool.py", argv(run_dir=run, num_actor_threads=2, total_timesteps=192, eval_episodes=1,
-                                                     capture_video=True), capsys)
+    code, out, err = run_main(
+        "td3_envpool.py",
+        argv(run_dir=run, num_actor_threads=2, total_timesteps=192, eval_episodes=1, capture_video=True), capsys)
     assert code == 0, err
     records = read_metrics(run)
     assert tag_values(records, "replay/ratio") == [2.0, 2.0, 2.0] and "8 gradient steps a round" in out
@@ -243,9 +246,9 @@ def test_dict_observations_of_dm_control(script, tmp_path, capsys):
 @pytest.mark.parametrize("script", list(SCRIPTS))
 def test_sigterm_stops_with_a_checkpoint_and_resume_finishes(script, tmp_path):
     run, total = tmp_path / "r", 32 * 500
-    code, seconds, err = sigterm_when(script, argv(run_dir=run, total_timesteps=total, save_interval=1000),
-                                      tmp_path / "logs", lambda: count_complete_lines(run / "metrics.jsonl",
-                                                                                      '"losses/qf_loss"') >= 3, 240)
+    code, seconds, err = sigterm_when(script, argv(run_dir=run, total_timesteps=total,
+                                                   save_interval=1000), tmp_path / "logs",
+                                      lambda: count_complete_lines(run / "metrics.jsonl", '"losses/qf_loss"') >= 3, 240)
     assert code == 128 + signal.SIGTERM and seconds < 20 and "Traceback" not in err, err[-3000:]
     step = int(read_checkpoint(run)["state"]["global_step"])
     assert 3 * 32 <= step < total and step == max(tag_steps(read_metrics(run), "losses/qf_loss"))
@@ -254,14 +257,16 @@ def test_sigterm_stops_with_a_checkpoint_and_resume_finishes(script, tmp_path):
 
 
 @pytest.mark.parametrize("script", list(SCRIPTS))
-@pytest.mark.parametrize("flags, fragments", [
-    (dict(replay_ratio=1.7), ["--replay-ratio", "whole number"]),
-    (dict(distributed=True), ["--distributed"]),
-    (dict(buffer_size=40), ["--buffer-size"]),
-    (dict(num_splits=3), ["--num-splits", "--num-envs"]),
-    (dict(env_id="CartPole-v1"), ["discrete actions", "dqn_envpool.py"]),
-    (dict(env_id="RobotWarehouse-v0"), ["discrete actions"]),  # multi-discrete (integer Box) actions
-])
+@pytest.mark.parametrize(
+    "flags, fragments",
+    [
+        (dict(replay_ratio=1.7), ["--replay-ratio", "whole number"]),
+        (dict(distributed=True), ["--distributed"]),
+        (dict(buffer_size=40), ["--buffer-size"]),
+        (dict(num_splits=3), ["--num-splits", "--num-envs"]),
+        (dict(env_id="CartPole-v1"), ["discrete actions", "dqn_envpool.py"]),
+        (dict(env_id="RobotWarehouse-v0"), ["discrete actions"]),  # multi-discrete (integer Box) actions
+    ])
 def test_bad_input_gets_one_line_and_exit_2(script, flags, fragments, tmp_path, capsys):
     code, _, err = run_main(script, argv(run_dir=tmp_path / "r", **flags), capsys)
     assert code == 2 and all(f in err for f in fragments) and len(err.strip().splitlines()) == 1, err
@@ -283,8 +288,10 @@ PENDULUM_THRESHOLD = -250.0
 @pytest.mark.parametrize("script", list(SCRIPTS))
 @pytest.mark.parametrize("serial", [False, True])
 def test_learns_pendulum_async_and_serial(script, serial, tmp_path, capsys):
-    code, _, err = run_main(script, ["--env-id", "Pendulum-v1", "--run-dir", tmp_path / "r", "--total-timesteps",
-                                     PENDULUM[script], "--eval-episodes", 0, *(["--serial"] if serial else [])], capsys)
+    code, _, err = run_main(script, [
+        "--env-id", "Pendulum-v1", "--run-dir", tmp_path / "r", "--total-timesteps", PENDULUM[script],
+        "--eval-episodes", 0, *(["--serial"] if serial else [])
+    ], capsys)
     assert code == 0, err
     records = read_metrics(tmp_path / "r")
     last = np.mean(tag_values(records, "charts/episodic_return")[-10:])

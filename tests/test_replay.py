@@ -62,8 +62,8 @@ def reference_target(rows, t, n, gamma):
 def test_n_step_targets_and_exactly_the_complete_transitions(n_step):
     num_envs, split, rows, gamma = 6, 3, 40, 0.9
     stream = Stream(num_envs, seed=n_step)
-    replay = Replay(rows * num_envs, num_envs, np.zeros((1, 2), np.float32), np.zeros(1, np.int32),
-                    n_step=n_step, gamma=gamma)
+    replay = Replay(rows * num_envs, num_envs, np.zeros((1, 2), np.float32), np.zeros(1, np.int32), n_step=n_step,
+                    gamma=gamma)
     rng = np.random.default_rng(0)
     for step in range(300):  # the ring wraps several times; the two splits step out of turn
         env_ids = np.arange(split) + split * int(rng.integers(2))
@@ -122,8 +122,8 @@ def test_frame_storage_rebuilds_envpools_stacks_over_episode_starts():
     ring of 30 rows an env: every row a sample could take (and its bootstrap) has the stack
     envpool returned, where episodes start, and after the ring wrapped."""
     num_envs, batch, rows, n_step = 4, 2, 30, 3
-    envs = envpool.make("Pong-v5", env_type="gymnasium", num_envs=num_envs, batch_size=batch,
-                        max_episode_steps=15, seed=1)
+    envs = envpool.make("Pong-v5", env_type="gymnasium", num_envs=num_envs, batch_size=batch, max_episode_steps=15,
+                        seed=1)
     example = np.zeros((1, *envs.observation_space.shape), np.uint8)
     replay = Replay(rows * num_envs, num_envs, example, np.zeros(1, np.int32), n_step=n_step, frame_stack=4)
     whole = {}  # (row, env) -> the stack envpool returned
@@ -151,8 +151,8 @@ def test_frame_storage_rebuilds_envpools_stacks_over_episode_starts():
                 np.testing.assert_array_equal(sample["obs"][i], whole[(int(t[i]), int(e[i]))])
     assert replay.count.min() > 2 * rows and checked > 900  # the ring wrapped twice (envpool's batches are uneven)
     assert (replay.back == 0).any() and (replay.back == 3).any()  # episode starts were crossed
-    per_row = sum(a.nbytes for a in (replay.obs, replay.action, replay.reward, replay.terminated,
-                                     replay.truncated, replay.back)) / (rows * num_envs)
+    per_row = sum(a.nbytes for a in (replay.obs, replay.action, replay.reward, replay.terminated, replay.truncated,
+                                     replay.back)) / (rows * num_envs)
     assert per_row == 84 * 84 + 4 + 4 + 1 + 1 + 1  # 7.07 GB for 1M rows
 
 
@@ -234,7 +234,8 @@ def test_round_flags_are_checked_and_give_whole_gradient_steps():
     assert gradient_steps(SimpleNamespace(**good)) == 4  # 2 x 32 env steps / 16
     for change, flag in [(dict(num_splits=3), "--num-splits"), (dict(replay_ratio=1.7), "--replay-ratio"),
                          (dict(replay_ratio=0.25), "--replay-ratio"), (dict(buffer_size=63), "--buffer-size"),
-                         (dict(buffer_size=20 * 4), "--buffer-size"), (dict(learner_device_ids=[0, 1, 2]), "--batch-size")]:
+                         (dict(buffer_size=20 * 4), "--buffer-size"),
+                         (dict(learner_device_ids=[0, 1, 2]), "--batch-size")]:
         with pytest.raises(UsageError, match=flag):
             check_rounds(SimpleNamespace(**{**good, **change}), 20)
 
@@ -244,8 +245,10 @@ def test_legal_action_masks_are_stored_as_bits_and_given_back_as_the_env_gave_th
     a sampled transition's masks are those of its observation and of the next one."""
     rng = np.random.default_rng(0)
     num_envs, steps = 3, 12
-    obs = [{"board": rng.integers(-1, 9, (num_envs, 10, 10)).astype(np.int32),
-            "action_mask": (rng.random((num_envs, 10, 10)) < 0.7).astype(np.int8)} for _ in range(steps)]
+    obs = [{
+        "board": rng.integers(-1, 9, (num_envs, 10, 10)).astype(np.int32),
+        "action_mask": (rng.random((num_envs, 10, 10)) < 0.7).astype(np.int8)
+    } for _ in range(steps)]
     replay = Replay(num_envs * 20, num_envs, obs[0], np.zeros(1, np.int64))
     assert replay.obs["action_mask"].shape == (20, num_envs, 13) and replay.obs["action_mask"].dtype == np.uint8
     for t in range(steps):
@@ -264,10 +267,11 @@ def test_a_buffer_larger_than_the_available_memory_is_refused(monkeypatch):
     + 8 (the action) + 7 bytes each, more than 90% of 20 GiB; 1M rows fit. utils/evaluate.py,
     which resolves a run's flags outside a run and allocates no buffer, is not refused."""
     dqn = load_script("dqn_envpool.py")
-    monkeypatch.setattr(devices, "available_memory", lambda: 20 * 2**30)
+    monkeypatch.setattr(devices, "available_memory", lambda: 20 * 2 ** 30)
     monkeypatch.setattr(tasks, "RUN_STOP", [threading.Event()])  # a run is starting
-    with pytest.raises(UsageError, match=r"^--buffer-size 3,000,000: .* 19\.8 GiB \(its 3,000,000 rows of 7,071 bytes, "
-                                         r"Atari frames stored once\), more than 90% of the 20\.0 GiB"):
+    with pytest.raises(
+            UsageError, match=r"^--buffer-size 3,000,000: .* 19\.8 GiB \(its 3,000,000 rows of 7,071 bytes, "
+            r"Atari frames stored once\), more than 90% of the 20\.0 GiB"):
         dqn.resolve_args(dqn.Args(env_id="Pong-v5", buffer_size=3_000_000))
     dqn.resolve_args(dqn.Args(env_id="Pong-v5", buffer_size=1_000_000))
     monkeypatch.setattr(tasks, "RUN_STOP", [None])

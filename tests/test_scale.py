@@ -56,8 +56,9 @@ def start_processes(script, argv, tmp_path, count=2, extra=None):
     for i in range(count):
         out, err = open(tmp_path / f"p{i}.out", "w"), open(tmp_path / f"p{i}.err", "w")
         own = (extra or {}).get(i, [])
-        procs.append(subprocess.Popen([sys.executable, script, *map(str, argv), *own, *launch, "--process-id", str(i)],
-                                      cwd=REPO_ROOT, stdout=out, stderr=err))
+        procs.append(
+            subprocess.Popen([sys.executable, script, *map(str, argv), *own, *launch, "--process-id",
+                              str(i)], cwd=REPO_ROOT, stdout=out, stderr=err))
     return procs
 
 
@@ -91,7 +92,8 @@ RTOL, ATOL = 1e-5, 1e-6
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("script", ["ppo_sync_baseline.py", "appo_envpool.py", "impala_envpool.py"])  # the XLA script's update is APPO's text
+# The XLA script's update is APPO's text
+@pytest.mark.parametrize("script", ["ppo_sync_baseline.py", "appo_envpool.py", "impala_envpool.py"])
 def test_update_matches_one_device(script, tmp_path, devices):
     """One update (tests/scale_worker.py) from the same state on the same global batch of 8 envs:
     on 1, 2 and 4 learner devices of one process, and on 2 processes x 2 devices, each process
@@ -99,14 +101,16 @@ def test_update_matches_one_device(script, tmp_path, devices):
     worker = str(REPO_ROOT / "tests" / "scale_worker.py")
     devices(4)
     one = tmp_path / "one.npz"
-    result = subprocess.run([sys.executable, worker, script, one, "0", "0,1", "0,1,2,3"],
-                            cwd=REPO_ROOT / "tests", capture_output=True, text=True, timeout=240)
+    result = subprocess.run([sys.executable, worker, script, one, "0", "0,1", "0,1,2,3"], cwd=REPO_ROOT / "tests",
+                            capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, describe(result)
     devices(2)
     two, address = tmp_path / "two.npz", f"127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen([sys.executable, worker, script, two, "0,1", "--distributed", address, "2", str(i)],
-                              cwd=REPO_ROOT / "tests", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
+    procs = [
+        subprocess.Popen([sys.executable, worker, script, two, "0,1", "--distributed", address, "2",
+                          str(i)], cwd=REPO_ROOT / "tests", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(2)
+    ]
     outputs = [p.communicate(timeout=240) for p in procs]
     assert all(p.returncode == 0 for p in procs), outputs
     reference, params = np.load(one)["0"], {**np.load(one), "2 processes x 0,1": np.load(two)["0,1"]}
@@ -144,7 +148,8 @@ print("ALL-REDUCES", text.count("all-reduce("))
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("lstm", [False, True])
-@pytest.mark.parametrize("script", ["ppo_sync_baseline.py", "appo_envpool.py", "impala_envpool.py"])  # the XLA script's update is APPO's text
+# The XLA script's update is APPO's text
+@pytest.mark.parametrize("script", ["ppo_sync_baseline.py", "appo_envpool.py", "impala_envpool.py"])
 def test_the_update_is_split_over_the_learner_devices(script, lstm, devices):
     """Data parallel, not just the same numbers: compiled for 2 learner devices, the first hidden
     layer's matmuls take 48 of the batch's 96 rows on each device (with --lstm, 52 of the 104 with
@@ -160,15 +165,18 @@ def test_the_update_is_split_over_the_learner_devices(script, lstm, devices):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("learners", [["0"], ["0", "1"]])
-@pytest.mark.parametrize("script", ["ppo_sync_baseline.py", "appo_envpool.py"])  # the two loops (the sync loop, the learner thread)
+# The two loops (the sync loop, the learner thread)
+@pytest.mark.parametrize("script", ["ppo_sync_baseline.py", "appo_envpool.py"])
 def test_the_update_compiles_once(script, learners, tmp_path, devices, monkeypatch):
     """4 updates, 1 compile: the state that enters the first update is placed as every update
     returns it (runs.Run.restore: replicated, the step a Python int), so the second does not
     compile again (it did, for 1.4 s, costing a CartPole run 10% of its SPS in the first draft)."""
     devices(4)
     monkeypatch.setenv("JAX_LOG_COMPILES", "1")
-    argv = [*cli(script, run_dir=tmp_path / "run", total_timesteps=4 * TINY_BATCH, compile_cache=""),
-            "--learner-device-ids", *learners]
+    argv = [
+        *cli(script, run_dir=tmp_path / "run", total_timesteps=4 * TINY_BATCH, compile_cache=""),
+        "--learner-device-ids", *learners
+    ]
     result = run_script(script, argv, timeout=240)
     assert result.returncode == 0, describe(result)
     assert result.stderr.count("Compiling jit(update)") == 1, describe(result)
@@ -182,14 +190,15 @@ BAD_FLAGS = {
     "learner-id-out-of-range": (["--learner-device-ids", "4"], ["--learner-device-ids 4", "4 cpu devices"]),
     "learner-id-twice": (["--learner-device-ids", "1", "1"], ["--learner-device-ids 1 1", "at most once"]),
     "actor-id-out-of-range": (["--actor-device-ids", "-1"], ["--actor-device-ids -1", "4 cpu devices"]),
-    "batch-over-learners": (["--num-envs", "6", "--learner-device-ids", "0", "1", "2", "3"],
-                            ["6 envs", "4 learner devices"]),
+    "batch-over-learners": (["--num-envs", "6", "--learner-device-ids", "0", "1", "2",
+                             "3"], ["6 envs", "4 learner devices"]),
     "processes-without-distributed": (["--num-processes", "2"], ["--num-processes", "--distributed"]),
-    "processes-without-coordinator": (["--distributed", "--num-processes", "2", "--process-id", "0"],
-                                      ["--coordinator-address"]),
+    "processes-without-coordinator": (["--distributed", "--num-processes", "2", "--process-id",
+                                       "0"], ["--coordinator-address"]),
     "distributed-without-a-cluster": (["--distributed"], ["--distributed", "--coordinator-address"]),
-    "process-id-out-of-range": (["--distributed", "--coordinator-address", "127.0.0.1:1", "--num-processes", "2",
-                                 "--process-id", "2"], ["--process-id 2"]),
+    "process-id-out-of-range": ([
+        "--distributed", "--coordinator-address", "127.0.0.1:1", "--num-processes", "2", "--process-id", "2"
+    ], ["--process-id 2"]),
 }
 
 
@@ -291,7 +300,7 @@ ON_2_DEVICES = {**LEARNING, "appo_envpool.py": 150_000}
 
 def assert_learned(returns, what):
     windows = np.convolve(returns, np.ones(20) / 20, "valid")
-    curve = json.dumps([round(float(w)) for w in windows[:: max(1, len(windows) // 40)]])
+    curve = json.dumps([round(float(w)) for w in windows[::max(1, len(windows) // 40)]])
     assert windows.max() >= 475, f"{what}: best 20-episode mean {windows.max():.1f}; along the run: {curve}"
 
 
@@ -301,8 +310,10 @@ def assert_learned(returns, what):
 def test_learns_cartpole_on_2_learner_devices(script_name, tmp_path, devices):
     """The learner on 2 devices; APPO with 2 actor threads, each with its own 8 envs."""
     devices(4)
-    argv = ["--env-id", "CartPole-v1", "--eval-episodes", 0, "--run-dir", tmp_path / "run",
-            "--total-timesteps", ON_2_DEVICES[script_name], "--learner-device-ids", 0, 1]
+    argv = [
+        "--env-id", "CartPole-v1", "--eval-episodes", 0, "--run-dir", tmp_path / "run", "--total-timesteps",
+        ON_2_DEVICES[script_name], "--learner-device-ids", 0, 1
+    ]
     if script_name in ASYNC_SCRIPTS:
         argv += ["--num-actor-threads", 2]
     assert_ok(run_script(script_name, argv, timeout=550))
@@ -319,8 +330,10 @@ def test_learns_cartpole_on_2_processes(tmp_path, devices):
     and its logs hold the games of both (twice as many as one process plays)."""
     script_name = "appo_envpool.py"
     devices(1)
-    argv = ["--env-id", "CartPole-v1", "--eval-episodes", 0, "--run-dir", tmp_path / "run",
-            "--total-timesteps", LEARNING[script_name]]
+    argv = [
+        "--env-id", "CartPole-v1", "--eval-episodes", 0, "--run-dir", tmp_path / "run", "--total-timesteps",
+        LEARNING[script_name]
+    ]
     results = finish_processes(start_processes(script_name, argv, tmp_path), tmp_path, timeout=550)
     assert [code for code, _, _ in results] == [0, 0], describe_all(results)
     assert "Traceback" not in results[0][2] + results[1][2], describe_all(results)
@@ -444,8 +457,8 @@ def test_fault_in_one_actor_thread_of_2_stops_the_run(script_name, tmp_path):
     """Actor thread 1 of 2 raises at its 50th inference call (the XLA actor: its 3rd rollout
     call): the run exits non-zero within the join deadline, with that thread's traceback, and
     leaves no thread behind (the process ends)."""
-    program = FAULT_PROGRAM.format(tests_dir=str(REPO_ROOT / "tests"), script=script_name, run_dir=str(tmp_path / "run"),
-                                   thread="actor 1", launch={})
+    program = FAULT_PROGRAM.format(tests_dir=str(REPO_ROOT / "tests"), script=script_name,
+                                   run_dir=str(tmp_path / "run"), thread="actor 1", launch={})
     result = run_script("-c", [program], timeout=150)
     assert result.returncode == 1, describe(result)
     assert "error in the actor 1 thread:" in result.stderr, describe(result)

@@ -44,9 +44,10 @@ BAD = {
     "unknown-kwarg": (dict(env_id=CORRIDOR, env_kwargs='{"lengthx": 2}'), ["does not take them", "lengthx"]),
     "kwargs-for-envpool": (dict(env_kwargs='{"a": 1}'), ["--env-kwargs is for a Gymnasium env"]),
     "space-mismatch": (dict(env_id="tests.user_envs:WrongSpace"), ["shape (3,)", "says (2,)"]),
-    "first-reset-raises": (dict(env_id="tests.user_envs:Bad", env_kwargs='{"kind": "reset"}'),
-                           ["--env-id tests.user_envs:Bad", "first reset() raised ValueError: the simulator is not installed",
-                            "user_envs.py"]),
+    "first-reset-raises": (dict(env_id="tests.user_envs:Bad", env_kwargs='{"kind": "reset"}'), [
+        "--env-id tests.user_envs:Bad", "first reset() raised ValueError: the simulator is not installed",
+        "user_envs.py"
+    ]),
 }
 
 
@@ -84,8 +85,10 @@ def test_dict_observations_evaluation_video_and_resume(tmp_path, capsys):
     assert run_main("appo_envpool.py", argv) == 0
     assert int(read_checkpoint(run_dir)["state"]["global_step"]) == 3 * step
     video_run = tmp_path / "video"
-    code, _, err = run_main(HOST, cli(HOST, env_id="Corridor-v0", env_module="examples.corridor", eval_episodes=2,
-                                      capture_video=True, run_dir=video_run), capsys)
+    code, _, err = run_main(
+        HOST,
+        cli(HOST, env_id="Corridor-v0", env_module="examples.corridor", eval_episodes=2, capture_video=True,
+            run_dir=video_run), capsys)
     assert code == 0, err
     import imageio
 
@@ -117,8 +120,10 @@ def test_what_an_env_returns_wrong_is_named(kind, tmp_path, capsys):
 
 
 def live(pids) -> list:
-    return [pid for pid in pids if Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status")
-            .read_text().lower()]
+    return [
+        pid for pid in pids
+        if Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+    ]
 
 
 @pytest.mark.timeout(300)
@@ -129,8 +134,10 @@ def test_a_failing_user_env_stops_the_run_and_leaves_no_worker(script, how, tmp_
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
     kwargs = json.dumps({"pid_dir": str(pid_dir), "at": 40, "how": how})
-    result = run_script(script, cli(script, env_id="tests.user_envs:Faulty", env_kwargs=kwargs, run_dir=tmp_path / "r",
-                                    total_timesteps=10**6), timeout=120)
+    result = run_script(
+        script,
+        cli(script, env_id="tests.user_envs:Faulty", env_kwargs=kwargs, run_dir=tmp_path / "r",
+            total_timesteps=10 ** 6), timeout=120)
     ended = time.time()
     assert result.returncode == 1, result.stderr[-3000:]
     faults = [float(p.read_text()) for p in pid_dir.glob("fault-*")]
@@ -164,8 +171,10 @@ def test_no_process_outlives_a_run_whose_env_hangs(script, end, tmp_path):
     the call in one line), its workers and the processes its envs started are gone within 10 s."""
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    argv = cli(script, env_id="tests.user_envs:Stuck", env_kwargs=json.dumps({"pid_dir": str(pid_dir), "at": 30}),
-               run_dir=tmp_path / "run", total_timesteps=10**6)
+    argv = cli(script, env_id="tests.user_envs:Stuck", env_kwargs=json.dumps({
+        "pid_dir": str(pid_dir),
+        "at": 30
+    }), run_dir=tmp_path / "run", total_timesteps=10 ** 6)
     proc = start_script(script, [*argv, *(["--env-timeout", 8] if end == "env-timeout" else [])], tmp_path / "logs")
     try:
         wait_until(lambda: (pid_dir / "hung").exists(), proc, 200)
@@ -192,19 +201,21 @@ def test_no_process_outlives_a_run_whose_env_hangs(script, end, tmp_path):
 @pytest.mark.timeout(300)
 def test_sigterm_checkpoints_and_the_run_resumes(tmp_path):
     run_dir = tmp_path / "run"
-    argv = cli("appo_envpool.py", env_id=CORRIDOR, run_dir=run_dir, total_timesteps=10**6, save_interval=0)
+    argv = cli("appo_envpool.py", env_id=CORRIDOR, run_dir=run_dir, total_timesteps=10 ** 6, save_interval=0)
     proc = start_script("appo_envpool.py", argv, tmp_path / "logs")
     try:
-        wait_until(lambda: (run_dir / "metrics.jsonl").exists() and '"losses/' in (run_dir / "metrics.jsonl").read_text(),
-                   proc, 200)
+        wait_until(
+            lambda: (run_dir / "metrics.jsonl").exists() and '"losses/' in (run_dir / "metrics.jsonl").read_text(),
+            proc, 200)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 128 + signal.SIGTERM
     finally:
         if proc.poll() is None:
             proc.kill()
     step = int(read_checkpoint(run_dir)["state"]["global_step"])
-    result = run_script("appo_envpool.py", ["--resume", run_dir, "--total-timesteps", step + 2048, "--eval-episodes", 0,
-                                            "--trust-env-module"])
+    result = run_script("appo_envpool.py", [
+        "--resume", run_dir, "--total-timesteps", step + 2048, "--eval-episodes", 0, "--trust-env-module"
+    ])
     assert result.returncode == 0, result.stderr[-2000:]
     assert int(read_checkpoint(run_dir)["state"]["global_step"]) > step
 
@@ -217,8 +228,11 @@ def test_sigterm_checkpoints_and_the_run_resumes(tmp_path):
                                           ("appo_envpool.py", True)])  # sync --lstm: 0.96 too (docs/results.md)
 def test_the_example_memory_env_learns(script, lstm, tmp_path):
     run_dir = tmp_path / "run"
-    argv = ["--env-id", CORRIDOR, "--env-kwargs", '{"length": 4}', "--total-timesteps", 100_000, "--run-dir", run_dir,
-            "--eval-episodes", 0, *(["--num-splits", 2] if script == "appo_envpool.py" else []), *(["--lstm"] if lstm else [])]
+    argv = [
+        "--env-id", CORRIDOR, "--env-kwargs", '{"length": 4}', "--total-timesteps", 100_000, "--run-dir", run_dir,
+        "--eval-episodes", 0, *(["--num-splits", 2] if script == "appo_envpool.py" else []),
+        *(["--lstm"] if lstm else [])
+    ]
     result = run_script(script, argv, timeout=800)
     assert result.returncode == 0, result.stderr[-2000:]
     returns = tag_values(read_metrics(run_dir), "charts/episodic_return")

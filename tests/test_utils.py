@@ -61,7 +61,8 @@ def summary_rows(markdown):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize(("pass_parent", "band"), [(True, "std"), (False, "minmax")], ids=["parent-folder", "run-folders"])
+@pytest.mark.parametrize(("pass_parent", "band"), [(True, "std"), (False, "minmax")],
+                         ids=["parent-folder", "run-folders"])
 def test_plot_curves_and_summary(two_seed_runs, pass_parent, band, tmp_path):
     runs = [two_seed_runs / f"seed{seed}" for seed in PLOT_SEEDS]
     out = tmp_path / "plots"
@@ -79,7 +80,7 @@ def test_plot_curves_and_summary(two_seed_runs, pass_parent, band, tmp_path):
     rows = summary_rows(summary)
     assert len(rows) == 1, summary
     env_id, script, seeds, steps, final = rows[0][:5]
-    assert (env_id, script, seeds) == ("CartPole-v1", PLOT_SCRIPT[: -len(".py")], str(len(PLOT_SEEDS)))
+    assert (env_id, script, seeds) == ("CartPole-v1", PLOT_SCRIPT[:-len(".py")], str(len(PLOT_SEEDS)))
 
     # Independently: each seed's mean of its last episodes, then mean and population std over seeds.
     finals = [np.mean(tag_values(read_metrics(run), RETURN_TAG)[-LAST_EPISODES:]) for run in runs]
@@ -93,10 +94,26 @@ def fake_run(folder, seed, compile_seconds, episodes, seconds_per_episode):
     """A run folder as a script writes it: a config, games every `seconds_per_episode` after the
     first update, which ends `compile_seconds` after the run's first record."""
     t0 = 1.0e9
-    records = [{"step": 0, "wall_time": t0, "tag": RETURN_TAG, "value": 10.0},  # a game while compiling
-               {"step": 64, "wall_time": t0 + compile_seconds, "tag": "charts/SPS", "value": 100.0}]
-    records += [{"step": 64 * (i + 1), "wall_time": t0 + compile_seconds + seconds_per_episode * (i + 1),
-                 "tag": RETURN_TAG, "value": float(i)} for i in range(episodes)]
+    records = [
+        {
+            "step": 0,
+            "wall_time": t0,
+            "tag": RETURN_TAG,
+            "value": 10.0
+        },  # a game while compiling
+        {
+            "step": 64,
+            "wall_time": t0 + compile_seconds,
+            "tag": "charts/SPS",
+            "value": 100.0
+        }
+    ]
+    records += [{
+        "step": 64 * (i + 1),
+        "wall_time": t0 + compile_seconds + seconds_per_episode * (i + 1),
+        "tag": RETURN_TAG,
+        "value": float(i)
+    } for i in range(episodes)]
     return write_run(folder, "CartPole-v1", seed, records)
 
 
@@ -139,8 +156,10 @@ def test_plot_tabulates_steps_and_seconds_to_a_threshold(tmp_path):
     full 20-game mean >= 45 ends at game 55 (mean 45.5), so 56 x 64 steps and 56 s; the seed of
     50 games never gets there (its best mean: 39.5)."""
     plot = load_script(REPO_ROOT / PLOT)
-    runs = [plot.read_run(str(fake_run(tmp_path / "a", 1, 7.6, 50, 1.0))),
-            plot.read_run(str(fake_run(tmp_path / "b", 2, 1.2, 100, 1.0)))]
+    runs = [
+        plot.read_run(str(fake_run(tmp_path / "a", 1, 7.6, 50, 1.0))),
+        plot.read_run(str(fake_run(tmp_path / "b", 2, 1.2, 100, 1.0)))
+    ]
     assert plot.reached(runs[0], 20, 45.0) is None
     steps, seconds = plot.reached(runs[1], 20, 45.0)
     assert steps == 56 * 64 and seconds == pytest.approx(56.0)
@@ -150,8 +169,12 @@ def test_plot_tabulates_steps_and_seconds_to_a_threshold(tmp_path):
 
 def configured_run(folder, env_id, seed, flags, start=1.0e9, value=1.0):
     """A run folder with a config.json of `flags` (as a script writes it: every flag) and 10 games."""
-    write_run(folder, env_id, seed, [{"step": 64 * (i + 1), "wall_time": start + i, "tag": RETURN_TAG, "value": value}
-                                     for i in range(10)])
+    write_run(folder, env_id, seed, [{
+        "step": 64 * (i + 1),
+        "wall_time": start + i,
+        "tag": RETURN_TAG,
+        "value": value
+    } for i in range(10)])
     config = dict(flags, env_id=env_id, seed=seed, run_dir=str(folder), compile_cache="/somewhere", save_interval=50)
     (folder / "config.json").write_text(json.dumps(config))
     return folder
@@ -192,7 +215,8 @@ def test_plot_draws_two_runs_of_one_seed_apart(tmp_path, capsys):
     assert [(row[1], row[2], row[5]) for row in rows] == [("appo", "2", "1: 500.00, 2: 300.00"),
                                                           ("appo repeat 2", "1", "1: 100.00")], rows
     assert capsys.readouterr().err.splitlines() == [
-        f"warning: {tmp_path / 'b'} has the configuration and the seed (1) of another run: drawn apart, as repeat 2"]
+        f"warning: {tmp_path / 'b'} has the configuration and the seed (1) of another run: drawn apart, as repeat 2"
+    ]
 
 
 def test_plot_wall_clock_counts_training_time_only(tmp_path, monkeypatch):
@@ -204,10 +228,23 @@ def test_plot_wall_clock_counts_training_time_only(tmp_path, monkeypatch):
     t0, records = 1.0e9, []
     for start, first_step in ((t0, 0), (t0 + 1000, 6400)):  # each start: a game while compiling, the update at 5/10 s
         compile_seconds = 5 if start == t0 else 10
-        records += [{"step": first_step, "wall_time": start, "tag": RETURN_TAG, "value": 1.0},
-                    {"step": first_step + 64, "wall_time": start + compile_seconds, "tag": "charts/SPS", "value": 1.0}]
-        records += [{"step": first_step + 64 * (i + 1), "wall_time": start + compile_seconds + i + 1,
-                     "tag": RETURN_TAG, "value": 2.0} for i in range(100 - compile_seconds)]
+        records += [{
+            "step": first_step,
+            "wall_time": start,
+            "tag": RETURN_TAG,
+            "value": 1.0
+        }, {
+            "step": first_step + 64,
+            "wall_time": start + compile_seconds,
+            "tag": "charts/SPS",
+            "value": 1.0
+        }]
+        records += [{
+            "step": first_step + 64 * (i + 1),
+            "wall_time": start + compile_seconds + i + 1,
+            "tag": RETURN_TAG,
+            "value": 2.0
+        } for i in range(100 - compile_seconds)]
     folder = write_run(tmp_path / "run", "CartPole-v1", 1, records)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(dict(config, resumes=[{"step": 6400, "wall_time": t0 + 1000}])))
@@ -231,7 +268,12 @@ def test_plot_wall_clock_counts_training_time_only(tmp_path, monkeypatch):
 def binary_run(folder, episodes, p_win, seed):
     """A run of `episodes` games of 6 steps, each won (return 1) with probability `p_win`."""
     wins = np.random.default_rng(seed).random(episodes) < p_win
-    records = [{"step": 6 * (i + 1), "wall_time": 1.0e9 + i, "tag": RETURN_TAG, "value": float(w)} for i, w in enumerate(wins)]
+    records = [{
+        "step": 6 * (i + 1),
+        "wall_time": 1.0e9 + i,
+        "tag": RETURN_TAG,
+        "value": float(w)
+    } for i, w in enumerate(wins)]
     return write_run(folder, "MiniGrid-MemoryS7-v0", seed, records)
 
 
@@ -253,7 +295,8 @@ def test_plot_notes_a_threshold_a_short_window_crosses_by_chance(tmp_path):
     assert plot.reached(run, 2000, 0.7) is None
     assert plot.noise_notes({("MiniGrid-MemoryS7-v0", "sync"): [run]}, 2000, 0.7) == []
     learning = plot.read_run(str(fake_run(tmp_path / "learning", 1, 1.0, 100, 1.0)))
-    assert plot.chance_excess(learning, 20) < 1 and plot.noise_notes({("CartPole-v1", "sync"): [learning]}, 20, 45.0) == []
+    assert plot.chance_excess(learning, 20) < 1 and plot.noise_notes({("CartPole-v1", "sync"): [learning]}, 20,
+                                                                     45.0) == []
 
 
 def no_metrics(tmp_path):
@@ -271,9 +314,8 @@ def no_returns(tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(
-    ("make_folder", "fragment"), [(no_metrics, "metrics.jsonl"), (no_returns, RETURN_TAG)], ids=["no-metrics", "no-returns"]
-)
+@pytest.mark.parametrize(("make_folder", "fragment"), [(no_metrics, "metrics.jsonl"), (no_returns, RETURN_TAG)],
+                         ids=["no-metrics", "no-returns"])
 def test_plot_rejects_folder_without_returns(make_folder, fragment, tmp_path):
     out = tmp_path / "plots"
     result = run_script(PLOT, [make_folder(tmp_path), "--out", out], timeout=100)
@@ -374,15 +416,27 @@ BAD_CHECKPOINTS = {
     "random-bytes": (random_bytes, ["not a readable checkpoint", "corrupt"]),
     "foreign-msgpack": (lambda tmp: write_msgpack(tmp, {"weights": np.zeros(3)}), ["not a checkpoint of this project"]),
     "script-path-as-name": (
-        lambda tmp: write_msgpack(tmp, {"state": {}, "config": "{}", "script": "../train.py"}),
+        lambda tmp: write_msgpack(tmp, {
+            "state": {},
+            "config": "{}",
+            "script": "../train.py"
+        }),
         ["../train.py", "not a script's file name"],
     ),
     "script-nowhere": (
-        lambda tmp: write_msgpack(tmp, {"state": {}, "config": '{"env_id": "CartPole-v1"}', "script": "gone.py"}),
+        lambda tmp: write_msgpack(tmp, {
+            "state": {},
+            "config": '{"env_id": "CartPole-v1"}',
+            "script": "gone.py"
+        }),
         ["gone.py", "--script"],
     ),
     "config-without-env-id": (
-        lambda tmp: write_msgpack(tmp, {"state": {}, "config": "{}", "script": "ppo_sync_baseline.py"}),
+        lambda tmp: write_msgpack(tmp, {
+            "state": {},
+            "config": "{}",
+            "script": "ppo_sync_baseline.py"
+        }),
         ["not a checkpoint of this project"],
     ),
 }
@@ -446,7 +500,8 @@ def test_a_copied_and_edited_script_runs_anywhere_and_is_scored(tmp_path):
     script, exit 2."""
     copy = tmp_path / "my_appo.py"
     text = (REPO_ROOT / "appo_envpool.py").read_text()
-    edited = text.replace("    queue_size: Annotated[int, POSITIVE, at_most(1024)] = 2\n", "    queue_size: Annotated[int, POSITIVE, at_most(1024)] = 1\n")
+    edited = text.replace("    queue_size: Annotated[int, POSITIVE, at_most(1024)] = 2\n",
+                          "    queue_size: Annotated[int, POSITIVE, at_most(1024)] = 1\n")
     assert edited != text
     copy.write_text(edited)
     run = tmp_path / "run"
@@ -468,7 +523,8 @@ def test_a_copied_and_edited_script_runs_anywhere_and_is_scored(tmp_path):
     elsewhere.mkdir()
     shutil.move(copy, elsewhere / "my_appo.py")
     shutil.move(run, elsewhere / "run")
-    assert_ok(run_script(EVALUATE, [elsewhere / "run", "--episodes", 2, "--script", elsewhere / "my_appo.py"], timeout=300))
+    assert_ok(
+        run_script(EVALUATE, [elsewhere / "run", "--episodes", 2, "--script", elsewhere / "my_appo.py"], timeout=300))
     assert_usage_error(run_script(EVALUATE, [elsewhere / "run"], timeout=100), "my_appo.py", "--script")
     not_a_script = tmp_path / "notes.py"
     not_a_script.write_text("NOTES = 1\n")
@@ -477,7 +533,8 @@ def test_a_copied_and_edited_script_runs_anywhere_and_is_scored(tmp_path):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("script", ["ppo_sync_baseline.py", "appo_envpool.py", "impala_envpool.py"], indirect=True)  # the scripts that had older versions
+# The scripts that had older versions
+@pytest.mark.parametrize("script", ["ppo_sync_baseline.py", "appo_envpool.py", "impala_envpool.py"], indirect=True)
 def test_evaluate_scores_a_checkpoint_of_an_older_version(script, cartpole_run, tmp_path):
     """Only the parameters (and the normaliser) are needed to play: an optimiser state of another
     structure, and a config from before the normalisation flags existed, still evaluate."""
@@ -485,7 +542,8 @@ def test_evaluate_scores_a_checkpoint_of_an_older_version(script, cartpole_run, 
     payload["state"]["opt_state"] = {"0": {"count": np.zeros(())}}
     config = json.loads(payload["config"])
     del config["norm_obs"], config["norm_reward"]
-    config["xla_actor"] = script in ("appo_envpool.py", "impala_envpool.py")  # they had --xla-actor before appo_envpool_xla.py
+    # They had --xla-actor before appo_envpool_xla.py
+    config["xla_actor"] = script in ("appo_envpool.py", "impala_envpool.py")
     payload["config"] = json.dumps(config)
     result = run_script(EVALUATE, [write_msgpack(tmp_path, payload), "--episodes", 2], timeout=240)
     assert_ok(result)

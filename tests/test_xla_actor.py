@@ -22,7 +22,8 @@ SCRIPT = "appo_envpool_xla.py"
 def collect(module, env_id, num_envs, num_splits, num_rollouts, version=7, num_steps=16, **flags):
     """From the script's actor_loop: `num_rollouts` rollouts, the games reported, `Shared`, and the
     network and whether its actions are continuous."""
-    args = module.resolve_args(module.Args(env_id=env_id, num_envs=num_envs, num_steps=num_steps, num_splits=num_splits, **flags))
+    args = module.resolve_args(
+        module.Args(env_id=env_id, num_envs=num_envs, num_steps=num_steps, num_splits=num_splits, **flags))
     network, _, continuous, normalizer, state = module.build(args, jax.random.PRNGKey(0))
     shared = threads.Shared(state["params"], version, normalizer)
     envs = tasks.make_env(env_id, num_envs, 3, 1, train=True, batch_size=num_envs // num_splits)
@@ -31,7 +32,8 @@ def collect(module, env_id, num_envs, num_splits, num_rollouts, version=7, num_s
                       jax.random.PRNGKey(1), args, num_rollouts)
     envs.close()
     rollouts = [rollouts.get_nowait() for _ in range(num_rollouts)]
-    return rollouts, [game for rollout in rollouts for game in rollout["host"].pop("games")], shared, network, continuous
+    return rollouts, [game for rollout in rollouts
+                      for game in rollout["host"].pop("games")], shared, network, continuous
 
 
 def replay(env_id, num_envs, rollouts, module=None):
@@ -44,7 +46,8 @@ def replay(env_id, num_envs, rollouts, module=None):
     returns = np.zeros(num_envs)
     for rollout in rollouts:
         for action in rollout["actions"]:
-            action = action if action.dtype.kind == "i" else np.clip(action, envs.action_space.low, envs.action_space.high)
+            action = action if action.dtype.kind == "i" else np.clip(action, envs.action_space.low,
+                                                                     envs.action_space.high)
             obs, reward, term, trunc, info = envs.step(np.asarray(action, envs.action_space.dtype))
             reward = np.where(info["elapsed_step"] > 0, reward, 0.0)
             returns += reward
@@ -57,11 +60,18 @@ def replay(env_id, num_envs, rollouts, module=None):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("env_id, num_splits, ring, lstm", [
-    ("CartPole-v1", 1, 2, False), ("CartPole-v1", 2, 2, False), ("CartPole-v1", 2, 1, False),
-    ("Pendulum-v1", 2, 2, False), ("HalfCheetah-v4", 2, 2, False), ("CartPole-v1", 2, 1, True),
-    ("MountainCar-v0", 2, 2, False),  # 200-step games of return -200: a return is not a length
-    ("Pong-v5", 2, 2, False)])  # uint8 images, the game score in info (training: lives end episodes)
+@pytest.mark.parametrize(
+    "env_id, num_splits, ring, lstm",
+    [
+        ("CartPole-v1", 1, 2, False),
+        ("CartPole-v1", 2, 2, False),
+        ("CartPole-v1", 2, 1, False),
+        ("Pendulum-v1", 2, 2, False),
+        ("HalfCheetah-v4", 2, 2, False),
+        ("CartPole-v1", 2, 1, True),
+        ("MountainCar-v0", 2, 2, False),  # 200-step games of return -200: a return is not a length
+        ("Pong-v5", 2, 2, False)
+    ])  # uint8 images, the game score in info (training: lives end episodes)
 def test_xla_rollouts_match_a_replay_of_their_actions(env_id, num_splits, ring, lstm, monkeypatch):
     """Ring 1: the first call stops short when envs finish the first rollout (their next step would
     leave the ring), and the ring grows (`grown`): the path an env that runs ahead takes. The
@@ -72,8 +82,8 @@ def test_xla_rollouts_match_a_replay_of_their_actions(env_id, num_splits, ring, 
     grown, sizes = module.grown, []
     monkeypatch.setattr(module, "grown", lambda carry, R: sizes.append(R) or grown(carry, R))
     B, T, K = 8, 16, {"MountainCar-v0": 14, "Pong-v5": 12}.get(env_id, 5)
-    rollouts, games, shared, network, continuous = collect(
-        module, env_id, B, num_splits, K, norm_obs=False, norm_reward=False, lstm=lstm)
+    rollouts, games, shared, network, continuous = collect(module, env_id, B, num_splits, K, norm_obs=False,
+                                                           norm_reward=False, lstm=lstm)
     obs, rewards, dones, truncs, replay_games = replay(env_id, B, rollouts, module)
     assert shared.sampled[0] >= K * T * B and (dones.any() or env_id not in ("CartPole-v1", "MountainCar-v0"))
     assert (rewards != 0).any() or env_id != "Pong-v5"  # points were scored
@@ -128,4 +138,3 @@ def test_xla_normaliser_counts_every_observation(env_id):
     normalised = np.concatenate([r["obs"] for r in rollouts])
     assert np.abs(normalised).max() <= 10.0 and 0.3 < normalised.std() < 3.0
     assert np.abs(np.concatenate([r["rewards"] for r in rollouts])).max() <= 10.0 and return_var > 0
-

@@ -19,7 +19,7 @@ class Faulty(gymnasium.Env):
     observation_space = gymnasium.spaces.Box(-1.0, 1.0, (2,), np.float32)
     action_space = gymnasium.spaces.Discrete(2)
 
-    def __init__(self, pid_dir: str = "", at: int = 10**9, how: str = "raise"):
+    def __init__(self, pid_dir: str = "", at: int = 10 ** 9, how: str = "raise"):
         self.at, self.how, self.steps, self.t, self.pid_dir = at, how, 0, 0, pid_dir
         if pid_dir:
             Path(pid_dir, str(os.getpid())).touch()
@@ -50,7 +50,7 @@ class Stuck(gymnasium.Env):
     observation_space = gymnasium.spaces.Box(-1.0, 1.0, (2,), np.float32)
     action_space = gymnasium.spaces.Discrete(2)
 
-    def __init__(self, pid_dir: str = "", at: int = 10**9):
+    def __init__(self, pid_dir: str = "", at: int = 10 ** 9):
         self.at, self.steps, self.pid_dir = at, 0, pid_dir
         self.child = subprocess.Popen(["sleep", "1000"])
         Path(pid_dir, str(self.child.pid)).touch()
@@ -64,7 +64,7 @@ class Stuck(gymnasium.Env):
         self.steps += 1
         if self.steps >= self.at:
             Path(self.pid_dir, "hung").touch()
-            time.sleep(10**6)
+            time.sleep(10 ** 6)
         return np.zeros(2, np.float32), 1.0, self.steps % 5 == 0, False, {}
 
     def close(self):
@@ -108,8 +108,10 @@ def dict_env(length: int = 3):
 
 
 class DictEnv(gymnasium.Env):
-    observation_space = gymnasium.spaces.Dict({"position": gymnasium.spaces.Box(0.0, 10.0, (1,), np.float32),
-                                               "goal": gymnasium.spaces.Discrete(2)})
+    observation_space = gymnasium.spaces.Dict({
+        "position": gymnasium.spaces.Box(0.0, 10.0, (1,), np.float32),
+        "goal": gymnasium.spaces.Discrete(2)
+    })
     action_space = gymnasium.spaces.Box(-1.0, 1.0, (1,), np.float32)
 
     def __init__(self, length):
@@ -153,7 +155,8 @@ class Chain(gymnasium.Env):
         self.t += 1
         self.position = min(self.position + 1, self.cells - 1) if action == 1 else max(self.position - 1, 0)
         done = self.position == self.cells - 1
-        return np.eye(self.cells, dtype=np.float32)[self.position], float(done), done, self.t >= self.limit and not done, {}
+        return np.eye(self.cells,
+                      dtype=np.float32)[self.position], float(done), done, self.t >= self.limit and not done, {}
 
 
 class LegalMoves(gymnasium.Env):
@@ -166,8 +169,10 @@ class LegalMoves(gymnasium.Env):
     def __init__(self, actions: int = 8, legal: int = 3, length: int = 16, penalty: float = -1.0, strict: bool = False):
         self.actions, self.legal, self.length, self.penalty, self.strict = actions, legal, length, penalty, strict
         self.action_space = gymnasium.spaces.Discrete(actions)
-        self.observation_space = gymnasium.spaces.Dict({"target": gymnasium.spaces.Discrete(actions),
-                                                        "action_mask": gymnasium.spaces.MultiBinary(actions)})
+        self.observation_space = gymnasium.spaces.Dict({
+            "target": gymnasium.spaces.Discrete(actions),
+            "action_mask": gymnasium.spaces.MultiBinary(actions)
+        })
         self.t = 0
 
     def draw(self):

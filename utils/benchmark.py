@@ -154,7 +154,8 @@ def measure_ceiling(env_id, num_envs, num_threads, seconds, async_vector_env=Fal
     if async_vector_env:
         import gymnasium
 
-        envs = gymnasium.vector.AsyncVectorEnv([tasks.USER_ENVS[env_id]] * num_envs, shared_memory=True, context="spawn")
+        envs = gymnasium.vector.AsyncVectorEnv([tasks.USER_ENVS[env_id]] * num_envs, shared_memory=True,
+                                               context="spawn")
     else:
         envs = tasks.make_env(env_id, num_envs, 1, num_threads, train=True)
     space = envs.single_action_space if async_vector_env else envs.action_space
@@ -199,8 +200,8 @@ def measure_sampler(env_id, num_envs, num_splits, num_steps, seconds, pin=True, 
     layout = core_layout() if pin else None
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    child = ctx.Process(target=sampler_process, args=(env_id, num_envs, num_splits, num_steps, seconds, layout, results, lstm, xla,
-                                                      user),
+    child = ctx.Process(target=sampler_process, args=(env_id, num_envs, num_splits, num_steps, seconds, layout, results,
+                                                      lstm, xla, user),
                         daemon=False)  # not daemonic: a user env's worker processes are its children
     child.start()
     deadline = time.monotonic() + seconds + 300
@@ -250,8 +251,8 @@ def run_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds, env_core
     import jax
 
     args = appo.resolve_args(
-        appo.Args(env_id=env_id, num_envs=num_envs, num_splits=num_splits, num_steps=num_steps, num_threads=1, lstm=lstm,
-                  env_module=user[0], env_kwargs=user[1])  # a user's env: registered in this process too
+        appo.Args(env_id=env_id, num_envs=num_envs, num_splits=num_splits, num_steps=num_steps, num_threads=1,
+                  lstm=lstm, env_module=user[0], env_kwargs=user[1])  # a user's env: registered in this process too
     )
     pin = {} if env_core is None else {"thread_affinity_offset": env_core}
     envs = tasks.make_env(env_id, num_envs, 1, 1, train=True, batch_size=num_envs // num_splits, **pin)
@@ -268,10 +269,12 @@ def run_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds, env_core
     policy_step = appo.make_policy_step(network, continuous, values=False)  # as the actor uses it
     warm = tasks.zeros_like_space(tasks.spaces(env_id)[0], split_size), appo.zero_core(network.lstm_size, split_size)
     ids = np.arange(split_size)  # env ids and steps: each env's draws are keyed by both
-    jax.block_until_ready(policy_step(params, *warm, jax.random.PRNGKey(0), ids, np.zeros_like(ids)))  # compile outside the clock
+    # Compile outside the clock
+    jax.block_until_ready(policy_step(params, *warm, jax.random.PRNGKey(0), ids, np.zeros_like(ids)))
     shared = threads.Shared(params, 0)
     rollouts, actors = queue.Queue(maxsize=2), threads.Threads(shared.stop)
-    actor = actors.start("actor", appo.actor_loop, envs, policy_step, shared, rollouts, jax.random.PRNGKey(1), args, 10**9)
+    actor = actors.start("actor", appo.actor_loop, envs, policy_step, shared, rollouts, jax.random.PRNGKey(1), args,
+                         10 ** 9)
     # Count whole rollouts between the first arrival and the last: steps / time between arrivals
     # has no partial rollout at either end (a rollout can take a second or more).
     arrivals = []  # (time, cumulative stage timings) at each rollout's arrival
@@ -316,9 +319,25 @@ def measure_end_to_end(script, env_id, num_envs, num_steps, seconds, out_dir, ex
     (compilation excluded): (SPS, busy fraction per stage, updates, update seconds per update)."""
     run_dir = os.path.join(out_dir, "e2e", f"{script[:-3]}__{num_envs}{name}")
     cmd = [
-        sys.executable, os.path.join(ROOT, script), "--env-id", env_id, "--num-envs", str(num_envs),
-        "--num-steps", str(num_steps), "--total-timesteps", str(10**9), "--eval-episodes", "0",
-        "--save-interval", "0", "--log-frequency", "1", "--run-dir", run_dir, *extra,
+        sys.executable,
+        os.path.join(ROOT, script),
+        "--env-id",
+        env_id,
+        "--num-envs",
+        str(num_envs),
+        "--num-steps",
+        str(num_steps),
+        "--total-timesteps",
+        str(10 ** 9),
+        "--eval-episodes",
+        "0",
+        "--save-interval",
+        "0",
+        "--log-frequency",
+        "1",
+        "--run-dir",
+        run_dir,
+        *extra,
     ]
     if script != "impala_envpool.py" and num_envs * num_steps % 4:
         cmd += ["--num-minibatches", "1"]
@@ -349,8 +368,9 @@ def measure_end_to_end(script, env_id, num_envs, num_steps, seconds, out_dir, ex
     sps = (last["step"] - first["step"]) / wall
     timing = {}  # cumulative seconds per stage at the first and the last update
     for r in read_metrics(metrics_file):
-        if r["tag"].startswith("timing/") and r["tag"].endswith("_seconds") and r["step"] in (first["step"], last["step"]):
-            timing.setdefault(r["tag"][len("timing/"): -len("_seconds")], []).append(r["value"])
+        if r["tag"].startswith("timing/") and r["tag"].endswith("_seconds") and r["step"] in (first["step"],
+                                                                                              last["step"]):
+            timing.setdefault(r["tag"][len("timing/"):-len("_seconds")], []).append(r["value"])
     busy = {stage: round((v[-1] - v[0]) / wall, 3) for stage, v in timing.items()}
     return sps, busy, len(updates), busy.get("update", 0.0) * wall / (len(updates) - 1)
 
@@ -363,9 +383,12 @@ def measure_replay(script, env_id, serial: bool, budget: int, threshold: float, 
     `flags`: more of the script's flags."""
     run_dir = os.path.join(out_dir, "replay", "serial" if serial else "async")
     shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = [sys.executable, os.path.join(ROOT, script), "--env-id", env_id, "--total-timesteps", str(budget),
-           "--eval-episodes", "0", "--save-interval", "0", "--log-frequency", "1", "--run-dir", run_dir,
-           *(["--serial"] if serial else []), *flags]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, script), "--env-id", env_id, "--total-timesteps",
+        str(budget), "--eval-episodes", "0", "--save-interval", "0", "--log-frequency", "1", "--run-dir", run_dir,
+        *(["--serial"] if serial else []), *flags
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{script} exited with code {proc.returncode}:\n{proc.stderr[-2000:]}")
@@ -381,10 +404,10 @@ def measure_replay(script, env_id, serial: bool, budget: int, threshold: float, 
     config = json.loads(open(os.path.join(run_dir, "config.json")).read())
     return dict(sps=(last["step"] - first["step"]) / (last["wall_time"] - first["wall_time"]),
                 steps_to_threshold=hit["step"] if hit else None,
-                seconds_to_threshold=hit["wall_time"] - first["wall_time"] if hit else None,
-                best_mean=float(max(means, default=float("nan"))), replay_ratio=values("replay/ratio")[-1],
-                target_ratio=config["replay_ratio"], policy_lag=float(np.mean(values("async/policy_lag_mean"))),
-                updates=len(updates))
+                seconds_to_threshold=hit["wall_time"] - first["wall_time"] if hit else None, best_mean=float(
+                    max(means, default=float("nan"))),
+                replay_ratio=values("replay/ratio")[-1], target_ratio=config["replay_ratio"], policy_lag=float(
+                    np.mean(values("async/policy_lag_mean"))), updates=len(updates))
 
 
 def measure_scaling(env_id, num_steps, seconds, out_dir, learners, threads):
@@ -412,9 +435,11 @@ def write_report(out_dir, results, quick):
     rows = results["measurements"]
     lines = [f"# Benchmark: {results['env_id']}{' (--quick)' if quick else ''}", "", f"Hardware: {hardware}."]
     if any(r["kind"] in ("ceiling", "sampler") for r in rows):
-        lines += ["", "## Ceiling and sampler", "",
-                  "| kind | num_envs | num_splits | env threads | SPS | FPS | of ceiling | actor µs per env step: "
-                  "total (env wait, dispatch, bookkeeping, device_get, queue) |", "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "", "## Ceiling and sampler", "",
+            "| kind | num_envs | num_splits | env threads | SPS | FPS | of ceiling | actor µs per env step: "
+            "total (env wait, dispatch, bookkeeping, device_get, queue) |", "|---|---|---|---|---|---|---|---|"
+        ]
     for r in rows:
         if r["kind"] in ("ceiling", "sampler"):
             frac = f"{r['fraction_of_ceiling']:.0%}" if r.get("fraction_of_ceiling") is not None else ""
@@ -424,33 +449,44 @@ def write_report(out_dir, results, quick):
                 us = f"{1e6 / r['sps']:.1f} ({', '.join(f'{x:.1f}' for x in per_step)})"
             lines.append(
                 f"| {r['kind']}{' --lstm' * r.get('lstm', False)}{' (XLA actor)' * r.get('xla_actor', False)} | {r['num_envs']} | {r['num_splits'] or ''} | {r['num_threads']} | {r['sps']:.0f} | "
-                f"{r['fps']:.0f} | {frac} | {us} |"
-            )
-    samplers = {r["num_splits"]: r for r in rows if r["kind"] == "sampler" and not r.get("lstm") and not r.get("xla_actor")}
+                f"{r['fps']:.0f} | {frac} | {us} |")
+    samplers = {
+        r["num_splits"]: r
+        for r in rows if r["kind"] == "sampler" and not r.get("lstm") and not r.get("xla_actor")
+    }
     xla = {r["num_splits"]: r for r in rows if r["kind"] == "sampler" and r.get("xla_actor")}
     lstm = [r for r in rows if r["kind"] == "sampler" and r.get("lstm")]
     if 1 in samplers and 2 in samplers:
         lines += ["", f"Double buffering: 2 splits / 1 split = **{samplers[2]['sps'] / samplers[1]['sps']:.2f}x**."]
     if 1 in xla and 2 in xla:
-        lines += ["", f"Double buffering with the XLA actor ({XLA_SCRIPT}): 2 splits / 1 split = **{xla[2]['sps'] / xla[1]['sps']:.2f}x**."]
+        lines += [
+            "",
+            f"Double buffering with the XLA actor ({XLA_SCRIPT}): 2 splits / 1 split = **{xla[2]['sps'] / xla[1]['sps']:.2f}x**."
+        ]
         if 1 in samplers and 2 in samplers:
             lines[-1] += (f" The XLA actor / the Python actor: {xla[1]['sps'] / samplers[1]['sps']:.2f}x at 1 split, "
                           f"{xla[2]['sps'] / samplers[2]['sps']:.2f}x at 2 splits.")
     if lstm and 2 in samplers:
-        lines += ["", f"Recurrent actor: the --lstm sampler / the feed-forward one (2 splits) = "
-                      f"**{lstm[0]['sps'] / samplers[2]['sps']:.2f}x**."]
+        lines += [
+            "", f"Recurrent actor: the --lstm sampler / the feed-forward one (2 splits) = "
+            f"**{lstm[0]['sps'] / samplers[2]['sps']:.2f}x**."
+        ]
     if 1 in samplers and 2 in samplers:
         cores = samplers[2].get("cores")
         if cores:
-            lines += ["", f"Sampler layout: envpool's thread pinned to core {cores['env_core']}; the actor thread and "
-                          f"XLA (single-threaded) on cores {cores['actor_cores']}."]
+            lines += [
+                "", f"Sampler layout: envpool's thread pinned to core {cores['env_core']}; the actor thread and "
+                f"XLA (single-threaded) on cores {cores['actor_cores']}."
+            ]
         else:
             lines += ["", "Sampler layout: not pinned (--no-pin, one core, or no sched_setaffinity on this OS)."]
     e2e = [r for r in rows if r["kind"] == "end_to_end"]
     if e2e:
-        lines += ["", "## End to end (training)", "",
-                  "| script | num_envs | num_splits | num_steps | SPS | FPS | of sync | of free-running | updates | "
-                  "busy fraction of wall time per stage |", "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "", "## End to end (training)", "",
+            "| script | num_envs | num_splits | num_steps | SPS | FPS | of sync | of free-running | updates | "
+            "busy fraction of wall time per stage |", "|---|---|---|---|---|---|---|---|---|---|"
+        ]
         sync = {r["num_envs"]: r["sps"] for r in e2e if r["script"] == SCRIPTS[0]}
         free = {(r["script"], r["num_envs"]): r["sps"] for r in e2e if not r.get("deterministic")}
         for r in e2e:
@@ -459,41 +495,51 @@ def write_report(out_dir, results, quick):
             own = (r["script"], r["num_envs"])
             of_free = f"{r['sps'] / free[own]:.2f}x" if r.get("deterministic") and own in free else ""
             name = r["script"] + " --deterministic" * bool(r.get("deterministic"))
-            lines.append(f"| {name} | {r['num_envs']} | {r.get('num_splits') or ''} | {r['num_steps']} | {r['sps']:.0f} | "
-                         f"{r['fps']:.0f} | {ratio} | {of_free} | {r['updates']} | {busy} |")
+            lines.append(
+                f"| {name} | {r['num_envs']} | {r.get('num_splits') or ''} | {r['num_steps']} | {r['sps']:.0f} | "
+                f"{r['fps']:.0f} | {ratio} | {of_free} | {r['updates']} | {busy} |")
     replay = [r for r in rows if r["kind"] == "replay"]
     if replay:
         flags = f" {replay[0]['flags']}" if replay[0].get("flags") else ""
-        lines += ["", f"## Replay ({replay[0]['script']}{flags}: asynchronous vs --serial, the same replay ratio)", "",
-                  f"| mode | SPS | steps to a 20-episode mean of {replay[0]['threshold']:g} | seconds to it | best mean | "
-                  "replay ratio achieved (set) | policy lag | rounds |", "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "", f"## Replay ({replay[0]['script']}{flags}: asynchronous vs --serial, the same replay ratio)", "",
+            f"| mode | SPS | steps to a 20-episode mean of {replay[0]['threshold']:g} | seconds to it | best mean | "
+            "replay ratio achieved (set) | policy lag | rounds |", "|---|---|---|---|---|---|---|---|"
+        ]
         for r in replay:
             reached = r["steps_to_threshold"] is not None
-            steps, seconds = (r["steps_to_threshold"], f"{r['seconds_to_threshold']:.1f}") if reached else ("not reached", "")
-            lines.append(f"| {'serial' if r['serial'] else 'async'} | {r['sps']:.0f} | {steps} | {seconds} | "
-                         f"{r['best_mean']:.1f} | {r['replay_ratio']:.2f} ({r['target_ratio']:g}) | {r['policy_lag']:.2f} | "
-                         f"{r['updates']} |")
+            steps, seconds = (r["steps_to_threshold"],
+                              f"{r['seconds_to_threshold']:.1f}") if reached else ("not reached", "")
+            lines.append(
+                f"| {'serial' if r['serial'] else 'async'} | {r['sps']:.0f} | {steps} | {seconds} | "
+                f"{r['best_mean']:.1f} | {r['replay_ratio']:.2f} ({r['target_ratio']:g}) | {r['policy_lag']:.2f} | "
+                f"{r['updates']} |")
         modes = {r["serial"]: r for r in replay}
         if len(modes) == 2:
             lines += ["", f"Async / serial SPS: **{modes[False]['sps'] / modes[True]['sps']:.2f}x**."]
     scaling = [r for r in rows if r["kind"] == "scaling"]
     if scaling:
-        lines += ["", "## Scaling (appo_envpool.py)", "",
-                  "| learner devices | actor threads | global batch | SPS | update ms per global batch | updates |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            "", "## Scaling (appo_envpool.py)", "",
+            "| learner devices | actor threads | global batch | SPS | update ms per global batch | updates |",
+            "|---|---|---|---|---|---|"
+        ]
         for r in scaling:
             lines.append(f"| {r['learner_devices']} | {r['actor_threads']} | {r['num_envs']} x {r['num_steps']} | "
                          f"{r['sps']:.0f} | {1000 * r['update_seconds']:.1f} | {r['updates']} |")
         if machine["jax_backend"] == "cpu":
-            lines += ["", f"On this CPU the learner devices are {machine['cpu_count']} cores split 4 ways "
-                          "(XLA_FLAGS): these figures show the cost of sharding and threads, not a speed-up."]
+            lines += [
+                "", f"On this CPU the learner devices are {machine['cpu_count']} cores split 4 ways "
+                "(XLA_FLAGS): these figures show the cost of sharding and threads, not a speed-up."
+            ]
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     bars = [(f"ceiling\n{r['num_threads']} thr", r["fps"]) for r in rows if r["kind"] == "ceiling"]
-    bars += [(f"sampler{' lstm' * r['lstm']}{' xla' * r.get('xla_actor', False)}\n{r['num_splits']} split{'s' * (r['num_splits'] > 1)}", r["fps"])
-             for r in rows if r["kind"] == "sampler"]
+    bars += [(
+        f"sampler{' lstm' * r['lstm']}{' xla' * r.get('xla_actor', False)}\n{r['num_splits']} split{'s' * (r['num_splits'] > 1)}",
+        r["fps"]) for r in rows if r["kind"] == "sampler"]
     ax.bar([b[0] for b in bars], [b[1] for b in bars], color="tab:blue")
     ax.set_ylabel("FPS (frames / s)")
     ax.set_title(f"{results['env_id']}: sampling throughput\n{hardware}", fontsize=9)
@@ -503,7 +549,8 @@ def write_report(out_dir, results, quick):
     if e2e:
         fig, ax = plt.subplots(figsize=(6, 4))
         for script, det in sorted({(r["script"], bool(r.get("deterministic"))) for r in e2e}):
-            points = sorted((r["num_envs"], r["fps"]) for r in e2e if r["script"] == script and bool(r.get("deterministic")) == det)
+            points = sorted((r["num_envs"], r["fps"]) for r in e2e
+                            if r["script"] == script and bool(r.get("deterministic")) == det)
             ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=script + " --deterministic" * det)
         ax.set_xlabel("num_envs")
         ax.set_ylabel("training FPS (frames / s)")
@@ -547,68 +594,96 @@ def main(args: Args) -> int:
 
     appo = load_script("appo_envpool.py")
     skip = 1 if user else frame_skip(args.env_id)
-    results = {"env_id": args.env_id, "frame_skip": skip, "config": dataclasses.asdict(args), "machine": machine_info(), "measurements": []}
+    results = {
+        "env_id": args.env_id,
+        "frame_skip": skip,
+        "config": dataclasses.asdict(args),
+        "machine": machine_info(),
+        "measurements": []
+    }
     jobs = [("ceiling", t) for t in args.ceiling_threads] * ("ceiling" in args.parts)
     jobs += [("ceiling", "AsyncVectorEnv")] * ("ceiling" in args.parts and user)
-    jobs += [("sampler", (1, False, False)), ("sampler", (2, False, False)), ("sampler", (2, True, False))] * ("sampler" in args.parts)
-    jobs += [("sampler", (1, False, True)), ("sampler", (2, False, True))] * ("sampler" in args.parts and args.xla_actor)
+    jobs += [("sampler", (1, False, False)), ("sampler", (2, False, False)),
+             ("sampler", (2, True, False))] * ("sampler" in args.parts)
+    jobs += [("sampler", (1, False, True)),
+             ("sampler", (2, False, True))] * ("sampler" in args.parts and args.xla_actor)
     scripts = [s for s in args.scripts if args.xla_actor or s != XLA_SCRIPT]
     modes = (False, True) if args.deterministic else (False,)
-    jobs += [("end_to_end", (script, n, det)) for n in sweep for script in scripts for det in modes
-             if not det or script != SCRIPTS[0]] * ("end_to_end" in args.parts)
+    jobs += [("end_to_end", (script, n, det)) for n in sweep for script in scripts
+             for det in modes if not det or script != SCRIPTS[0]] * ("end_to_end" in args.parts)
     jobs += [("replay", serial) for serial in (False, True)] * ("replay" in args.parts)
     devices = len(jax.devices()) if jax.default_backend() != "cpu" else 4
     jobs += [("scaling", (n, t)) for n in args.scaling_learners if n <= devices
-              for t in args.scaling_actor_threads] * ("scaling" in args.parts)
+             for t in args.scaling_actor_threads] * ("scaling" in args.parts)
     start = time.time()
     for i, (kind, param) in enumerate(jobs):
         print(f"[{i + 1}/{len(jobs)}] {kind} {param}  ({time.time() - start:.0f}s elapsed)", flush=True)
-        row = {"kind": kind, "script": None, "env_id": args.env_id, "num_envs": args.num_envs, "num_splits": None,
-               "num_threads": None, "num_steps": None, "lstm": False, "xla_actor": False}
+        row = {
+            "kind": kind,
+            "script": None,
+            "env_id": args.env_id,
+            "num_envs": args.num_envs,
+            "num_splits": None,
+            "num_threads": None,
+            "num_steps": None,
+            "lstm": False,
+            "xla_actor": False
+        }
         if kind == "ceiling" and param == "AsyncVectorEnv":
-            row.update(num_threads=f"{args.num_envs} (AsyncVectorEnv)", sps=measure_ceiling(args.env_id, args.num_envs, 0, seconds, True))
+            row.update(num_threads=f"{args.num_envs} (AsyncVectorEnv)", sps=measure_ceiling(
+                args.env_id, args.num_envs, 0, seconds, True))
         elif kind == "ceiling":
             threads = param or min(os.cpu_count() or 1, args.num_envs)
             row.update(num_threads=threads, sps=measure_ceiling(args.env_id, args.num_envs, threads, seconds))
         elif kind == "replay":
-            flags = [*(["--env-module", args.env_module] if args.env_module else []),
-                     *(["--env-kwargs", args.env_kwargs] if args.env_kwargs else []), *shlex.split(args.replay_flags)]
+            flags = [
+                *(["--env-module", args.env_module] if args.env_module else []),
+                *(["--env-kwargs", args.env_kwargs] if args.env_kwargs else []), *shlex.split(args.replay_flags)
+            ]
             measured = measure_replay(args.replay_script, args.env_id, param, args.replay_budget, args.replay_threshold,
                                       out_dir, flags)
             if measured is None:
-                print(f"    {args.replay_script} made fewer than 2 updates in --replay-budget {args.replay_budget}", flush=True)
+                print(f"    {args.replay_script} made fewer than 2 updates in --replay-budget {args.replay_budget}",
+                      flush=True)
                 continue
             row.update(script=args.replay_script, serial=param, num_envs=None, threshold=args.replay_threshold,
                        flags=args.replay_flags, **measured)
         elif kind == "sampler":
             num_splits, lstm, xla = param
-            sps, busy, layout = measure_sampler(args.env_id, args.num_envs, num_splits, args.num_steps, seconds, args.pin, lstm, xla,
-                                                (args.env_module, args.env_kwargs))
+            sps, busy, layout = measure_sampler(args.env_id, args.num_envs, num_splits, args.num_steps, seconds,
+                                                args.pin, lstm, xla, (args.env_module, args.env_kwargs))
             ceiling = [r["sps"] for r in results["measurements"] if r["kind"] == "ceiling" and r["num_threads"] == 1]
-            row.update(script=XLA_SCRIPT if xla else "appo_envpool.py", num_splits=num_splits, lstm=lstm, xla_actor=xla, num_threads=1, num_steps=args.num_steps, sps=sps,
-                       busy={k: round(v, 3) for k, v in busy.items()}, cores=layout,
-                       fraction_of_ceiling=sps / ceiling[0] if ceiling else None)
+            row.update(script=XLA_SCRIPT if xla else "appo_envpool.py", num_splits=num_splits, lstm=lstm, xla_actor=xla,
+                       num_threads=1, num_steps=args.num_steps, sps=sps, busy={
+                           k: round(v, 3)
+                           for k, v in busy.items()
+                       }, cores=layout, fraction_of_ceiling=sps / ceiling[0] if ceiling else None)
         else:
             script, num_envs, det = param if kind == "end_to_end" else ("appo_envpool.py", 8 * param[1], False)
             if kind == "end_to_end":
-                flags = [*(["--env-module", args.env_module] if args.env_module else []),
-                         *(["--env-kwargs", args.env_kwargs] if args.env_kwargs else []),
-                         *(["--deterministic"] if det else []),
-                         *(["--actor-lag", "1"] if det and script == "impala_envpool.py" else []),
-                         *(["--num-splits", "1"] if det and script == XLA_SCRIPT else [])]
-                measured = measure_end_to_end(script, args.env_id, num_envs, args.num_steps, e2e_seconds, out_dir, flags,
-                                              name="__deterministic" * det)
+                flags = [
+                    *(["--env-module", args.env_module] if args.env_module else []),
+                    *(["--env-kwargs", args.env_kwargs] if args.env_kwargs else []),
+                    *(["--deterministic"] if det else []),
+                    *(["--actor-lag", "1"] if det and script == "impala_envpool.py" else []),
+                    *(["--num-splits", "1"] if det and script == XLA_SCRIPT else [])
+                ]
+                measured = measure_end_to_end(script, args.env_id, num_envs, args.num_steps, e2e_seconds, out_dir,
+                                              flags, name="__deterministic" * det)
             else:
                 measured = measure_scaling(args.env_id, args.num_steps, e2e_seconds, out_dir, *param)
             if measured is None:
-                print(f"    {script} finished fewer than 2 updates in {e2e_seconds:.0f}s after its first; raise --e2e-seconds", flush=True)
+                print(
+                    f"    {script} finished fewer than 2 updates in {e2e_seconds:.0f}s after its first; raise --e2e-seconds",
+                    flush=True)
                 continue
             sps, busy, updates, update_seconds = measured
             splits = None if script == SCRIPTS[0] else 1 if det and script == XLA_SCRIPT else appo.resolve_args(
-                appo.Args(env_id=args.env_id, env_module=args.env_module, env_kwargs=args.env_kwargs)).num_splits  # the default
-            row.update(script=script, deterministic=det, num_envs=num_envs, num_splits=splits, xla_actor=script == XLA_SCRIPT,
-                       num_threads=min(os.cpu_count() or 1, num_envs), num_steps=args.num_steps, sps=sps, busy=busy,
-                       updates=updates, update_seconds=update_seconds)
+                # The default
+                appo.Args(env_id=args.env_id, env_module=args.env_module, env_kwargs=args.env_kwargs)).num_splits
+            row.update(script=script, deterministic=det, num_envs=num_envs, num_splits=splits,
+                       xla_actor=script == XLA_SCRIPT, num_threads=min(os.cpu_count() or 1, num_envs),
+                       num_steps=args.num_steps, sps=sps, busy=busy, updates=updates, update_seconds=update_seconds)
             if kind == "scaling":
                 row.update(learner_devices=param[0], actor_threads=param[1])
         row["fps"] = row["sps"] * skip

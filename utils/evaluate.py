@@ -107,10 +107,16 @@ def rebuild_args(module, config: dict, path: str):
     if unknown:
         raise UsageError(
             f"{path}: its config has fields that {module.__name__}.py's Args lacks ({', '.join(unknown)}); "
-            "it was written by another version of the script"
-        )
+            "it was written by another version of the script")
     # Written before normalisation existed: nothing was normalised (not today's preset).
-    config = {**{k: False for k in ("norm_obs", "norm_reward") if k in fields}, **config, "track": False, "resume": None}
+    config = {
+        **{
+            k: False
+            for k in ("norm_obs", "norm_reward") if k in fields
+        },
+        **config, "track": False,
+        "resume": None
+    }
     # Evaluation plays with one actor in one process and learns nothing: the training run's
     # processes, devices and minibatch split (checked against them) need not fit here.
     launch = dict(distributed=False, coordinator_address="", num_processes=0, process_id=-1, actor_device_ids=[0],
@@ -148,8 +154,8 @@ def player(module, args, built, greedy: bool):
         return policy, initial_core, words + (" (--greedy changes nothing for it)" if greedy else "")
     network, continuous = built[0], built[2]
     policy = module.make_policy_step(network, continuous, values=False, greedy=greedy)
-    words = ("the most likely action (the mean for continuous actions; the run's own evaluation samples)" if greedy
-             else "the run's own evaluation policy, actions sampled from it")
+    words = ("the most likely action (the mean for continuous actions; the run's own evaluation samples)"
+             if greedy else "the run's own evaluation policy, actions sampled from it")
     return policy, functools.partial(module.zero_core, network.lstm_size), words
 
 
@@ -176,7 +182,8 @@ def main(cli: EvalArgs) -> int:
     own = f"; the run's own evaluation played {args.eval_episodes} at the end of training" if args.eval_episodes else ""
     print(f"{Path(module.__file__).name}: {args.env_id}, step {global_step}: {cli.episodes} episodes with {words}{own}")
     scores = evaluation.evaluate(policy, params, initial_core, args, normalizer, cli.episodes, video_dir)
-    videos = sorted(os.path.join(video_dir, f) for f in os.listdir(video_dir)) if video_dir and os.path.isdir(video_dir) else []
+    videos = sorted(os.path.join(video_dir, f)
+                    for f in os.listdir(video_dir)) if video_dir and os.path.isdir(video_dir) else []
     result = {
         "episodes": len(scores),
         "mean": float(np.mean(scores)),
@@ -199,8 +206,9 @@ def main(cli: EvalArgs) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         checkpoints.write_atomically(out, json.dumps(result, indent=2).encode())
     except OSError as e:
-        print(f"error: the result was not written ({describe_os_error(e)}); the score is above; "
-              "pass --out FILE to keep it", file=sys.stderr)
+        print(
+            f"error: the result was not written ({describe_os_error(e)}); the score is above; "
+            "pass --out FILE to keep it", file=sys.stderr)
         return 1
     print(f"-> {out}")
     return 0

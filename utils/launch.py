@@ -118,8 +118,10 @@ def plan(args: LaunchArgs, common: list) -> list:
 
 def new_run(script: str, run: dict, common: list, exp_name: str) -> list:
     """A run's command line as a new run: the common flags, its own, its seed and folder."""
-    return [script, *common, *run["flags"], "--seed", str(run["seed"]), "--run-dir", run["dir"],
-            "--exp-name", f"{exp_name}__{run['config']}"]
+    return [
+        script, *common, *run["flags"], "--seed",
+        str(run["seed"]), "--run-dir", run["dir"], "--exp-name", f"{exp_name}__{run['config']}"
+    ]
 
 
 def env_flags(common: list) -> list:
@@ -165,8 +167,10 @@ def slurm_script(args: LaunchArgs, runs: list, common: list) -> str:
     quoted (sbatch reads quotes in #SBATCH lines as the shell does); check_names refused those
     that no quoting keeps on one line."""
     output = shlex.quote(f"{Path(args.out) / args.name}/slurm_%a.out")
-    lines = ["#!/bin/bash", f"#SBATCH --job-name={shlex.quote(args.name)}", f"#SBATCH --array=0-{len(runs) - 1}",
-             f"#SBATCH --output={output}", "", "case $SLURM_ARRAY_TASK_ID in"]
+    lines = [
+        "#!/bin/bash", f"#SBATCH --job-name={shlex.quote(args.name)}", f"#SBATCH --array=0-{len(runs) - 1}",
+        f"#SBATCH --output={output}", "", "case $SLURM_ARRAY_TASK_ID in"
+    ]
     for i, run in enumerate(runs):
         new = " ".join(shlex.quote(token) for token in new_run(args.script, run, common, args.name))
         resume = " ".join(shlex.quote(token) for token in [args.script, "--resume", run["dir"], *env_flags(common)])
@@ -302,8 +306,10 @@ def stop_all(procs):
 def progress_line(runs: list, durations: list, parallel: int, elapsed: float) -> str:
     count = {s: sum(r["state"] == s for r in runs) for s in ("done", "running", "queued", "failed", "stopped")}
     stopped = f", {count['stopped']} stopped" if count["stopped"] else ""
-    return (f"sweep: {count['done']} done, {count['running']} running, {count['queued']} queued, "
-            f"{count['failed']} failed{stopped}  ({elapsed:.0f} s)  ETA {sweep_eta(runs, durations, parallel, time.time())}")
+    return (
+        f"sweep: {count['done']} done, {count['running']} running, {count['queued']} queued, "
+        f"{count['failed']} failed{stopped}  ({elapsed:.0f} s)  ETA {sweep_eta(runs, durations, parallel, time.time())}"
+    )
 
 
 def sweep_eta(runs: list, durations: list, parallel: int, now: float) -> str:
@@ -315,8 +321,8 @@ def sweep_eta(runs: list, durations: list, parallel: int, now: float) -> str:
     if not guesses:
         return "n/a (no run has an ETA yet)"
     typical = sum(guesses) / len(guesses)
-    slots = sorted([left if left is not None else max(typical - elapsed, 0.0) for elapsed, left in running]
-                   + [0.0] * max(parallel - len(running), 0))
+    slots = sorted([left if left is not None else max(typical - elapsed, 0.0)
+                    for elapsed, left in running] + [0.0] * max(parallel - len(running), 0))
     for _ in range(sum(run["state"] == "queued" for run in runs)):
         slots[0] += typical
         slots.sort()

@@ -99,8 +99,7 @@ def find_runs(paths: list[str]) -> list[tuple[str, bool]]:
             folders.append((path, True))
             continue
         children = sorted(
-            os.path.join(path, name) for name in os.listdir(path) if os.path.isfile(os.path.join(path, name, METRICS))
-        )
+            os.path.join(path, name) for name in os.listdir(path) if os.path.isfile(os.path.join(path, name, METRICS)))
         if not children:
             raise UsageError(f"no {METRICS} in {path} nor in its subfolders; pass run folders or a folder of runs")
         folders += [(child, False) for child in children]
@@ -117,7 +116,8 @@ def read_run(folder: str) -> Run:
             continue
         try:
             record = json.loads(line)
-            step, wall_time, tag, value = int(record["step"]), float(record["wall_time"]), record["tag"], float(record["value"])
+            step, wall_time, tag, value = int(record["step"]), float(record["wall_time"]), record["tag"], float(
+                record["value"])
         except (ValueError, KeyError, TypeError) as e:
             if number == len(lines):  # no newline yet: a record in the middle of being written
                 break
@@ -135,8 +135,8 @@ def read_run(folder: str) -> Run:
     identity, config = run_identity(folder), read_config(folder)
     resumes = [float(r["wall_time"]) for r in config.get("resumes", []) if isinstance(r, dict) and "wall_time" in r]
     seconds, resumed_at = training_seconds(np.array(times), np.array(records), np.array(updates), resumes)
-    return Run(folder, identity["script"], identity["env_id"], identity["seed"], np.array(steps, np.float64),
-               seconds, np.array(returns), last_step, configuration(config), resumed_at)
+    return Run(folder, identity["script"], identity["env_id"], identity["seed"], np.array(steps, np.float64), seconds,
+               np.array(returns), last_step, configuration(config), resumed_at)
 
 
 def read_config(folder: str) -> dict:
@@ -307,10 +307,11 @@ def noise_notes(groups: dict, window: int, threshold: float) -> list:
         excess = max(chance_excess(run, window) for run in runs)
         scale = max(abs(threshold), max(float(np.ptp(run.returns)) for run in runs))
         if excess > 0.1 * scale:
-            notes.append(f"note: {env_id} {label}: the best of these runs' {window}-episode means lands about "
-                         f"{excess:.3g} above their level by chance alone (the spread of their last games over "
-                         f"sqrt({window}), with {min(len(run.returns) for run in runs) // window}+ windows a run), so a "
-                         f"first {window}-episode mean at {threshold:g} may be a lucky one: read it with a larger --window")
+            notes.append(
+                f"note: {env_id} {label}: the best of these runs' {window}-episode means lands about "
+                f"{excess:.3g} above their level by chance alone (the spread of their last games over "
+                f"sqrt({window}), with {min(len(run.returns) for run in runs) // window}+ windows a run), so a "
+                f"first {window}-episode mean at {threshold:g} may be a lucky one: read it with a larger --window")
     return notes
 
 
@@ -326,8 +327,9 @@ def summary_table(groups: dict, last_episodes: int, threshold=None, window: int 
     extra = f" | seeds at {threshold:g} | steps to {threshold:g} | seconds to {threshold:g} | best" if threshold is not None else ""
     lines = [
         f"Final return: each seed's mean episodic return over its last {last_episodes} episodes; "
-        "mean ± std (population) over seeds." + (f" Steps and seconds to {threshold:g}: the first {window}-episode "
-                                                  "mean at or above it, over the seeds that reached it." if extra else ""),
+        "mean ± std (population) over seeds." +
+        (f" Steps and seconds to {threshold:g}: the first {window}-episode "
+         "mean at or above it, over the seeds that reached it." if extra else ""),
         "",
         f"| env_id | configuration | seeds | env steps | final return{extra} | per seed |",
         "|---|---|---:|---:|---" + "|---:|---|---|---" * bool(extra) + "|---|",
@@ -362,8 +364,9 @@ def group_runs(runs: list) -> dict:
             count[str(run.seed)] += 1
             groups.setdefault((*key, count[str(run.seed)]), []).append(run)
             if count[str(run.seed)] > 1:
-                print(f"warning: {run.folder} has the configuration and the seed ({run.seed}) of another run: drawn "
-                      f"apart, as repeat {count[str(run.seed)]}", file=sys.stderr)
+                print(
+                    f"warning: {run.folder} has the configuration and the seed ({run.seed}) of another run: drawn "
+                    f"apart, as repeat {count[str(run.seed)]}", file=sys.stderr)
     names = labels(groups)
     return {(key[0], names[key]): group for key, group in groups.items()}
 
@@ -394,7 +397,8 @@ def main(args: PlotArgs) -> int:
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if not args.runs:
-        raise UsageError("no run folders given; pass run folders or a folder of runs, e.g. `python utils/plot.py runs/`")
+        raise UsageError(
+            "no run folders given; pass run folders or a folder of runs, e.g. `python utils/plot.py runs/`")
     runs = read_runs(args.runs)
     out_dir = args.out or os.path.join("runs", f"plots__{int(time.time())}")
     os.makedirs(out_dir, exist_ok=True)

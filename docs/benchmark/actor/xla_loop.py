@@ -33,6 +33,7 @@ def measure(layout):
     import numpy as np
 
     class MLP(nn.Module):
+
         @nn.compact
         def __call__(self, x):
             x = nn.tanh(nn.Dense(64)(x))
@@ -40,7 +41,8 @@ def measure(layout):
             return nn.Dense(2)(x)
 
     def make(batch):
-        envs = envpool.make("CartPole-v1", env_type="gymnasium", num_envs=NUM_ENVS, batch_size=batch, num_threads=1, **pin)
+        envs = envpool.make("CartPole-v1", env_type="gymnasium", num_envs=NUM_ENVS, batch_size=batch, num_threads=1,
+                            **pin)
         envs.async_reset()
         return envs, MLP(), MLP().init(jax.random.PRNGKey(0), jnp.zeros((1, 4)))
 
@@ -83,8 +85,9 @@ def measure(layout):
 
     for name, fn in [("one XLA loop", xla_loop), ("Python loop", python_loop)]:
         one, two = fn(NUM_ENVS), fn(NUM_ENVS // 2)
-        print(f"{layout}, {name}: 1 split {one * 1e6:.2f} µs per env step, 2 splits {two * 1e6:.2f}: "
-              f"2 splits / 1 split = {one / two:.2f}x", flush=True)
+        print(
+            f"{layout}, {name}: 1 split {one * 1e6:.2f} µs per env step, 2 splits {two * 1e6:.2f}: "
+            f"2 splits / 1 split = {one / two:.2f}x", flush=True)
 
 
 if __name__ == "__main__":
