@@ -601,14 +601,15 @@ def test_r2d2_bad_input_gets_one_line_and_exit_2(flags, fragments, tmp_path, cap
 # - CartPole-v1 with its velocities hidden (tests/test_lstm.py's HideVelocities), 100k steps: the first
 #   20-episode mean of 400 at 33k-39k steps, of 475 at 39k-67k; feed-forward DQN (its CartPole preset)
 #   best 57 and 56 in 100k.
-# The suite runs seed 1 async and seed 2 serial of each, and feed-forward on the corridor.
+# The suite runs the corridor async (seed 1) beside feed-forward, and CartPole --serial (seed 2):
+# each task and each mode of the round once.
 CORRIDOR = ["--env-id", "examples.corridor:Corridor", "--env-kwargs", '{"length": 8}', "--total-timesteps", 60_000]
 NO_VELOCITIES_BUDGET = 100_000
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("lstm, serial, seed", [(True, False, 1), (True, True, 2), (False, False, 1)])
+@pytest.mark.parametrize("lstm, serial, seed", [(True, False, 1), (False, False, 1)])
 def test_r2d2_remembers_the_corridors_cue(lstm, serial, seed, tmp_path, capsys):
     """At the corridor's end the agent must turn as the cue at its start said: --lstm scores at
     least 0.8 of the best 0.92 over 100 final games; feed-forward DQN guesses (below 0.3)."""
@@ -623,7 +624,7 @@ def test_r2d2_remembers_the_corridors_cue(lstm, serial, seed, tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("serial, seed", [(False, 1), (True, 2)])
+@pytest.mark.parametrize("serial, seed", [(True, 2)])
 def test_r2d2_balances_cartpole_without_its_velocities(serial, seed, tmp_path, capsys, monkeypatch):
     """--lstm infers the velocities from successive positions: some 20 consecutive episodes
     average at least 400 within the budget (feed-forward DQN: about 50)."""

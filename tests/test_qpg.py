@@ -283,10 +283,12 @@ PENDULUM = {"sac_envpool.py": 15_000, "td3_envpool.py": 40_000}
 PENDULUM_THRESHOLD = -250.0
 
 
+# SAC runs async and TD3 --serial: each algorithm learns, and each mode of the replay round
+# (jax_async_rl/rounds.py, one copy for both) is a learning run; the other two pairs, 2 minutes
+# each on 2 cores, measured the same (docs/results.md).
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("script", list(SCRIPTS))
-@pytest.mark.parametrize("serial", [False, True])
+@pytest.mark.parametrize("script, serial", [("sac_envpool.py", False), ("td3_envpool.py", True)])
 def test_learns_pendulum_async_and_serial(script, serial, tmp_path, capsys):
     code, _, err = run_main(script, [
         "--env-id", "Pendulum-v1", "--run-dir", tmp_path / "r", "--total-timesteps", PENDULUM[script],
