@@ -375,15 +375,15 @@ def checked(args):
 
 def check_deterministic(args):
     """What --deterministic needs of an asynchronous script's flags: a fixed schedule (an
-    --actor-lag), at lag 0 one split, one actor thread where a normaliser learns. UsageError."""
-    if not hasattr(args, "actor_lag"):  # the synchronous baseline: deterministic as it is
+    --actor-lag), at lag 0 one split, one actor thread where a normaliser learns. UsageError.
+    The synchronous baseline and --serial (the replay scripts' loop) are deterministic as they are."""
+    if not hasattr(args, "actor_lag") or getattr(args, "serial", False):
         return
     if args.actor_lag is None:
         raise UsageError("--deterministic acts on a fixed schedule: pass an --actor-lag (None: the free-running actor)")
     if args.actor_lag == 0 and args.num_splits > 1:
         raise UsageError("--actor-lag 0 acts on a rollout once every env has finished the one before, so no split "
                          "steps meanwhile, and with --deterministic none may: pass --num-splits 1")
-    if getattr(args, "num_actor_threads", 1) > 1 and (getattr(args, "norm_obs", False)
-                                                      or getattr(args, "norm_reward", False)):
+    if devices.actor_threads(args) > 1 and (getattr(args, "norm_obs", False) or getattr(args, "norm_reward", False)):
         raise UsageError("--deterministic: actor threads share the normaliser in the order their steps come; with "
-                         "--num-actor-threads over 1 pass --norm-obs False --norm-reward False")
+                         "several (--num-actor-threads x --actor-device-ids) pass --norm-obs False --norm-reward False")

@@ -286,3 +286,20 @@ def test_what_it_cannot_reproduce_is_one_line(script, flags, fragments, tmp_path
     result = run_script(script, ["--env-id", "CartPole-v1", "--deterministic", *flags, "--run-dir", tmp_path / "r"])
     assert_usage_error(result, *fragments)
     assert not (tmp_path / "r").exists()
+
+
+def test_the_checks_count_every_actor_thread_and_leave_serial_runs_alone():
+    """Actor threads over several actor devices share one normaliser as threads of one device do;
+    --serial has no actor to schedule (its loop acts with the newest parameters, in turn)."""
+    from types import SimpleNamespace
+
+    from jax_async_rl import runs
+    from jax_async_rl.flags import UsageError
+
+    base = dict(actor_lag=1, num_splits=1, num_actor_threads=1, actor_device_ids=[0], norm_obs=True, norm_reward=False)
+    runs.check_deterministic(SimpleNamespace(**base))
+    with pytest.raises(UsageError, match="--actor-device-ids"):
+        runs.check_deterministic(SimpleNamespace(**{**base, "actor_device_ids": [0, 1]}))
+    runs.check_deterministic(SimpleNamespace(**{**base, "actor_lag": None, "serial": True}))
+    with pytest.raises(UsageError, match="--actor-lag"):
+        runs.check_deterministic(SimpleNamespace(**{**base, "actor_lag": None, "serial": False}))
