@@ -597,9 +597,10 @@ def make_act(greedy, args: Args, network, streams: EnvStreams):
     jax_async_rl.rounds: ε-greedy with each env's ε at the run's env step (epsilon_at; the envs'
     steps x the envs: as if they stepped in lockstep), each env's draws from its own stream, among
     the legal actions of `obs`."""
+    envs = devices.global_envs(args)
 
     def act(params, obs, env_ids, steps):
-        epsilon = epsilon_at(args, int(steps.max()) * devices.global_envs(args))[env_ids]
+        epsilon = epsilon_at(args, int(steps.max()) * envs)[env_ids]
         legal = legal_actions(network, obs, len(env_ids))
         return epsilon_greedy(greedy, params, obs, epsilon, network.action_dim, streams.uniform(env_ids, steps), legal)
 
@@ -611,14 +612,14 @@ def make_recurrent_act(greedy, args: Args, network, streams: EnvStreams):
     -> (actions, states) for jax_async_rl.rounds: each env's state (c, h) kept by env id and reset
     where its episode starts (`first`); the network runs for every env (its state moves on while
     it explores); the states returned are those it acted from, stored where sequences start."""
-    memory = zero_core(args.lstm_size, devices.local_envs(args))[0]
+    memory, envs = zero_core(args.lstm_size, devices.local_envs(args))[0], devices.global_envs(args)
 
     def act(params, obs, env_ids, steps, first):
         state = jax.tree.map(lambda m: np.where(first[:, None], np.float32(0.0), m[env_ids]), memory)
         action, after = jax.device_get(greedy(params, obs, (state, first)))
         for m, s in zip(memory, after):
             m[env_ids] = s
-        epsilon = epsilon_at(args, int(steps.max()) * devices.global_envs(args))[env_ids]
+        epsilon = epsilon_at(args, int(steps.max()) * envs)[env_ids]
         return epsilon_greedy(lambda *_: action, params, obs, epsilon, network.action_dim,
                               streams.uniform(env_ids, steps)), state
 

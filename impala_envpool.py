@@ -552,8 +552,7 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
         obs, reward, terminated, truncated, info = envs.recv()
         timing["env"] += (now := time.perf_counter()) - start
         env_ids, index = info["env_id"], trajectories.steps[info["env_id"]]
-        # A reset's reward is undefined (dm_control: NaN at times)
-        reward = np.where(info["elapsed_step"] > 0, reward, 0.0)
+        reward = np.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's: undefined (dm_control)
         obs = shared.normalizer.observe(obs)
         ended = trajectories.sent[env_ids]  # the observation ends a step (not an env's first)
         if memory is not None:  # the envs' states, and which observations start an episode
@@ -564,6 +563,7 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
         done = terminated | truncated
         reward[ended] = shared.normalizer.reward(reward[ended], done[ended], env_ids[ended] + thread * B)
         trajectories.returned(env_ids, obs, reward, done, truncated, memory)
+        timing["bookkeeping"] += time.perf_counter() - now  # then the queue, and the wait for parameters
         while pushed < num_rollouts and (rollout := trajectories.complete()) is not None:
             rollout["host"]["games"] = stats.pop()
             start = time.perf_counter()

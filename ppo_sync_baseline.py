@@ -471,8 +471,7 @@ def collect_rollout(envs, policy_step, params, obs, prev_dones, core, key, first
             rollout["first"][t] = core[1]
         start = time.perf_counter()
         obs, reward, terminated, truncated, info = envs.step(tasks.env_action(action, envs.action_space))
-        # A reset's reward is undefined (dm_control: NaN at times)
-        reward = np.where(info["elapsed_step"] > 0, reward, 0.0)
+        reward = np.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's: undefined (dm_control)
         timing["env"] += time.perf_counter() - start
         stats.update(env_ids, reward, terminated, truncated, info)
         rollout["valid"][t], prev_dones = 1.0 - prev_dones, terminated | truncated

@@ -266,7 +266,7 @@ def acting_version(rollout: int, actor_lag) -> int:
 
 
 def evaluation_player(args: Args, built):
-    """The evaluation's policy(params, obs, core, key) -> (actions, None, None, None, key): the
+    """The evaluation's policy(params, obs, core, key, env_ids, steps) -> (actions, None, None, None): the
     deterministic policy, tanh(mean) x scale + bias; its initial core (none). utils/evaluate.py
     calls it too."""
     (actor, _), _, (scale, bias, _, _), _, _ = built

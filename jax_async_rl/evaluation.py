@@ -42,8 +42,7 @@ def evaluate(policy, params, initial_core, args, normalizer, num_episodes: int, 
         done = terminated | truncated
         if lives is not None:  # Atari: as in training (episodic life), each life lost resets the LSTM
             done, lives = done | (info["lives"] < lives), info["lives"]
-        # A reset's reward is undefined (dm_control: NaN at times).
-        reward = np.where(info["elapsed_step"] > 0, reward, 0.0)
+        reward = np.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's: undefined (dm_control)
         stats.update(np.arange(num_envs), reward, terminated, truncated, info)
         for env, ret, _ in stats.pop():
             if quota[env] > 0:

@@ -64,8 +64,7 @@ class Collector:
             obs, reward, terminated, truncated, info = self.envs.recv()
             timing["env"] += (now := time.perf_counter()) - start
             env_ids = info["env_id"]
-            # A reset's reward is undefined (dm_control: NaN at times)
-            reward = np.where(info["elapsed_step"] > 0, reward, 0.0)
+            reward = np.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's: undefined (dm_control)
             state = ()
             if self.ended is None:
                 action = np.asarray(self.act(params, obs, env_ids + self.offset, self.steps[env_ids]))

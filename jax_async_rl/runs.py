@@ -22,7 +22,6 @@ import sys
 import threading
 import time
 import warnings
-from collections import deque
 from pathlib import Path
 import jax
 import numpy as np
@@ -42,7 +41,6 @@ class Run:
     def __init__(self, args, given, script: str, resolve):
         self.given, self.script, self.resolve, self.args = given, script, resolve, args
         self.pending = None  # (step, scalars) of the last update, not logged yet
-        self.episodes = deque()  # with many processes: games finished here, gathered once per update (`should_stop`)
         self.saving = threading.Lock()  # one checkpoint write at a time (the learner's and the main thread's)
         self.run_dir = self.logger = self.progress = self.lock = None
         self.peer_lost = False  # another process died: exit without JAX's shutdown
@@ -68,6 +66,8 @@ class Run:
             if self.logger is not None:
                 self.logger.close()  # may fail on a full disk: the rest still runs
         finally:
+            if getattr(self, "keeper", None) is not None:  # --deterministic's journal
+                self.keeper.journal.close()
             if self.lock is not None:
                 self.lock.close()
             self.signals.close()
@@ -196,19 +196,10 @@ class Run:
     def should_stop(self, stopped: bool, episodes=()) -> bool:
         """Once per update, before it, in every process (in lockstep: devices.agree): whether the
         run stops now (a signal, an error, `stopped` here or in another process). The games of
-        every process are logged: `episodes`, and those the actors reported."""
-        mine = [*episodes, *[self.episodes.popleft() for _ in range(len(self.episodes))]]
-        stop, games = devices.agree(self.signals.received, stopped, mine)
+        every process are logged: `episodes`, those the update's rollouts (or chunks) carry."""
+        stop, games = devices.agree(self.signals.received, stopped, list(episodes))
         self.log_episodes(self.global_step, games)
         return stop
-
-    def report_episodes(self, episodes: list):
-        """The (env, return, length) of games an actor finished: logged now, at the env steps
-        sampled so far, or with many processes gathered by the learner's next `should_stop`."""
-        if jax.process_count() > 1:
-            self.episodes.extend(episodes)
-        else:
-            self.log_episodes(self.start_step + int(self.sampled.sum()), episodes)
 
     def log_episodes(self, step: int, episodes):
         """Each game at its own step (TensorBoard keeps one value a step): the k games reported

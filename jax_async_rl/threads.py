@@ -29,11 +29,11 @@ class Shared:
     §3.4; `latest`, the newest pair, replaced whole, so a reader gets a consistent one; the last
     `keep` versions stay for actors that act with an exact one), the actors' normaliser, the env
     steps each actor thread has sent actions for (`sampled`, the run's counter), the stages'
-    timings, the run's `stop` and `report(games)` (runs.Run.report_episodes). Left out (in tests),
-    these are a fresh counter and event, a normaliser that passes everything, and no reports."""
+    timings and the run's `stop`. Left out (in tests), these are a fresh counter and event and a
+    normaliser that passes everything."""
 
-    def __init__(self, params, version, normalizer=None, sampled=None, stop=None, report=None, learning=False,
-                 keep: int = 2, published=None):
+    def __init__(self, params, version, normalizer=None, sampled=None, stop=None, learning=False, keep: int = 2,
+                 published=None):
         self.latest, self.keep = (params, int(version)), keep
         self.published = {**(published or {}), int(version): params}  # published: older ones a resume carried
         self.learning = learning  # a learner publishes updates: actors wait for them (`acting`)
@@ -41,7 +41,6 @@ class Shared:
         self.normalizer = normalizer or Normalizer(np.zeros(()), 0, False, False, 0.0)
         self.sampled = np.zeros(1, np.int64) if sampled is None else sampled
         self.stop = stop or threading.Event()
-        self.report = report or (lambda games: None)
         self.timing = dict.fromkeys(
             ["env", "inference", "bookkeeping", "device_get", "queue_put", "queue_get", "update"], 0.0)
 

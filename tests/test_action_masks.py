@@ -293,7 +293,7 @@ def test_both_actors_act_legally_and_the_env_gets_the_cell_the_policy_chose(scri
     module, B = load_script(script), 4
     args = module.resolve_args(module.Args(env_id=env_id, num_envs=B, num_steps=16, num_splits=2))
     network, _, continuous, normalizer, state = module.build(args, jax.random.PRNGKey(0))
-    shared = threads.Shared(state["params"], 0, normalizer, report=lambda games: None)
+    shared = threads.Shared(state["params"], 0, normalizer)
     envs, rollouts = tasks.make_env(env_id, B, 3, 1, train=True, batch_size=B // 2), queue.Queue()
     module.actor_loop(envs, module.make_policy_step(network, continuous, values=False), shared, rollouts,
                       jax.random.PRNGKey(1), args, 2)
