@@ -367,17 +367,8 @@ def compute_gae(rewards, values, bootstrap_value, discounts, gae_lambda):
     return advantages
 
 
-def vtrace(
-    log_rhos,
-    discounts,
-    rewards,
-    values,
-    bootstrap_value,
-    clip_rho_threshold=1.0,
-    clip_c_threshold=1.0,
-    clip_pg_rho_threshold=1.0,
-    lambda_=1.0,
-):
+def vtrace(log_rhos, discounts, rewards, values, bootstrap_value, clip_rho_threshold=1.0, clip_c_threshold=1.0,
+           clip_pg_rho_threshold=1.0, lambda_=1.0):
     """V-trace targets and policy-gradient advantages (Espeholt et al. 2018, eq. 1 and §4.2),
     with rlax's `lambda_` (vtrace_td_error_and_advantage): traces c = lambda min(c bar, rho), and
     the advantage bootstraps on lambda vs + (1 - lambda) V, so that on-policy the targets are
@@ -603,16 +594,6 @@ class Trajectories:
         return self.buffers.pop(min(self.buffers))
 
 
-def start_envs(envs, resume, normalizer, stats, memory, env_offset: int):
-    """An actor's envs reset, or with `resume` (--deterministic) stepped back to where the run
-    stopped (journal.replay): (their dones then, or None; the recurrent states to go on from)."""
-    if resume is None:
-        envs.async_reset()
-        return None, memory
-    dones, _ = journal.replay(envs, resume["actions"], normalizer, stats, env_offset, receive_last=False)
-    return dones, jax.tree.unflatten(jax.tree.structure(memory), resume["memory"]) if "memory" in resume else memory
-
-
 def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts, device=None, thread=0, first=0,
                resume=None):
     """Double-buffered sampling (Sample Factory §3.2): act on the split `recv()` returns while
@@ -626,7 +607,7 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
     T, B = args.num_steps, args.num_envs
     memory = zero_core(args.lstm_size, B)[0] if args.lstm else None  # (c, h) [B, lstm_size], by env id
     stats, timing, pushed = tasks.EpisodeStats(B), shared.timing, 0
-    dones, memory = start_envs(envs, resume, shared.normalizer, stats, memory, thread * B)
+    dones, memory = journal.start_envs(envs, resume, shared.normalizer, stats, memory, thread * B)
     trajectories = Trajectories(T, B, tasks.policy_space(args.env_id), memory, first * T, resume is not None, dones)
     core = held = params = None  # held: the version of `params`
     while pushed < num_rollouts and not shared.stop.is_set():
@@ -737,17 +718,8 @@ def targets(network, state, rollout, args: Args, continuous: bool, clip_coef):
     discounts = args.gamma * (1.0 - rollout["dones"])
     log_ratio = logprobs - rollout["logprobs"]  # pi / mu before this update moves pi
     if args.vtrace:  # the advantage without IMPALA's rho: PPO's ratio is already each sample's weight
-        returns, advantages = vtrace(
-            log_ratio,
-            discounts,
-            rewards,
-            values,
-            bootstrap_value,
-            args.vtrace_rho_bar,
-            args.vtrace_c_bar,
-            clip_pg_rho_threshold=None,
-            lambda_=args.gae_lambda,
-        )
+        returns, advantages = vtrace(log_ratio, discounts, rewards, values, bootstrap_value, args.vtrace_rho_bar,
+                                     args.vtrace_c_bar, clip_pg_rho_threshold=None, lambda_=args.gae_lambda)
     else:
         advantages = compute_gae(rewards, values, bootstrap_value, discounts, args.gae_lambda)
         returns = advantages + values

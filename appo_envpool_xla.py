@@ -370,17 +370,8 @@ def compute_gae(rewards, values, bootstrap_value, discounts, gae_lambda):
     return advantages
 
 
-def vtrace(
-    log_rhos,
-    discounts,
-    rewards,
-    values,
-    bootstrap_value,
-    clip_rho_threshold=1.0,
-    clip_c_threshold=1.0,
-    clip_pg_rho_threshold=1.0,
-    lambda_=1.0,
-):
+def vtrace(log_rhos, discounts, rewards, values, bootstrap_value, clip_rho_threshold=1.0, clip_c_threshold=1.0,
+           clip_pg_rho_threshold=1.0, lambda_=1.0):
     """V-trace targets and policy-gradient advantages (Espeholt et al. 2018, eq. 1 and §4.2),
     with rlax's `lambda_` (vtrace_td_error_and_advantage): traces c = lambda min(c bar, rho), and
     the advantage bootstraps on lambda vs + (1 - lambda) V, so that on-policy the targets are
@@ -793,17 +784,8 @@ def targets(network, state, rollout, args: Args, continuous: bool, clip_coef):
     discounts = args.gamma * (1.0 - rollout["dones"])
     log_ratio = logprobs - rollout["logprobs"]  # pi / mu before this update moves pi
     if args.vtrace:  # the advantage without IMPALA's rho: PPO's ratio is already each sample's weight
-        returns, advantages = vtrace(
-            log_ratio,
-            discounts,
-            rewards,
-            values,
-            bootstrap_value,
-            args.vtrace_rho_bar,
-            args.vtrace_c_bar,
-            clip_pg_rho_threshold=None,
-            lambda_=args.gae_lambda,
-        )
+        returns, advantages = vtrace(log_ratio, discounts, rewards, values, bootstrap_value, args.vtrace_rho_bar,
+                                     args.vtrace_c_bar, clip_pg_rho_threshold=None, lambda_=args.gae_lambda)
     else:
         advantages = compute_gae(rewards, values, bootstrap_value, discounts, args.gae_lambda)
         returns = advantages + values

@@ -137,3 +137,13 @@ class Keeper:
                 for i, m in enumerate(self.memories)
             }
         return carry
+
+
+def start_envs(envs, resume, normalizer, stats, memory, env_offset: int):
+    """An actor's envs reset, or with `resume` (--deterministic) stepped back to where the run
+    stopped (`replay`): (their dones then, or None; the recurrent states to go on from)."""
+    if resume is None:
+        envs.async_reset()
+        return None, memory
+    dones, _ = replay(envs, resume["actions"], normalizer, stats, env_offset, receive_last=False)
+    return dones, jax.tree.unflatten(jax.tree.structure(memory), resume["memory"]) if "memory" in resume else memory

@@ -115,7 +115,7 @@ SAME_TEXT = [
     ], ["acting_version"]),  # the actors' schedule: what decides the data
     (["appo_envpool.py", "impala_envpool.py", "appo_envpool_xla.py"], ["vtrace", "learner_loop", "new_rollout"]),
     # The Python actor
-    (["appo_envpool.py", "impala_envpool.py"], ["write", "Trajectories", "start_envs", "actor_loop", "main"]),
+    (["appo_envpool.py", "impala_envpool.py"], ["write", "Trajectories", "actor_loop", "main"]),
     (
         ["ppo_sync_baseline.py", "appo_envpool.py", "appo_envpool_xla.py"],  # PPO
         ["ppo_loss", "compute_gae", "time_limit_bootstrap", "minibatches", "make_optimizer", "clip_coef_at",
