@@ -48,9 +48,10 @@ from helpers import (
 
 # The sync baseline's 650 became 665 with legal actions and multi-discrete actions (issue 41: 628 -> 664 lines);
 # the formatter (yapf at 120 columns, pyproject.toml) then split the lines that packed past 120: 677 -> 693.
+# APPO's 900 holds again once its resume start-up moved to jax_async_rl/journal.py (919 -> 891).
 LINE_BUDGET = {
     "ppo_sync_baseline.py": 700,
-    "appo_envpool.py": 930,
+    "appo_envpool.py": 900,
     "impala_envpool.py": 850,
     "appo_envpool_xla.py": 1050,
     "dqn_envpool.py": 900,
