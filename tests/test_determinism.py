@@ -2,7 +2,7 @@
 streams that make an env's draws its own; SplitPools, which hand out the splits in turn; each
 script run twice with one seed (identical checkpoints, identical metrics but for wall time, SPS
 and timing/*); APPO at --actor-lag 0 against the sync baseline (the same parameters, bit for
-bit); the same on 4 devices and on 2 processes; the flags it refuses."""
+bit); the same on 4 devices; 2 processes as 1 process of 2 devices; the flags it refuses."""
 
 import json
 import os
@@ -254,18 +254,29 @@ def test_a_run_on_4_devices_reproduces(tmp_path, monkeypatch):
     assert_identical(tmp_path / "0", tmp_path / "1")
 
 
+# A run of 2 processes computes what 1 process with 2 devices does: the same actors (their seeds and
+# keys are counted over all processes, runs.Run.actors), the same sharded batch, a gloo all-reduce
+# where one process sums on its devices (a sum of 2 is exact in either order). So the 2 processes
+# learn what the 1-process run learns (tests/test_scale.py learns CartPole on 2 learner devices
+# with 2 actor threads), and reproduce as it does: a difference in either would show here.
 @pytest.mark.timeout(600)
-def test_a_run_of_2_processes_reproduces(tmp_path, monkeypatch):
-    """APPO --deterministic on 2 jax.distributed processes (gloo), twice."""
+def test_a_run_of_2_processes_is_the_run_of_1_process_with_2_devices(tmp_path, monkeypatch):
+    """APPO --deterministic, 4 updates: 2 jax.distributed processes (gloo) x 1 device against 1
+    process whose 2 devices each hold an actor and half the learner; checkpoints bit for bit, and
+    the same metrics (process 0 logs the games of both processes)."""
+    flags = {**tiny_flags("appo_envpool.py"), "env_id": "CartPole-v1", "deterministic": True, "total_timesteps": 512}
+    argv = flags_of("appo_envpool.py", **flags)
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
-    flags = {**tiny_flags("appo_envpool.py"), "env_id": "CartPole-v1", "deterministic": True}
-    for i in (0, 1):
-        (tmp_path / f"logs{i}").mkdir()
-        argv = [*flags_of("appo_envpool.py", **flags), "--run-dir", tmp_path / str(i)]
-        results = finish_processes(start_processes("appo_envpool.py", argv, tmp_path / f"logs{i}"),
-                                   tmp_path / f"logs{i}", 500)
-        assert [code for code, _, _ in results] == [0, 0], results
-    assert_identical(tmp_path / "0", tmp_path / "1")
+    results = finish_processes(start_processes("appo_envpool.py", [*argv, "--run-dir", tmp_path / "two"], tmp_path),
+                               tmp_path, 500)
+    assert [code for code, _, _ in results] == [0, 0], results
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    result = run_script("appo_envpool.py", [
+        *argv, "--actor-device-ids", "0", "1", "--learner-device-ids", "0", "1", "--run-dir", tmp_path / "one"
+    ], timeout=500)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_identical(tmp_path / "two", tmp_path / "one")
+    assert int(read_checkpoint(tmp_path / "one")["state"]["policy_version"]) == 4
 
 
 # ---------------------------------------------------------------------------------------------
