@@ -86,6 +86,8 @@ class Args(flags.RunArgs):
     """Adam learning rate"""
     adam_eps: Annotated[Optional[float], PRESET, POSITIVE] = None
     """Adam's epsilon"""
+    anneal_lr: Annotated[Optional[bool], PRESET] = None
+    """the learning rate falls linearly to 0 at --total-timesteps (the CartPole preset)"""
     huber_delta: Annotated[Optional[float], PRESET, NON_NEGATIVE] = None
     """TD errors beyond this get a constant gradient (the Huber loss: Mnih et al. 2015's error
     clipping, for clipped rewards); 0: the squared error (CleanRL). Not used by --c51"""
@@ -174,18 +176,18 @@ PRESETS = {
     "atari": dict(num_steps=4, buffer_size=1_000_000, learning_starts=20_000, replay_ratio=8.0, batch_size=32,
                   learning_rate=6.25e-5, adam_eps=1.5e-4, gamma=0.99, target_network_frequency=8000, start_e=1.0,
                   end_e=0.01, exploration_fraction=0.1, double_dqn=True, dueling=True, n_step=3,
-                  prioritized_replay=True, c51=True, huber_delta=1.0, **RAINBOW_REPLAY),
+                  prioritized_replay=True, c51=True, huber_delta=1.0, anneal_lr=False, **RAINBOW_REPLAY),
     # Any other vector task: CleanRL's dqn.py (batches of 128 every 10 steps, target every 500).
     "classic": dict(num_steps=5, buffer_size=10_000, learning_starts=10_000, replay_ratio=12.8, batch_size=128,
                     learning_rate=2.5e-4, adam_eps=1e-8, gamma=0.99, target_network_frequency=500, start_e=1.0,
-                    end_e=0.05, exploration_fraction=0.5, huber_delta=0.0, **PLAIN, **RAINBOW_REPLAY),
+                    end_e=0.05, exploration_fraction=0.5, huber_delta=0.0, anneal_lr=False, **PLAIN, **RAINBOW_REPLAY),
     # rl-baselines3-zoo's tuned DQN (hyperparams/dqn.yml: 128 gradient steps of 64 every 256 steps)
     # with changes measured here over 500k steps (docs/algorithms/dqn.md): its learning rate 2.3e-3
     # -> 5e-4 and a buffer of the whole run (500k; with its 100k the policy forgot its failures and
     # fell back), 3-step returns and Double DQN (as published, squared error: Q diverged to 1,834).
     "CartPole": dict(num_steps=32, buffer_size=500_000, learning_starts=1000, replay_ratio=32.0, batch_size=64,
-                     learning_rate=5e-4, adam_eps=1e-8, gamma=0.99, target_network_frequency=10,
-                     start_e=1.0, end_e=0.04, exploration_fraction=0.16, huber_delta=0.0,
+                     learning_rate=5e-4, adam_eps=1e-8, gamma=0.99, target_network_frequency=10, start_e=1.0,
+                     end_e=0.04, exploration_fraction=0.16, huber_delta=0.0, anneal_lr=True,
                      **dict(PLAIN, n_step=3, double_dqn=True), **RAINBOW_REPLAY),
     # --lstm on Atari, R2D2 as rlpyt's atari_r2d1.py runs it (Kapturowski et al. 2019, Table 2): γ 0.997,
     # sequences of 80 after a burn-in of 40, one every 40 steps, 5-step double-Q targets, squared error,
@@ -197,14 +199,14 @@ PRESETS = {
                        learning_rate=1e-4, adam_eps=1e-3, gamma=0.997, target_network_frequency=2_400_000, start_e=1.0,
                        end_e=0.01, exploration_fraction=0.1, double_dqn=True, dueling=True, n_step=5,
                        prioritized_replay=True, c51=False, huber_delta=0.0, priority_alpha=0.9, priority_beta=0.6,
-                       priority_beta_end=0.6, max_grad_norm=80.0, apex_epsilon=True, lstm_size=512, seq_len=80,
-                       burn_in=40, seq_period=40),
+                       priority_beta_end=0.6, max_grad_norm=80.0, apex_epsilon=True, anneal_lr=False, lstm_size=512,
+                       seq_len=80, burn_in=40, seq_period=40),
     # --lstm on any other task: a small R2D2, measured on two memory tasks (docs/algorithms/dqn.md).
     "lstm": dict(num_steps=20, buffer_size=100_000, learning_starts=2000, replay_ratio=48.0, batch_size=32,
                  learning_rate=1e-3, adam_eps=1e-3, gamma=0.99, target_network_frequency=2000, start_e=1.0, end_e=0.05,
                  exploration_fraction=0.2, double_dqn=True, dueling=True, n_step=3, prioritized_replay=True, c51=False,
                  huber_delta=0.0, priority_alpha=0.9, priority_beta=0.6, priority_beta_end=0.6, max_grad_norm=80.0,
-                 apex_epsilon=False, lstm_size=64, seq_len=20, burn_in=10, seq_period=10),
+                 apex_epsilon=False, anneal_lr=False, lstm_size=64, seq_len=20, burn_in=10, seq_period=10),
 }
 RAINBOW = {k: v for k, v in PRESETS["atari"].items() if k in PLAIN}  # the five switches, for any task
 LSTM_ONLY = ("lstm_size", "seq_len", "burn_in", "seq_period")
@@ -658,6 +660,11 @@ def evaluation_player(args: Args, built):
 # ---------------------------------------------------------------------------------------------
 
 
+def lr_fraction(args: Args, env_step):
+    """The fraction of --learning-rate at env step `env_step`: with --anneal-lr, the budget's left."""
+    return jnp.clip(1.0 - env_step / args.total_timesteps, 0.0, 1.0) if args.anneal_lr else 1.0
+
+
 def make_update(network, optimizer, args: Args, support, mesh=None):
     """The jitted round, update(state, batches [S, batch, ...], step): the target network synced
     first where the round's env steps (up to `step`) crossed a multiple of
@@ -666,13 +673,15 @@ def make_update(network, optimizer, args: Args, support, mesh=None):
     each sequence's priority, whose mean is logged)."""
     round_steps = devices.global_envs(args) * args.num_steps
 
-    def step(carry, batch):
+    def step(lr_scale, carry, batch):
         params, opt_state, target_params = carry
         if mesh is not None:  # each learner device takes its share of the batch: data parallel
             batch = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, devices.split_envs(mesh, 0)), batch)
         (loss, (errors, q)), grads = jax.value_and_grad(r2d2_loss if args.lstm else dqn_loss, has_aux=True)(
             params, target_params, network, batch, args, support)
         updates, opt_state = optimizer.update(grads, opt_state, params)
+        if args.anneal_lr:  # Adam's step scaled: its learning rate times the budget's fraction left
+            updates = jax.tree.map(lambda u: u * lr_scale, updates)
         params = optax.apply_updates(params, updates)
         return (params, opt_state, target_params), ({
             "loss": loss,
@@ -689,7 +698,8 @@ def make_update(network, optimizer, args: Args, support, mesh=None):
         images = any(kind in ("nature", "grid") for kind, _ in network.encoders)
         unroll = jax.default_backend() == "cpu" and images and jax.tree.leaves(batches)[0].shape[0] <= 16
         (params, opt_state, target), (losses, errors) = jax.lax.scan(
-            step, (state["params"], state["opt_state"], target), batches, unroll=unroll)
+            functools.partial(step, lr_fraction(args, env_step)), (state["params"], state["opt_state"], target),
+            batches, unroll=unroll)
         diagnostics = jax.tree.map(jnp.mean, losses)
         finite = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]
         diagnostics["finite"] = jnp.isfinite(diagnostics["loss"]) & jnp.all(jnp.array(finite))
@@ -772,7 +782,8 @@ def main(args: Args, given=None) -> int:
         ]
         learner = rounds.Learner(
             run, make_replay(args, envs), make_update(network, optimizer, args, support, run.mesh),
-            np.random.default_rng(run.seed), shared.timing, args.learning_rate,
+            np.random.default_rng(run.seed), shared.timing,
+            lambda step: args.learning_rate * float(lr_fraction(args, step)),
             beta=lambda step: importance_exponent(args, step), scalars=lambda step: {
                 "charts/epsilon": float(np.mean(epsilon_at(args, step))),
                 **({
