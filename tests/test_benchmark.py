@@ -18,7 +18,7 @@ def test_benchmark_quick_writes_valid_results(tmp_path):
     cmd = [
         sys.executable,
         str(REPO_ROOT / "utils" / "benchmark.py"), "--quick", "--env-id", "CartPole-v1", "--seconds", "1",
-        "--e2e-seconds", "5", "--out",
+        "--e2e-seconds", "3", "--out",
         str(out)
     ]
     result = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)

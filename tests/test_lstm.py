@@ -309,10 +309,12 @@ MEMORY_BUDGET = 200_000
 MEMORY_FLAGS = {"ppo_sync_baseline.py": dict(lstm_size=64), "appo_envpool.py": dict(lstm_size=64)}
 
 
+# The feed-forward control shows that the task needs memory, whichever script learns it: run once,
+# with the sync baseline.
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("lstm", [True, False])
-@pytest.mark.parametrize("script_name", list(MEMORY_FLAGS))
+@pytest.mark.parametrize("script_name, lstm", [("ppo_sync_baseline.py", True), ("appo_envpool.py", True),
+                                               ("ppo_sync_baseline.py", False)])
 def test_lstm_learns_cartpole_without_velocities(script_name, lstm, tmp_path, monkeypatch):
     """With --lstm some 20 consecutive episodes average at least 400 within the budget; the
     feed-forward policy on the same task and budget stays below 150 (CartPole with velocities:
