@@ -662,8 +662,11 @@ def evaluation_player(args: Args, built):
 
 
 def lr_fraction(args: Args, env_step):
-    """The fraction of --learning-rate at env step `env_step`: with --anneal-lr, the budget's left."""
-    return jnp.clip(1.0 - env_step / args.total_timesteps, 0.0, 1.0) if args.anneal_lr else 1.0
+    """The fraction of --learning-rate in the round that ends at env step `env_step`: with
+    --anneal-lr, the budget's fraction left at the round's start (the first round learns at the
+    full rate, the last at a round's worth)."""
+    start = env_step - devices.global_envs(args) * args.num_steps
+    return jnp.clip(1.0 - start / args.total_timesteps, 0.0, 1.0) if args.anneal_lr else 1.0
 
 
 def make_update(network, optimizer, args: Args, support, mesh=None):
