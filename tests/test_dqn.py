@@ -633,10 +633,11 @@ def test_r2d2_bad_input_gets_one_line_and_exit_2(flags, fragments, tmp_path, cap
 # - CartPole-v1 with its velocities hidden (tests/test_lstm.py's HideVelocities), 100k steps: the first
 #   20-episode mean of 400 at 33k-39k steps, of 475 at 39k-67k; feed-forward DQN (its CartPole preset)
 #   best 57 and 56 in 100k.
-# The suite runs the corridor async (seed 1) beside feed-forward, and CartPole --serial (seed 2):
-# each task and each mode of the round once.
+# The suite runs the corridor async (seed 1) beside feed-forward, and CartPole --serial (seed 2) at
+# 70k steps (its first 20-episode mean of 400 at 32.6k, best 500; at 60k: 45.6k, best 487): each
+# task and each mode of the round once.
 CORRIDOR = ["--env-id", "examples.corridor:Corridor", "--env-kwargs", '{"length": 8}', "--total-timesteps", 60_000]
-NO_VELOCITIES_BUDGET = 100_000
+NO_VELOCITIES_BUDGET = 70_000
 
 
 @pytest.mark.slow

@@ -420,12 +420,13 @@ def test_learns_minigrid_empty(script, tmp_path):
 
 
 # dm_control's cartpole balance: measured, an untrained policy (one update) scores 311 +- 47 over
-# 16 episodes; APPO at default flags reached 603 (last 20 episodes) at 300k steps, in 61 s.
+# 16 episodes; APPO at default flags reached 603 (last 20 episodes) at 300k steps, in 61 s; on
+# 2026-12-05's code 983.5 at 200k (seed 1).
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_learns_a_control_suite_task(tmp_path):
     module = load_script("appo_envpool.py")
-    args = module.Args(env_id="CartpoleBalance-v1", total_timesteps=300_000, run_dir=str(tmp_path / "run"),
+    args = module.Args(env_id="CartpoleBalance-v1", total_timesteps=200_000, run_dir=str(tmp_path / "run"),
                        eval_episodes=0)
     assert module.main(args) == 0
     returns = tag_values(read_metrics(tmp_path / "run"), "charts/episodic_return")
