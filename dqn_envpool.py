@@ -162,6 +162,8 @@ class Args(flags.RunArgs):
     """log losses, timings and SPS every this many rounds and after the last (returns: always)"""
     # The variants these flags make: the default --exp-name (the run's folder, its header line) names them.
     NAMED: ClassVar[dict] = {"serial": dict(serial=True), "lstm": dict(lstm=True)}
+    # What a run saved before a flag existed did: --resume continues it so.
+    UNTIL_ADDED: ClassVar[dict] = {"huber_delta": 1.0, "anneal_lr": False}
 
 
 PLAIN = dict(double_dqn=False, dueling=False, n_step=1, prioritized_replay=False, c51=False)

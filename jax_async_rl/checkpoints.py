@@ -182,7 +182,9 @@ def resume_args(args, given, script: str):
     if given is None:
         given = {name for name in fields if getattr(args, name) != getattr(defaults, name)}
     given = {name for name in given if getattr(args, name) is not None}  # None (the preset): the run's own
-    stored = {name: payload["config"].get(name, getattr(defaults, name)) for name in fields}
+    # A flag the run's version did not have: the value that version used (Args.UNTIL_ADDED), else the default.
+    until_added = {**{name: getattr(defaults, name) for name in fields}, **getattr(type(args), "UNTIL_ADDED", {})}
+    stored = {name: payload["config"].get(name, until_added[name]) for name in fields}
     changed = {name: getattr(args, name) for name in fields if name in given and getattr(args, name) != stored[name]}
     for name in FIXED_ON_RESUME:
         if name in changed:
