@@ -291,8 +291,9 @@ def test_a_user_env_on_2_processes_of_2_learner_devices(tmp_path, devices):
 # learner devices with 2 actor threads (policy lag 3: the learner on 2 cores is the bottleneck)
 # spreads wider: of 6 runs (seeds 1-3 to 100k, seeds 2 and 4 to 160k), 5 first reached 475 at
 # 29k-56k steps and seed 2's 100k run did not (best 466; a CI run of seed 1: 460). Budget 150k.
-# 2 processes are not trained here: a run of 2 processes is the run of 1 process with 2 devices, bit
-# for bit (tests/test_determinism.py), which is the layout trained here.
+# 2 processes are not trained here: with --deterministic, a run of 2 processes is bit for bit the run
+# of 1 process whose 2 devices each hold an actor and half the learner (tests/test_determinism.py);
+# free-running, 2 processes train in the fault tests below (to the first update, then a resume).
 ON_2_DEVICES = {"appo_envpool.py": 150_000, "ppo_sync_baseline.py": 100_000}
 
 
