@@ -465,7 +465,7 @@ def main(args: Args, given=None) -> int:
         ]
         learn = make_learn(make_update(built[0], optimizers, args, bounds, run.mesh), run.update_key)
         learner = rounds.Learner(run, make_replay(args, envs), learn, np.random.default_rng(run.seed), shared.timing,
-                                 args.policy_lr)
+                                 lambda step: args.policy_lr)
         run.begin(f"{gradient_steps(args)} gradient steps a round{', serial' if args.serial else ''}")
         rounds.train(run, learner, collectors, actors, args.queue_size, args.serial,
                      functools.partial(acting_version, actor_lag=args.actor_lag))

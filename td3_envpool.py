@@ -430,7 +430,7 @@ def main(args: Args, given=None) -> int:
         ]
         learn = make_learn(make_update(built[0], optimizer, args, bounds, run.mesh), run.update_key)
         learner = rounds.Learner(run, make_replay(args, envs), learn, np.random.default_rng(run.seed), shared.timing,
-                                 args.learning_rate)
+                                 lambda step: args.learning_rate)
         run.begin(f"{gradient_steps(args)} gradient steps a round{', serial' if args.serial else ''}")
         rounds.train(run, learner, collectors, actors, args.queue_size, args.serial,
                      functools.partial(acting_version, actor_lag=args.actor_lag))

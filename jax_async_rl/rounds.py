@@ -90,8 +90,7 @@ class Learner:
     buffer (it owns it), then, once --learning-starts env steps are in (a resumed run refills its
     buffer first), sample the round's batches (`beta(step)`: prioritised replay's importance
     exponent, else uniform), `learn`, write back the priorities. `scalars(step)`: the script's
-    own scalars of each round (logged with the update's); `learning_rate`: the one logged (a
-    function of the env step where it changes)."""
+    own scalars of each round (logged with the update's); `learning_rate(step)`: the one logged."""
 
     def __init__(self, run, replay, learn, rng, timing: dict, learning_rate, beta=None, scalars=None):
         self.run, self.replay, self.learn, self.rng, self.timing = run, replay, learn, rng, timing
@@ -126,8 +125,7 @@ class Learner:
         else:
             state = dict(state, policy_version=state["policy_version"] + 1)
             self.timing["replay"] += time.perf_counter() - start
-        rate = self.learning_rate(step) if callable(self.learning_rate) else self.learning_rate
-        return run.learned(state, dict(diagnostics, learning_rate=rate), self.timing, extra)
+        return run.learned(state, dict(diagnostics, learning_rate=self.learning_rate(step)), self.timing, extra)
 
 
 def actor_loop(collector, shared, chunk_queue, device, num_chunks: int, schedule, exact: bool):
