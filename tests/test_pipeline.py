@@ -557,14 +557,19 @@ def test_update_masks_stale_transitions(script, flags):
 # ---------------------------------------------------------------------------------------------
 
 FAULT_PROGRAM = """
-import dataclasses, sys, time
+import dataclasses, sys, threading, time
 sys.path.insert(0, {tests_dir!r})
 from helpers import load_script, tiny_flags
 
 module = load_script({script!r})
 
 
+long_call = threading.Event()  # the learner is inside its long first call
+
+
 def report_fault():
+    if {first_update_seconds}:
+        long_call.wait()  # the fault while the learner is inside the call, whichever thread is first
     print(f"FAULT_AT {{time.time()!r}}", file=sys.stderr, flush=True)
 
 
@@ -574,7 +579,9 @@ def patched_make_update(*args, **kwargs):
 
     def faulty_update(state, rollout, key, total_timesteps):
         calls.append(1)
-        if len(calls) == 1:
+        if len(calls) == 1 and {first_update_seconds}:
+            print(f"LONG_CALL_AT {{time.time()!r}}", file=sys.stderr, flush=True)
+            long_call.set()
             time.sleep({first_update_seconds})  # a learner inside one long call (an XLA compile)
         if len(calls) == 2 and {where!r} == "learner":
             report_fault()
@@ -616,12 +623,12 @@ if hasattr(module, "XlaRollouts"):
     original_collect, module.XlaRollouts.collect, collects = module.XlaRollouts.collect, patched_collect, []
 else:
     original_make_policy_step, module.make_policy_step = module.make_policy_step, patched_make_policy_step
-flags = dict(tiny_flags({script!r}), env_id="CartPole-v1", total_timesteps=10_000_000, run_dir={run_dir!r})
+flags = dict(tiny_flags({script!r}), env_id="CartPole-v1", total_timesteps=10_000_000, run_dir={run_dir!r}, **{extra})
 sys.exit(module.main(dataclasses.replace(module.Args(), **flags)))
 """
 
 
-def check_fault_exit(script, where, tmp_path, actor_fault_call, first_update_seconds=0):
+def check_fault_exit(script, where, tmp_path, actor_fault_call, first_update_seconds=0, extra=None):
     """Run FAULT_PROGRAM; the process must exit non-zero within 20 s of the fault (5 s of join
     deadline, then os._exit; the rest is margin for a loaded machine), printing the original
     traceback and message."""
@@ -632,6 +639,7 @@ def check_fault_exit(script, where, tmp_path, actor_fault_call, first_update_sec
         actor_fault_call=actor_fault_call,
         first_update_seconds=first_update_seconds,
         run_dir=str(tmp_path / "run"),
+        extra=extra or {},
     )
     start = time.time()
     result = run_script("-c", [program], timeout=150)
@@ -641,6 +649,9 @@ def check_fault_exit(script, where, tmp_path, actor_fault_call, first_update_sec
     assert len(fault_lines) == 1, describe(result)
     fault_at = float(fault_lines[0].split()[1])
     assert start < fault_at < ended
+    if first_update_seconds:  # the fault came while the learner was inside its long call
+        long_at = [float(line.split()[1]) for line in result.stderr.splitlines() if line.startswith("LONG_CALL_AT ")]
+        assert long_at and long_at[0] <= fault_at < long_at[0] + first_update_seconds, describe(result)
     assert ended - fault_at < 20, f"exited {ended - fault_at:.1f} s after the fault\n{describe(result)}"
     message = f"injected {where} fault"
     assert f"RuntimeError: {message}" in result.stderr, describe(result)
@@ -698,9 +709,11 @@ def test_thread_fault_exits_nonzero_with_traceback(script, where, tmp_path):
 @pytest.mark.parametrize("script", ASYNC_SCRIPTS)
 def test_actor_fault_while_learner_is_in_a_long_call(script, tmp_path):
     """The actor fails while the learner is inside one 20 s call (as in the first XLA compile of
-    the update, which takes that long for the Atari CNN on a busy CPU)."""
+    the update, which takes that long for the Atari CNN on a busy CPU). At --actor-lag 2 the actor
+    collects 3 rollouts on the first parameters, so each script's actor is acting during the call
+    (at lag 1 the XLA actor's 3rd rollout, and free-running IMPALA's 2nd, wait for the call's end)."""
     check_fault_exit(script, "actor", tmp_path, actor_fault_call=ACTOR_FAULT_CALL.get(script, 40),
-                     first_update_seconds=20)
+                     first_update_seconds=20, extra=dict(actor_lag=2))
 
 
 @pytest.mark.timeout(300)
