@@ -354,13 +354,17 @@ def test_lstm_learns_cartpole_without_velocities(script_name, lstm, tmp_path, mo
 # update 0.06-0.08. The test asserts the criterion: a 20-episode mean of 475 at the end.
 # It runs --deterministic (the actor at lag 1, as the free-running default): a free-running run's
 # end depends on the machine's timing, and one of seed 2 ended inside a dip (470.6) on a busy
-# machine; this one is the same run each time on a machine (seed 1: 500.0, lowest 20-episode mean
-# after the first 475: 98).
+# machine; this one is the same run each time on a machine (seed 1 at 500k: 500.0, lowest
+# 20-episode mean after the first 475: 98). The suite runs it at 300k (the rate annealed to 0 by
+# then; seed 1: first 475 at 94k, lowest 20-episode mean after it 251, the end 500.0), for time.
+APPO_LSTM_BUDGET = 300_000
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_appo_lstm_learns_cartpole_and_stays(tmp_path):
     module = load_script("appo_envpool.py")
-    args = module.Args(env_id="CartPole-v1", seed=1, lstm=True, total_timesteps=500_000, eval_episodes=0,
+    args = module.Args(env_id="CartPole-v1", seed=1, lstm=True, total_timesteps=APPO_LSTM_BUDGET, eval_episodes=0,
                        deterministic=True, actor_lag=1, run_dir=str(tmp_path / "run"))
     assert module.main(args) == 0
     returns = tag_values(read_metrics(tmp_path / "run"), "charts/episodic_return")
