@@ -132,39 +132,42 @@ from helpers import load_script
 from jax_async_rl import devices
 scale_worker.T = 12  # 96 rows: 48 a device
 module = load_script({script!r})
-flags = dict(env_id="CartPole-v1", num_envs=8, num_steps=12, total_timesteps=9600, learner_device_ids=[0, 1], lstm={lstm})
-if "num_splits" in {{f.name for f in dataclasses.fields(module.Args)}}:
-    flags["num_splits"] = 1
-args = module.resolve_args(module.Args(**flags))
-_, mesh = devices.make_mesh(args)
-network, optimizer, continuous, _, state = module.build(args, jax.random.PRNGKey(0))
-state = dict(devices.replicated(mesh, state), global_step=0)
-update = module.make_update(network, optimizer, args, continuous, mesh)
-batch = scale_worker.global_batch("sync" in {script!r})
-if {lstm}:
-    batch.update(state=module.zero_core(args.lstm_size, 8)[0], first=batch["valid"] * 0)
-rollout = devices.to_learner(mesh, batch)
-text = update.lower(state, rollout, jax.random.PRNGKey(1), args.total_timesteps).compile().as_text()
-print("ROWS", sorted({{int(n) for n in re.findall(r"= f32\[(\d+),64\]\{{[^}}]*\}} dot\(", text)}}))
-print("ALL-REDUCES", text.count("all-reduce("))
+for lstm in (False, True):
+    flags = dict(env_id="CartPole-v1", num_envs=8, num_steps=12, total_timesteps=9600, learner_device_ids=[0, 1],
+                 lstm=lstm)
+    if "num_splits" in {{f.name for f in dataclasses.fields(module.Args)}}:
+        flags["num_splits"] = 1
+    args = module.resolve_args(module.Args(**flags))
+    _, mesh = devices.make_mesh(args)
+    network, optimizer, continuous, _, state = module.build(args, jax.random.PRNGKey(0))
+    state = dict(devices.replicated(mesh, state), global_step=0)
+    update = module.make_update(network, optimizer, args, continuous, mesh)
+    batch = scale_worker.global_batch("sync" in {script!r})
+    if lstm:
+        batch.update(state=module.zero_core(args.lstm_size, 8)[0], first=batch["valid"] * 0)
+    rollout = devices.to_learner(mesh, batch)
+    text = update.lower(state, rollout, jax.random.PRNGKey(1), args.total_timesteps).compile().as_text()
+    rows = sorted({{int(n) for n in re.findall(r"= f32\[(\d+),64\]\{{[^}}]*\}} dot\(", text)}})
+    print("LSTM" if lstm else "FF", "ROWS", rows, "ALL-REDUCES", text.count("all-reduce("))
 """
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("lstm", [False, True])
 # The XLA script's update is APPO's text
 @pytest.mark.parametrize("script", ["ppo_sync_baseline.py", "appo_envpool.py", "impala_envpool.py"])
-def test_the_update_is_split_over_the_learner_devices(script, lstm, devices):
+def test_the_update_is_split_over_the_learner_devices(script, devices):
     """Data parallel, not just the same numbers: compiled for 2 learner devices, the first hidden
     layer's matmuls take 48 of the batch's 96 rows on each device (with --lstm, 52 of the 104 with
-    the bootstrap step; none takes all), and the gradient is all-reduced."""
+    the bootstrap step; none takes all), and the gradient is all-reduced. Both networks in one process."""
     devices(2)
-    program = SPLIT_PROGRAM.format(tests_dir=str(REPO_ROOT / "tests"), script=script, lstm=lstm)
+    program = SPLIT_PROGRAM.format(tests_dir=str(REPO_ROOT / "tests"), script=script)
     result = run_script("-c", [program], timeout=240)
     assert result.returncode == 0, describe(result)
-    rows = json.loads(result.stdout.split("ROWS ")[1].splitlines()[0])
-    assert (52 if lstm and "impala" in script else 48) in rows and not {96, 104} & set(rows), rows
-    assert int(result.stdout.split("ALL-REDUCES ")[1].split()[0]) > 0
+    for lstm in (False, True):
+        line = next(line for line in result.stdout.splitlines() if line.startswith("LSTM " if lstm else "FF "))
+        rows, reduces = json.loads(line.split(" ROWS ")[1].split(" ALL-REDUCES ")[0]), int(line.split()[-1])
+        assert (52 if lstm and "impala" in script else 48) in rows and not {96, 104} & set(rows), (lstm, rows)
+        assert reduces > 0, line
 
 
 @pytest.mark.timeout(300)
