@@ -7,9 +7,11 @@ non-finite values with one line. `command_line(main, Args, PRESETS)` is the scri
 parse, run, and turn a `UsageError` into one `error: ...` line on stderr and exit code 2.
 """
 
+import contextlib
 import dataclasses
 import difflib
 import errno
+import io
 import math
 import os
 import sys
@@ -239,6 +241,23 @@ def describe_os_error(error: OSError) -> str:
     return f"{error.strerror or type(error).__name__}: {where}"
 
 
+def parse(config_class, argv, description=None):
+    """tyro's parse of `argv` into `config_class`; what tyro rejects (a value that does not parse, a
+    value too many, a positional missing) is one UsageError line, not tyro's box of many lines."""
+    box = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(box):
+            return tyro.cli(config_class, args=argv, description=description)
+    except SystemExit as e:
+        if not e.code:
+            raise
+        lines = [line.strip(" │╭╰╮╯─") for line in box.getvalue().splitlines()[1:]]
+        said = " ".join(lines[:lines.index("")] if "" in lines else lines) or "the command line does not parse"
+        if said.startswith("Unrecognized options:"):  # `--resume runs/x*/` where the glob matched 2 folders
+            said += " (one value too many: did a glob match several folders?)"
+        raise UsageError(f"{said}; --help lists the flags") from None
+
+
 def reported(call) -> int:
     """`call()`'s exit code; a UsageError is one line on stderr and exit code 2, a file system
     error (a full disk, a read-only or vanished folder) one line naming the path and exit code 1."""
@@ -269,7 +288,7 @@ def command_line(main, args_class, presets: dict):
             print(text, end="")
             return 0
         check_names(argv, args_class)
-        return main(tyro.cli(args_class, args=argv, description=helptext.describe_presets(args_class, presets)),
+        return main(parse(args_class, argv, helptext.describe_presets(args_class, presets)),
                     flags_given(argv, args_class))
 
     exit_code = reported(call)
@@ -290,6 +309,6 @@ def run_tool(main, config_class, argv=None):
             print(helptext.help_text(os.path.basename(sys.argv[0]), config_class, {}), end="")
             return 0
         check_names(argv, config_class)
-        return main(tyro.cli(config_class, args=argv))
+        return main(parse(config_class, argv))
 
     sys.exit(reported(call))

@@ -130,12 +130,21 @@ def test_command_line_runs_main_and_exits_with_its_code():
     assert "given ['steps', 'switch'] 5" in result.stdout
 
 
-@pytest.mark.parametrize("argv", [["--steps", "13"], ["--stpes", "5"], ["--xla-actor"]])
-def test_command_line_turns_a_usage_error_into_one_line_and_exit_2(argv):
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--steps", "13"], "unlucky"),
+        (["--stpes", "5"], "did you mean --steps"),
+        (["--xla-actor"], "appo_envpool_xla.py"),
+        (["--steps", "abc"], "Error parsing --steps"),  # tyro's own check: its box was 5-9 lines
+        (["--steps", "3", "runs/b/"], "Unrecognized options: runs/b/ (one value too many: did a glob match"),
+    ])
+def test_command_line_turns_a_usage_error_into_one_line_and_exit_2(argv, fragment):
     result = run_program(*argv)
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in result.stderr, result.stderr
+    assert fragment in lines[0], lines[0]
 
 
 def test_help_groups_the_flags_with_plain_metavars():
