@@ -175,8 +175,9 @@ class Run:
         """The header line (`details`: the preset, the splits, ...), the clock and the progress line."""
         variant = "" if self.args.exp_name == Path(self.script).stem else f" ({self.args.exp_name})"
         name = os.path.basename(self.script) + variant
+        resumed = f" resumed at step {self.start_step}:" if self.start_step else ""
         print(
-            f"{name}: {self.args.env_id} ({details}), {self.num_updates - self.start_update} "
+            f"{name}: {self.args.env_id} ({details}),{resumed} {self.num_updates - self.start_update} "
             f"updates of {devices.describe_batch(self.args)} -> {self.run_dir or 'the run folder of process 0'}",
             flush=True)
         processes = jax.process_count()  # sampled: as if every process sampled at this one's pace

@@ -184,10 +184,11 @@ def test_smoke_variant(script_name, variant, tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_sigterm_writes_checkpoint_and_resume_continues(script, tmp_path):
+def test_sigterm_writes_checkpoint_and_resume_continues(script, tmp_path, capsys):
     """SIGTERM mid-run: exit 143 within seconds, the newest state checkpointed, the last update's
     scalars logged although --log-frequency was not reached. `--resume` alone then finishes the
-    run, and the annealed learning rate of every logged update equals the uninterrupted run's."""
+    run (its header says from which step), and the annealed learning rate of every logged update
+    equals the uninterrupted run's."""
     total = 60 * TINY_BATCH
     whole = tmp_path / "whole"
     assert run_main(script, cli(script, total_timesteps=total, run_dir=whole)) == 0
@@ -216,7 +217,9 @@ def test_sigterm_writes_checkpoint_and_resume_continues(script, tmp_path):
         assert tag_steps(records, tag) == logged_steps, tag
     assert saved_version > 0
 
-    assert run_main(script, ["--resume", run_dir]) == 0
+    code, out, err = run_main(script, ["--resume", run_dir], capsys)
+    assert code == 0, err
+    assert f"resumed at step {saved_step}: {(total - saved_step) // TINY_BATCH} updates of " in out, out
     new_records = read_metrics(run_dir)[len(records):]
     assert new_records and min(r["step"] for r in new_records) > saved_step
     final = read_checkpoint(run_dir)["state"]
