@@ -261,6 +261,7 @@ def test_plot_wall_clock_counts_training_time_only(tmp_path, monkeypatch):
         assert 0 <= box.x0 and box.x1 <= figures[0].bbox.x1, (ax.xaxis.label.get_text(), box, figures[0].bbox)
     dotted = [line for line in figures[0].axes[1].get_lines() if line.get_linestyle() == ":"]
     assert [line.get_xdata()[0] for line in dotted] == [pytest.approx(95)]
+    assert "dashed where some seeds have ended" in figures[0]._suptitle.get_text()  # what a dashed mean is
     monkeypatch.undo()
     plot.plt.close(figures[0])
 

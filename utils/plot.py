@@ -263,7 +263,7 @@ def plot_env(env_id: str, groups: dict, args: PlotArgs, out_dir: str) -> str:
         ax.set_ylabel(f"episodic return (mean of last {args.window} episodes)")
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize="small")
-    fig.suptitle(f"{env_id}: mean over seeds, band = {spread}")
+    fig.suptitle(f"{env_id}: mean over seeds (dashed where some seeds have ended), band = {spread}")
     fig.tight_layout()
     path = os.path.join(out_dir, re.sub(r"[^A-Za-z0-9._-]+", "_", env_id) + ".png")
     fig.savefig(path, dpi=100, bbox_inches="tight")  # nothing cut off at the edges
