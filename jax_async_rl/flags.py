@@ -14,6 +14,7 @@ import errno
 import io
 import math
 import os
+import re
 import sys
 import threading
 import typing
@@ -244,18 +245,42 @@ def describe_os_error(error: OSError) -> str:
 def parse(config_class, argv, description=None):
     """tyro's parse of `argv` into `config_class`; what tyro rejects (a value that does not parse, a
     value too many, a positional missing) is one UsageError line, not tyro's box of many lines."""
-    box = io.StringIO()
+    said, columns = io.StringIO(), os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "100000"  # tyro wraps its box at the terminal's width: a path would break
     try:
-        with contextlib.redirect_stderr(box):
-            return tyro.cli(config_class, args=argv, description=description)
+        with contextlib.redirect_stderr(said):
+            args = tyro.cli(config_class, args=argv, description=description)
     except SystemExit as e:
-        if not e.code:
+        message = box_message(said.getvalue())
+        if not e.code or not message:  # a layout this does not read: as tyro printed it
+            sys.stderr.write(said.getvalue())
             raise
-        lines = [line.strip(" │╭╰╮╯─") for line in box.getvalue().splitlines()[1:]]
-        said = " ".join(lines[:lines.index("")] if "" in lines else lines) or "the command line does not parse"
-        if said.startswith("Unrecognized options:"):  # `--resume runs/x*/` where the glob matched 2 folders
-            said += " (one value too many: did a glob match several folders?)"
-        raise UsageError(f"{said}; --help lists the flags") from None
+        if message.startswith("Unrecognized options:"):  # `--resume runs/x*/` where the glob matched 2 folders
+            message += " (one value too many: did a glob match several folders?)"
+        raise UsageError(f"{message}; --help lists the flags") from None
+    finally:
+        if columns is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = columns
+    sys.stderr.write(said.getvalue())  # what tyro says of a parse that succeeds (a warning)
+    return args
+
+
+def box_message(text: str) -> str:
+    """The message of tyro's error box: its lines after the title, up to the first rule, in either
+    layout (box-drawing characters, or spaces and dashes where the stream is not a UTF-8 one), the
+    colours (where stdout is a terminal) removed; "" where there is none."""
+    blocks, block = [], []
+    for line in re.sub(r"\x1b\[[0-9;]*m", "", text).splitlines():
+        line = line.strip(" │╭╰╮╯")
+        if line.strip("─-"):
+            block.append(line.strip("─ "))
+        elif block:
+            blocks, block = [*blocks, block], []
+    blocks += [block] * bool(block)
+    message = blocks[0][1:] if blocks and len(blocks[0]) > 1 else blocks[1] if len(blocks) > 1 else []
+    return " ".join(message)
 
 
 def reported(call) -> int:

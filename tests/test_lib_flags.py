@@ -2,6 +2,7 @@
 exit code 2 for a user's mistake), and the run flags every script inherits."""
 
 import dataclasses
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -145,6 +146,21 @@ def test_command_line_turns_a_usage_error_into_one_line_and_exit_2(argv, fragmen
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in result.stderr, result.stderr
     assert fragment in lines[0], lines[0]
+
+
+def test_a_parse_error_in_a_colour_terminal_is_one_line_with_its_whole_value(monkeypatch, capsys):
+    """tyro colours its box where stdout is a terminal and wraps it at the terminal's width: the
+    one line has neither the colour codes nor a break inside a long path."""
+    import tyro._fmtlib
+
+    monkeypatch.setattr(tyro._fmtlib, "_FORCE_ANSI", True, raising=False)
+    monkeypatch.setenv("COLUMNS", "40")
+    path = "runs/CartPole-v1__appo_envpool__1__1796447879_and_a_long_name"
+    with pytest.raises(UsageError) as error:
+        flags.parse(ToyArgs, ["--steps", "3", path])
+    assert str(error.value).startswith(f"Unrecognized options: {path} (one value too many"), str(error.value)
+    assert "\x1b" not in str(error.value) and os.environ["COLUMNS"] == "40"
+    assert flags.parse(ToyArgs, ["--steps", "3"]).steps == 3 and capsys.readouterr().err == ""
 
 
 def test_help_groups_the_flags_with_plain_metavars():
