@@ -569,7 +569,7 @@ long_call = threading.Event()  # the learner is inside its long first call
 
 def report_fault():
     if {first_update_seconds}:
-        long_call.wait()  # the fault while the learner is inside the call, whichever thread is first
+        long_call.wait(60)  # the fault while the learner is inside the call, whichever thread is first
     print(f"FAULT_AT {{time.time()!r}}", file=sys.stderr, flush=True)
 
 
