@@ -151,21 +151,22 @@ def test_benchmark_measures_the_deterministic_mode_beside_the_free_running_actor
     cmd = [
         sys.executable,
         str(REPO_ROOT / "utils" / "benchmark.py"), "--quick", "--env-id", "CartPole-v1", "--parts", "end_to_end",
-        "--scripts", "appo_envpool.py", "--deterministic", "--e2e-seconds", "3", "--out",
+        "--scripts", "ppo_sync_baseline.py", "appo_envpool.py", "--deterministic", "--e2e-seconds", "3", "--out",
         str(out)
     ]
     result = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads((out / "results.json").read_text())["measurements"]
-    assert [(r["script"], r["deterministic"]) for r in rows] == [("appo_envpool.py", False), ("appo_envpool.py", True)]
+    assert [(r["script"], r["deterministic"]) for r in rows] == [("ppo_sync_baseline.py", False),
+                                                                 ("appo_envpool.py", False), ("appo_envpool.py", True)]
     configs = {
         det: json.loads((out / "e2e" / f"appo_envpool__8{'__deterministic' * det}" / "config.json").read_text())
         for det in (False, True)
     }
     assert [configs[det]["deterministic"] for det in (False, True)] == [False, True]
-    free, det = rows[0]["sps"], rows[1]["sps"]
+    free, det = rows[1]["sps"], rows[2]["sps"]
     assert f"| appo_envpool.py --deterministic | 8 | 1 | 64 | {det:.0f} |" in (out / "results.md").read_text()
     assert f"| {det / free:.2f}x |" in (out / "results.md").read_text()
-    assert set(rows[1]["busy"]) <= {
+    assert set(rows[2]["busy"]) <= {
         "env", "inference", "bookkeeping", "device_get", "queue_put", "queue_get", "update"
-    }, rows[1]
+    }, rows[2]
