@@ -448,3 +448,20 @@ def fail_on_call(monkeypatch, cls, method: str, n: int, message: str) -> list:
 
     monkeypatch.setattr(cls, method, faulty)
     return failed_at
+
+
+def live(pids) -> list:
+    """The processes of `pids` that are running (the process table; a zombie is not)."""
+    return [
+        pid for pid in pids
+        if Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+    ]
+
+
+def gone_within(pids, seconds: float) -> list:
+    """The processes of `pids` still running after up to `seconds`: a SIGKILLed process ends when
+    the kernel gets to it, a moment later on a loaded machine."""
+    deadline = time.monotonic() + seconds
+    while live(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return live(pids)

@@ -16,6 +16,7 @@ from pathlib import Path
 import gymnasium
 import numpy as np
 import pytest
+from helpers import gone_within, live
 from user_envs import Stuck
 
 from jax_async_rl.gym_pool import EnvError, GymPool
@@ -165,14 +166,6 @@ def test_a_worker_killed_by_the_os_is_reported():
         pool.close()
 
 
-def live(pids) -> list:
-    """The processes of `pids` that are running (the process table; a zombie is not)."""
-    return [
-        pid for pid in pids
-        if Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
-    ]
-
-
 def pids_in(pid_dir) -> list:
     """The pids Stuck envs wrote (workers and the processes they started), but this process's
     (the pool's probe env, closed at once)."""
@@ -208,10 +201,7 @@ def test_a_hung_env_is_named_and_close_kills_it_and_what_it_started(tmp_path):
         pool.close()
     # close() waits for its own children; the sleeps (the workers' children) die of the group's
     # SIGKILL as the kernel gets to them: on a loaded machine a moment later (seen on CI).
-    deadline = time.monotonic() + 10
-    while live([*pids, pool.guard.pid]) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert live([*pids, pool.guard.pid]) == []
+    assert gone_within([*pids, pool.guard.pid], 10) == []
 
 
 PARENT = """
@@ -255,7 +245,4 @@ def test_no_process_outlives_the_process_that_made_the_pool(end, tmp_path):
         if parent.poll() is None:
             parent.kill()
             parent.wait()
-    deadline = time.monotonic() + 10
-    while live(pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert live(pids) == [], "processes outlived the process that made the pool"
+    assert gone_within(pids, 10) == [], "processes outlived the process that made the pool"

@@ -6,7 +6,6 @@ script refuses; and the example memory env learns (feed-forward guesses, --lstm 
 import json
 import signal
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ from conftest import LIBRARY_HOST
 from helpers import (
     REPO_ROOT,
     cli,
+    gone_within,
     load_script,
     read_checkpoint,
     read_metrics,
@@ -119,13 +119,6 @@ def test_what_an_env_returns_wrong_is_named(kind, tmp_path, capsys):
     assert "--env-id tests.user_envs:Bad: " + WRONG[kind] in lines[0], lines[0]
 
 
-def live(pids) -> list:
-    return [
-        pid for pid in pids
-        if Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
-    ]
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("script, how", [("appo_envpool.py", "raise"), ("ppo_sync_baseline.py", "kill")])
 def test_a_failing_user_env_stops_the_run_and_leaves_no_worker(script, how, tmp_path):
@@ -148,18 +141,7 @@ def test_a_failing_user_env_stops_the_run_and_leaves_no_worker(script, how, tmp_
         assert "died (exit code -9)" in result.stderr, result.stderr[-3000:]
     pids = [int(p.name) for p in pid_dir.iterdir() if p.name.isdigit()]
     assert pids, "no worker wrote its pid"
-    deadline = time.monotonic() + 10
-    while live(pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert live(pids) == [], "worker processes left behind"
-
-
-def gone_within(pids, seconds: float) -> list:
-    """The processes of `pids` still alive after up to `seconds` (the process table, /proc)."""
-    deadline = time.monotonic() + seconds
-    while live(pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return live(pids)
+    assert gone_within(pids, 10) == [], "worker processes left behind"
 
 
 @pytest.mark.timeout(300)
