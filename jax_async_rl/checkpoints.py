@@ -18,7 +18,7 @@ import flax.serialization
 import jax
 import numpy as np
 
-from jax_async_rl.flags import RETIRED, UsageError
+from jax_async_rl.flags import RETIRED, UsageError, stored_flags
 
 CHECKPOINT = "checkpoint.msgpack"
 CONFIG = "config.json"
@@ -161,7 +161,7 @@ def resume_args(args, given, script: str):
     """With --resume: (the run's flags, those named in `given` replacing them; its checkpoint; the
     flags changed). `given`: the flags named on the command line (None: those that differ from
     Args' defaults). UsageError for a checkpoint of another script, or a flag that cannot change
-    mid-run. Without --resume: (args, None, {})."""
+    mid-run, or one the checkpoint holds of a wrong type or out of range. Without --resume: (args, None, {})."""
     if not args.resume:
         return args, None, {}
     try:
@@ -185,6 +185,9 @@ def resume_args(args, given, script: str):
     # A flag the run's version did not have: the value that version used (Args.UNTIL_ADDED), else the default.
     until_added = {**{name: getattr(defaults, name) for name in fields}, **getattr(type(args), "UNTIL_ADDED", {})}
     stored = {name: payload["config"].get(name, until_added[name]) for name in fields}
+    # The file's flags pass the command line's checks (their types, then their ranges), named as the file's
+    stored.update(stored_flags(type(args), {name: stored[name] for name in fields if name not in given},
+                               f"--resume {path}"))
     changed = {name: getattr(args, name) for name in fields if name in given and getattr(args, name) != stored[name]}
     for name in FIXED_ON_RESUME:
         if name in changed:

@@ -12,11 +12,13 @@ import dataclasses
 import difflib
 import errno
 import io
+import json
 import math
 import os
 import re
 import sys
 import threading
+import types
 import typing
 from dataclasses import dataclass
 from typing import Annotated, Optional
@@ -163,16 +165,81 @@ def check_bounds(args):
     past 32 bits (INT32)."""
     hints = typing.get_type_hints(type(args), include_extras=True)
     for field in dataclasses.fields(args):
-        value = getattr(args, field.name)
-        for bound in getattr(hints[field.name], "__metadata__", ()):
-            if isinstance(bound, Bound):
-                bound.check(field.name, value)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise UsageError(f"--{flag_name(field.name)} must be a finite number, got {value}")
-        for number in value if isinstance(value, list) else [value]:
-            if type(number) is int and abs(number) > INT32:
-                raise UsageError(f"--{flag_name(field.name)} must be at most {INT32:,} (int flags are 32-bit, as JAX "
-                                 f"counts), got {number:,}")
+        wrong = out_of_range(hints[field.name], getattr(args, field.name))
+        if wrong:
+            raise UsageError(f"--{flag_name(field.name)} {wrong[0]}, got {wrong[1]}")
+
+
+def out_of_range(hint, value):
+    """(what `value`, a flag annotated `hint`, must be, the value as said) where it is outside a
+    range the annotation declares, a non-finite float or an int past 32 bits; else None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "must be a finite number", value
+    for bound in getattr(hint, "__metadata__", ()):
+        if isinstance(bound, Bound) and value is not None and not bound.test(value):
+            return bound.says, value
+    for number in value if isinstance(value, (list, tuple)) else [value]:
+        if type(number) is int and abs(number) > INT32:
+            return f"must be at most {INT32:,} (int flags are 32-bit, as JAX counts)", f"{number:,}"
+    return None
+
+
+def from_json(hint, value):
+    """`value`, read from a file's JSON, as a flag annotated `hint` (int, float, bool, str,
+    Optional, list, tuple) holds it: an int as a float, a list as a tuple. TypeError
+    saying what it must be where it is of another type; an annotation this does not know takes
+    any value."""
+    kind = typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint
+    origin, inner = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in inner:
+            return None
+        for option in (option for option in inner if option is not type(None)):
+            try:
+                return from_json(option, value)
+            except TypeError:
+                pass
+        raise TypeError(" or ".join(type_words(option) for option in inner))
+    if origin in (list, tuple) and isinstance(value, list):  # list[int], tuple[float, ...]
+        try:
+            return origin(from_json(inner[0], element) for element in value)
+        except TypeError:
+            raise TypeError(type_words(kind)) from None
+    simple = {bool: value is True or value is False, int: type(value) is int, str: isinstance(value, str),
+              float: type(value) in (int, float)}
+    if origin is None and kind in simple and simple[kind]:
+        return float(value) if kind is float else value
+    if origin in (list, tuple) or kind in simple:
+        raise TypeError(type_words(kind))
+    return value
+
+
+def type_words(kind) -> str:
+    """A flag's type (an annotation), as an error says what a value must be."""
+    origin, inner = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (list, tuple):
+        return f"a list ({type_words(inner[0])} each)"
+    words = {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "null"}
+    return words.get(kind, getattr(kind, "__name__", str(kind)))
+
+
+def stored_flags(args_class, config: dict, where: str) -> dict:
+    """`config` (flags read from a file anyone may have written: a checkpoint's) as `args_class`
+    holds them (from_json), once each passes the checks of the command line's (out_of_range).
+    UsageError, one line naming `where` (the file) and the key, for the first that does not."""
+    hints = typing.get_type_hints(args_class, include_extras=True)
+    typed = {}
+    for name, value in config.items():
+        said = json.dumps(value)
+        said = said if len(said) <= 60 else said[:57] + "..."
+        try:
+            typed[name] = from_json(hints[name], value)
+        except TypeError as e:
+            raise UsageError(f"{where}: its config has {name} {said}: must be {e}") from None
+        wrong = out_of_range(hints[name], typed[name])
+        if wrong:
+            raise UsageError(f"{where}: its config has {name} {said}: {wrong[0]}")
+    return typed
 
 
 def default_exp_name(stem: str, args) -> str:

@@ -63,6 +63,33 @@ def test_a_value_outside_its_declared_range_is_one_line_naming_the_flag(field, v
     assert fragment in str(error.value) and "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize(("stored", "fragment"), [
+    (dict(rate="abc"), 'rate "abc": must be a number or null'),
+    (dict(steps="32"), 'steps "32": must be an integer or null'),
+    (dict(count=True), "count true: must be an integer"),
+    (dict(switch=1), "switch 1: must be true or false"),
+    (dict(env_id=None), "env_id null: must be a string"),
+    (dict(actor_device_ids=[0, "1"]), 'actor_device_ids [0, "1"]: must be a list (an integer each)'),
+    (dict(actor_device_ids=0), "actor_device_ids 0: must be a list"),
+    (dict(steps=-8), "steps -8: must be positive"),
+    (dict(free=float("nan")), "free NaN: must be a finite number"),
+    (dict(count=2 ** 31), "count 2147483648: must be at most 2,147,483,647"),
+])
+def test_a_stored_flag_of_a_wrong_type_or_range_is_one_line_naming_the_file_and_key(stored, fragment):
+    """A file's flags (a checkpoint's config) take the command line's checks: the type its Args
+    annotation declares, then its range; the line names the file, not a flag no one passed."""
+    with pytest.raises(UsageError) as error:
+        flags.stored_flags(ToyArgs, stored, "--resume R/checkpoint.msgpack")
+    assert str(error.value).startswith(f"--resume R/checkpoint.msgpack: its config has {fragment}"), str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_stored_flags_of_the_declared_types_pass_as_the_command_line_makes_them():
+    stored = dict(steps=None, rate=1, count=3, switch=True, exp_name=None, actor_device_ids=[0, 1])
+    typed = flags.stored_flags(ToyArgs, stored, "R")
+    assert typed == dict(stored, rate=1.0) and type(typed["rate"]) is float
+
+
 def test_values_inside_their_ranges_and_presets_left_at_none_pass():
     flags.check_bounds(ToyArgs(steps=1, rate=1e-9, cost=0.0, gamma=0.0))
     flags.check_bounds(ToyArgs(gamma=1.0))  # None: the preset's, filled later

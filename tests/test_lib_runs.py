@@ -83,7 +83,17 @@ BAD_INPUTS = {
     "unknown-flag": (dict(num_env=4), ["--num-env", "did you mean --num-envs"], None),
     "track-without-wandb": (dict(track=True), ["--track", "pip install"], None),
     "retired-flag": (dict(xla_actor=True), ["--xla-actor", "appo_envpool_xla.py"], None),
+    # A checkpoint's config takes the command line's checks, and the line names the file and the key
+    "resume-config-wrong-type": (dict(), [f"--resume {{tmp}}/crafted/{CHECKPOINT}: its config has learning_rate "
+                                          '"abc": must be a number'], lambda run, tmp: crafted(tmp, learning_rate="abc")),
+    "resume-config-out-of-range": (dict(), [f"--resume {{tmp}}/crafted/{CHECKPOINT}: its config has gamma 1.5: "
+                                            "must be in [0, 1]"], lambda run, tmp: crafted(tmp, gamma=1.5)),
 }
+
+
+def crafted(tmp, **config):
+    """A crafted run of HOST on CartPole-v1 whose checkpoint's config holds `config` besides."""
+    return write_crafted_run(tmp / "crafted", HOST, dict(env_id="CartPole-v1", **config))
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
@@ -105,6 +115,7 @@ def test_bad_input_is_one_line_before_anything_starts(case, host_run, tmp_path, 
         lines = [line for line in err.splitlines() if line.strip()]
         assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (code, err)
         for fragment in fragments:
+            fragment = fragment.format(tmp=tmp_path)
             assert fragment in lines[0], (fragment, lines[0])
     assert not out_dir.exists(), "the run folder was created before the input was checked"
     assert file_contents(host_run) == before, "the run was modified"

@@ -35,7 +35,7 @@ import tyro
 
 from jax_async_rl import checkpoints, evaluation
 from jax_async_rl.checkpoints import CHECKPOINT
-from jax_async_rl.flags import UsageError, describe_os_error, run_tool
+from jax_async_rl.flags import UsageError, describe_os_error, run_tool, stored_flags
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # What a training script offers that this tool calls (the scripts' shared interface): the policy
@@ -108,6 +108,7 @@ def rebuild_args(module, config: dict, path: str):
         raise UsageError(
             f"{path}: its config has fields that {module.__name__}.py's Args lacks ({', '.join(unknown)}); "
             "it was written by another version of the script")
+    config = stored_flags(module.Args, config, path)  # of the types and in the ranges its Args declares
     # Written before normalisation existed: nothing was normalised (not today's preset).
     config = {
         **{
