@@ -56,6 +56,7 @@ def check_rounds(args, min_rows: int):
     if args.buffer_size < 2 * chunk or args.buffer_size // devices.local_envs(args) <= min_rows:
         raise UsageError(f"--buffer-size {args.buffer_size} must hold two rounds ({chunk} env steps) and more than "
                          f"{min_rows} steps of each of the {devices.local_envs(args)} envs")
+    check_first_sample(args, chunk)
     if tasks.RUN_STOP[0] is None or (available := devices.available_memory()) is None:
         return
     obs_space, action_space = tasks.spaces(args.env_id)
@@ -78,6 +79,26 @@ def check_rounds(args, min_rows: int):
             f"{flag}: the replay buffer and a round's batches take {(buffer + batches) / 2**30:.1f} GiB ({what}"
             f"{', Atari frames stored once' if stack > 1 else ''}), more than 90% of the "
             f"{available / 2**30:.1f} GiB this machine has available; lower {flag.split()[0]}")
+
+
+def check_first_sample(args, chunk: int):
+    """UsageError, one line, where the first round that learns (the first past --learning-starts,
+    counted from an empty buffer: a resumed run refills it) finds no complete transition (its
+    --n-step rows after it) or, with --lstm, no whole sequence (--burn-in + --seq-len + --n-step
+    rows) in any env: each env has stepped --num-steps a round by then, on average."""
+    n = getattr(args, "n_step", 1)
+    lstm = getattr(args, "lstm", False)
+    need = args.burn_in + args.seq_len + n if lstm else n + 1
+    rounds = args.learning_starts // chunk + 1
+    if rounds * args.num_steps >= need:
+        return
+    what, fix = ((f"a sequence of --burn-in {args.burn_in} + --seq-len {args.seq_len} + --n-step {n}",
+                  "shorten the sequences") if lstm else (f"a transition and its --n-step {n}", "lower --n-step")
+                 if hasattr(args, "n_step") else ("a transition and the next", "raise --num-steps"))
+    raise UsageError(
+        f"--learning-starts {args.learning_starts} learns first in round {rounds}, after {rounds * args.num_steps} "
+        f"steps of each env (--num-steps {args.num_steps} a round), and {what} needs {need} steps of an env: raise "
+        f"--learning-starts to {(-(-need // args.num_steps) - 1) * chunk}, or {fix}")
 
 
 def gradient_steps(args) -> int:

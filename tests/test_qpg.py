@@ -266,6 +266,9 @@ def test_sigterm_stops_with_a_checkpoint_and_resume_finishes(script, tmp_path):
         (dict(num_splits=3), ["--num-splits", "--num-envs"]),
         (dict(env_id="CartPole-v1"), ["discrete actions", "dqn_envpool.py"]),
         (dict(env_id="RobotWarehouse-v0"), ["discrete actions"]),  # multi-discrete (integer Box) actions
+        # The first round that learns holds 1 step of each env: no transition yet (was a RuntimeError)
+        (dict(num_steps=1, learning_starts=0, replay_ratio=8.0),
+         ["--learning-starts 0", "a transition and the next needs 2", "raise --learning-starts to 2"]),
     ])
 def test_bad_input_gets_one_line_and_exit_2(script, flags, fragments, tmp_path, capsys):
     code, _, err = run_main(script, argv(run_dir=tmp_path / "r", **flags), capsys)
