@@ -40,7 +40,6 @@ class Run:
 
     def __init__(self, args, given, script: str, resolve):
         self.given, self.script, self.resolve, self.args = given, script, resolve, args
-        self.pending = None  # (step, scalars) of the last update, not logged yet
         self.saving = threading.Lock()  # one checkpoint write at a time (the learner's and the main thread's)
         self.run_dir = self.logger = self.progress = self.lock = None
         self.peer_lost = False  # another process died: exit without JAX's shutdown
@@ -214,8 +213,10 @@ class Run:
 
     def learned(self, state: dict, diagnostics: dict, timing: dict, extra=None) -> dict:
         """After an update: FloatingPointError for a non-finite loss or parameters; else count the
-        batch, keep `state` (with its global step) for checkpoints, log the update's scalars at the
-        first update, every --log-frequency and at the last, and checkpoint every --save-interval."""
+        batch, keep `state` (with its global step) for checkpoints, log the update's scalars on a
+        schedule fixed by the budget alone (the run's first update, every --log-frequency, the last
+        of --total-timesteps: a stop and resume logs what the uninterrupted run logs), and
+        checkpoint every --save-interval."""
         update_idx, self.updates = self.updates, self.updates + 1
         if not diagnostics["finite"]:
             raise FloatingPointError(f"non-finite loss or parameters at update {update_idx}")
@@ -230,15 +231,12 @@ class Run:
         scalars["charts/learning_rate"] = diagnostics["learning_rate"]
         scalars["charts/SPS"] = (self.global_step - self.start_step) / self.elapsed()
         scalars.update({f"timing/{k}_seconds": v for k, v in timing.items()})
-        self.pending = (self.global_step, scalars)
         self.progress.updated(self.global_step)
         if not self.warned and (warning := stale_warning(scalars, self.args)):
             self.warned = True
             print(warning, file=sys.stderr, flush=True)
-        if update_idx == self.start_update or (update_idx +
-                                               1) % self.args.log_frequency == 0 or update_idx + 1 == self.num_updates:
-            self.logger.log(*self.pending)
-            self.pending = None
+        if update_idx == 0 or (update_idx + 1) % self.args.log_frequency == 0 or update_idx + 1 == self.num_updates:
+            self.logger.log(self.global_step, scalars)
         if self.args.save_interval and (update_idx + 1) % self.args.save_interval == 0:
             self.save()
         return self.state
@@ -279,12 +277,10 @@ class Run:
             self.threads.join(5 if jax.process_count() == 1 else 60)
 
     def finish(self, policy, initial_core) -> int:
-        """After training: the last scalars, the errors, the checkpoint (not after a non-finite
+        """After training: the errors, the checkpoint (not after a non-finite
         loss: the last good one stays), the closing lines, the final evaluation with `policy`
         (see evaluation.evaluate), the exit code."""
         self.progress.close()
-        if self.pending:
-            self.logger.log(*self.pending)
         self.peer_lost = any(devices.peer_failure(error) for _, error, _ in self.threads.errors)
         if not threads.report_errors(self.threads.errors, self.checkpoint_file, self.global_step, self.args.env_id,
                                      self.lock):
