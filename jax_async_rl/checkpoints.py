@@ -8,9 +8,11 @@ script's file name; "script_path": where it was}.
 """
 
 import dataclasses
+import errno
 import importlib.util
 import json
 import os
+import stat
 import sys
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from jax_async_rl.flags import RETIRED, UsageError, stored_flags
 CHECKPOINT = "checkpoint.msgpack"
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
+JOURNAL = "actions.bin"  # --deterministic's actions (journal.py)
 # This launch's (the machine's devices, the processes, its compile cache, what the user trusts): never restored
 # from the run on --resume. A cache folder named by a file could hold compiled code someone else wrote.
 LAUNCH = ("distributed", "coordinator_address", "num_processes", "process_id", "actor_device_ids", "learner_device_ids",
@@ -43,7 +46,10 @@ def write_atomically(path: str, data: bytes):
     a crash mid-write keeps the old file."""
     tmp = f"{path}.tmp"
     try:
-        with open(tmp, "wb") as f:
+        if os.path.lexists(tmp):  # a kill's leftover, or a link someone planted: never written through
+            os.unlink(tmp)
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666),
+                       "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -59,6 +65,20 @@ def write_atomically(path: str, data: bytes):
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def open_own(path: str, flags: int, mode: str, **kwargs):
+    """`path` opened (os.open's `flags`, then as a file of `mode`) never through a symbolic link
+    (O_NOFOLLOW), and only if it is a regular file with one name, not a hard link to a file
+    elsewhere: a run folder may come from anyone, and the files a run appends to or cuts are its
+    own. OSError naming the file if not."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)  # a FIFO: no wait
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file of the run's own (a hard link, a FIFO or a device)", path)
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, mode, **kwargs)
 
 
 def save_checkpoint(path: str, state: dict, args, normalizer, script: str, carry=None):
@@ -80,7 +100,11 @@ def save_checkpoint(path: str, state: dict, args, normalizer, script: str, carry
 
 def finish_rename(path: str):
     """Make a complete `path`.tmp the checkpoint (the rename a kill cut off), so that the next
-    save, which writes `path`.tmp anew, cannot lose it."""
+    save, which writes `path`.tmp anew, cannot lose it. UsageError if it is not a regular file
+    (a link would become the checkpoint)."""
+    if not stat.S_ISREG(os.lstat(f"{path}.tmp").st_mode):
+        raise UsageError(f"--resume: {path}.tmp is not a regular file; a run reads and writes no link in its folder: "
+                         "replace it with the file itself")
     os.replace(f"{path}.tmp", path)
     dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
     try:

@@ -13,14 +13,19 @@ import os
 import re
 import shutil
 import socket
+import stat
 import sys
 import time
 
 from jax_async_rl import checkpoints
-from jax_async_rl.checkpoints import CHECKPOINT, CONFIG, METRICS
+from jax_async_rl.checkpoints import CHECKPOINT, CONFIG, JOURNAL, METRICS
 from jax_async_rl.flags import UsageError
 
 LOCK = ".lock"
+# The files a run writes in its folder (and their .tmp); those it appends to or cuts in place; its folders.
+RUN_FILES = (CONFIG, CHECKPOINT, METRICS, JOURNAL, LOCK, "eval.json")
+IN_PLACE = (METRICS, JOURNAL, LOCK)
+RUN_FOLDERS = ("videos", "wandb")
 
 
 def own_folder(args) -> str:
@@ -58,18 +63,48 @@ def check(args, resumed: bool):
 
 def probe(args):
     """UsageError, naming the holder, if another run holds the folder this run would write (a
-    check at start-up: `claim` takes the lock when the run opens its folder)."""
+    check at start-up: `claim` takes the lock when the run opens its folder), or if its run files
+    are not the run's own (`check_files`)."""
     folder = own_folder(args)
+    if folder:
+        check_files(folder)
     if folder and (holder := held(folder)):
         raise UsageError(f"{folder} is in use by another run ({holder}); wait for it to end, or pick another folder")
+
+
+def check_files(folder: str):
+    """UsageError, one line naming the file, if a file that a run reads or writes in `folder` (its
+    run files, their .tmp, TensorBoard's event files, its videos/) is a symbolic link, or is not a
+    regular file, or (one it appends to or cuts) has another name: a run folder may come from
+    anyone, and a run reads and writes only its own files there, never through a link to a file
+    elsewhere. (The folder itself may be a link: the user named it.)"""
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:  # none yet, or not a folder (check says so)
+        return
+    for name in names:
+        base = name[:-len(".tmp")] if name.endswith(".tmp") else name
+        if base not in RUN_FILES and name not in RUN_FOLDERS and not name.startswith("events.out.tfevents."):
+            continue
+        path = os.path.join(folder, name)
+        info = os.lstat(path)
+        fix = "replace it with a copy of the file itself, or remove it" if name in (CONFIG, CHECKPOINT) else "remove it"
+        if stat.S_ISLNK(info.st_mode):
+            raise UsageError(f"{path} is a symbolic link, and a run never reads or writes through a link in its folder "
+                             f"(a run folder may come from anyone): {fix}")
+        if name in RUN_FOLDERS:
+            continue
+        if not stat.S_ISREG(info.st_mode) or (name in IN_PLACE and info.st_nlink > 1):
+            what = "has another name (a hard link)" if stat.S_ISREG(info.st_mode) else "is not a regular file"
+            raise UsageError(f"{path} {what}, and a run writes only its own files in its folder: {fix}")
 
 
 def held(folder: str):
     """The holder of `folder`'s lock ("pid N on host", or "unknown") if another process holds it, else None."""
     path = os.path.join(folder, LOCK)
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         return None
-    with open(path, "r+") as f:  # an exclusive lock needs a file open for writing (NFS)
+    with checkpoints.open_own(path, os.O_RDWR, "r+") as f:  # an exclusive lock needs a file open for writing (NFS)
         if lock(f, path):
             fcntl.flock(f, fcntl.LOCK_UN)
             return None
@@ -98,7 +133,7 @@ def claim(folder: str, owner: str = "run"):
     ends, however it ends: a dead run's lock never blocks). UsageError, naming the holder's pid
     and host, if another `owner` (a run, a sweep's launcher) holds it."""
     path = os.path.join(folder, LOCK)
-    f = open(path, "a+")
+    f = checkpoints.open_own(path, os.O_RDWR | os.O_CREAT, "r+")
     if not lock(f, path):
         f.seek(0)
         holder = f.read().strip() or "unknown"

@@ -6,39 +6,76 @@ actor's own state (its normaliser, game scores, which envs start an episode) com
 them, because the replay does per observation what the actor does, without its policy.
 """
 
+import hashlib
 import os
+import sys
 
 import jax
 import numpy as np
 
+from jax_async_rl import checkpoints
+from jax_async_rl.checkpoints import JOURNAL
+from jax_async_rl.flags import UsageError
 from jax_async_rl.tasks import env_action
-
-JOURNAL = "actions.bin"
 
 
 class Journal:
     """The actions [T, B, ...] of each update, appended in order to `run_dir`/actions.bin (process
-    0's envs: every actor thread's, side by side), flushed to disk with each checkpoint."""
+    0's envs: every actor thread's, side by side), flushed to disk with each checkpoint, which
+    records its sha256 up to the checkpoint's update (`digest`) so that a resume replays only the
+    actions the run took. Opened never through a link, and only as a regular file of the run's own."""
 
     def __init__(self, run_dir: str, example):
         self.path, self.example = os.path.join(run_dir, JOURNAL), np.asarray(example)
         self.file = None
+        self.hash, self.count = hashlib.sha256(), 0  # of the updates read and appended so far
 
-    def read(self, updates: int):
-        """The first `updates` updates' actions [updates, T, B, ...]; the file cut back to them
-        (a run killed after its last checkpoint wrote more). OSError if fewer were written."""
-        size = self.example.nbytes
-        if not os.path.exists(self.path) or os.path.getsize(self.path) < updates * size:
-            raise OSError(f"{self.path} holds fewer than the checkpoint's {updates} updates of actions")
-        with open(self.path, "r+b") as f:
-            f.truncate(updates * size)
-            data = np.frombuffer(f.read(), self.example.dtype)
-        return data.reshape(updates, *self.example.shape)
+    def read(self, updates: int, record=None, action_space=None, cut: bool = True):
+        """The first `updates` updates' actions [updates, T, B, ...], checked: UsageError, one line
+        saying what to do, if the journal is missing, a link, not a regular file, shorter, not the
+        one the checkpoint's `record` (`digest`'s) describes, or holds an action outside
+        `action_space`. With `cut`, the file is cut back to them (a run killed after its last
+        checkpoint wrote more)."""
+        size = updates * self.example.nbytes
+        try:
+            with checkpoints.open_own(self.path, os.O_RDWR if cut else os.O_RDONLY, "r+b" if cut else "rb") as f:
+                data = f.read(size)
+                if len(data) == size and (record is None or matches(data, record)) and cut:
+                    f.truncate(size)
+        except FileNotFoundError:
+            raise refused(f"{self.path} is missing")
+        except OSError as e:
+            raise refused(f"{self.path} is not a regular file of the run's own ({e.strerror})")
+        if record is not None and record.get("bytes") != size:
+            raise refused(f"{self.path} was kept with other --num-envs or --num-steps than these "
+                          f"({record.get('bytes')} bytes to the checkpoint, not {size})")
+        if len(data) < size:
+            raise refused(f"{self.path} holds fewer than the checkpoint's {updates} updates of actions")
+        if record is not None and not matches(data, record):
+            raise refused(f"{self.path} is not the journal of the actions the run took (its sha256 differs from the "
+                          "checkpoint's)")
+        actions = np.frombuffer(data, self.example.dtype).reshape(updates, *self.example.shape)
+        if action_space is not None:
+            check_actions(actions, action_space, self.path)
+        self.hash, self.count = hashlib.sha256(data), updates
+        return actions
 
     def append(self, actions):
-        if self.file is None:
-            self.file = open(self.path, "ab")
-        self.file.write(np.ascontiguousarray(actions, self.example.dtype).tobytes())
+        if self.file is None:  # a new run's journal starts empty; a resumed one goes on after read's
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | (0 if self.count else os.O_TRUNC)
+            self.file = checkpoints.open_own(self.path, flags, "ab")
+        data = np.ascontiguousarray(actions, self.example.dtype).tobytes()
+        self.file.write(data)
+        self.hash.update(data)
+        self.count += 1
+
+    def digest(self, updates: int) -> dict:
+        """The record of the first `updates` updates that a checkpoint keeps: their sha256 and size."""
+        size = updates * self.example.nbytes
+        if updates == self.count:
+            return {"sha256": self.hash.hexdigest(), "bytes": size}
+        with checkpoints.open_own(self.path, os.O_RDONLY, "rb") as f:  # more appended than learned from
+            return {"sha256": hashlib.sha256(f.read(size)).hexdigest(), "bytes": size}
 
     def sync(self):
         """Flush and fsync (as a checkpoint is written: the journal never lags behind it)."""
@@ -50,6 +87,42 @@ class Journal:
         if self.file is not None:
             self.file.close()
             self.file = None
+
+
+def matches(data: bytes, record: dict) -> bool:
+    return hashlib.sha256(data).hexdigest() == record.get("sha256")
+
+
+def refused(problem: str) -> UsageError:
+    return UsageError(f"--resume --deterministic: {problem}, so the run cannot be replayed to where it stopped; "
+                      "resume with --no-deterministic (it goes on from its checkpoint, not as the uninterrupted run)")
+
+
+def check_actions(actions, action_space, path: str):
+    """UsageError if an action of the journal is outside `action_space` (a policy_space): discrete
+    ones in [0, n), multi-discrete ones in [0, nvec) a dimension, continuous ones finite."""
+    if hasattr(action_space, "n"):
+        bad = (actions < 0) | (actions >= int(action_space.n))
+    elif hasattr(action_space, "nvec"):
+        bad = (actions < 0) | (actions >= np.asarray(action_space.nvec))
+    else:
+        bad = ~np.isfinite(actions)
+    if bad.any():
+        update = int(np.argwhere(bad)[0][0])
+        raise refused(f"{path} holds an action outside {action_space} (update {update})")
+
+
+def verify(run_dir: str, carried, updates: int, shape, dtype, action_space):
+    """A --deterministic resume's check at start-up, before anything is written: the journal that
+    Keeper will replay, read as it will read it (not cut) and checked (Journal.read's UsageError).
+    A checkpoint from before journals were recorded (no record in `carried`): a note that the
+    journal cannot be verified, and its actions are checked against the action space only."""
+    record = carried.get("journal") if isinstance(carried, dict) else None
+    if not isinstance(record, dict):
+        print(f"note: the checkpoint records no digest of {os.path.join(run_dir, JOURNAL)} (it was written before "
+              "checkpoints kept one): its actions are checked against the action space only", file=sys.stderr)
+        record = None
+    Journal(run_dir, np.zeros(shape, dtype)).read(updates, record, action_space, cut=False)
 
 
 def replay(envs, actions, normalizer, stats, env_offset: int, receive_last: bool):
@@ -93,7 +166,9 @@ class Keeper:
     def __init__(self, run_dir, carried, updates: int, shape, dtype, threads: int, placed):
         self.journal, self.carried, self.threads = Journal(run_dir, np.zeros(shape, dtype)), carried or {}, threads
         self.placed = placed  # the carried parameters placed as the learner's are (runs.Run's mesh)
-        self.actions = self.journal.read(updates).reshape(-1, *shape[1:]) if updates else None  # [steps, B, ...]
+        record = self.carried.get("journal")  # checked at start-up (verify); again here, as it is cut
+        record = record if isinstance(record, dict) else None
+        self.actions = self.journal.read(updates, record).reshape(-1, *shape[1:]) if updates else None  # [steps, B, ...]
         # What a checkpoint carries until the first update: what the resume carried.
         self.published = self.acting()
         self.memories = [self.resumption(i)["memory"] for i in range(threads)] if "memory" in self.carried else None
@@ -126,7 +201,8 @@ class Keeper:
             "acting": {
                 str(v): self.published[v]
                 for v in range(version - actor_lag, version) if self.published and v in self.published
-            }
+            },
+            "journal": self.journal.digest(version),
         }
         if self.memories and self.memories[0] is not None:
             carry["memory"] = {

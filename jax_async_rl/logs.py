@@ -16,6 +16,7 @@ import numpy as np
 from tensorboardX.proto import event_pb2, summary_pb2
 from tensorboardX.record_writer import masked_crc32c
 
+from jax_async_rl import checkpoints
 from jax_async_rl.checkpoints import METRICS
 
 
@@ -35,8 +36,8 @@ class Logger:
         if run_dir is None:
             return
         name = os.path.join(run_dir, f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}")
-        self.events_path = next(f"{name}{k or ''}" for k in range(1000) if not os.path.exists(f"{name}{k or ''}"))
-        self.events = open(self.events_path, "wb", buffering=0)
+        self.events_path = next(f"{name}{k or ''}" for k in range(1000) if not os.path.lexists(f"{name}{k or ''}"))
+        self.events = checkpoints.open_own(self.events_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, "wb", buffering=0)
         first = [event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2")]
         if purge_step is not None:
             first.append(
@@ -44,7 +45,7 @@ class Logger:
                                 session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
         self.events.write(b"".join(map(record, first)))
         self.path = os.path.join(run_dir, METRICS)
-        self.jsonl = open(self.path, "a", buffering=1)
+        self.jsonl = append(self.path)
         if args.track:
             import wandb
 
@@ -82,7 +83,7 @@ class Logger:
             if not os.path.isdir(os.path.dirname(self.path)):
                 return
         self.jsonl.close()
-        self.jsonl = open(self.path, "a", buffering=1)
+        self.jsonl = append(self.path)
         print(
             f"warning: {self.path} was deleted mid-run; recreated from step {step} on (the records before are in "
             "TensorBoard's events file)", file=sys.stderr, flush=True)
@@ -104,6 +105,11 @@ class Logger:
             if errors and not self.failed:
                 self.failed = True
                 raise errors[0]
+
+
+def append(path: str):
+    """`path` opened to append lines, never through a link (a run folder may come from anyone)."""
+    return checkpoints.open_own(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "a", buffering=1)
 
 
 def record(event) -> bytes:

@@ -112,6 +112,11 @@ class Run:
                 f"--learning-starts {self.args.learning_starts} is not below the {trained} env steps left of "
                 f"--total-timesteps {self.args.total_timesteps}: no gradient step would run; lower it or raise the budget"
             )
+        if self.payload and "carry" in self.payload and self.args.deterministic and jax.process_count() == 1:
+            space = tasks.policy_space(self.args.env_id)  # the journal that journal_for will replay, checked now
+            journal.verify(folders.own_folder(self.args), self.payload["carry"],
+                           int(self.payload["state"].get("policy_version", 0)),
+                           (self.args.num_steps, devices.local_envs(self.args), *space.shape), space.dtype, space)
         print(f"jax {jax.__version__} on {jax.default_backend()}: {', '.join(map(str, jax.local_devices()))}",
               flush=True)
         self.seed = (self.args.seed +

@@ -33,7 +33,7 @@ import jax
 import numpy as np
 import tyro
 
-from jax_async_rl import checkpoints, evaluation
+from jax_async_rl import checkpoints, evaluation, folders
 from jax_async_rl.checkpoints import CHECKPOINT
 from jax_async_rl.flags import UsageError, describe_os_error, run_tool, stored_flags
 
@@ -167,6 +167,7 @@ def main(cli: EvalArgs) -> int:
     if not os.path.exists(cli.run):
         raise UsageError(f"{cli.run} does not exist; pass a run folder (runs/<run>/) or its {CHECKPOINT}")
     path = checkpoints.checkpoint_path(cli.run)
+    folders.check_files(os.path.dirname(os.path.abspath(path)))  # writes eval.json and videos/ there: no link
     payload = checkpoints.read_checkpoint(path)
     if not cli.trust_env_module:
         checkpoints.check_trusted(payload["config"], [], path, "pass --trust-env-module")
