@@ -3,8 +3,8 @@ restoring a state from it, continuing a run with its own flags (--resume), and i
 training script that wrote it (the tools in utils/ do).
 
 A checkpoint is flax's msgpack of {"state": params, optimiser state, global step, policy
-version and the normaliser's statistics; "config": the flags as JSON; "script": the training
-script's file name; "script_path": where it was}.
+version and the normaliser's statistics; "config": the flags as JSON, but for the run folder and
+--resume (PLACE); "script": the training script's file name; "script_path": where it was}.
 """
 
 import dataclasses
@@ -30,6 +30,9 @@ JOURNAL = "actions.bin"  # --deterministic's actions (journal.py)
 # from the run on --resume. A cache folder named by a file could hold compiled code someone else wrote.
 LAUNCH = ("distributed", "coordinator_address", "num_processes", "process_id", "actor_device_ids", "learner_device_ids",
           "compile_cache", "trust_env_module")
+# Where this launch wrote and what it resumed: not stored in a checkpoint, so that identical runs in two
+# folders write identical files (docs/reproducibility.md); --resume and config.json name them.
+PLACE = ("run_dir", "resume")
 # What the network and its inputs were trained on: a resumed run cannot change these.
 FIXED_ON_RESUME = ("env_id", "env_module", "env_kwargs", "norm_obs", "norm_reward", "lstm", "lstm_size")
 # (the script that wrote a checkpoint, a retired flag it had on) -> the script whose job that flag was.
@@ -89,7 +92,7 @@ def save_checkpoint(path: str, state: dict, args, normalizer, script: str, carry
         return
     payload = {
         "state": flax.serialization.to_state_dict(jax.device_get(dict(state, **normalizer.state()))),
-        "config": json.dumps(dataclasses.asdict(args)),
+        "config": json.dumps({k: v for k, v in dataclasses.asdict(args).items() if k not in PLACE}),
         "script": os.path.basename(script),
         "script_path": os.path.abspath(script),
     }
@@ -202,7 +205,7 @@ def resume_args(args, given, script: str):
             f"note: {path} was trained with --{name.replace('_', '-')}, which is {RETIRED[name]}; "
             f"{os.path.basename(script)} continues it", file=sys.stderr)
     defaults = type(args)()
-    fields = [f.name for f in dataclasses.fields(args) if f.name not in ("resume", "run_dir", *LAUNCH)]
+    fields = [f.name for f in dataclasses.fields(args) if f.name not in (*PLACE, *LAUNCH)]
     if given is None:
         given = {name for name in fields if getattr(args, name) != getattr(defaults, name)}
     given = {name for name in given if getattr(args, name) is not None}  # None (the preset): the run's own

@@ -134,7 +134,8 @@ def assert_identical(a, b):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", list(RUNS))
 def test_two_runs_with_one_seed_are_identical(name, tmp_path, capsys, monkeypatch):
-    """... and the run asks XLA for its deterministic GPU kernels (read when the backend starts)."""
+    """... and writes the same checkpoint file, and the run asks XLA for its deterministic GPU kernels
+    (read when the backend starts)."""
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
     script, own = RUNS[name]
     tiny = tiny_flags(script) if script in SCRIPT_TABLE else {}
@@ -143,6 +144,8 @@ def test_two_runs_with_one_seed_are_identical(name, tmp_path, capsys, monkeypatc
         code, _, err = run_main(script, [*flags_of(script, **flags), "--run-dir", tmp_path / str(i)], capsys)
         assert code == 0, err
     assert_identical(tmp_path / "0", tmp_path / "1")
+    # The files too, byte for byte: the stored config names neither run folder (checkpoints.PLACE).
+    assert (tmp_path / "0" / "checkpoint.msgpack").read_bytes() == (tmp_path / "1" / "checkpoint.msgpack").read_bytes()
     assert os.environ["XLA_FLAGS"].split() == [
         "--xla_force_host_platform_device_count=1", "--xla_gpu_deterministic_ops=true"
     ]

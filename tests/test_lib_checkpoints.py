@@ -81,6 +81,19 @@ def test_a_checkpoint_round_trip_restores_every_leaf_and_leaves_no_temporary_fil
         checkpoints.load_checkpoint(payload, other, str(path))
 
 
+def test_the_stored_config_names_no_run_folder_so_identical_runs_write_identical_files(tmp_path):
+    """--run-dir and --resume say where this launch wrote and what it continued, not what it
+    trained: two runs alike in all else write the same bytes, and resume reads the file."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    one = saved(tmp_path / "a", run_dir=str(tmp_path / "a" / "run"))[0].read_bytes()
+    two, _, _ = saved(tmp_path / "b", run_dir=str(tmp_path / "b" / "run"), resume="elsewhere/run")
+    assert two.read_bytes() == one
+    assert not {"run_dir", "resume"} & set(checkpoints.read_checkpoint(str(two))["config"])
+    args = checkpoints.resume_args(ToyArgs(resume=str(two.parent), run_dir="kept"), set(), "toy_script.py")[0]
+    assert args.env_id == "HalfCheetah-v4" and args.resume == str(two.parent) and args.run_dir == "kept"
+
+
 def test_a_resumed_state_compiles_nothing_that_a_fresh_one_did_not(tmp_path):
     """A fresh state's counters are Python ints, which JAX types weakly, and an update keeps them
     weak; the checkpoint stores them as numpy int32. Restored as stored, the update jitted on the
