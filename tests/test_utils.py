@@ -219,6 +219,36 @@ def test_plot_draws_two_runs_of_one_seed_apart(tmp_path, capsys):
     ]
 
 
+def test_plot_skips_a_run_whose_config_has_a_wrong_type_and_names_the_file_and_key(tmp_path, capsys):
+    """config.json is a file anyone may edit: an env_id that is a list drew `_x_.png`. In a folder
+    of runs, one whose config plot cannot read is skipped with one warning line naming the file and
+    the key, and the others are plotted; named on its own, it is an error (exit 2)."""
+    plot = load_script(REPO_ROOT / PLOT)
+    configured_run(tmp_path / "good", "CartPole-v1", 1, {"exp_name": "appo"}, value=500.0)
+    bad = {"env": ("CartPole-v1", 1, {"exp_name": "appo", "env_id": ["x"]}), "name": ("CartPole-v1", 2, {"exp_name": 3}),
+           "seed": ("CartPole-v1", "7", {"exp_name": "appo"}), "resumes": ("CartPole-v1", 3, {
+               "exp_name": "appo", "resumes": [{"wall_time": "soon"}]})}
+    for name, (env_id, seed, flags) in bad.items():
+        configured_run(tmp_path / name, env_id, seed, {})
+        (tmp_path / name / "config.json").write_text(json.dumps(dict({"env_id": env_id, "seed": seed}, **flags)))
+    (tmp_path / "json").mkdir()
+    shutil.copy(tmp_path / "good" / "metrics.jsonl", tmp_path / "json")
+    (tmp_path / "json" / "config.json").write_text("{not json")
+    out = tmp_path.parent / f"{tmp_path.name}-plots"
+    assert plot.main(plot.PlotArgs(runs=[str(tmp_path)], out=str(out))) == 0
+    assert sorted(os.listdir(out)) == ["CartPole-v1.png", "summary.md"]
+    assert [row[1:3] for row in summary_rows((out / "summary.md").read_text())] == [["appo", "1"]]
+    warnings = capsys.readouterr().err.splitlines()
+    keys = {"env": '"env_id" is [\'x\']', "name": '"exp_name" is 3', "seed": '"seed" is \'7\'',
+            "resumes": '"resumes"[0]', "json": "is not JSON"}
+    assert len(warnings) == len(keys), warnings
+    for name, key in keys.items():
+        prefix = f"warning: skipped {tmp_path / name}: {tmp_path / name / 'config.json'}"
+        assert any(line.startswith(prefix) and key in line for line in warnings), (name, warnings)
+    with pytest.raises(plot.UsageError, match='env.config.json: "env_id" is'):
+        plot.main(plot.PlotArgs(runs=[str(tmp_path / "env")], out=str(tmp_path / "none")))
+
+
 def test_plot_wall_clock_counts_training_time_only(tmp_path, monkeypatch):
     """A run stopped after 100 s and resumed 900 s later: the time axis counts each start from its
     first update to its last record (95 s, then 90 s), not the 900 s between (a flat line that made

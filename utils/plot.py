@@ -75,6 +75,10 @@ class NoEpisodes(UsageError):
     """A run folder whose metrics hold no episodic return yet."""
 
 
+class BadConfig(UsageError):
+    """A run folder whose config.json is not a run's record (not JSON, or an entry of a wrong type)."""
+
+
 @dataclass
 class Run:
     folder: str
@@ -132,20 +136,44 @@ def read_run(folder: str) -> Run:
             returns.append(value)
     if not returns:
         raise NoEpisodes(f"{folder}/{METRICS} has no {RETURN_TAG} yet: no episode has finished; train longer")
-    identity, config = run_identity(folder), read_config(folder)
-    resumes = [float(r["wall_time"]) for r in config.get("resumes", []) if isinstance(r, dict) and "wall_time" in r]
+    config = read_config(folder)  # checked first: run_identity would take any value as a str
+    identity = run_identity(folder)
+    resumes = [float(r["wall_time"]) for r in config.get("resumes", []) if "wall_time" in r]
     seconds, resumed_at = training_seconds(np.array(times), np.array(records), np.array(updates), resumes)
     return Run(folder, identity["script"], identity["env_id"], identity["seed"], np.array(steps, np.float64), seconds,
                np.array(returns), last_step, configuration(config), resumed_at)
 
 
 def read_config(folder: str) -> dict:
-    """A run's config.json ({} without one: a run known by its checkpoint alone)."""
+    """A run's config.json ({} without one: a run known by its checkpoint alone). BadConfig, one
+    line naming the file and the key, unless each entry plot reads has the type a run writes:
+    a file anyone may have edited names the PNGs and the groups."""
     path = os.path.join(folder, CONFIG)
     if not os.path.isfile(path):
         return {}
-    with open(path) as f:
-        config = json.load(f)  # run_identity has read it already: it is an object
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadConfig(f"{path} is not JSON ({type(e).__name__})")
+    if not isinstance(config, dict):
+        raise BadConfig(f"{path} is not a run's config: a JSON {type(config).__name__}, not an object")
+    strings = [("env_id", config.get("env_id")), ("exp_name", config.get("exp_name"))]
+    for key, value in strings:
+        if not isinstance(value, str) or not value.strip():
+            raise BadConfig(f"{path}: \"{key}\" is {value!r:.80}, not a non-empty string")
+    seed = config.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise BadConfig(f"{path}: \"seed\" is {seed!r:.80}, not an integer")
+    resumes = config.get("resumes", [])
+    if not isinstance(resumes, list):
+        raise BadConfig(f"{path}: \"resumes\" is {resumes!r:.80}, not a list")
+    for i, resume in enumerate(resumes):
+        wall_time = resume.get("wall_time", 0.0) if isinstance(resume, dict) else None
+        if isinstance(wall_time, bool) or not isinstance(wall_time, (int, float)) or not math.isfinite(wall_time):
+            raise BadConfig(f"{path}: \"resumes\"[{i}] is not a resume's record with a finite \"wall_time\"")
+        if not isinstance(resume.get("changed", {}), dict):
+            raise BadConfig(f"{path}: \"resumes\"[{i}][\"changed\"] is {resume["changed"]!r:.80}, not an object")
     return config
 
 
@@ -153,8 +181,8 @@ def configuration(config: dict) -> dict:
     """The flags that make a run's configuration: config.json's, each resume's changes applied, those
     in NOT_CONFIGURATION left out."""
     flags = dict(config)
-    for resume in config.get("resumes", []):
-        flags.update(resume.get("changed", {}) if isinstance(resume, dict) else {})
+    for resume in config.get("resumes", []):  # read_config checked them
+        flags.update(resume.get("changed", {}))
     return {k: v for k, v in flags.items() if k not in NOT_CONFIGURATION}
 
 
@@ -182,15 +210,19 @@ def training_seconds(times: np.ndarray, records: np.ndarray, updates: np.ndarray
 
 def read_runs(paths: list[str]) -> list[Run]:
     """The runs under `paths`. A run found inside a parent folder that has no episode yet (one
-    just started, or one that crashed early) is skipped with a warning; one named is an error."""
-    runs = []
+    just started, or one that crashed early) or a config.json plot cannot read (BadConfig) is
+    skipped with a warning, and the others are plotted; one named is an error."""
+    runs, unreadable = [], False
     for folder, explicit in find_runs(paths):
         try:
             runs.append(read_run(folder))
-        except NoEpisodes as e:
+        except (NoEpisodes, BadConfig) as e:
             if explicit:
                 raise
             print(f"warning: skipped {folder}: {e}", file=sys.stderr)
+            unreadable = unreadable or isinstance(e, BadConfig)
+    if not runs and unreadable:
+        raise UsageError(f"no run under {', '.join(paths)} to plot: each was skipped, as the warnings above say")
     if not runs:
         raise UsageError(f"no run under {', '.join(paths)} has a {RETURN_TAG} yet: no episode has finished")
     return runs
