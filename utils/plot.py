@@ -173,7 +173,7 @@ def read_config(folder: str) -> dict:
         if isinstance(wall_time, bool) or not isinstance(wall_time, (int, float)) or not math.isfinite(wall_time):
             raise BadConfig(f"{path}: \"resumes\"[{i}] is not a resume's record with a finite \"wall_time\"")
         if not isinstance(resume.get("changed", {}), dict):
-            raise BadConfig(f"{path}: \"resumes\"[{i}][\"changed\"] is {resume["changed"]!r:.80}, not an object")
+            raise BadConfig(f"{path}: \"resumes\"[{i}][\"changed\"] is {resume['changed']!r:.80}, not an object")
     return config
 
 
