@@ -330,12 +330,13 @@ def stale_warning(scalars: dict, args):
 
 
 def prepare(args, resolve, resumed: bool):
-    """Resolve and check the flags (`resolve`: the script's) and pick the devices: (args, actor
-    devices, the learner's mesh). UsageError for a bad flag; with many processes, in every process
+    """Resolve and check the flags (`resolve`: the script's), make one env of the task (tasks.probe)
+    and pick the devices: (args, actor devices, the learner's mesh). UsageError for a bad flag; with many processes, in every process
     if one has one, or if their flags differ (devices.agree_on_flags)."""
     error = actor_devices = mesh = None
     try:
         args = resolve(args)
+        tasks.probe(args.env_id)  # one env made, or envpool's error in one line
         devices.use_compile_cache(args.compile_cache)
         actor_devices, mesh = devices.make_mesh(args)
         if jax.process_index() == 0:  # it alone writes the folder

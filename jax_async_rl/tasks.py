@@ -231,6 +231,21 @@ def make_env(env_id: str, num_envs: int, seed: int, num_threads: int, train: boo
     return envpool.make(env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, num_threads=num_threads, **kwargs)
 
 
+@functools.lru_cache(maxsize=None)
+def probe(env_id: str):
+    """Make one env of an envpool task and close it (once a process): UsageError with envpool's own
+    error in one line where it cannot (a data file its package lacks, as Sudoku-v0's database),
+    before a run makes its folder or compiles. A user's env was made already (user_maker)."""
+    if env_id in USER_ENVS:
+        return
+    try:
+        env = make_env(env_id, 1, 0, 1, train=True)
+    except Exception as e:
+        raise UsageError(f"--env-id {env_id} cannot be made here: envpool says "
+                         f"{(str(e) or type(e).__name__).splitlines()[0]}") from None
+    env.close()
+
+
 def mask_shape(obs_space):
     """The shape of one observation's legal actions, its Dict's "action_mask" leaf (Jumanji's, or a
     user's env's); None without one."""

@@ -25,6 +25,7 @@ from helpers import (
     load_script,
     read_checkpoint,
     read_metrics,
+    run_main,
     tag_values,
 )
 from jax_async_rl import tasks
@@ -338,6 +339,35 @@ def test_each_family_trains_and_its_checkpoint_is_scored(script, family, tmp_pat
         assert all(np.any(np.asarray(mean) != 0) for mean in jax.tree.leaves(norm["obs_mean"]))  # moved from 0
     if family == "Atari":  # the game score over all lives, unclipped: an integer in [-21, 21]
         assert result["mean"] == int(result["mean"]) and -21 <= result["mean"] <= 21, result
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "Sudoku-v0"])
+def test_an_env_envpool_cannot_make_is_envpool_s_line_before_anything_starts(family, tmp_path, monkeypatch, capsys):
+    """A task envpool knows but cannot make here (Sudoku-v0: its package lacks the puzzle database;
+    one of each family with envpool.make failing as it does): exit 2, envpool's error in one line,
+    no run folder and nothing compiled (the run makes one env before anything, once a process)."""
+    env_id = family if family == "Sudoku-v0" else FAMILIES[family]
+    if family == "Sudoku-v0":
+        try:
+            tasks.make_env(env_id, 1, 0, 1, train=True).close()
+            pytest.skip("envpool makes Sudoku-v0 here (its database is installed)")
+        except RuntimeError:
+            pass
+    else:
+
+        def make(task_id, **kwargs):
+            raise RuntimeError(f"failed to open {task_id}'s data file\n(envpool's second line)")
+
+        monkeypatch.setattr(envpool, "make", make)
+    if hasattr(tasks, "probe"):  # a task this process made before is not made again
+        tasks.probe.cache_clear()
+    run_dir, script = tmp_path / "run", "ppo_sync_baseline.py"
+    args = load_script(script).Args(env_id=env_id, run_dir=str(run_dir), **FAMILY_FLAGS, **FAMILY_TINY[script])
+    code, _, err = run_main(script, args, capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith(f"error: --env-id {env_id} cannot be made here: envpool says failed to open "), err
+    assert not run_dir.exists()
 
 
 def test_family_presets():
