@@ -491,12 +491,14 @@ def make_policy_step(network, continuous: bool, values: bool = True, greedy: boo
     return policy_step
 
 
-def acting_version(rollout: int, actor_lag) -> int:
+def acting_version(rollout: int, actor_lag, oldest: int) -> int:
     """The policy version that acts on rollout `rollout` (counted over the run): the one the
     update on rollout `rollout - 1 - actor_lag` makes (Cleanba's actor at 1; 0 the synchronous
-    limit). Sample Factory's free-running actor (None) waits for the first update alone, which
-    compiles meanwhile (else the queue fills with rollouts of the initial parameters)."""
-    return min(rollout, 1) if actor_lag is None else max(0, rollout - actor_lag)
+    limit), and never one before `oldest`, the first the run holds (0; on resume the checkpoint's,
+    or the oldest it carried: the resumed run acts with it until the schedule passes it).
+    Sample Factory's free-running actor (None) waits for the first update alone, which compiles
+    meanwhile (else the queue fills with rollouts of the initial parameters)."""
+    return min(rollout, 1) if actor_lag is None else max(oldest, rollout - actor_lag)
 
 
 def new_rollout(T: int, B: int, obs, action_space, memory=None) -> dict:
@@ -695,7 +697,7 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
     R, pushed, held, timing, games = XLA_RING, 0, None, shared.timing, []
     carry = jax.device_put(rollouts.init(key, R, first), device)
     while pushed < num_rollouts and not shared.stop.is_set():
-        version = acting_version(first + pushed, args.actor_lag)
+        version = acting_version(first + pushed, args.actor_lag, shared.oldest)
         if (acting := shared.acting(version, args.deterministic)) is None:
             return
         if acting[1] != held:

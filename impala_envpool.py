@@ -406,12 +406,14 @@ def make_policy_step(network, continuous: bool, values: bool = True, greedy: boo
     return policy_step
 
 
-def acting_version(rollout: int, actor_lag) -> int:
+def acting_version(rollout: int, actor_lag, oldest: int) -> int:
     """The policy version that acts on rollout `rollout` (counted over the run): the one the
     update on rollout `rollout - 1 - actor_lag` makes (Cleanba's actor at 1; 0 the synchronous
-    limit). Sample Factory's free-running actor (None) waits for the first update alone, which
-    compiles meanwhile (else the queue fills with rollouts of the initial parameters)."""
-    return min(rollout, 1) if actor_lag is None else max(0, rollout - actor_lag)
+    limit), and never one before `oldest`, the first the run holds (0; on resume the checkpoint's,
+    or the oldest it carried: the resumed run acts with it until the schedule passes it).
+    Sample Factory's free-running actor (None) waits for the first update alone, which compiles
+    meanwhile (else the queue fills with rollouts of the initial parameters)."""
+    return min(rollout, 1) if actor_lag is None else max(oldest, rollout - actor_lag)
 
 
 def write(tree, index, values, rows=...):
@@ -552,7 +554,7 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
                 return
             timing["queue_put"] += time.perf_counter() - start
             pushed += 1
-        version = acting_version(int(index.max()) // T, args.actor_lag)  # free-running: never an update
+        version = acting_version(int(index.max()) // T, args.actor_lag, shared.oldest)  # free-running: never an update
         acting = shared.acting(version if args.deterministic else min(version, first + pushed), args.deterministic)
         if acting is None:  # on a rollout not queued yet (with splits, an env may still be in it)
             return

@@ -249,12 +249,14 @@ def make_act(policy_step, args: Args, key):
     return act
 
 
-def acting_version(rollout: int, actor_lag) -> int:
+def acting_version(rollout: int, actor_lag, oldest: int) -> int:
     """The policy version that acts on rollout `rollout` (counted over the run): the one the
     update on rollout `rollout - 1 - actor_lag` makes (Cleanba's actor at 1; 0 the synchronous
-    limit). Sample Factory's free-running actor (None) waits for the first update alone, which
-    compiles meanwhile (else the queue fills with rollouts of the initial parameters)."""
-    return min(rollout, 1) if actor_lag is None else max(0, rollout - actor_lag)
+    limit), and never one before `oldest`, the first the run holds (0; on resume the checkpoint's,
+    or the oldest it carried: the resumed run acts with it until the schedule passes it).
+    Sample Factory's free-running actor (None) waits for the first update alone, which compiles
+    meanwhile (else the queue fills with rollouts of the initial parameters)."""
+    return min(rollout, 1) if actor_lag is None else max(oldest, rollout - actor_lag)
 
 
 def evaluation_player(args: Args, built):
@@ -433,7 +435,7 @@ def main(args: Args, given=None) -> int:
                                  lambda step: args.learning_rate)
         run.begin(f"{gradient_steps(args)} gradient steps a round{', serial' if args.serial else ''}")
         rounds.train(run, learner, collectors, actors, args.queue_size, args.serial,
-                     functools.partial(acting_version, actor_lag=args.actor_lag))
+                     functools.partial(acting_version, actor_lag=args.actor_lag, oldest=shared.oldest))
         return run.finish(*evaluation_player(args, built))
 
 

@@ -36,6 +36,9 @@ class Shared:
                  published=None):
         self.latest, self.keep = (params, int(version)), keep
         self.published = {**(published or {}), int(version): params}  # published: older ones a resume carried
+        # The oldest version the run holds at its start (0; a resume's checkpoint, or the oldest it
+        # carried): an actor's schedule never names one before it (acting_version's `oldest`).
+        self.oldest = min(self.published)
         self.learning = learning  # a learner publishes updates: actors wait for them (`acting`)
         self.new = threading.Condition()  # notified at each publication
         self.normalizer = normalizer or Normalizer(np.zeros(()), 0, False, False, 0.0)
@@ -56,11 +59,16 @@ class Shared:
     def acting(self, version: int, exact: bool):
         """(parameters, version) for an actor's step that must see the update that makes `version`
         (its script's schedule): exactly those (`exact`: --deterministic), else the newest once
-        they are out. Waits for them with a learner; None when the run stops."""
+        they are out. Waits for them with a learner; None when the run stops. RuntimeError for an
+        exact version older than every one held: it will never be published (no wait forever)."""
         with self.new:
             while self.learning and not self.stop.is_set():
                 if exact and version in self.published:
                     return self.published[version], version
+                if exact and version < min(self.published):
+                    raise RuntimeError(
+                        f"the actor's schedule names parameter version {version}, older than every version the "
+                        f"run holds ({min(self.published)}-{self.latest[1]}): it would wait forever")
                 if not exact and self.latest[1] >= version:
                     return self.latest
                 self.new.wait(0.1)

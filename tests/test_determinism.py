@@ -6,13 +6,14 @@ bit); the same on 4 devices; 2 processes as 1 process of 2 devices; the flags it
 
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import (SCRIPT_TABLE, assert_usage_error, count_complete_lines, load_script, read_checkpoint, run_main,
+from helpers import (SCRIPT_TABLE, TINY_BATCH, assert_usage_error, count_complete_lines, load_script, read_checkpoint, run_main,
                      run_script, sigterm_when, tiny_flags)
 from jax_async_rl import keys, tasks
 from test_scale import finish_processes, start_processes
@@ -186,6 +187,48 @@ def test_a_run_stopped_and_resumed_goes_on_as_the_run_uninterrupted(script, own,
     a, b = records(whole), records(cut)
     assert any(r[1].startswith("charts/episodic") for r in a)
     assert a == b, next((x, y) for x, y in zip(a, b) if x != y) if len(a) == len(b) else (len(a), len(b))
+
+
+def resumed_twice(script, run_dir, argv, capsys):
+    """Resume a copy of `run_dir` and `run_dir` itself with `argv`: both reach their budget, and
+    end alike, bit for bit (a resume is reproducible from its checkpoint)."""
+    copy = run_dir.parent / f"{run_dir.name}-copy"
+    shutil.copytree(run_dir, copy)
+    for folder in (run_dir, copy):
+        code, _, err = run_main(script, ["--resume", folder, *argv], capsys)
+        assert code == 0, err
+    assert_identical(run_dir, copy)
+    return read_checkpoint(run_dir)["state"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ["dqn", "sac", "td3"])
+def test_a_replay_run_stopped_and_resumed_reaches_its_budget_reproducibly(name, tmp_path, capsys):
+    """A --deterministic replay run holds no parameters but its checkpoint's (its buffer refills):
+    the resumed run acts with them until its schedule passes them. It once waited forever for the
+    version --actor-lag 1 names before the checkpoint's."""
+    script, own = RUNS[name]
+    run_dir, budget = tmp_path / "cut", own["total_timesteps"]
+    argv = flags_of(script, **{"env_id": "CartPole-v1", **own, "deterministic": True, "save_interval": 1000})
+    code, _, err = sigterm_when(script, [*argv, "--run-dir", run_dir], tmp_path / "logs",
+                                lambda: count_complete_lines(run_dir / "metrics.jsonl", '"charts/learning_rate"') >= 6,
+                                300)
+    assert code == 143, err[-3000:]
+    assert 0 < int(read_checkpoint(run_dir)["state"]["global_step"]) < budget
+    assert int(resumed_twice(script, run_dir, [], capsys)["global_step"]) == budget
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("script, lags", [("appo_envpool.py", (1, 2)), ("impala_envpool.py", (1, 3))])
+def test_an_on_policy_resume_may_raise_the_actor_lag(script, lags, tmp_path, capsys):
+    """The checkpoint carries the parameters the old --actor-lag acts with; the larger lag's first
+    rollouts act with the oldest of them (they once waited forever for an older one)."""
+    run_dir = tmp_path / "run"
+    argv = flags_of(script, **{**tiny_flags(script), "env_id": "CartPole-v1", "deterministic": True})
+    code, _, err = run_main(script, [*argv, "--actor-lag", lags[0], "--run-dir", run_dir], capsys)
+    assert code == 0, err
+    state = resumed_twice(script, run_dir, ["--actor-lag", lags[1], "--total-timesteps", 4 * TINY_BATCH], capsys)
+    assert int(state["global_step"]) == 4 * TINY_BATCH
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,6 +5,8 @@ import queue
 import threading
 import time
 
+import pytest
+
 from jax_async_rl import threads
 
 
@@ -101,3 +103,16 @@ def test_an_exact_actor_gets_exactly_its_version_while_it_is_kept():
     assert shared.acting(13, exact=True) == ("p13", 13) and time.monotonic() - start >= 0.25
     assert sorted(shared.published) == [11, 12, 13]  # 10 dropped: 3 kept
     assert shared.latest == ("p13", 13)
+
+
+def test_an_exact_actor_asking_for_a_version_that_will_never_come_is_an_error_not_a_wait():
+    """A resumed run holds its checkpoint's version (and what it carried), not the ones before:
+    an exact schedule naming an older one (the replay scripts' resume once hung here) fails at
+    once, naming the versions held; a version still to come is waited for as before."""
+    shared = threads.Shared(params="p10", version=10, learning=True, keep=3, published={9: "p9"})
+    assert shared.oldest == 9 and shared.acting(9, exact=True) == ("p9", 9)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="version 8, older than every version the run holds .9-10."):
+        shared.acting(8, exact=True)
+    assert time.monotonic() - start < 0.05
+    assert threads.Shared(params="p0", version=0).oldest == 0
