@@ -169,6 +169,8 @@ def test_a_sweep_refuses_other_flags_under_its_name(tmp_path):
 @pytest.mark.parametrize("argv, fragment", [
     (["--grid", "num-envs", "--name", "x"], "FLAG=V1,V2"),
     (["--grid", "seed=1,2", "--name", "x"], "--seed is the launcher's"),
+    (["--grid", "num-envs=4;touch", "--name", "x"], "'4;touch' names the runs' folders"),
+    (["--grid", "num-envs=4,-2", "--name", "x", "--slurm"], "--num-envs must be positive, got -2"),
 ])
 def test_bad_launcher_input_is_one_line(tmp_path, argv, fragment):
     result = launch(tmp_path, *argv)
@@ -346,6 +348,34 @@ def test_the_slurm_script_quotes_every_value(tmp_path):
     assert argv[argv.index("--wandb-project") + 1] == "$(touch MARKER); `touch MARKER2`"
     assert argv[argv.index("--run-dir") + 1] == str(out / "q" / "default__seed1")
     assert not list(tmp_path.glob("MARKER*"))
+
+
+@pytest.mark.parametrize("grid, fragment", [
+    ("num-envs=4,x", "--grid num-envs=x: ppo_sync_baseline.py would refuse it (Error parsing --num-envs"),
+    ("learning-rate=3e-4,nan", "--learning-rate must be a finite number, got nan"),
+    ("gamma=1.5", "--grid gamma=1.5: ppo_sync_baseline.py would refuse it (--gamma "),
+    ("num-envs=4,8\n#SBATCH --x", "holds a control character"),
+    ("num-envs=4,8 #x", "'8 #x' names the runs' folders and goes into the SLURM script"),
+    ("wandb-project=a,$(touch M)", "'$(touch M)' names the runs' folders"),
+    ("wandb-project=`id`", "'`id`'"),
+    ("wandb-project=a'b", "\"a'b\""),
+    ("wandb-project=a\"b", "'a\"b'"),
+    ("wandb-project=a;b", "'a;b'"),
+    ("wandb-project=..", "'..'"),
+    ("exp=../up", "'../up'"),
+    ("num-envz=4", "unknown flag --num-envz; did you mean --num-envs?"),
+])
+def test_a_grid_value_is_checked_before_the_slurm_script_is_written(grid, fragment, tmp_path):
+    """The sbatch file runs later, on a cluster: a grid value its runs would refuse (the script's
+    own flag types and ranges), or text a shell or a folder name reads otherwise, is one line
+    naming it, and nothing is written."""
+    launch_module = load_script(REPO_ROOT / "utils" / "launch.py")
+    args = launch_module.LaunchArgs(script=str(REPO_ROOT / SCRIPT), name="s", grid=[grid], out=str(tmp_path),
+                                    slurm=True)
+    with pytest.raises(launch_module.UsageError) as error:
+        launch_module.main(args, COMMON)
+    assert fragment in str(error.value) and "\n" not in str(error.value).replace(grid, ""), str(error.value)
+    assert not list(tmp_path.iterdir())
 
 
 def test_a_resume_names_the_sweeps_env_again(tmp_path):

@@ -35,8 +35,8 @@ from typing import Annotated
 
 import tyro
 
-from jax_async_rl import folders
-from jax_async_rl.checkpoints import CHECKPOINT, CONFIG, complete_tmp
+from jax_async_rl import flags, folders
+from jax_async_rl.checkpoints import CHECKPOINT, CONFIG, complete_tmp, load_script
 from jax_async_rl.flags import UsageError, run_tool
 from jax_async_rl.logs import clock_time
 
@@ -62,7 +62,8 @@ class LaunchArgs:
     out: str = "runs"
     """DIR, the folder that holds the sweep's folder"""
     slurm: bool = False
-    """write DIR/NAME/sweep.sbatch, a SLURM array script with one task a run, instead of running"""
+    """write DIR/NAME/sweep.sbatch, a SLURM array script with one task a run, instead of running
+    (each grid value first checked against the script's flags, as its runs would check it)"""
 
 
 def check_names(args: LaunchArgs):
@@ -77,18 +78,44 @@ def check_names(args: LaunchArgs):
                              "pass plain text")
 
 
+# A grid's flag and value name each run's folder and are words of the SLURM script: no path
+# separator, space, quote, $, backtick, ; or other text a shell or a folder name reads otherwise.
+GRID_WORD = re.compile(r"[A-Za-z0-9._+:@%=-]+")
+
+
 def parse_grid(grid: list) -> list:
-    """["lr=1,2", ...] -> [("lr", ["1", "2"]), ...]; UsageError for a malformed entry."""
+    """["lr=1,2", ...] -> [("lr", ["1", "2"]), ...]; UsageError for a malformed entry, or a flag or
+    value of other characters than GRID_WORD's."""
     axes = []
     for entry in grid:
         flag, _, values = entry.partition("=")
         flag = flag.removeprefix("--")
         if not flag or not values or any(not v for v in values.split(",")):
             raise UsageError(f"--grid {entry}: expected FLAG=V1,V2,... (e.g. learning-rate=1e-4,3e-4)")
+        for word in [flag, *values.split(",")]:
+            if not GRID_WORD.fullmatch(word) or word in (".", ".."):
+                raise UsageError(f"--grid {entry}: {word!r} names the runs' folders and goes into the SLURM script: "
+                                 "letters, digits and . _ - + : @ % = only (pass other values after --)")
         axes.append((flag, values.split(",")))
     if len({flag for flag, _ in axes}) < len(axes):
         raise UsageError("--grid names a flag twice")
     return axes
+
+
+def check_values(script: str, axes: list):
+    """UsageError, one line naming the flag and value, for a grid value the script's runs would
+    refuse at start-up (a flag it lacks, a value of another type, one outside the flag's range),
+    checked with the script's own Args as its command line checks them: an sbatch file runs later,
+    on a cluster, where each run's exit 2 would come after the queue's wait."""
+    args_class = load_script(script).Args
+    for flag, values in axes:
+        for value in values:
+            tokens = flag_tokens(flag, value)
+            try:
+                flags.check_names(tokens, args_class)
+                flags.check_bounds(flags.parse(args_class, tokens))
+            except UsageError as e:
+                raise UsageError(f"--grid {flag}={value}: {os.path.basename(script)} would refuse it ({e})") from None
 
 
 def flag_tokens(flag: str, value: str) -> list:
@@ -186,6 +213,8 @@ def main(args: LaunchArgs, common: list) -> int:
         raise UsageError("--parallel must be positive and --seeds must name at least one seed")
     check_names(args)
     runs, sweep_dir = plan(args, common), Path(args.out) / args.name
+    if args.slurm:  # run here, each run checks its own flags before anything starts
+        check_values(args.script, parse_grid(args.grid))
     sweep_dir.mkdir(parents=True, exist_ok=True)
     lock = folders.claim(str(sweep_dir), "launcher")  # held for this launcher's life
     try:
