@@ -221,6 +221,10 @@ def resume_args(args, given, script: str):
             raise UsageError(
                 f"--resume: --{name.replace('_', '-')} cannot change mid-run ({path} has {stored[name]!r}); "
                 "start a new run to change it")
+    if changed.get("deterministic"):  # --no-deterministic the other way is the way out of a damaged journal
+        raise UsageError(
+            f"--resume: {path} was trained without --deterministic: what its envs and actors did was not recorded, so "
+            "a resume cannot make it reproducible; resume without it, or start a new --deterministic run")
     if not getattr(args, "trust_env_module", False):
         named = env_modules(args.env_id if "env_id" in given else "",
                             args.env_module if "env_module" in given else None)

@@ -255,6 +255,18 @@ def test_resume_continues_the_run(host_run_copy, capsys):
 
 
 @pytest.mark.timeout(120)
+def test_a_run_trained_without_deterministic_does_not_become_so_on_resume(host_run_copy, capsys):
+    """Its envs' actions were not journaled, so nothing could replay them: one line at start-up,
+    nothing written (it was a traceback from the journal's reader, after config.json had gained a
+    resume); the other way, --no-deterministic, is the way out of a damaged journal."""
+    run = host_run_copy
+    before = file_contents(run)
+    code, out, err = run_main(HOST, ["--resume", run, "--deterministic", "--total-timesteps", 10 * TINY_BATCH], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "without --deterministic" in lines[0], err
+    assert str(run) in lines[0] and file_contents(run) == before
+
+
 def test_tensorboard_reads_the_events(host_run):
     """The `tensorboard` command installed with the project lists the run's scalars, and its event
     reader gives the same values as metrics.jsonl."""
