@@ -623,6 +623,8 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
         if memory is not None:  # the envs' states, and which observations start an episode
             core = jax.tree.map(lambda s: s[env_ids], memory), trajectories.prev_dones[env_ids] | ~ended
         stats.update(env_ids, reward, terminated, truncated, info)  # game scores: raw rewards
+        if args.action_mask:  # no legal action (or not a mask of 0s and 1s): the env's fault, named
+            tasks.check_legal(args.env_id, obs, env_ids, ~(terminated | truncated), info["elapsed_step"])
         if ended.any() and index.max() == trajectories.start:  # the last step replayed: its games were logged
             stats.pop()
         done = terminated | truncated

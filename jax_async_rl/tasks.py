@@ -191,6 +191,10 @@ def check_spaces(env_id: str, obs_space, action_space):
         raise UsageError(
             f"--env-id {env_id}: its observation's {MASK!r} {shape} is no mask of its {action_space} actions "
             f"(shapes that are: {' or '.join(map(str, fits))}); rename the leaf if it is something else")
+    mask = space_tree(obs_space)[MASK] if shape is not None and fits else None
+    if mask is not None and not (np.issubdtype(mask.dtype, np.integer) or np.issubdtype(mask.dtype, np.bool_)):
+        raise UsageError(f"--env-id {env_id}: its observation's {MASK!r} space {mask} holds {mask.dtype}; a mask of "
+                         "legal actions is bool or integer (1: legal, 0: not); rename the leaf if it is something else")
     for leaf in jax.tree.leaves(space_tree(obs_space)):
         if type(leaf).__name__ not in ("Box", "Discrete", "MultiBinary"):
             raise UsageError(f"--env-id {env_id} has {type(leaf).__name__} observations; these scripts take Box, "
@@ -251,6 +255,25 @@ def mask_shape(obs_space):
     user's env's); None without one."""
     tree = space_tree(obs_space)
     return tuple(tree[MASK].shape) if isinstance(tree, dict) and MASK in tree else None
+
+
+def check_legal(env_id: str, obs, env_ids, acting, steps, when: str = "of its episode"):
+    """gym_pool.EnvError, raised in the actor (the run stops with exit 1 and a checkpoint, naming
+    the env), for the first env of a batch whose observation's "action_mask" holds a value other
+    than 0 and 1, or none legal (a factored mask: for one of its dimensions) where an action is to
+    be taken (`acting`: not the episode's last observation, whose action the env ignores; Jumanji's
+    games end when none is left): the policy would play an illegal action in silence. `steps`: each
+    env's step, `when` they count. Nothing where the observation has no mask."""
+    if not isinstance(obs, dict) or MASK not in obs:
+        return
+    mask, policy = np.asarray(obs[MASK]), policy_space(env_id)
+    rows = mask.reshape(len(mask), len(policy.nvec) if hasattr(policy, "nvec") else 1, -1)
+    odd = ((rows != 0) & (rows != 1)).any(axis=(1, 2)) if mask.dtype != bool else np.zeros(len(mask), bool)
+    empty = np.asarray(acting) & ~rows.any(axis=2).all(axis=1)
+    if odd.any() or empty.any():
+        i = int(np.flatnonzero(odd | empty)[0])
+        what = f"values other than 0 and 1 ({np.unique(rows[i]).tolist()})" if odd[i] else "no legal action"
+        raise gym_pool.EnvError(f"env {int(env_ids[i])}'s {MASK!r} has {what} at step {int(steps[i])} {when}")
 
 
 def choices(action_space):

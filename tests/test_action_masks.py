@@ -4,6 +4,7 @@ recomputation with the stored masks, and DQN's ε-greedy, greedy action and targ
 legal actions. (Which tasks get which policy, and the env's actions: tests/test_lib_tasks.py.)"""
 
 import queue
+import re
 
 import gymnasium
 import jax
@@ -13,7 +14,8 @@ import pytest
 from scipy import stats
 
 from helpers import load_script, read_metrics, run_main
-from jax_async_rl import evaluation, tasks, threads
+from jax_async_rl import evaluation, gym_pool, rounds, tasks, threads
+from jax_async_rl.flags import UsageError
 
 ppo = load_script("ppo_sync_baseline.py")  # the PPO family's math is the same text (test_scripts.SAME_TEXT)
 dqn = load_script("dqn_envpool.py")
@@ -384,3 +386,119 @@ def test_masked_agents_learn_legal_moves(script, tmp_path, capsys):
     returns = [r["value"] for r in read_metrics(tmp_path / "run") if r["tag"] == "charts/episodic_return"]
     means = np.convolve(returns, np.ones(20) / 20, "valid")
     assert means[0] < 8 and means.max() >= 12, (means[0], means.max())
+
+
+# ---------------------------------------------------------------------------------------------
+# A mask that cannot be obeyed: refused at start-up (floats), or the env named where it is seen
+# ---------------------------------------------------------------------------------------------
+
+LEGAL_MOVES = "tests.user_envs:LegalMoves"
+
+
+class WrongMasks:
+    """envpool's interface (async_reset, recv and send; reset and step for the sync loop) over B
+    envs of LegalMoves' observations (3 of 8 actions legal) whose mask goes wrong at step `at` of
+    their episodes: "empty" (no legal action, the game going on) or "two" (a value 2): the actor
+    loops run on it without worker processes."""
+
+    def __init__(self, B: int, kind: str, at: int = 3, split: int = 0):
+        self.B, self.kind, self.at, self.split = B, kind, at, split or B
+        self.observation_space = tasks.spaces(LEGAL_MOVES)[0]
+        self.action_space = gymnasium.spaces.Discrete(8)
+        self.t, self.pending = np.zeros(B, np.int64), []
+
+    def batch(self, ids):
+        mask = np.zeros((len(ids), 8), np.int8)
+        mask[:, :3] = 1
+        wrong = self.t[ids] == self.at
+        if self.kind == "empty":
+            mask[wrong] = 0
+        else:
+            mask[wrong, 0] = 2
+        zeros = np.zeros(len(ids), bool)
+        info = {"env_id": ids, "elapsed_step": self.t[ids].copy()}
+        return {"target": np.zeros(len(ids), np.int64), "action_mask": mask}, np.zeros(len(ids)), zeros, zeros, info
+
+    def async_reset(self):
+        self.pending = [np.arange(i, i + self.split) for i in range(0, self.B, self.split)]
+
+    def recv(self):
+        return self.batch(self.pending.pop(0))
+
+    def send(self, action, env_ids):
+        self.t[env_ids] += 1
+        self.pending.append(np.asarray(env_ids))
+
+    def reset(self):
+        return self.batch(np.arange(self.B))[0], {}
+
+    def step(self, action):
+        self.t += 1
+        return self.batch(np.arange(self.B))
+
+
+def test_a_float_mask_is_refused_at_start_up_naming_the_env_and_the_space(tmp_path, capsys):
+    obs_space = gymnasium.spaces.Dict({"action_mask": gymnasium.spaces.Box(0.0, 1.0, (8,), np.float32)})
+    with pytest.raises(UsageError, match="--env-id Mine-v0: its observation's 'action_mask' space Box.*float32"):
+        tasks.check_spaces("Mine-v0", obs_space, gymnasium.spaces.Discrete(8))
+    for dtype in (np.int8, np.bool_, np.int64):  # integer and bool masks pass
+        tasks.check_spaces("Mine-v0", gymnasium.spaces.Dict({"action_mask": gymnasium.spaces.Box(0, 1, (8,), dtype)}),
+                           gymnasium.spaces.Discrete(8))
+    code, _, err = run_main("ppo_sync_baseline.py", ["--env-id", "tests.user_envs:FloatMask", "--run-dir",
+                                                     tmp_path / "run"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "'action_mask' space Box" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("kind, says", [("empty", "no legal action at step 3 of its episode"),
+                                        ("two", "values other than 0 and 1 ([0, 1, 2]) at step 3 of its episode")])
+@pytest.mark.parametrize("script", ["ppo_sync_baseline.py", "appo_envpool.py", "impala_envpool.py", "dqn_envpool.py"])
+def test_a_mask_that_cannot_be_obeyed_stops_the_actor_naming_the_env_and_step(script, kind, says):
+    """Each actor loop that applies masks (the sync loop, the Python actor, the replay rounds'
+    Collector: DQN's) raises gym_pool.EnvError (the run's one line, exit 1, a checkpoint) where it
+    used to play action 0 in silence. An episode's last observation may have none legal (Jumanji's
+    games end so): test_lib_tasks has check_legal's cases."""
+    module, B = load_script(script), 4
+    flags = {"ppo_sync_baseline.py": {}, "dqn_envpool.py": dict(num_splits=2, batch_size=32, replay_ratio=1.0)}
+    args = module.resolve_args(module.Args(env_id=LEGAL_MOVES, num_envs=B, num_steps=8,
+                                           **flags.get(script, dict(num_splits=2))))
+    envs = WrongMasks(B, kind, split=B // 2)
+    with pytest.raises(gym_pool.EnvError, match=rf"env \d's 'action_mask' has {re.escape(says)}"):
+        if script == "dqn_envpool.py":
+            collector = rounds.Collector(envs, lambda params, obs, ids, steps: np.zeros(len(ids), np.int64), args, 0,
+                                         threads.Shared(None, 0), 0)
+            collector.collect(None, 0)
+            return
+        network, _, continuous, normalizer, state = module.build(args, jax.random.PRNGKey(0))
+        policy_step = module.make_policy_step(network, continuous, values=script == "ppo_sync_baseline.py")
+        if script == "ppo_sync_baseline.py":
+            obs = envs.reset()[0]
+            module.collect_rollout(envs, policy_step, state["params"], obs, np.zeros(B, bool), None,
+                                   jax.random.PRNGKey(1), 0, tasks.EpisodeStats(B), normalizer, args,
+                                   {"env": 0.0, "inference": 0.0})
+        else:
+            module.actor_loop(envs, policy_step, threads.Shared(state["params"], 0, normalizer), queue.Queue(),
+                              jax.random.PRNGKey(1), args, 2)
+
+
+def test_the_xla_actor_names_a_mask_with_no_legal_action(monkeypatch):
+    """appo_envpool_xla.py's actor checks each rollout's masks as it comes back from its jitted loop
+    (Minesweeper-v0, its masks emptied inside the loop where the actor reads them)."""
+    module, B = load_script("appo_envpool_xla.py"), 4
+    args = module.resolve_args(module.Args(env_id="Minesweeper-v0", num_envs=B, num_steps=4, num_splits=2))
+    network, _, continuous, normalizer, state = module.build(args, jax.random.PRNGKey(0))
+    f32 = module.f32
+
+    def emptied(tree):  # the observations the loop stores: no legal action in any
+        tree = f32(tree)
+        return dict(tree, action_mask=jnp.zeros_like(tree["action_mask"])) if isinstance(tree, dict) else tree
+
+    monkeypatch.setattr(module, "f32", emptied)
+    envs = tasks.make_env("Minesweeper-v0", B, 3, 1, train=True, batch_size=B // 2)
+    try:
+        with pytest.raises(gym_pool.EnvError, match=r"env \d's 'action_mask' has no legal action at step \d+ of the run"):
+            module.actor_loop(envs, module.make_policy_step(network, continuous, values=False),
+                              threads.Shared(state["params"], 0, normalizer), queue.Queue(), jax.random.PRNGKey(1),
+                              args, 1)
+    finally:
+        envs.close()

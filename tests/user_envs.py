@@ -195,3 +195,17 @@ class LegalMoves(gymnasium.Env):
             return self.draw(), self.penalty, True, False, {}
         reward = float(action == self.target)
         return self.draw(), reward, False, self.t >= self.length, {}
+
+
+class FloatMask(LegalMoves):
+    """LegalMoves with its mask as floats (tests/test_action_masks.py: refused at start-up)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.observation_space = gymnasium.spaces.Dict({
+            "target": gymnasium.spaces.Discrete(self.actions),
+            "action_mask": gymnasium.spaces.Box(0.0, 1.0, (self.actions,), np.float32)
+        })
+
+    def draw(self):
+        return dict(super().draw(), action_mask=self.mask.astype(np.float32))
