@@ -598,14 +598,13 @@ class Trajectories:
 
 def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts, device=None, thread=0, first=0,
                resume=None):
-    """Double-buffered sampling (Sample Factory §3.2): act on the split `recv()` returns while
-    envpool steps the others; queue `num_rollouts` rollouts (Trajectories), each with the games
-    that ended in it, blocking while the queue is full. Rollout m (from `first`) is acted with the
-    parameters `acting_version` names (§3.4; exactly those with --deterministic), each env's draws
-    keyed by its index and step. With --lstm, `memory` holds each env's state, reset where an
-    episode starts; a rollout records the states before its row 0 (Sample Factory's: no burn-in).
-    Thread `thread` acts on `device`. `resume` (--deterministic): the journal's actions [steps, B,
-    ...] and states that put the envs back where the run stopped (journal.replay)."""
+    """Double-buffered sampling (Sample Factory §3.2): act on the split `recv()` returns while envpool steps the
+    others; queue `num_rollouts` rollouts (Trajectories), each with the games that ended in it, blocking while
+    the queue is full. Rollout m (from `first`) is acted with the parameters `acting_version` names (§3.4;
+    exactly those with --deterministic), each env's draws keyed by its index and step. With --lstm, `memory`
+    holds each env's state, reset where an episode starts; a rollout records the states before its row 0 (Sample
+    Factory's: no burn-in). Thread `thread` acts on `device`. `resume` (--deterministic): the journal's actions
+    [steps, B, ...] and states that put the envs back where the run stopped (journal.replay)."""
     T, B = args.num_steps, args.num_envs
     memory = zero_core(args.lstm_size, B)[0] if args.lstm else None  # (c, h) [B, lstm_size], by env id
     stats, timing, pushed = tasks.EpisodeStats(B), shared.timing, 0
@@ -623,8 +622,7 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
         if memory is not None:  # the envs' states, and which observations start an episode
             core = jax.tree.map(lambda s: s[env_ids], memory), trajectories.prev_dones[env_ids] | ~ended
         stats.update(env_ids, reward, terminated, truncated, info)  # game scores: raw rewards
-        if args.action_mask:  # no legal action (or not a mask of 0s and 1s): the env's fault, named
-            tasks.check_legal(args.env_id, obs, env_ids, ~(terminated | truncated), info["elapsed_step"])
+        tasks.check_legal(args, obs, env_ids, ~(terminated | truncated), info["elapsed_step"])  # masks obeyable
         if ended.any() and index.max() == trajectories.start:  # the last step replayed: its games were logged
             stats.pop()
         done = terminated | truncated

@@ -716,11 +716,10 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
         if not complete:  # an env ran R rollouts ahead of another (one env's step took that long)
             carry, R = jax.device_put(grown(carry, R), device), 2 * R
             continue
-        if args.action_mask:  # no legal action (or not 0s and 1s) in a row's mask: the env's fault, named
-            T, B = rollout["valid"].shape
-            tasks.check_legal(args.env_id, jax.tree.map(lambda x: x.reshape(T * B, *x.shape[2:]), rollout["obs"]),
-                              np.tile(np.arange(B), T), rollout["valid"].ravel() > 0,
-                              (first + pushed) * T + np.repeat(np.arange(T), B), "of the run")
+        T, B = rollout["valid"].shape  # the rollout's masks, obeyable (appo_envpool.py checks each step's)
+        tasks.check_legal(args, jax.tree.map(lambda x: x.reshape(T * B, *x.shape[2:]), rollout["obs"]),
+                          np.tile(np.arange(B), T), rollout["valid"].ravel() > 0,
+                          (first + pushed) * T + np.repeat(np.arange(T), B), "of the run")
         timing["bookkeeping"] += (start := time.perf_counter()) - now
         rollout["host"]["games"] = games
         if not threads.put(rollout_queue, rollout, shared.stop):

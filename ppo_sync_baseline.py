@@ -474,8 +474,7 @@ def collect_rollout(envs, policy_step, params, obs, prev_dones, core, key, first
         reward = np.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's: undefined (dm_control)
         timing["env"] += time.perf_counter() - start
         stats.update(env_ids, reward, terminated, truncated, info)
-        if args.action_mask:  # no legal action (or not a mask of 0s and 1s): the env's fault, named
-            tasks.check_legal(args.env_id, obs, env_ids, ~(terminated | truncated), info["elapsed_step"])
+        tasks.check_legal(args, obs, env_ids, ~(terminated | truncated), info["elapsed_step"])  # masks obeyable
         rollout["valid"][t], prev_dones = 1.0 - prev_dones, terminated | truncated
         core = None if core is None else (state, rollout["valid"][t] == 0)  # after a reset step, an episode starts
         obs, reward = normalizer.observe(obs), normalizer.reward(reward, prev_dones, env_ids)

@@ -37,15 +37,7 @@ class Bound:
     """A flag's allowed range, declared in its annotation: `test(value)` must hold."""
 
     test: typing.Callable
-    says: str  # "must be positive", ...
-
-    def check(self, name: str, value):
-        if value is None:
-            return
-        if isinstance(value, float) and not math.isfinite(value):
-            raise UsageError(f"--{flag_name(name)} must be a finite number, got {value}")
-        if not self.test(value):
-            raise UsageError(f"--{flag_name(name)} {self.says}, got {value}")
+    says: str  # "must be positive", ... (out_of_range)
 
 
 POSITIVE = Bound(lambda v: v > 0, "must be positive")

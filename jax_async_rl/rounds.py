@@ -46,7 +46,7 @@ class Collector:
 
     def __init__(self, envs, act, args, thread: int, shared, first: int, recurrent: bool = False):
         self.envs, self.act, self.shared, self.thread, self.first = envs, act, shared, thread, first
-        self.masked = args.env_id if getattr(args, "action_mask", False) else None  # its masks checked (check_legal)
+        self.args = args
         self.recvs, self.offset = args.num_steps * args.num_splits, thread * args.num_envs
         self.steps = np.full(args.num_envs, first * args.num_steps, np.int64)  # each env's steps over the run
         self.stats = tasks.EpisodeStats(args.num_envs)
@@ -75,8 +75,7 @@ class Collector:
             timing["inference"] += (start := time.perf_counter()) - now
             self.envs.send(tasks.env_action(action, self.envs.action_space), env_ids)
             self.stats.update(env_ids, reward, terminated, truncated, info)
-            if self.masked:  # no legal action (or not a mask of 0s and 1s): the env's fault, named
-                tasks.check_legal(self.masked, obs, env_ids, ~(terminated | truncated), info["elapsed_step"])
+            tasks.check_legal(self.args, obs, env_ids, ~(terminated | truncated), info["elapsed_step"])  # masks
             rows.append(
                 (env_ids + self.offset, obs, action, reward, terminated, truncated, info["elapsed_step"], *state))
             self.steps[env_ids] += 1

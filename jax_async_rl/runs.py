@@ -330,13 +330,13 @@ def stale_warning(scalars: dict, args):
 
 
 def prepare(args, resolve, resumed: bool):
-    """Resolve and check the flags (`resolve`: the script's), make one env of the task (tasks.probe)
-    and pick the devices: (args, actor devices, the learner's mesh). UsageError for a bad flag; with many processes, in every process
-    if one has one, or if their flags differ (devices.agree_on_flags)."""
+    """Resolve and check the flags (`resolve`: the script's), make one env of the task (probe) and
+    pick the devices: (args, actor devices, the learner's mesh). UsageError for a bad flag; with
+    many processes, in every process if one has one, or if their flags differ (devices.agree_on_flags)."""
     error = actor_devices = mesh = None
     try:
         args = resolve(args)
-        tasks.probe(args.env_id)  # one env made, or envpool's error in one line
+        probe(args.env_id)  # one env made, or envpool's error in one line
         devices.use_compile_cache(args.compile_cache)
         actor_devices, mesh = devices.make_mesh(args)
         if jax.process_index() == 0:  # it alone writes the folder
@@ -347,6 +347,17 @@ def prepare(args, resolve, resumed: bool):
     if error is not None:
         raise error
     return args, actor_devices, mesh
+
+
+def probe(env_id: str):
+    """Make one env of an envpool task and close it: UsageError with envpool's own error in one line
+    where it cannot (a data file its package lacks: Sudoku-v0's database), before a folder or a compile."""
+    if env_id not in tasks.USER_ENVS:  # a user's env was made already (tasks.user_maker)
+        try:
+            tasks.make_env(env_id, 1, 0, 1, train=True).close()
+        except Exception as e:
+            raise UsageError(f"--env-id {env_id} cannot be made here: envpool says "
+                             f"{(str(e) or type(e).__name__).splitlines()[0]}") from None
 
 
 def checked(args):

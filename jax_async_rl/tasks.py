@@ -191,10 +191,8 @@ def check_spaces(env_id: str, obs_space, action_space):
         raise UsageError(
             f"--env-id {env_id}: its observation's {MASK!r} {shape} is no mask of its {action_space} actions "
             f"(shapes that are: {' or '.join(map(str, fits))}); rename the leaf if it is something else")
-    mask = space_tree(obs_space)[MASK] if shape is not None and fits else None
-    if mask is not None and not (np.issubdtype(mask.dtype, np.integer) or np.issubdtype(mask.dtype, np.bool_)):
-        raise UsageError(f"--env-id {env_id}: its observation's {MASK!r} space {mask} holds {mask.dtype}; a mask of "
-                         "legal actions is bool or integer (1: legal, 0: not); rename the leaf if it is something else")
+    if shape is not None and fits and space_tree(obs_space)[MASK].dtype.kind not in "biu":  # bool, int, uint
+        raise UsageError(f"--env-id {env_id}: its {MASK!r} space {space_tree(obs_space)[MASK]} is not of bools or ints")
     for leaf in jax.tree.leaves(space_tree(obs_space)):
         if type(leaf).__name__ not in ("Box", "Discrete", "MultiBinary"):
             raise UsageError(f"--env-id {env_id} has {type(leaf).__name__} observations; these scripts take Box, "
@@ -235,21 +233,6 @@ def make_env(env_id: str, num_envs: int, seed: int, num_threads: int, train: boo
     return envpool.make(env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, num_threads=num_threads, **kwargs)
 
 
-@functools.lru_cache(maxsize=None)
-def probe(env_id: str):
-    """Make one env of an envpool task and close it (once a process): UsageError with envpool's own
-    error in one line where it cannot (a data file its package lacks, as Sudoku-v0's database),
-    before a run makes its folder or compiles. A user's env was made already (user_maker)."""
-    if env_id in USER_ENVS:
-        return
-    try:
-        env = make_env(env_id, 1, 0, 1, train=True)
-    except Exception as e:
-        raise UsageError(f"--env-id {env_id} cannot be made here: envpool says "
-                         f"{(str(e) or type(e).__name__).splitlines()[0]}") from None
-    env.close()
-
-
 def mask_shape(obs_space):
     """The shape of one observation's legal actions, its Dict's "action_mask" leaf (Jumanji's, or a
     user's env's); None without one."""
@@ -257,21 +240,17 @@ def mask_shape(obs_space):
     return tuple(tree[MASK].shape) if isinstance(tree, dict) and MASK in tree else None
 
 
-def check_legal(env_id: str, obs, env_ids, acting, steps, when: str = "of its episode"):
-    """gym_pool.EnvError, raised in the actor (the run stops with exit 1 and a checkpoint, naming
-    the env), for the first env of a batch whose observation's "action_mask" holds a value other
-    than 0 and 1, or none legal (a factored mask: for one of its dimensions) where an action is to
-    be taken (`acting`: not the episode's last observation, whose action the env ignores; Jumanji's
-    games end when none is left): the policy would play an illegal action in silence. `steps`: each
-    env's step, `when` they count. Nothing where the observation has no mask."""
-    if not isinstance(obs, dict) or MASK not in obs:
+def check_legal(args, obs, env_ids, acting, steps, when: str = "of its episode"):
+    """With --action-mask, gym_pool.EnvError (the actor's: exit 1, a checkpoint) naming the first env whose
+    "action_mask" holds values other than 0 and 1, or none legal (a factored mask: in a dimension) where an
+    action is taken (`acting`: not an episode's last observation), and its step (`steps`, counted `when`)."""
+    if not getattr(args, "action_mask", False) or not isinstance(obs, dict) or MASK not in obs:
         return
-    mask, policy = np.asarray(obs[MASK]), policy_space(env_id)
-    rows = mask.reshape(len(mask), len(policy.nvec) if hasattr(policy, "nvec") else 1, -1)
-    odd = ((rows != 0) & (rows != 1)).any(axis=(1, 2)) if mask.dtype != bool else np.zeros(len(mask), bool)
-    empty = np.asarray(acting) & ~rows.any(axis=2).all(axis=1)
-    if odd.any() or empty.any():
-        i = int(np.flatnonzero(odd | empty)[0])
+    rows = np.asarray(obs[MASK]).reshape(len(env_ids), len(getattr(policy_space(args.env_id), "nvec", [0])), -1)
+    odd = ((rows != 0) & (rows != 1)).any(axis=(1, 2))
+    wrong = odd | np.asarray(acting) & ~rows.any(axis=2).all(axis=1)
+    if wrong.any():
+        i = int(np.flatnonzero(wrong)[0])
         what = f"values other than 0 and 1 ({np.unique(rows[i]).tolist()})" if odd[i] else "no legal action"
         raise gym_pool.EnvError(f"env {int(env_ids[i])}'s {MASK!r} has {what} at step {int(steps[i])} {when}")
 

@@ -359,8 +359,6 @@ def test_an_env_envpool_cannot_make_is_envpool_s_line_before_anything_starts(fam
             raise RuntimeError(f"failed to open {task_id}'s data file\n(envpool's second line)")
 
         monkeypatch.setattr(envpool, "make", make)
-    if hasattr(tasks, "probe"):  # a task this process made before is not made again
-        tasks.probe.cache_clear()
     run_dir, script = tmp_path / "run", "ppo_sync_baseline.py"
     args = load_script(script).Args(env_id=env_id, run_dir=str(run_dir), **FAMILY_FLAGS, **FAMILY_TINY[script])
     code, _, err = run_main(script, args, capsys)

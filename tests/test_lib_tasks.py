@@ -1,6 +1,8 @@
 """jax_async_rl.tasks: which tasks are served (one line for the rest), their family and preset,
 the spaces and the observations envpool returns, the encoder of each leaf, the game scores."""
 
+import types
+
 import envpool
 import gymnasium
 import jax
@@ -203,16 +205,21 @@ def test_check_legal_names_the_env_and_step_of_a_mask_that_cannot_be_obeyed():
     naming the env and its step; none legal on an episode's last observation (Jumanji's games end
     so; the env ignores that action) passes; a factored mask needs a legal action in each row."""
     ids, steps, empty = np.array([4, 5, 6]), np.array([10, 11, 12]), np.zeros((3, 10, 10), np.int8)
-    tasks.check_legal("Minesweeper-v0", {"action_mask": empty}, ids, np.zeros(3, bool), steps)
+
+    def masked(env_id, action_mask=True):  # a script's args
+        return types.SimpleNamespace(env_id=env_id, action_mask=action_mask)
+
+    tasks.check_legal(masked("Minesweeper-v0"), {"action_mask": empty}, ids, np.zeros(3, bool), steps)
     with pytest.raises(gym_pool.EnvError, match="env 5's 'action_mask' has no legal action at step 11 of its episode"):
-        tasks.check_legal("Minesweeper-v0", {"action_mask": empty}, ids, np.array([False, True, False]), steps)
+        tasks.check_legal(masked("Minesweeper-v0"), {"action_mask": empty}, ids, np.array([False, True, False]), steps)
+    tasks.check_legal(masked("Minesweeper-v0", False), {"action_mask": empty}, ids, np.ones(3, bool), steps)  # an input
     odd = np.ones((3, 10, 10), np.int8)
     odd[0, 3, 3] = -1
     with pytest.raises(gym_pool.EnvError, match=r"env 4's 'action_mask' has values other than 0 and 1 \(\[-1, 1\]\)"):
-        tasks.check_legal("Minesweeper-v0", {"action_mask": odd}, ids, np.zeros(3, bool), steps, "of the run")
+        tasks.check_legal(masked("Minesweeper-v0"), {"action_mask": odd}, ids, np.zeros(3, bool), steps, "of the run")
     factored = np.ones((3, 10, 5), np.int8)  # Connector-v2: 10 agents, 5 moves each
     factored[2, 7] = 0
     with pytest.raises(gym_pool.EnvError, match="env 6's 'action_mask' has no legal action at step 12"):
-        tasks.check_legal("Connector-v2", {"action_mask": factored}, ids, np.ones(3, bool), steps)
-    tasks.check_legal("Connector-v2", {"action_mask": factored[:2] > 0}, ids[:2], np.ones(2, bool), steps[:2])
-    tasks.check_legal("CartPole-v1", np.zeros((3, 4), np.float32), ids, np.ones(3, bool), steps)  # no mask
+        tasks.check_legal(masked("Connector-v2"), {"action_mask": factored}, ids, np.ones(3, bool), steps)
+    tasks.check_legal(masked("Connector-v2"), {"action_mask": factored[:2] > 0}, ids[:2], np.ones(2, bool), steps[:2])
+    tasks.check_legal(masked("CartPole-v1"), np.zeros((3, 4), np.float32), ids, np.ones(3, bool), steps)  # no mask
