@@ -92,7 +92,10 @@ def save_checkpoint(path: str, state: dict, args, normalizer, script: str, carry
         return
     payload = {
         "state": flax.serialization.to_state_dict(jax.device_get(dict(state, **normalizer.state()))),
-        "config": json.dumps({k: v for k, v in dataclasses.asdict(args).items() if k not in PLACE}),
+        "config": json.dumps({
+            k: v
+            for k, v in dataclasses.asdict(args).items() if k not in PLACE
+        }),
         "script": os.path.basename(script),
         "script_path": os.path.abspath(script),
     }
@@ -213,8 +216,9 @@ def resume_args(args, given, script: str):
     until_added = {**{name: getattr(defaults, name) for name in fields}, **getattr(type(args), "UNTIL_ADDED", {})}
     stored = {name: payload["config"].get(name, until_added[name]) for name in fields}
     # The file's flags pass the command line's checks (their types, then their ranges), named as the file's
-    stored.update(stored_flags(type(args), {name: stored[name] for name in fields if name not in given},
-                               f"--resume {path}"))
+    stored.update(
+        stored_flags(type(args), {name: stored[name]
+                                  for name in fields if name not in given}, f"--resume {path}"))
     changed = {name: getattr(args, name) for name in fields if name in given and getattr(args, name) != stored[name]}
     for name in FIXED_ON_RESUME:
         if name in changed:

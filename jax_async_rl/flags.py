@@ -197,11 +197,9 @@ def from_json(hint, value):
             return origin(from_json(inner[0], element) for element in value)
         except TypeError:
             raise TypeError(type_words(kind)) from None
-    simple = {bool: value is True or value is False, int: type(value) is int, str: isinstance(value, str),
-              float: type(value) in (int, float)}
-    if origin is None and kind in simple and simple[kind]:
-        return float(value) if kind is float else value
-    if origin in (list, tuple) or kind in simple:
+    if origin is None and (type(value) is kind or kind is float and type(value) is int):
+        return float(value) if kind is float else value  # JSON's 3 is a float flag's 3.0; True is not an int
+    if origin in (list, tuple) or kind in (bool, int, str, float):
         raise TypeError(type_words(kind))
     return value
 

@@ -119,8 +119,9 @@ def verify(run_dir: str, carried, updates: int, shape, dtype, action_space):
     journal cannot be verified, and its actions are checked against the action space only."""
     record = carried.get("journal") if isinstance(carried, dict) else None
     if not isinstance(record, dict):
-        print(f"note: the checkpoint records no digest of {os.path.join(run_dir, JOURNAL)} (it was written before "
-              "checkpoints kept one): its actions are checked against the action space only", file=sys.stderr)
+        print(
+            f"note: the checkpoint records no digest of {os.path.join(run_dir, JOURNAL)} (it was written before "
+            "checkpoints kept one): its actions are checked against the action space only", file=sys.stderr)
         record = None
     Journal(run_dir, np.zeros(shape, dtype)).read(updates, record, action_space, cut=False)
 
@@ -168,7 +169,8 @@ class Keeper:
         self.placed = placed  # the carried parameters placed as the learner's are (runs.Run's mesh)
         record = self.carried.get("journal")  # checked at start-up (verify); again here, as it is cut
         record = record if isinstance(record, dict) else None
-        self.actions = self.journal.read(updates, record).reshape(-1, *shape[1:]) if updates else None  # [steps, B, ...]
+        self.actions = self.journal.read(updates, record).reshape(-1, *
+                                                                  shape[1:]) if updates else None  # [steps, B, ...]
         # What a checkpoint carries until the first update: what the resume carried.
         self.published = self.acting()
         self.memories = [self.resumption(i)["memory"] for i in range(threads)] if "memory" in self.carried else None

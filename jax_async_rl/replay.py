@@ -93,8 +93,9 @@ def check_first_sample(args, chunk: int):
     if rounds * args.num_steps >= need:
         return
     what, fix = ((f"a sequence of --burn-in {args.burn_in} + --seq-len {args.seq_len} + --n-step {n}",
-                  "shorten the sequences") if lstm else (f"a transition and its --n-step {n}", "lower --n-step")
-                 if hasattr(args, "n_step") else ("a transition and the next", "raise --num-steps"))
+                  "shorten the sequences") if lstm else (f"a transition and its --n-step {n}",
+                                                         "lower --n-step") if hasattr(args, "n_step") else
+                 ("a transition and the next", "raise --num-steps"))
     raise UsageError(
         f"--learning-starts {args.learning_starts} learns first in round {rounds}, after {rounds * args.num_steps} "
         f"steps of each env (--num-steps {args.num_steps} a round), and {what} needs {need} steps of an env: raise "

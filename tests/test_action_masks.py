@@ -439,13 +439,14 @@ class WrongMasks:
 
 def test_a_float_mask_is_refused_at_start_up_naming_the_env_and_the_space(tmp_path, capsys):
     obs_space = gymnasium.spaces.Dict({"action_mask": gymnasium.spaces.Box(0.0, 1.0, (8,), np.float32)})
-    with pytest.raises(UsageError, match=r"--env-id Mine-v0: its 'action_mask' space Box\(.*float32\) is not of bools or ints"):
+    with pytest.raises(UsageError,
+                       match=r"--env-id Mine-v0: its 'action_mask' space Box\(.*float32\) is not of bools or ints"):
         tasks.check_spaces("Mine-v0", obs_space, gymnasium.spaces.Discrete(8))
     for dtype in (np.int8, np.bool_, np.int64):  # integer and bool masks pass
         tasks.check_spaces("Mine-v0", gymnasium.spaces.Dict({"action_mask": gymnasium.spaces.Box(0, 1, (8,), dtype)}),
                            gymnasium.spaces.Discrete(8))
-    code, _, err = run_main("ppo_sync_baseline.py", ["--env-id", "tests.user_envs:FloatMask", "--run-dir",
-                                                     tmp_path / "run"], capsys)
+    code, _, err = run_main("ppo_sync_baseline.py",
+                            ["--env-id", "tests.user_envs:FloatMask", "--run-dir", tmp_path / "run"], capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1 and "'action_mask' space Box" in err, err
     assert not (tmp_path / "run").exists()
 
@@ -460,8 +461,8 @@ def test_a_mask_that_cannot_be_obeyed_stops_the_actor_naming_the_env_and_step(sc
     games end so): test_lib_tasks has check_legal's cases."""
     module, B = load_script(script), 4
     flags = {"ppo_sync_baseline.py": {}, "dqn_envpool.py": dict(num_splits=2, batch_size=32, replay_ratio=1.0)}
-    args = module.resolve_args(module.Args(env_id=LEGAL_MOVES, num_envs=B, num_steps=8,
-                                           **flags.get(script, dict(num_splits=2))))
+    args = module.resolve_args(
+        module.Args(env_id=LEGAL_MOVES, num_envs=B, num_steps=8, **flags.get(script, dict(num_splits=2))))
     envs = WrongMasks(B, kind, split=B // 2)
     with pytest.raises(gym_pool.EnvError, match=rf"env \d's 'action_mask' has {re.escape(says)}"):
         if script == "dqn_envpool.py":
@@ -474,8 +475,10 @@ def test_a_mask_that_cannot_be_obeyed_stops_the_actor_naming_the_env_and_step(sc
         if script == "ppo_sync_baseline.py":
             obs = envs.reset()[0]
             module.collect_rollout(envs, policy_step, state["params"], obs, np.zeros(B, bool), None,
-                                   jax.random.PRNGKey(1), 0, tasks.EpisodeStats(B), normalizer, args,
-                                   {"env": 0.0, "inference": 0.0})
+                                   jax.random.PRNGKey(1), 0, tasks.EpisodeStats(B), normalizer, args, {
+                                       "env": 0.0,
+                                       "inference": 0.0
+                                   })
         else:
             module.actor_loop(envs, policy_step, threads.Shared(state["params"], 0, normalizer), queue.Queue(),
                               jax.random.PRNGKey(1), args, 2)
@@ -496,7 +499,8 @@ def test_the_xla_actor_names_a_mask_with_no_legal_action(monkeypatch):
     monkeypatch.setattr(module, "f32", emptied)
     envs = tasks.make_env("Minesweeper-v0", B, 3, 1, train=True, batch_size=B // 2)
     try:
-        with pytest.raises(gym_pool.EnvError, match=r"env \d's 'action_mask' has no legal action at step \d+ of the run"):
+        with pytest.raises(gym_pool.EnvError,
+                           match=r"env \d's 'action_mask' has no legal action at step \d+ of the run"):
             module.actor_loop(envs, module.make_policy_step(network, continuous, values=False),
                               threads.Shared(state["params"], 0, normalizer), queue.Queue(), jax.random.PRNGKey(1),
                               args, 1)

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import (SCRIPT_TABLE, TINY_BATCH, assert_usage_error, count_complete_lines, load_script, read_checkpoint, run_main,
-                     run_script, sigterm_when, tiny_flags)
+from helpers import (SCRIPT_TABLE, TINY_BATCH, assert_usage_error, count_complete_lines, load_script, read_checkpoint,
+                     run_main, run_script, sigterm_when, tiny_flags)
 from jax_async_rl import keys, tasks
 from test_scale import finish_processes, start_processes
 
@@ -167,9 +167,12 @@ def test_a_run_stopped_and_resumed_goes_on_as_the_run_uninterrupted(script, own,
     scalars are logged on the budget's schedule: none more at the stop or at the resume)."""
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     argv = flags_of(
-        script, **{
-            **tiny_flags(script), "env_id": "CartPole-v1",
-            **own, "deterministic": True,
+        script,
+        **{
+            **tiny_flags(script),
+            "env_id": "CartPole-v1",
+            **own,
+            "deterministic": True,
             "total_timesteps": 40 * 64,
             "save_interval": 1000,
             "log_frequency": 3,  # the stop and the resume fall between the logged updates

@@ -317,8 +317,8 @@ def test_sigterm_stops_with_a_checkpoint_and_resume_finishes(tmp_path):
         (dict(total_timesteps=2 ** 31), ["--total-timesteps", "32-bit"]),
         (dict(learning_starts=192), ["--learning-starts 192", "no gradient step"]),  # the whole budget
         # The first round that learns holds 2 steps of each env; a 5-step transition needs 6 (was a RuntimeError)
-        (dict(num_steps=2, n_step=5, learning_starts=0, replay_ratio=4.0),
-         ["--learning-starts 0", "--n-step 5 needs 6", "raise --learning-starts to 16"]),
+        (dict(num_steps=2, n_step=5, learning_starts=0,
+              replay_ratio=4.0), ["--learning-starts 0", "--n-step 5 needs 6", "raise --learning-starts to 16"]),
     ])
 def test_bad_input_gets_one_line_and_exit_2(flags, fragments, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(devices, "available_memory", lambda: 16 * 2 ** 30)  # this machine's, whatever it has
@@ -639,8 +639,10 @@ def test_r2d2_on_two_learner_devices_with_two_actor_threads_and_a_video(tmp_path
         (dict(seq_len=40, buffer_size=160), ["--buffer-size 160 ", "--seq-len 40", "need 47"]),
         (dict(replay_ratio=2.0), ["--replay-ratio 2.0", "6 steps a sequence (--burn-in + --seq-len)", "whole number"]),
         # --learning-starts 64 learns first after 32 steps of each env: no sequence of 46 (was a RuntimeError)
-        (dict(burn_in=40, replay_ratio=5.5), ["--learning-starts 64", "after 32 steps of each env", "--burn-in 40",
-                                              "needs 46", "raise --learning-starts to 128"]),
+        (dict(burn_in=40, replay_ratio=5.5), [
+            "--learning-starts 64", "after 32 steps of each env", "--burn-in 40", "needs 46",
+            "raise --learning-starts to 128"
+        ]),
         (dict(lstm=None, lstm_size=None, seq_len=8), ["--seq-len 8", "--lstm"]),  # no --lstm
         (dict(env_id="tests.user_envs:LegalMoves"), ["--lstm does not apply action masks yet", "--no-action-mask"]),
     ])

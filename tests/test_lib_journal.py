@@ -141,8 +141,8 @@ def test_a_run_writes_no_file_through_a_link_in_its_folder(tmp_path):
     with pytest.raises(OSError):
         Logger(str(run_dir), None)
     assert elsewhere.read_bytes() == b"someone else's file\n"
-    for name, fragment in ((folders.LOCK, "symbolic link"), (journal.JOURNAL, "symbolic link"),
-                           (checkpoints.METRICS, "hard link")):
+    for name, fragment in ((folders.LOCK, "symbolic link"), (journal.JOURNAL, "symbolic link"), (checkpoints.METRICS,
+                                                                                                 "hard link")):
         with pytest.raises(UsageError, match=fragment):
             folders.check_files(str(run_dir))
         (run_dir / name).unlink()

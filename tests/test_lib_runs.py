@@ -84,10 +84,14 @@ BAD_INPUTS = {
     "track-without-wandb": (dict(track=True), ["--track", "pip install"], None),
     "retired-flag": (dict(xla_actor=True), ["--xla-actor", "appo_envpool_xla.py"], None),
     # A checkpoint's config takes the command line's checks, and the line names the file and the key
-    "resume-config-wrong-type": (dict(), [f"--resume {{tmp}}/crafted/{CHECKPOINT}: its config has learning_rate "
-                                          '"abc": must be a number'], lambda run, tmp: crafted(tmp, learning_rate="abc")),
-    "resume-config-out-of-range": (dict(), [f"--resume {{tmp}}/crafted/{CHECKPOINT}: its config has gamma 1.5: "
-                                            "must be in [0, 1]"], lambda run, tmp: crafted(tmp, gamma=1.5)),
+    "resume-config-wrong-type": (dict(), [
+        f"--resume {{tmp}}/crafted/{CHECKPOINT}: its config has learning_rate "
+        '"abc": must be a number'
+    ], lambda run, tmp: crafted(tmp, learning_rate="abc")),
+    "resume-config-out-of-range": (dict(), [
+        f"--resume {{tmp}}/crafted/{CHECKPOINT}: its config has gamma 1.5: "
+        "must be in [0, 1]"
+    ], lambda run, tmp: crafted(tmp, gamma=1.5)),
 }
 
 

@@ -225,9 +225,24 @@ def test_plot_skips_a_run_whose_config_has_a_wrong_type_and_names_the_file_and_k
     the key, and the others are plotted; named on its own, it is an error (exit 2)."""
     plot = load_script(REPO_ROOT / PLOT)
     configured_run(tmp_path / "good", "CartPole-v1", 1, {"exp_name": "appo"}, value=500.0)
-    bad = {"env": ("CartPole-v1", 1, {"exp_name": "appo", "env_id": ["x"]}), "name": ("CartPole-v1", 2, {"exp_name": 3}),
-           "seed": ("CartPole-v1", "7", {"exp_name": "appo"}), "resumes": ("CartPole-v1", 3, {
-               "exp_name": "appo", "resumes": [{"wall_time": "soon"}]})}
+    bad = {
+        "env": ("CartPole-v1", 1, {
+            "exp_name": "appo",
+            "env_id": ["x"]
+        }),
+        "name": ("CartPole-v1", 2, {
+            "exp_name": 3
+        }),
+        "seed": ("CartPole-v1", "7", {
+            "exp_name": "appo"
+        }),
+        "resumes": ("CartPole-v1", 3, {
+            "exp_name": "appo",
+            "resumes": [{
+                "wall_time": "soon"
+            }]
+        })
+    }
     for name, (env_id, seed, flags) in bad.items():
         configured_run(tmp_path / name, env_id, seed, {})
         (tmp_path / name / "config.json").write_text(json.dumps(dict({"env_id": env_id, "seed": seed}, **flags)))
@@ -239,8 +254,13 @@ def test_plot_skips_a_run_whose_config_has_a_wrong_type_and_names_the_file_and_k
     assert sorted(os.listdir(out)) == ["CartPole-v1.png", "summary.md"]
     assert [row[1:3] for row in summary_rows((out / "summary.md").read_text())] == [["appo", "1"]]
     warnings = capsys.readouterr().err.splitlines()
-    keys = {"env": '"env_id" is [\'x\']', "name": '"exp_name" is 3', "seed": '"seed" is \'7\'',
-            "resumes": '"resumes"[0]', "json": "is not JSON"}
+    keys = {
+        "env": '"env_id" is [\'x\']',
+        "name": '"exp_name" is 3',
+        "seed": '"seed" is \'7\'',
+        "resumes": '"resumes"[0]',
+        "json": "is not JSON"
+    }
     assert len(warnings) == len(keys), warnings
     for name, key in keys.items():
         prefix = f"warning: skipped {tmp_path / name}: {tmp_path / name / 'config.json'}"
