@@ -40,6 +40,11 @@ import gymnasium
 import numpy as np
 
 
+class Stopped(Exception):
+    """A blocking call gave up because the run stops (a user env's `recv`): not an error, the
+    thread just ends."""
+
+
 class EnvError(RuntimeError):
     """An env raised in its worker, hung, returned what it cannot, or its worker died: `line`, one
     line naming the env by its index (the run adds its --env-id), and `details`, its traceback."""
@@ -169,7 +174,7 @@ class GymPool:
     """`num_envs` envs made by `make()` (a picklable callable), in splits of `batch_size`, each
     split's envs shared out over processes of its own: `processes` in all (at least one a split,
     at most one an env); `timeout`: the seconds an env may take to answer (--env-timeout); `stop`:
-    the run's stop event, on which a wait gives up (threads.Stopped); see the module docstring."""
+    the run's stop event, on which a wait gives up (Stopped); see the module docstring."""
 
     def __init__(self, make, num_envs: int, batch_size: int, seed: int, processes: int = 1, timeout: float = 300.0,
                  stop=None):
@@ -240,7 +245,7 @@ class GymPool:
         """The first split whose step finished (in all of its workers): (obs, reward, terminated,
         truncated, info). EnvError once an env has not answered for `self.timeout` s; with
         `timeout`, TimeoutError once that many seconds pass first (the splits stay pending: a
-        caller that checks for a stop between waits calls again); threads.Stopped once the run's
+        caller that checks for a stop between waits calls again); Stopped once the run's
         stop is set (a hung env does not hold up a signal)."""
         if not self.pending:
             raise RuntimeError("recv without a pending reset or step")
@@ -260,8 +265,6 @@ class GymPool:
             if give_up is not None and now >= give_up:
                 raise TimeoutError(f"no split answered within {timeout} s")
             if self.stop is not None and self.stop.is_set():
-                from jax_async_rl.threads import Stopped  # here: a worker, which imports this module, imports no JAX
-
                 raise Stopped("the run stops")
             watched = [self.conns[i]
                        for i in waiting] + [self.sentinels[i] for i in waiting if self.sentinels[i] is not None]

@@ -13,8 +13,6 @@ import typing
 
 import tyro
 
-from jax_async_rl import flags
-
 # --help's groups: flags not named here are the algorithm's (or, in flags.RunArgs, the run's).
 ENVIRONMENT = ("env_id", "env_module", "env_kwargs", "env_timeout", "trust_env_module", "seed", "num_envs",
                "num_splits", "num_threads", "norm_obs", "norm_reward")
@@ -59,8 +57,9 @@ def help_text(prog: str, args_class, presets: dict) -> str:
     script's: algorithm, environment, run, devices; a tool's: one), each with a plain metavar, its
     meaning and its default, wrapped to 100 columns."""
     docs, hints = field_docs(args_class), typing.get_type_hints(args_class, include_extras=True)
-    run_fields = {f.name for f in dataclasses.fields(flags.RunArgs)}
-    script = issubclass(args_class, flags.RunArgs)
+    # A script's Args inherits flags.RunArgs (found by name: flags imports this module, not the reverse)
+    run_args = [k for k in args_class.__mro__ if (k.__module__, k.__name__) == ("jax_async_rl.flags", "RunArgs")]
+    run_fields, script = {f.name for k in run_args for f in dataclasses.fields(k)}, bool(run_args)
     groups = {
         "arguments": [],
         "algorithm flags": [],
@@ -81,7 +80,8 @@ def help_text(prog: str, args_class, presets: dict) -> str:
         else:
             group = ("flags" if not script else "environment flags" if name in ENVIRONMENT else
                      "devices flags" if name in DEVICES else "run flags" if name in run_fields else "algorithm flags")
-            flag = f"--{flags.flag_name(name)}" + (f" / --no-{flags.flag_name(name)}" if hint is bool else f" {label}")
+            flag = f"--{name.replace('_', '-')}" + (f" / --no-{name.replace('_', '-')}"
+                                                    if hint is bool else f" {label}")
             default = "(required)" if value is dataclasses.MISSING else default
         text = textwrap.fill(f"{docs.get(name, '')} {default}".strip(), 100, initial_indent=" " * 6,
                              subsequent_indent=" " * 6)

@@ -14,13 +14,8 @@ import numpy as np
 
 from jax_async_rl import devices, folders
 from jax_async_rl.flags import describe_os_error, is_file_system_error
-from jax_async_rl.gym_pool import EnvError
+from jax_async_rl.gym_pool import EnvError, Stopped
 from jax_async_rl.normalize import Normalizer
-
-
-class Stopped(Exception):
-    """A blocking call gave up because the run stops (a user env's `recv`): not an error, the
-    thread just ends."""
 
 
 class Shared:

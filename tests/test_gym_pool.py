@@ -19,8 +19,7 @@ import pytest
 from helpers import gone_within, live
 from user_envs import Stuck
 
-from jax_async_rl.gym_pool import EnvError, GymPool
-from jax_async_rl.threads import Stopped
+from jax_async_rl.gym_pool import EnvError, GymPool, Stopped
 
 
 class Counter(gymnasium.Env):
@@ -175,7 +174,7 @@ def pids_in(pid_dir) -> list:
 @pytest.mark.timeout(120)
 def test_a_hung_env_is_named_and_close_kills_it_and_what_it_started(tmp_path):
     """Env 0 hangs in its second step: a wait with a timeout gives up (TimeoutError), the run's
-    stop ends the wait (threads.Stopped), --env-timeout names the env and the call; close()
+    stop ends the wait (gym_pool.Stopped), --env-timeout names the env and the call; close()
     then leaves no worker, no process an env started, no guard."""
     stop = threading.Event()
     pool = GymPool(functools.partial(Stuck, str(tmp_path), 2), num_envs=2, batch_size=1, seed=0, processes=2,

@@ -103,6 +103,29 @@ def test_the_run_library_is_small_modules_that_import_no_script():
         assert not long_functions(path), (path.name, long_functions(path))
 
 
+def test_no_library_modules_import_each_other():
+    """The library's imports (at any depth in a module, so a deferred import counts) form no cycle:
+    each shared name has one home below the modules that use it."""
+    modules = {path.stem: path for path in (REPO_ROOT / "jax_async_rl").glob("*.py")}
+    imports = {name: set() for name in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("jax_async_rl"):
+                tail = node.module.split(".")[1:] or [alias.name for alias in node.names]
+                imports[name] |= {t for t in tail if t in modules}
+            elif isinstance(node, ast.Import):
+                imports[name] |= {a.name.split(".")[1] for a in node.names if a.name.startswith("jax_async_rl.")}
+    assert imports["runs"] and imports["threads"], "the walk found no imports: the test reads nothing"
+
+    def below(name, seen):  # every module `name` reaches through its imports
+        for other in imports[name] - seen:
+            seen.add(other)
+            below(other, seen)
+        return seen
+
+    assert not [name for name in modules if name in below(name, set())]
+
+
 # What is the same algorithm in several scripts is the same text, so that a fix to one is a fix to all
 # (the networks are what people edit; tests/test_families.py builds every task's network with one).
 SAME_TEXT = [
