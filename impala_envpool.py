@@ -62,7 +62,8 @@ class Args(flags.RunArgs):
     actor_lag: Annotated[Optional[int], NON_NEGATIVE, at_most(64)] = None
     """the actor acts on rollout m with the update on rollout m - 1 - this (acting_version): 1, Cleanba's
     actor; 0, the synchronous limit; None, TorchBeast's (Sample Factory's) free-running actor, up to
-    --queue-size + 1 updates old. --deterministic: exactly that update, else at least it"""
+    --queue-size + 1 updates old. --deterministic: exactly that update (1 where none is given), else
+    at least it"""
     max_policy_lag: Annotated[int, NON_NEGATIVE] = 25
     """transitions chosen by a policy more than this many updates old are masked out of the loss"""
     vtrace_rho_bar: Annotated[float, POSITIVE] = 1.0

@@ -65,7 +65,7 @@ class Args(flags.RunArgs):
     actor_lag: Annotated[Optional[int], NON_NEGATIVE, at_most(64)] = None
     """an actor collects chunk m with the round on chunk m - 1 - this (acting_version): 0, the serial
     mode's data; None, rlpyt's free-running actor (the newest parameters). --deterministic: exactly
-    that round, else at least it"""
+    that round (1 where none is given), else at least it"""
     serial: bool = False
     """one thread: collect a chunk, then learn from the buffer, in turn (rlpyt's serial mode)"""
     buffer_size: Annotated[int, POSITIVE] = 1_000_000

@@ -371,7 +371,7 @@ def checked(args):
     if args.track and importlib.util.find_spec("wandb") is None:
         raise UsageError("--track logs to Weights & Biases, which is not installed: pip install wandb")
     if args.deterministic:
-        check_deterministic(args)
+        args = check_deterministic(args)
     if args.total_timesteps < devices.global_envs(args) * args.num_steps:
         raise UsageError(
             f"--total-timesteps {args.total_timesteps} is less than one update ({devices.describe_batch(args)})")
@@ -379,16 +379,18 @@ def checked(args):
 
 
 def check_deterministic(args):
-    """What --deterministic needs of an asynchronous script's flags: a fixed schedule (an
-    --actor-lag), at lag 0 one split, one actor thread where a normaliser learns. UsageError.
-    The synchronous baseline and --serial (the replay scripts' loop) are deterministic as they are."""
+    """`args` as --deterministic runs them: on a fixed schedule (an --actor-lag; 1 where none is
+    given), at lag 0 one split, one actor thread where a normaliser learns; else UsageError. The
+    synchronous baseline and --serial (the replay scripts' loop) are deterministic as they are."""
     if not hasattr(args, "actor_lag") or getattr(args, "serial", False):
-        return
-    if args.actor_lag is None:
-        raise UsageError("--deterministic acts on a fixed schedule: pass an --actor-lag (None: the free-running actor)")
+        return args
+    if args.actor_lag is None:  # the free-running actor has no schedule: Cleanba's, one update behind
+        print("note: --deterministic acts on a fixed schedule, and --actor-lag None has none: --actor-lag 1")
+        args = dataclasses.replace(args, actor_lag=1)
     if args.actor_lag == 0 and args.num_splits > 1:
         raise UsageError("--actor-lag 0 acts on a rollout once every env has finished the one before, so no split "
                          "steps meanwhile, and with --deterministic none may: pass --num-splits 1")
     if devices.actor_threads(args) > 1 and (getattr(args, "norm_obs", False) or getattr(args, "norm_reward", False)):
         raise UsageError("--deterministic: actor threads share the normaliser in the order their steps come; with "
                          "several (--num-actor-threads x --actor-device-ids) pass --norm-obs False --norm-reward False")
+    return args

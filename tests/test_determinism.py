@@ -4,6 +4,7 @@ script run twice with one seed (identical checkpoints, identical metrics but for
 and timing/*); APPO at --actor-lag 0 against the sync baseline (the same parameters, bit for
 bit); the same on 4 devices; 2 processes as 1 process of 2 devices; the flags it refuses."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -89,7 +90,7 @@ RUNS = {
     "appo-lstm": ("appo_envpool.py", dict(lstm=True, num_splits=2)),
     "appo-2-actor-threads": ("appo_envpool.py", dict(num_actor_threads=2, num_splits=2)),
     "appo-norm-obs": ("appo_envpool.py", dict(norm_obs=True, norm_reward=True, num_splits=2)),
-    "impala": ("impala_envpool.py", dict(actor_lag=1, num_splits=2)),
+    "impala": ("impala_envpool.py", dict(num_splits=2)),  # --deterministic alone: --actor-lag 1
     "xla-actor": ("appo_envpool_xla.py", dict(num_splits=1)),
     "appo-masked-factored": ("appo_envpool.py", dict(env_id="Cleaner-v0", num_splits=2)),  # a mask row a dimension
     "dqn": ("dqn_envpool.py", dict(TINY_REPLAY, actor_lag=1, num_splits=2, prioritized_replay=True, n_step=3)),
@@ -99,7 +100,7 @@ RUNS = {
     "dqn-lstm": ("dqn_envpool.py",
                  dict(TINY_REPLAY, actor_lag=1, num_splits=2, lstm=True, lstm_size=16, seq_len=4, burn_in=2,
                       seq_period=2, n_step=2, batch_size=8, replay_ratio=3.0)),
-    "sac": ("sac_envpool.py", dict(TINY_REPLAY, env_id="Pendulum-v1", actor_lag=1, num_splits=2)),
+    "sac": ("sac_envpool.py", dict(TINY_REPLAY, env_id="Pendulum-v1", num_splits=2)),  # as IMPALA's
     "td3": ("td3_envpool.py", dict(TINY_REPLAY, env_id="Pendulum-v1", actor_lag=1)),
 }
 
@@ -145,6 +146,8 @@ def test_two_runs_with_one_seed_are_identical(name, tmp_path, capsys, monkeypatc
         code, _, err = run_main(script, [*flags_of(script, **flags), "--run-dir", tmp_path / str(i)], capsys)
         assert code == 0, err
     assert_identical(tmp_path / "0", tmp_path / "1")
+    if hasattr(load_script(script).Args, "actor_lag"):  # where none is given, the schedule --deterministic takes
+        assert json.loads((tmp_path / "0" / "config.json").read_text())["actor_lag"] == own.get("actor_lag", 1)
     # The files too, byte for byte: the stored config names neither run folder (checkpoints.PLACE).
     assert (tmp_path / "0" / "checkpoint.msgpack").read_bytes() == (tmp_path / "1" / "checkpoint.msgpack").read_bytes()
     assert os.environ["XLA_FLAGS"].split() == [
@@ -332,22 +335,18 @@ def test_a_run_of_2_processes_is_the_run_of_1_process_with_2_devices(tmp_path, m
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "script, flags, fragments",
-    [
-        ("appo_envpool.py", ["--actor-lag", "None"], ["--deterministic", "--actor-lag"]),
-        ("dqn_envpool.py", [], ["--deterministic", "--actor-lag"]),  # the replay family's actor runs free by default
-        ("appo_envpool.py", ["--actor-lag", "0", "--num-splits", "2"], ["--actor-lag 0", "--num-splits 1"]),
-        ("appo_envpool_xla.py", ["--num-splits", "2"], ["--num-splits 1"]),
-        ("appo_envpool.py", ["--num-actor-threads", "2", "--norm-obs", "True"], ["--num-actor-threads", "--norm-obs"]),
-    ])
+@pytest.mark.parametrize("script, flags, fragments", [
+    ("appo_envpool.py", ["--actor-lag", "0", "--num-splits", "2"], ["--actor-lag 0", "--num-splits 1"]),
+    ("appo_envpool_xla.py", ["--num-splits", "2"], ["--num-splits 1"]),
+    ("appo_envpool.py", ["--num-actor-threads", "2", "--norm-obs", "True"], ["--num-actor-threads", "--norm-obs"]),
+])
 def test_what_it_cannot_reproduce_is_one_line(script, flags, fragments, tmp_path):
     result = run_script(script, ["--env-id", "CartPole-v1", "--deterministic", *flags, "--run-dir", tmp_path / "r"])
     assert_usage_error(result, *fragments)
     assert not (tmp_path / "r").exists()
 
 
-def test_the_checks_count_every_actor_thread_and_leave_serial_runs_alone():
+def test_the_checks_count_every_actor_thread_and_leave_serial_runs_alone(capsys):
     """Actor threads over several actor devices share one normaliser as threads of one device do;
     --serial has no actor to schedule (its loop acts with the newest parameters, in turn)."""
     from types import SimpleNamespace
@@ -359,6 +358,9 @@ def test_the_checks_count_every_actor_thread_and_leave_serial_runs_alone():
     runs.check_deterministic(SimpleNamespace(**base))
     with pytest.raises(UsageError, match="--actor-device-ids"):
         runs.check_deterministic(SimpleNamespace(**{**base, "actor_device_ids": [0, 1]}))
-    runs.check_deterministic(SimpleNamespace(**{**base, "actor_lag": None, "serial": True}))
-    with pytest.raises(UsageError, match="--actor-lag"):
-        runs.check_deterministic(SimpleNamespace(**{**base, "actor_lag": None, "serial": False}))
+    assert runs.check_deterministic(SimpleNamespace(**{**base, "actor_lag": None, "serial": True})).actor_lag is None
+    # No --actor-lag given: the fixed schedule of lag 1 (Cleanba's actor), not a refusal
+    flags = dataclasses.make_dataclass("Flags", [*base, "serial"])(**{**base, "actor_lag": None, "serial": False})
+    assert runs.check_deterministic(flags).actor_lag == 1
+    assert capsys.readouterr(
+    ).out == "note: --deterministic acts on a fixed schedule, and --actor-lag None has none: --actor-lag 1\n"
