@@ -171,10 +171,12 @@ def test_a_sweep_refuses_other_flags_under_its_name(tmp_path):
     (["--grid", "seed=1,2", "--name", "x"], "--seed is the launcher's"),
     (["--grid", "num-envs=4;touch", "--name", "x"], "'4;touch' names the runs' folders"),
     (["--grid", "num-envs=4,-2", "--name", "x", "--slurm"], "--num-envs must be positive, got -2"),
+    (["--grid", "num-envs=4,4", "--name", "x"], "4 is named twice (its runs would write one folder)"),
 ])
 def test_bad_launcher_input_is_one_line(tmp_path, argv, fragment):
     result = launch(tmp_path, *argv)
     assert result.returncode == 2 and fragment in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert len(result.stderr.splitlines()) == 1 and not list(tmp_path.iterdir()), result.stderr
 
 
 @pytest.mark.timeout(600)
@@ -364,6 +366,7 @@ def test_the_slurm_script_quotes_every_value(tmp_path):
     ("wandb-project=..", "'..'"),
     ("exp=../up", "'../up'"),
     ("num-envz=4", "unknown flag --num-envz; did you mean --num-envs?"),
+    ("num-envs=4,8,4", "--grid num-envs=4,8,4: 4 is named twice"),  # two array tasks wrote one folder
 ])
 def test_a_grid_value_is_checked_before_the_slurm_script_is_written(grid, fragment, tmp_path):
     """The sbatch file runs later, on a cluster: a grid value its runs would refuse (the script's

@@ -84,8 +84,8 @@ GRID_WORD = re.compile(r"[A-Za-z0-9._+:@%=-]+")
 
 
 def parse_grid(grid: list) -> list:
-    """["lr=1,2", ...] -> [("lr", ["1", "2"]), ...]; UsageError for a malformed entry, or a flag or
-    value of other characters than GRID_WORD's."""
+    """["lr=1,2", ...] -> [("lr", ["1", "2"]), ...]; UsageError for a malformed entry, a flag or
+    value of other characters than GRID_WORD's, or a value or a flag named twice (two runs of one folder)."""
     axes = []
     for entry in grid:
         flag, _, values = entry.partition("=")
@@ -96,6 +96,9 @@ def parse_grid(grid: list) -> list:
             if not GRID_WORD.fullmatch(word) or word in (".", ".."):
                 raise UsageError(f"--grid {entry}: {word!r} names the runs' folders and goes into the SLURM script: "
                                  "letters, digits and . _ - + : @ % = only (pass other values after --)")
+        twice = [v for i, v in enumerate(values.split(",")) if v in values.split(",")[:i]]
+        if twice:
+            raise UsageError(f"--grid {entry}: {twice[0]} is named twice (its runs would write one folder)")
         axes.append((flag, values.split(",")))
     if len({flag for flag, _ in axes}) < len(axes):
         raise UsageError("--grid names a flag twice")
