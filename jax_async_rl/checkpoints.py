@@ -167,6 +167,11 @@ def read_checkpoint(path: str) -> dict:
             payload["state"], dict):
         raise UsageError(
             f"{path} has no readable config (with an env_id) or state; it is not a checkpoint of this project")
+    for key in ("global_step", "policy_version"):  # counts, as every run writes them
+        value = np.asarray(payload["state"].get(key, 0))
+        if value.ndim or value.dtype.kind not in "iu" or value < 0:
+            raise UsageError(f"{path} holds a {key} of {value.tolist()!r}, not a count; it is not a checkpoint "
+                             "a run of this project wrote")
     return dict(payload, config=config)
 
 

@@ -46,9 +46,11 @@ class Journal:
             raise refused(f"{self.path} is missing")
         except OSError as e:
             raise refused(f"{self.path} is not a regular file of the run's own ({e.strerror})")
-        if record is not None and record.get("bytes") != size:
+        kept = record and record.get("shape", str(list(self.example.shape)))  # before shapes were kept: bytes only
+        if record is not None and (record.get("bytes") != size or kept != str(list(self.example.shape))):
             raise refused(f"{self.path} was kept with other --num-envs or --num-steps than these "
-                          f"({record.get('bytes')} bytes to the checkpoint, not {size})")
+                          f"(actions of shape {kept} an update, {record.get('bytes')} bytes to the checkpoint; "
+                          f"these flags make {list(self.example.shape)}, {size} bytes)")
         if len(data) < size:
             raise refused(f"{self.path} holds fewer than the checkpoint's {updates} updates of actions")
         if record is not None and not matches(data, record):
@@ -59,6 +61,14 @@ class Journal:
             check_actions(actions, action_space, self.path)
         self.hash, self.count = hashlib.sha256(data), updates
         return actions
+
+    def moved(self, run_dir: str, actions):
+        """A resume into another --run-dir: the journal goes on there, from a copy of the actions
+        that `read` checked ([updates, T, B, ...], or None), and the resumed folder's is left as it is."""
+        self.path = os.path.join(run_dir, JOURNAL)
+        self.file = checkpoints.open_own(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "wb")
+        if actions is not None:
+            self.file.write(np.ascontiguousarray(actions, self.example.dtype).tobytes())
 
     def append(self, actions):
         if self.file is None:  # a new run's journal starts empty; a resumed one goes on after read's
@@ -73,9 +83,13 @@ class Journal:
         """The record of the first `updates` updates that a checkpoint keeps: their sha256 and size."""
         size = updates * self.example.nbytes
         if updates == self.count:
-            return {"sha256": self.hash.hexdigest(), "bytes": size}
+            return {"sha256": self.hash.hexdigest(), "bytes": size, "shape": str(list(self.example.shape))}
         with checkpoints.open_own(self.path, os.O_RDONLY, "rb") as f:  # more appended than learned from
-            return {"sha256": hashlib.sha256(f.read(size)).hexdigest(), "bytes": size}
+            return {
+                "sha256": hashlib.sha256(f.read(size)).hexdigest(),
+                "bytes": size,
+                "shape": str(list(self.example.shape))
+            }
 
     def sync(self):
         """Flush and fsync (as a checkpoint is written: the journal never lags behind it)."""
@@ -110,6 +124,29 @@ def check_actions(actions, action_space, path: str):
     if bad.any():
         update = int(np.argwhere(bad)[0][0])
         raise refused(f"{path} holds an action outside {action_space} (update {update})")
+
+
+def check_carry(payload: dict, path: str):
+    """UsageError, one line naming the checkpoint, where what it carries for a --deterministic
+    resume (Keeper.carry's) is not what a run writes: parameters by version shaped as the state's,
+    a journal record of a sha256 and a size, recurrent states by actor thread."""
+    carry, params = payload.get("carry"), payload["state"].get("params")
+    if carry is None:
+        return
+    shapes = lambda tree: (jax.tree.structure(tree), [np.shape(x) for x in jax.tree.leaves(tree)])  # noqa: E731
+    parts = carry if isinstance(carry, dict) else {}
+    acting, record, memory = parts.get("acting", {}), parts.get("journal"), parts.get("memory", {})
+    fits = {
+        "acting": isinstance(acting, dict)
+        and all(str(v).isdigit() and shapes(tree) == shapes(params) for v, tree in acting.items()),
+        "journal": record is None or isinstance(record, dict) and isinstance(record.get("sha256"), str)
+        and np.asarray(record.get("bytes")).dtype.kind in "iu" and isinstance(record.get("shape", ""), str),
+        "memory": isinstance(memory, dict) and all(isinstance(m, dict) for m in memory.values()),
+    }
+    wrong = [name for name, good in fits.items() if not good] if isinstance(carry, dict) else ["carry"]
+    if wrong:
+        raise UsageError(f"--resume: {path} carries a {wrong[0]!r} for --deterministic that no run writes; resume "
+                         "from the run's own checkpoint, or with --no-deterministic")
 
 
 def verify(run_dir: str, carried, updates: int, shape, dtype, action_space):
@@ -164,13 +201,16 @@ class Keeper:
     schedule still acts with (--actor-lag versions before the newest). `resumption(thread)` hands
     a resumed actor thread what it needs (actor_loop's `resume`)."""
 
-    def __init__(self, run_dir, carried, updates: int, shape, dtype, threads: int, placed):
-        self.journal, self.carried, self.threads = Journal(run_dir, np.zeros(shape, dtype)), carried or {}, threads
+    def __init__(self, run_dir, carried, updates: int, shape, dtype, threads: int, placed, space, source=None):
+        self.carried, self.threads = carried or {}, threads
+        self.journal = Journal(source or run_dir, np.zeros(shape, dtype))  # `source`: a resume's other folder
         self.placed = placed  # the carried parameters placed as the learner's are (runs.Run's mesh)
         record = self.carried.get("journal")  # checked at start-up (verify); again here, as it is cut
         record = record if isinstance(record, dict) else None
-        self.actions = self.journal.read(updates, record).reshape(-1, *
-                                                                  shape[1:]) if updates else None  # [steps, B, ...]
+        actions = self.journal.read(updates, record, space, cut=source is None) if updates else None
+        if source is not None:
+            self.journal.moved(run_dir, actions)
+        self.actions = None if actions is None else actions.reshape(-1, *shape[1:])  # [steps, B, ...]
         # What a checkpoint carries until the first update: what the resume carried.
         self.published = self.acting()
         self.memories = [self.resumption(i)["memory"] for i in range(threads)] if "memory" in self.carried else None

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from jax_async_rl import checkpoints, devices, evaluation, folders, journal, tasks, threads
-from jax_async_rl.checkpoints import CHECKPOINT
+from jax_async_rl.checkpoints import CHECKPOINT, JOURNAL
 from jax_async_rl.flags import UsageError, budget_note, check_bounds, default_exp_name
 from jax_async_rl.logs import Logger, Progress
 from jax_async_rl.signals import Signals
@@ -112,10 +112,12 @@ class Run:
                 f"--learning-starts {self.args.learning_starts} is not below the {trained} env steps left of "
                 f"--total-timesteps {self.args.total_timesteps}: no gradient step would run; lower it or raise the budget"
             )
-        if self.payload and "carry" in self.payload and self.args.deterministic and jax.process_count() == 1:
+        source = os.path.dirname(checkpoints.checkpoint_path(self.args.resume)) if self.payload else None
+        if source and self.args.deterministic and jax.process_count() == 1 and (
+                "carry" in self.payload or os.path.lexists(os.path.join(source, JOURNAL))):
+            journal.check_carry(self.payload, checkpoints.checkpoint_path(self.args.resume))
             space = tasks.policy_space(self.args.env_id)  # the journal that journal_for will replay, checked now
-            journal.verify(folders.own_folder(self.args), self.payload["carry"],
-                           int(self.payload["state"].get("policy_version", 0)),
+            journal.verify(source, self.payload.get("carry"), int(self.payload["state"].get("policy_version", 0)),
                            (self.args.num_steps, devices.local_envs(self.args), *space.shape), space.dtype, space)
         print(f"jax {jax.__version__} on {jax.default_backend()}: {', '.join(map(str, jax.local_devices()))}",
               flush=True)
@@ -153,8 +155,8 @@ class Run:
                                  devices.describe_batch(self.args))
             if self.payload and (dropped := folders.cut_metrics(self.run_dir, self.global_step)):
                 print(
-                    f"note: {dropped} records past step {self.global_step} (sampled after the checkpoint, never "
-                    "learned from) cut from metrics.jsonl", file=sys.stderr)
+                    f"note: {dropped} records past step {self.global_step} (after the checkpoint, which the resume "
+                    "trains again) cut from metrics.jsonl", file=sys.stderr)
         self.checkpoint_file = os.path.join(self.run_dir, CHECKPOINT) if self.run_dir else "process 0's"
         self.logger = Logger(self.run_dir, self.args, purge_step=self.global_step + 1 if self.payload else None)
         return self.state
@@ -254,8 +256,10 @@ class Run:
         if not (self.args.deterministic and jax.process_count() == 1):
             return [None] * threads
         shape = (self.args.num_steps, devices.local_envs(self.args), *action_space.shape)
+        source = os.path.dirname(checkpoints.checkpoint_path(self.args.resume)) if self.payload else self.run_dir
         self.keeper = journal.Keeper(self.run_dir, (self.payload or {}).get("carry"), self.start_update, shape,
-                                     action_space.dtype, threads, lambda params: devices.replicated(self.mesh, params))
+                                     action_space.dtype, threads, lambda params: devices.replicated(self.mesh, params),
+                                     action_space, None if folders.same_folder(source, self.run_dir) else source)
         self.env_seed = self.args.seed
         return [self.keeper.resumption(i) for i in range(threads)]
 

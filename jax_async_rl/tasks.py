@@ -178,8 +178,7 @@ def check_task(env_id: str):
 
 
 def check_spaces(env_id: str, obs_space, action_space):
-    """The observation space, if these scripts can train on its and the action space's kinds (and
-    its "action_mask" leaf, if any, is a mask of these actions: see policy_space)."""
+    """The observation space, if these scripts can train on its and the action space's kinds (and its mask fits)."""
     kind = type(action_space).__name__
     if kind not in ("Discrete", "Box", "MultiDiscrete"):
         raise UsageError(f"--env-id {env_id} has {kind} actions; these scripts take Discrete, continuous (float Box) "
@@ -192,7 +191,8 @@ def check_spaces(env_id: str, obs_space, action_space):
             f"--env-id {env_id}: its observation's {MASK!r} {shape} is no mask of its {action_space} actions "
             f"(shapes that are: {' or '.join(map(str, fits))}); rename the leaf if it is something else")
     if shape is not None and fits and space_tree(obs_space)[MASK].dtype.kind not in "biu":  # bool, int, uint
-        raise UsageError(f"--env-id {env_id}: its {MASK!r} space {space_tree(obs_space)[MASK]} is not of bools or ints")
+        raise UsageError(f"--env-id {env_id}: its {MASK!r} {space_tree(obs_space)[MASK]} is not of bools or ints "
+                         "(a mask's); rename the leaf if it is something else")
     for leaf in jax.tree.leaves(space_tree(obs_space)):
         if type(leaf).__name__ not in ("Box", "Discrete", "MultiBinary"):
             raise UsageError(f"--env-id {env_id} has {type(leaf).__name__} observations; these scripts take Box, "

@@ -439,15 +439,17 @@ class WrongMasks:
 
 def test_a_float_mask_is_refused_at_start_up_naming_the_env_and_the_space(tmp_path, capsys):
     obs_space = gymnasium.spaces.Dict({"action_mask": gymnasium.spaces.Box(0.0, 1.0, (8,), np.float32)})
-    with pytest.raises(UsageError,
-                       match=r"--env-id Mine-v0: its 'action_mask' space Box\(.*float32\) is not of bools or ints"):
+    with pytest.raises(
+            UsageError, match=
+            r"--env-id Mine-v0: its 'action_mask' Box\(.*float32\) is not of bools or ints \(a mask's\); rename the leaf"
+    ):
         tasks.check_spaces("Mine-v0", obs_space, gymnasium.spaces.Discrete(8))
     for dtype in (np.int8, np.bool_, np.int64):  # integer and bool masks pass
         tasks.check_spaces("Mine-v0", gymnasium.spaces.Dict({"action_mask": gymnasium.spaces.Box(0, 1, (8,), dtype)}),
                            gymnasium.spaces.Discrete(8))
     code, _, err = run_main("ppo_sync_baseline.py",
                             ["--env-id", "tests.user_envs:FloatMask", "--run-dir", tmp_path / "run"], capsys)
-    assert code == 2 and len(err.strip().splitlines()) == 1 and "'action_mask' space Box" in err, err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "'action_mask' Box(" in err, err
     assert not (tmp_path / "run").exists()
 
 

@@ -8,7 +8,9 @@ import hashlib
 import os
 import shutil
 
+import flax.serialization
 import gymnasium
+import jax
 import numpy as np
 import pytest
 
@@ -37,7 +39,7 @@ def test_a_checkpoint_records_the_journal_up_to_its_update(tmp_path):
     (which cuts the journal back to the checkpoint's updates)."""
     record = kept(tmp_path)
     data = (tmp_path / journal.JOURNAL).read_bytes()
-    assert record == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    assert record == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "shape": str(list(SHAPE))}
     with open(tmp_path / journal.JOURNAL, "ab") as f:  # a run stopped after an update's rollout, before its checkpoint
         f.write(ACTIONS[0].tobytes())
     resumed = journal.Journal(str(tmp_path), np.zeros(SHAPE, np.int64))
@@ -90,6 +92,16 @@ def test_a_journal_that_is_not_the_checkpoints_is_refused(tmp_path, how, fragmen
         assert path.read_bytes() == before
     if target is not None:
         assert elsewhere.read_bytes() == target
+
+
+def test_a_journal_of_another_shape_is_refused_though_its_bytes_match(tmp_path):
+    """--num-envs 8 --num-steps 16 resuming a run of 4 x 32 (the same bytes an update): the record's
+    shape refuses it; a record from before shapes were kept checks the size alone."""
+    record = kept(tmp_path)
+    with pytest.raises(UsageError, match=r"other --num-envs or --num-steps .*\[3, 2\].*\[2, 3\]"):
+        journal.verify(str(tmp_path), {"journal": record}, 2, SHAPE[::-1], np.int64, gymnasium.spaces.Discrete(4))
+    older = {k: v for k, v in record.items() if k != "shape"}
+    journal.verify(str(tmp_path), {"journal": older}, 2, SHAPE[::-1], np.int64, gymnasium.spaces.Discrete(4))
 
 
 @pytest.mark.parametrize("space, bad", [
@@ -178,8 +190,39 @@ def files(folder):
 LINKED = [journal.JOURNAL, f"{CHECKPOINT}.tmp", folders.LOCK, checkpoints.METRICS, f"{checkpoints.CONFIG}.tmp"]
 
 
+def forge(run_dir, change):
+    """The checkpoint of `run_dir` rewritten with `change(payload)` applied (a forged or damaged file)."""
+    path = run_dir / CHECKPOINT
+    payload = flax.serialization.msgpack_restore(path.read_bytes())
+    change(payload)
+    path.write_bytes(flax.serialization.msgpack_serialize(payload))
+
+
+def illegal_without_carry(run_dir):  # a checkpoint as if from before carries, and actions no policy takes
+    forge(run_dir, lambda payload: payload.pop("carry"))
+    actions = np.fromfile(run_dir / journal.JOURNAL, np.int64)
+    actions[5] = 7  # CartPole: Discrete(2)
+    actions.tofile(run_dir / journal.JOURNAL)
+
+
+FORGED = {  # how: (damage, the error line's fragment)
+    "carry removed, an action of 7": (illegal_without_carry, "outside Discrete(2)"),
+    "carry a string": (lambda d: forge(d, lambda p: p.update(carry="garbage")), "carries a 'carry'"),
+    "acting not parameters": (lambda d: forge(d, lambda p: p["carry"].update(acting={"1": {"x": np.zeros(3)}})),
+                              "carries a 'acting'"),
+    "journal size a string": (lambda d: forge(d, lambda p: p["carry"]["journal"].update(bytes="32768")),
+                              "carries a 'journal'"),
+    "global_step a string": (lambda d: forge(d, lambda p: p["state"].update(global_step="abc")),
+                             "global_step of 'abc', not a count"),
+    "policy_version negative": (lambda d: forge(d, lambda p: p["state"].update(policy_version=np.int64(-3))),
+                                "policy_version of -3, not a count"),
+}
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("how", ["random bytes", "truncated", "missing", *(f"link {name}" for name in LINKED)])
+@pytest.mark.parametrize("how", [
+    "random bytes", "truncated", "missing", *(f"link {name}" for name in LINKED), *FORGED, "--num-envs 8 --num-steps 8"
+])
 def test_a_resume_from_a_damaged_folder_is_one_line_and_writes_nothing(tiny_run, tmp_path, capsys, how):
     """The journal damaged, or a run file a link to a file elsewhere: --resume is refused in one
     line, exit 2, before anything is written (config.json, its files, the link's target: byte for
@@ -187,18 +230,24 @@ def test_a_resume_from_a_damaged_folder_is_one_line_and_writes_nothing(tiny_run,
     run_dir, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
     shutil.copytree(tiny_run, run_dir)
     elsewhere.write_bytes(b"someone else's file\n")
+    flags, fragment = [], "symbolic link" if how.startswith("link ") else "--no-deterministic"
     if how.startswith("link "):
         path = run_dir / how[len("link "):]
         if path.exists():
             path.unlink()
         path.symlink_to(elsewhere)
+    elif how in FORGED:
+        FORGED[how][0](run_dir)
+        fragment = FORGED[how][1]
+    elif how.startswith("--"):  # the same bytes an update as the run's 4 envs x 16 steps, in another shape
+        flags, fragment = how.split(), "other --num-envs or --num-steps"
     else:
         damage(run_dir / journal.JOURNAL, how, elsewhere)
     before = files(run_dir)
-    code, _, err = run_main(SCRIPT, ["--resume", run_dir, "--total-timesteps", 192], capsys)
-    lines = [line for line in err.splitlines() if line.strip()]
+    code, _, err = run_main(SCRIPT, ["--resume", run_dir, "--total-timesteps", 192, *flags], capsys)
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("note: ")]
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
-    assert ("symbolic link" if how.startswith("link ") else "--no-deterministic") in lines[0]
+    assert fragment in lines[0], lines[0]
     assert files(run_dir) == before  # no resume recorded, no event file, the metrics not cut
     assert elsewhere.read_bytes() == b"someone else's file\n"
     if how == "random bytes":
@@ -206,3 +255,20 @@ def test_a_resume_from_a_damaged_folder_is_one_line_and_writes_nothing(tiny_run,
         assert code == 0, err
         assert int(checkpoints.read_checkpoint(str(run_dir / CHECKPOINT))["state"]["global_step"]) == 192
         assert (run_dir / journal.JOURNAL).read_bytes() == before[journal.JOURNAL]
+
+
+@pytest.mark.timeout(300)
+def test_a_resume_into_another_run_dir_takes_the_journal_with_it(tiny_run, tmp_path, capsys):
+    """--resume A --run-dir B --deterministic: B's journal starts as a copy of A's, checked, and the
+    run goes on as A resumed in place does (the same parameters, bit for bit); A is left as it was."""
+    here, there = tmp_path / "here", tmp_path / "there"
+    shutil.copytree(tiny_run, here)
+    before = files(here)
+    code, _, err = run_main(SCRIPT, ["--resume", here, "--run-dir", there, "--total-timesteps", 192], capsys)
+    assert code == 0, err
+    assert files(here) == before
+    assert run_main(SCRIPT, ["--resume", here, "--total-timesteps", 192], capsys)[0] == 0
+    assert (there / journal.JOURNAL).read_bytes() == (here / journal.JOURNAL).read_bytes()
+    a, b = (checkpoints.read_checkpoint(str(d / CHECKPOINT)) for d in (here, there))
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a["state"]), jax.tree.leaves(b["state"])))
+    assert a["carry"]["journal"] == b["carry"]["journal"]
