@@ -213,17 +213,25 @@ def kept(ckpt_file: str, lock) -> str:
 
 
 def read_config(path: str) -> dict:
-    """A run's config.json; UsageError naming the file if it is missing, unreadable or not an object."""
+    """A run's config.json; UsageError naming the file if it is missing, unreadable or not an object,
+    and the key if its "resumes" is not a list of objects."""
     try:
         with open(path) as f:
             config = json.load(f)
     except FileNotFoundError:
         raise UsageError(f"{path} is missing: the run's record is gone; restore it, or --resume into a new --run-dir")
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep
         raise UsageError(
             f"{path} is not readable JSON ({type(e).__name__}); restore it, or --resume into a new --run-dir")
     if not isinstance(config, dict):
         raise UsageError(f"{path} holds a {type(config).__name__}, not a run's record (an object)")
+    resumes, again = config.get("resumes", []), "restore it, or --resume into a new --run-dir"
+    if not isinstance(resumes, list):  # a resume appends its entry to the list
+        raise UsageError(f"{path}: \"resumes\" is {json.dumps(resumes):.80}, not a list of resumes' records; {again}")
+    for i, resume in enumerate(resumes):
+        if not isinstance(resume, dict):
+            raise UsageError(f"{path}: \"resumes\"[{i}] is {json.dumps(resume):.80}, not a resume's record (an "
+                             f"object); {again}")
     return config
 
 

@@ -88,16 +88,24 @@ def test_check_names_what_a_killed_first_save_left(tmp_path, host_run):
         folders.check(args_for(str(tmp_path)), resumed=False)
 
 
-@pytest.mark.parametrize("content, fragment", [
-    ("[1, 2, 3]", "holds a list, not a run's record"),
-    ("", "not readable JSON"),
-    ("{garbage", "not readable JSON"),
-    (b"\xff\xfe\x00", "not readable JSON"),
-    (None, "is missing"),
-])
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        ("[1, 2, 3]", "holds a list, not a run's record"),
+        ("", "not readable JSON"),
+        ("{garbage", "not readable JSON"),
+        (b"\xff\xfe\x00", "not readable JSON"),
+        (None, "is missing"),
+        pytest.param("[" * 100_000, r"not readable JSON \(RecursionError\)", id="nested-too-deep"),
+        ('{"resumes": 5}', '"resumes" is 5, not a list'),  # a TypeError where a resume is appended
+        ('{"resumes": "ab"}', '"resumes" is "ab", not a list'),  # spread into ["a", "b", {...}]
+        ('{"resumes": [{"step": 1}, 3]}', r'"resumes"\[1\] is 3, not a resume.s record'),
+    ])
 def test_a_damaged_record_is_an_error_and_never_rewritten(tmp_path, content, fragment):
-    """Resuming into a folder whose config.json is a list, empty, garbage or missing: UsageError
-    naming the file, and the file is left as it was."""
+    """Resuming into a folder whose config.json is a list, empty, garbage, nested too deep for the
+    parser, missing, or whose "resumes" is no list of objects (a TypeError traceback where the
+    resume's entry was appended): UsageError naming the file (and the key), and the file is left
+    as it was."""
     path = tmp_path / "config.json"
     if isinstance(content, bytes):
         path.write_bytes(content)
