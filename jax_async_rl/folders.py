@@ -258,8 +258,9 @@ def write_config(run_dir: str, args, changed: dict, global_step: int, batch: str
 
 def cut_metrics(run_dir: str, global_step: int) -> int:
     """On resume: drop the records of metrics.jsonl past `global_step` (episodes sampled, and
-    never learned from, before the run stopped; a line cut off by a crash), so that the resumed
-    run does not cover those steps twice. Returns how many were dropped."""
+    never learned from, before the run stopped; a line cut off by a crash, or any other line that is
+    no record with a finite step), so that the resumed run does not cover those steps twice.
+    Returns how many were dropped."""
     path = os.path.join(run_dir, METRICS)
     if not os.path.isfile(path):
         return 0
@@ -270,7 +271,7 @@ def cut_metrics(run_dir: str, global_step: int) -> int:
         try:
             if int(json.loads(line)["step"]) <= global_step:
                 kept.append(line)
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, OverflowError, RecursionError):  # a step of Infinity, deep nesting
             pass
     dropped = sum(1 for line in lines if line.strip()) - len(kept)
     if dropped:

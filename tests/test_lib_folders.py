@@ -138,10 +138,13 @@ def test_each_resume_appends_to_the_record(tmp_path):
 
 
 def test_the_metrics_are_cut_back_to_the_checkpoint(tmp_path):
-    """Records past the checkpoint's step go, and a line cut off by a crash; the rest stay as they were."""
+    """Records past the checkpoint's step go, and a line cut off by a crash, and a line that is no
+    record with a finite step (a step of Infinity was an OverflowError, a deeply nested line a
+    RecursionError, after config.json had its resume); the rest stay as they were."""
     lines = [json.dumps({"step": s, "wall_time": 1.0, "tag": "t", "value": 0.0}) for s in (0, 10, 20, 30, 40)]
-    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 5')
-    assert folders.cut_metrics(str(tmp_path), 20) == 3
+    damaged = [lines[1].replace('"step": 10', '"step": Infinity'), "[" * 100_000, '{"step": NaN}']
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines[:2] + damaged + lines[2:]) + '\n{"step": 5')
+    assert folders.cut_metrics(str(tmp_path), 20) == 6
     assert (tmp_path / "metrics.jsonl").read_text() == "\n".join(lines[:3]) + "\n"
     assert folders.cut_metrics(str(tmp_path), 20) == 0
     assert folders.cut_metrics(str(tmp_path / "none"), 20) == 0
