@@ -11,6 +11,7 @@ import itertools
 import json
 import os
 import re
+import shlex
 import shutil
 import socket
 import stat
@@ -88,7 +89,11 @@ def check_files(folder: str):
             continue
         path = os.path.join(folder, name)
         info = os.lstat(path)
-        fix = "replace it with a copy of the file itself, or remove it" if name in (CONFIG, CHECKPOINT) else "remove it"
+        fix = "remove it"  # the lock, a .tmp, a folder, what is no file: nothing of the run's is lost
+        if name in (CONFIG, CHECKPOINT):
+            fix = "replace it with a copy of the file itself, or remove it"
+        elif name in (METRICS, JOURNAL) and (stat.S_ISLNK(info.st_mode) or stat.S_ISREG(info.st_mode)):
+            fix = replace_with_copy(path)  # removing it would lose the run's curves, or its --deterministic replay
         if stat.S_ISLNK(info.st_mode):
             raise UsageError(f"{path} is a symbolic link, and a run never reads or writes through a link in its folder "
                              f"(a run folder may come from anyone): {fix}")
@@ -97,6 +102,12 @@ def check_files(folder: str):
         if not stat.S_ISREG(info.st_mode) or (name in IN_PLACE and info.st_nlink > 1):
             what = "has another name (a hard link)" if stat.S_ISREG(info.st_mode) else "is not a regular file"
             raise UsageError(f"{path} {what}, and a run writes only its own files in its folder: {fix}")
+
+
+def replace_with_copy(path: str) -> str:
+    """The advice for a linked file a run must keep: the command that makes it a file of its own."""
+    copy = shlex.quote(f"{path}.copy")
+    return f"replace it with a copy of itself (cp {shlex.quote(path)} {copy} && mv {copy} {shlex.quote(path)})"
 
 
 def held(folder: str):

@@ -148,3 +148,24 @@ def test_the_metrics_are_cut_back_to_the_checkpoint(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text() == "\n".join(lines[:3]) + "\n"
     assert folders.cut_metrics(str(tmp_path), 20) == 0
     assert folders.cut_metrics(str(tmp_path / "none"), 20) == 0
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "actions.bin"])
+@pytest.mark.parametrize("link", ["hard", "symbolic"])
+def test_a_linked_file_the_run_keeps_is_refused_with_advice_that_keeps_it(tmp_path, name, link):
+    """A hard-linked actions.bin was refused with "remove it", which lost the journal (and with it
+    a --deterministic resume): the advice is one line, a command that replaces the file with a copy
+    of itself, and following it leaves the content, the other name untouched, and the check passing."""
+    run_dir, elsewhere = tmp_path / "run dir", tmp_path / "elsewhere"
+    run_dir.mkdir()
+    elsewhere.write_bytes(b"the run's records\n")
+    os.link(elsewhere, run_dir / name) if link == "hard" else (run_dir / name).symlink_to(elsewhere)
+    with pytest.raises(UsageError, match="replace it with a copy of itself") as error:
+        folders.check_files(str(run_dir))
+    message = str(error.value)
+    assert "\n" not in message and "remove it" not in message, message
+    command = message[message.index("(cp ") + 1:-1]
+    subprocess.run(["sh", "-c", command], check=True)
+    folders.check_files(str(run_dir))
+    assert (run_dir / name).read_bytes() == elsewhere.read_bytes() == b"the run's records\n"
+    assert not (run_dir / name).is_symlink() and os.stat(run_dir / name).st_nlink == 1
