@@ -269,6 +269,50 @@ def test_plot_skips_a_run_whose_config_has_a_wrong_type_and_names_the_file_and_k
         plot.main(plot.PlotArgs(runs=[str(tmp_path / "env")], out=str(tmp_path / "none")))
 
 
+@pytest.mark.parametrize(
+    "key, value, lines, reason",
+    [
+        ("wall_time", float("nan"), range(10), "a wall_time of nan"),  # each: "seconds to 100: 0.0 ± 0.0"
+        ("step", float("inf"), [2], "a step of inf"),  # an OverflowError traceback
+        ("value", 10 ** 400, [2], "OverflowError"),
+        (None, "[" * 100_000, [2], "RecursionError"),
+    ],
+    ids=["wall-time-nan", "step-infinity", "value-too-large", "nested-too-deep"])
+def test_plot_names_a_metrics_line_with_a_non_finite_step_or_time(tmp_path, capsys, key, value, lines, reason):
+    """A metrics.jsonl line whose step or wall_time is not finite (a run writes neither), or that
+    json reads with an OverflowError or RecursionError, is not a record: one line naming the file
+    and the line, a warning and a skip inside a folder of runs, never a traceback nor a figure
+    made of it."""
+    plot = load_script(REPO_ROOT / PLOT)
+    configured_run(tmp_path / "good", "CartPole-v1", 1, {"exp_name": "appo"}, value=500.0)
+    bad = configured_run(tmp_path / "bad", "CartPole-v1", 2, {"exp_name": "appo"})
+    records = (bad / "metrics.jsonl").read_text().splitlines()
+    for i in lines:
+        records[i] = json.dumps(dict(json.loads(records[i]), **{key: value})) if key else value
+    (bad / "metrics.jsonl").write_text("\n".join(records) + "\n")
+    line = lines[0] + 1
+    expected = f"{bad / 'metrics.jsonl'} line {line} is not a metrics record ({reason})"
+    with pytest.raises(plot.UsageError) as error:
+        plot.main(plot.PlotArgs(runs=[str(bad)], out=str(tmp_path / "none"), threshold=100.0))
+    assert str(error.value) == expected and not (tmp_path / "none").exists()
+    out = tmp_path.parent / f"{tmp_path.name}-plots"
+    assert plot.main(plot.PlotArgs(runs=[str(tmp_path)], out=str(out), threshold=100.0)) == 0
+    assert [row[1:3] for row in summary_rows((out / "summary.md").read_text())] == [["appo", "1"]]
+    assert capsys.readouterr().err.splitlines() == [f"warning: skipped {bad}: {expected}"]
+
+
+def test_plot_says_a_runs_returns_are_not_finite(tmp_path):
+    """A run whose every episodic return is NaN was reported as "no episode has finished; train
+    longer": its returns are named as not finite, with the file."""
+    plot = load_script(REPO_ROOT / PLOT)
+    nan = configured_run(tmp_path / "nan", "CartPole-v1", 1, {"exp_name": "appo"}, value=float("nan"))
+    with pytest.raises(plot.UsageError) as error:
+        plot.main(plot.PlotArgs(runs=[str(nan)], out=str(tmp_path / "none")))
+    message = str(error.value)
+    assert str(nan / "metrics.jsonl") in message and "NaN or infinite" in message, message
+    assert "train longer" not in message and "\n" not in message
+
+
 def test_plot_wall_clock_counts_training_time_only(tmp_path, monkeypatch):
     """A run stopped after 100 s and resumed 900 s later: the time axis counts each start from its
     first update to its last record (95 s, then 90 s), not the 900 s between (a flat line that made

@@ -79,6 +79,15 @@ class BadConfig(UsageError):
     """A run folder whose config.json is not a run's record (not JSON, or an entry of a wrong type)."""
 
 
+class BadMetrics(UsageError):
+    """A run folder whose metrics.jsonl holds a line that is not a record a run writes, or whose
+    episodic returns are all NaN or infinite."""
+
+
+class NotFinite(ValueError):
+    """A metrics record's step or wall_time that is NaN or infinite (a run writes neither)."""
+
+
 @dataclass
 class Run:
     folder: str
@@ -114,18 +123,17 @@ def read_run(folder: str) -> Run:
     """A run's episodic returns with their steps and times. A last line still being written is skipped."""
     with open(os.path.join(folder, METRICS)) as f:
         lines = f.read().split("\n")
-    steps, times, returns, updates, records, last_step = [], [], [], [], [], 0
+    steps, times, returns, updates, records, last_step, not_finite = [], [], [], [], [], 0, 0
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
-            step, wall_time, tag, value = int(record["step"]), float(record["wall_time"]), record["tag"], float(
-                record["value"])
-        except (ValueError, KeyError, TypeError) as e:
+            step, wall_time, tag, value = parse_record(line)
+        except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as e:
             if number == len(lines):  # no newline yet: a record in the middle of being written
                 break
-            raise UsageError(f"{folder}/{METRICS} line {number} is not a metrics record ({type(e).__name__})")
+            reason = str(e) if isinstance(e, NotFinite) else type(e).__name__
+            raise BadMetrics(f"{folder}/{METRICS} line {number} is not a metrics record ({reason})")
         if tag == FIRST_UPDATE_TAG:
             updates.append(wall_time)
         records.append(wall_time)
@@ -134,6 +142,9 @@ def read_run(folder: str) -> Run:
             steps.append(step)
             times.append(wall_time)
             returns.append(value)
+        not_finite += tag == RETURN_TAG and not math.isfinite(value)
+    if not returns and not_finite:
+        raise BadMetrics(f"{folder}/{METRICS}: every {RETURN_TAG} ({not_finite}) is NaN or infinite, no return to plot")
     if not returns:
         raise NoEpisodes(f"{folder}/{METRICS} has no {RETURN_TAG} yet: no episode has finished; train longer")
     config = read_config(folder)  # checked first: run_identity would take any value as a str
@@ -142,6 +153,17 @@ def read_run(folder: str) -> Run:
     seconds, resumed_at = training_seconds(np.array(times), np.array(records), np.array(updates), resumes)
     return Run(folder, identity["script"], identity["env_id"], identity["seed"], np.array(steps, np.float64), seconds,
                np.array(returns), last_step, configuration(config), resumed_at)
+
+
+def parse_record(line: str) -> tuple:
+    """(step, wall_time, tag, value) of a metrics.jsonl line; ValueError (and json's errors) unless
+    it is a record a run writes: a step and a wall_time that are finite numbers (a value may be NaN)."""
+    record = json.loads(line)
+    step, wall_time = record["step"], float(record["wall_time"])
+    for key, number in (("step", step), ("wall_time", wall_time)):
+        if isinstance(number, float) and not math.isfinite(number):
+            raise NotFinite(f"a {key} of {number}")
+    return int(step), wall_time, record["tag"], float(record["value"])
 
 
 def read_config(folder: str) -> dict:
@@ -210,17 +232,17 @@ def training_seconds(times: np.ndarray, records: np.ndarray, updates: np.ndarray
 
 def read_runs(paths: list[str]) -> list[Run]:
     """The runs under `paths`. A run found inside a parent folder that has no episode yet (one
-    just started, or one that crashed early) or a config.json plot cannot read (BadConfig) is
-    skipped with a warning, and the others are plotted; one named is an error."""
+    just started, or one that crashed early) or a config.json or metrics.jsonl line plot cannot read
+    (BadConfig, BadMetrics) is skipped with a warning, and the others are plotted; one named is an error."""
     runs, unreadable = [], False
     for folder, explicit in find_runs(paths):
         try:
             runs.append(read_run(folder))
-        except (NoEpisodes, BadConfig) as e:
+        except (NoEpisodes, BadConfig, BadMetrics) as e:
             if explicit:
                 raise
             print(f"warning: skipped {folder}: {e}", file=sys.stderr)
-            unreadable = unreadable or isinstance(e, BadConfig)
+            unreadable = unreadable or not isinstance(e, NoEpisodes)
     if not runs and unreadable:
         raise UsageError(f"no run under {', '.join(paths)} to plot: each was skipped, as the warnings above say")
     if not runs:
