@@ -151,12 +151,12 @@ class Run:
             path = checkpoints.checkpoint_path(self.args.resume) if self.payload else None
             if path and not os.path.exists(path) and folders.same_folder(os.path.dirname(path), self.run_dir):
                 checkpoints.finish_rename(path)  # resumed from a complete .tmp: make it the checkpoint
-            folders.write_config(self.run_dir, self.args, self.changed, self.global_step,
-                                 devices.describe_batch(self.args))
-            if self.payload and (dropped := folders.cut_metrics(self.run_dir, self.global_step)):
+            if self.payload and (dropped := folders.cut_metrics(self.run_dir, self.global_step)):  # before the record
                 print(
                     f"note: {dropped} records past step {self.global_step} (after the checkpoint, which the resume "
                     "trains again) cut from metrics.jsonl", file=sys.stderr)
+            folders.write_config(self.run_dir, self.args, self.changed, self.global_step,
+                                 devices.describe_batch(self.args))
         self.checkpoint_file = os.path.join(self.run_dir, CHECKPOINT) if self.run_dir else "process 0's"
         self.logger = Logger(self.run_dir, self.args, purge_step=self.global_step + 1 if self.payload else None)
         return self.state
