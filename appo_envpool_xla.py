@@ -40,6 +40,7 @@ from jax_async_rl import devices, flags, normalize, runs, tasks, threads
 from jax_async_rl.keys import env_keys
 from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, PRESET, UNIT, UsageError, at_most
 from jax_async_rl.normalize import Normalizer
+from jax_async_rl.trajectories import new_rollout
 
 SPLITS = flags.default_is("2 with image observations, else 1")
 
@@ -499,21 +500,6 @@ def acting_version(rollout: int, actor_lag, oldest: int) -> int:
     Sample Factory's free-running actor (None) waits for the first update alone, which compiles
     meanwhile (else the queue fills with rollouts of the initial parameters)."""
     return min(rollout, 1) if actor_lag is None else max(oldest, rollout - actor_lag)
-
-
-def new_rollout(T: int, B: int, obs, action_space, memory=None) -> dict:
-    """Empty host buffers of one rollout, time-major [T, B, ...]; `obs`: a batch of observations;
-    `memory`: with --lstm, the recurrent states of the B envs, recorded at row 0 ("state")."""
-    fields = ["logprobs", "rewards", "dones", "truncated", "valid"] + ["first"] * (memory is not None)
-    rollout = {name: np.zeros((T, B), np.float32) for name in fields}
-    if memory is not None:
-        rollout["state"] = jax.tree.map(np.zeros_like, memory)
-    rollout["host"] = {"next_state": jax.tree.map(np.zeros_like, memory)} if memory is not None else {}
-    rollout["actions"] = np.zeros((T, B, *action_space.shape), action_space.dtype)
-    rollout["policy_version"] = np.zeros((T, B), np.int32)
-    rollout["obs"] = jax.tree.map(lambda x: np.zeros((T, B, *x.shape[1:]), x.dtype), obs)
-    rollout["bootstrap_obs"] = jax.tree.map(lambda x: np.zeros((B, *x.shape[1:]), x.dtype), obs)
-    return rollout
 
 
 XLA_RING = 2  # rollouts in the first ring (it doubles when an env runs further ahead)

@@ -34,6 +34,7 @@ from jax_async_rl import devices, flags, journal, runs, tasks
 from jax_async_rl.keys import env_keys
 from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, PRESET, UNIT, UsageError, at_most
 from jax_async_rl.normalize import Normalizer
+from jax_async_rl.trajectories import write
 
 
 @dataclass
@@ -425,12 +426,6 @@ def make_policy_step(network, continuous: bool, values: bool = True, greedy: boo
         return action, logprob, value if values else None, state
 
     return policy_step
-
-
-def write(tree, index, values, rows=...):
-    """tree[index] = values[rows], leaf by leaf: observations are pytrees of host arrays."""
-    for buffer, value in zip(jax.tree.leaves(tree), jax.tree.leaves(values), strict=True):
-        buffer[index] = value[rows]
 
 
 def collect_rollout(envs, policy_step, params, obs, prev_dones, core, key, first_step, stats, normalizer, args, timing):

@@ -137,9 +137,9 @@ SAME_TEXT = [
         "appo_envpool.py", "impala_envpool.py", "appo_envpool_xla.py", "dqn_envpool.py", "sac_envpool.py",
         "td3_envpool.py"
     ], ["acting_version"]),  # the actors' schedule: what decides the data
-    (["appo_envpool.py", "impala_envpool.py", "appo_envpool_xla.py"], ["vtrace", "learner_loop", "new_rollout"]),
+    (["appo_envpool.py", "impala_envpool.py", "appo_envpool_xla.py"], ["vtrace", "learner_loop"]),
     # The Python actor
-    (["appo_envpool.py", "impala_envpool.py"], ["write", "Trajectories", "actor_loop", "main"]),
+    (["appo_envpool.py", "impala_envpool.py"], ["actor_loop", "main"]),  # its storage: jax_async_rl.trajectories
     (
         ["ppo_sync_baseline.py", "appo_envpool.py", "appo_envpool_xla.py"],  # PPO
         ["ppo_loss", "compute_gae", "time_limit_bootstrap", "minibatches", "make_optimizer", "clip_coef_at",
