@@ -352,22 +352,24 @@ def test_the_slurm_script_quotes_every_value(tmp_path):
     assert not list(tmp_path.glob("MARKER*"))
 
 
-@pytest.mark.parametrize("grid, fragment", [
-    ("num-envs=4,x", "--grid num-envs=x: ppo_sync_baseline.py would refuse it (Error parsing --num-envs"),
-    ("learning-rate=3e-4,nan", "--learning-rate must be a finite number, got nan"),
-    ("gamma=1.5", "--grid gamma=1.5: ppo_sync_baseline.py would refuse it (--gamma "),
-    ("num-envs=4,8\n#SBATCH --x", "holds a control character"),
-    ("num-envs=4,8 #x", "'8 #x' names the runs' folders and goes into the SLURM script"),
-    ("wandb-project=a,$(touch M)", "'$(touch M)' names the runs' folders"),
-    ("wandb-project=`id`", "'`id`'"),
-    ("wandb-project=a'b", "\"a'b\""),
-    ("wandb-project=a\"b", "'a\"b'"),
-    ("wandb-project=a;b", "'a;b'"),
-    ("wandb-project=..", "'..'"),
-    ("exp=../up", "'../up'"),
-    ("num-envz=4", "unknown flag --num-envz; did you mean --num-envs?"),
-    ("num-envs=4,8,4", "--grid num-envs=4,8,4: 4 is named twice"),  # two array tasks wrote one folder
-])
+@pytest.mark.parametrize(
+    "grid, fragment",
+    [
+        ("num-envs=4,x", "--grid num-envs=x: ppo_sync_baseline.py would refuse it (Error parsing --num-envs"),
+        ("learning-rate=3e-4,nan", "--learning-rate must be a finite number, got nan"),
+        ("gamma=1.5", "--grid gamma=1.5: ppo_sync_baseline.py would refuse it (--gamma "),
+        ("num-envs=4,8\n#SBATCH --x", "holds a control character"),
+        ("num-envs=4,8 #x", "'8 #x' names the runs' folders and goes into the SLURM script"),
+        ("wandb-project=a,$(touch M)", "'$(touch M)' names the runs' folders"),
+        ("wandb-project=`id`", "'`id`'"),
+        ("wandb-project=a'b", "\"a'b\""),
+        ("wandb-project=a\"b", "'a\"b'"),
+        ("wandb-project=a;b", "'a;b'"),
+        ("wandb-project=..", "'..'"),
+        ("exp=../up", "'../up'"),
+        ("num-envz=4", "unknown flag --num-envz; did you mean --num-envs?"),
+        ("num-envs=4,8,4", "--grid num-envs=4,8,4: 4 is named twice"),  # two array tasks wrote one folder
+    ])
 def test_a_grid_value_is_checked_before_the_slurm_script_is_written(grid, fragment, tmp_path):
     """The sbatch file runs later, on a cluster: a grid value its runs would refuse (the script's
     own flag types and ranges), or text a shell or a folder name reads otherwise, is one line
