@@ -229,7 +229,7 @@ def test_round_flags_are_checked_and_give_whole_gradient_steps():
     from jax_async_rl.replay import check_rounds, gradient_steps
 
     good = dict(num_envs=4, num_splits=2, num_steps=8, replay_ratio=2.0, batch_size=16, buffer_size=1000,
-                learner_device_ids=[0], actor_device_ids=[0])
+                learning_starts=64, learner_device_ids=[0], actor_device_ids=[0])
     check_rounds(SimpleNamespace(**good), 5)
     assert gradient_steps(SimpleNamespace(**good)) == 4  # 2 x 32 env steps / 16
     for change, flag in [(dict(num_splits=3), "--num-splits"), (dict(replay_ratio=1.7), "--replay-ratio"),
