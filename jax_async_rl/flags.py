@@ -357,8 +357,7 @@ def reported(call) -> int:
 
 def command_line(main, args_class, presets: dict):
     """A script's entry point: parse its flags, run `main(args, given)`, exit with its code (see
-    `reported` for errors). A thread still inside an XLA call would abort interpreter shutdown,
-    so then the process ends with os._exit."""
+    `reported` for errors), by `exit_with`."""
     argv = sys.argv[1:]
 
     def call():
@@ -373,7 +372,11 @@ def command_line(main, args_class, presets: dict):
         return main(parse(args_class, argv, helptext.describe_presets(args_class, presets)),
                     flags_given(argv, args_class))
 
-    exit_code = reported(call)
+    exit_with(reported(call))
+
+
+def exit_with(exit_code: int):
+    """Exit; by os._exit where a run's thread is still in an XLA call (interpreter shutdown would abort)."""
     if any(t.name.startswith(("actor", "learner", "training loop")) and t.is_alive() for t in threading.enumerate()):
         sys.stdout.flush()
         sys.stderr.flush()

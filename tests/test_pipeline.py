@@ -560,6 +560,7 @@ FAULT_PROGRAM = """
 import dataclasses, sys, threading, time
 sys.path.insert(0, {tests_dir!r})
 from helpers import load_script, tiny_flags
+from jax_async_rl.flags import exit_with
 
 module = load_script({script!r})
 
@@ -624,7 +625,7 @@ if hasattr(module, "XlaRollouts"):
 else:
     original_make_policy_step, module.make_policy_step = module.make_policy_step, patched_make_policy_step
 flags = dict(tiny_flags({script!r}), env_id="CartPole-v1", total_timesteps=10_000_000, run_dir={run_dir!r}, **{extra})
-sys.exit(module.main(dataclasses.replace(module.Args(), **flags)))
+exit_with(module.main(dataclasses.replace(module.Args(), **flags)))  # as the scripts' entry point ends
 """
 
 

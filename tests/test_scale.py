@@ -396,6 +396,7 @@ FAULT_PROGRAM = """
 import dataclasses, sys, threading
 sys.path.insert(0, {tests_dir!r})
 from helpers import load_script, tiny_flags
+from jax_async_rl.flags import exit_with
 module = load_script({script!r})
 make_policy_step = module.make_policy_step
 
@@ -430,7 +431,8 @@ else:
     module.make_policy_step = patched_make_policy_step
 flags = dict(tiny_flags({script!r}), env_id="CartPole-v1", total_timesteps=10_000_000, run_dir={run_dir!r},
              num_actor_threads=2, **{launch!r})
-sys.exit(module.main(dataclasses.replace(module.Args(), **flags)))
+# As the scripts' entry point ends (a thread still compiling when the run stops: os._exit, not an abort)
+exit_with(module.main(dataclasses.replace(module.Args(), **flags)))
 """
 
 
