@@ -431,14 +431,15 @@ def test_the_header_line_names_the_split_count_and_the_actor(script, actor, tmp_
 
 # Measured (seeds 1 and 2, default flags): the mean of 20 episodes first reached 0.9 at 9k steps
 # (sync) and 12k-13k steps (APPO), and stayed at 0.955 (the optimal return) to 50k. The parity
-# sweep (docs/parity.md) runs seeds 1-3 of each; the suite runs seed 1 at 20k (19 updates; seed 1:
-# first at 0.9 at 8.1k sync, 10.2k APPO in two runs; the last 20 episodes 0.95 in all three).
+# sweep (docs/parity.md) runs seeds 1-3 of each; the suite runs APPO's seed 1 at 20k (19 updates;
+# first at 0.9 at 10.2k in two runs; the last 20 episodes 0.95). The family's encoders are the
+# library's, the same for both scripts, and the sync baseline's learning is tested on CartPole-v1.
 MINIGRID_BUDGET = 20_000
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("script", ["ppo_sync_baseline.py", "appo_envpool.py"])
+@pytest.mark.parametrize("script", ["appo_envpool.py"])
 def test_learns_minigrid_empty(script, tmp_path):
     module = load_script(script)
     args = module.Args(env_id="MiniGrid-Empty-5x5-v0", seed=1, total_timesteps=MINIGRID_BUDGET,
