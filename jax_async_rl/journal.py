@@ -27,6 +27,7 @@ class Journal:
 
     def __init__(self, run_dir: str, example):
         self.path, self.example = os.path.join(run_dir, JOURNAL), np.asarray(example)
+        self.shape = str(list(self.example.shape))  # an update's actions, as the checkpoint's record keeps it
         self.file = None
         self.hash, self.count = hashlib.sha256(), 0  # of the updates read and appended so far
 
@@ -46,11 +47,11 @@ class Journal:
             raise refused(f"{self.path} is missing")
         except OSError as e:
             raise refused(f"{self.path} is not a regular file of the run's own ({e.strerror})")
-        kept = record and record.get("shape", str(list(self.example.shape)))  # before shapes were kept: bytes only
-        if record is not None and (record.get("bytes") != size or kept != str(list(self.example.shape))):
+        kept = record and record.get("shape", self.shape)  # before shapes were kept: the size only
+        if record is not None and (record.get("bytes") != size or kept != self.shape):
             raise refused(f"{self.path} was kept with other --num-envs or --num-steps than these "
                           f"(actions of shape {kept} an update, {record.get('bytes')} bytes to the checkpoint; "
-                          f"these flags make {list(self.example.shape)}, {size} bytes)")
+                          f"these flags make {self.shape}, {size} bytes)")
         if len(data) < size:
             raise refused(f"{self.path} holds fewer than the checkpoint's {updates} updates of actions")
         if record is not None and not matches(data, record):
@@ -80,16 +81,12 @@ class Journal:
         self.count += 1
 
     def digest(self, updates: int) -> dict:
-        """The record of the first `updates` updates that a checkpoint keeps: their sha256 and size."""
-        size = updates * self.example.nbytes
-        if updates == self.count:
-            return {"sha256": self.hash.hexdigest(), "bytes": size, "shape": str(list(self.example.shape))}
-        with checkpoints.open_own(self.path, os.O_RDONLY, "rb") as f:  # more appended than learned from
-            return {
-                "sha256": hashlib.sha256(f.read(size)).hexdigest(),
-                "bytes": size,
-                "shape": str(list(self.example.shape))
-            }
+        """The record of the first `updates` updates that a checkpoint keeps: their sha256, size and shape."""
+        size, digest = updates * self.example.nbytes, self.hash
+        if updates != self.count:
+            with checkpoints.open_own(self.path, os.O_RDONLY, "rb") as f:  # more appended than learned from
+                digest = hashlib.sha256(f.read(size))
+        return {"sha256": digest.hexdigest(), "bytes": size, "shape": self.shape}
 
     def sync(self):
         """Flush and fsync (as a checkpoint is written: the journal never lags behind it)."""

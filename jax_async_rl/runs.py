@@ -112,12 +112,12 @@ class Run:
                 f"--learning-starts {self.args.learning_starts} is not below the {trained} env steps left of "
                 f"--total-timesteps {self.args.total_timesteps}: no gradient step would run; lower it or raise the budget"
             )
-        source = os.path.dirname(checkpoints.checkpoint_path(self.args.resume)) if self.payload else None
-        if source and self.args.deterministic and jax.process_count() == 1 and (
-                "carry" in self.payload or os.path.lexists(os.path.join(source, JOURNAL))):
+        self.source = os.path.dirname(checkpoints.checkpoint_path(self.args.resume)) if self.payload else None
+        if self.source and self.args.deterministic and jax.process_count() == 1 and (
+                "carry" in self.payload or os.path.lexists(os.path.join(self.source, JOURNAL))):
             journal.check_carry(self.payload, checkpoints.checkpoint_path(self.args.resume))
             space = tasks.policy_space(self.args.env_id)  # the journal that journal_for will replay, checked now
-            journal.verify(source, self.payload.get("carry"), int(self.payload["state"].get("policy_version", 0)),
+            journal.verify(self.source, self.payload.get("carry"), int(self.payload["state"].get("policy_version", 0)),
                            (self.args.num_steps, devices.local_envs(self.args), *space.shape), space.dtype, space)
         print(f"jax {jax.__version__} on {jax.default_backend()}: {', '.join(map(str, jax.local_devices()))}",
               flush=True)
@@ -256,10 +256,10 @@ class Run:
         if not (self.args.deterministic and jax.process_count() == 1):
             return [None] * threads
         shape = (self.args.num_steps, devices.local_envs(self.args), *action_space.shape)
-        source = os.path.dirname(checkpoints.checkpoint_path(self.args.resume)) if self.payload else self.run_dir
+        elsewhere = self.source and not folders.same_folder(self.source, self.run_dir)  # --resume A --run-dir B
         self.keeper = journal.Keeper(self.run_dir, (self.payload or {}).get("carry"), self.start_update, shape,
                                      action_space.dtype, threads, lambda params: devices.replicated(self.mesh, params),
-                                     action_space, None if folders.same_folder(source, self.run_dir) else source)
+                                     action_space, self.source if elsewhere else None)
         self.env_seed = self.args.seed
         return [self.keeper.resumption(i) for i in range(threads)]
 
