@@ -89,17 +89,17 @@ def parse_grid(grid: list) -> list:
     axes = []
     for entry in grid:
         flag, _, values = entry.partition("=")
-        flag = flag.removeprefix("--")
-        if not flag or not values or any(not v for v in values.split(",")):
+        flag, values = flag.removeprefix("--"), values.split(",")
+        if not flag or not all(values):
             raise UsageError(f"--grid {entry}: expected FLAG=V1,V2,... (e.g. learning-rate=1e-4,3e-4)")
-        for word in [flag, *values.split(",")]:
+        for word in [flag, *values]:
             if not GRID_WORD.fullmatch(word) or word in (".", ".."):
                 raise UsageError(f"--grid {entry}: {word!r} names the runs' folders and goes into the SLURM script: "
                                  "letters, digits and . _ - + : @ % = only (pass other values after --)")
-        twice = [v for i, v in enumerate(values.split(",")) if v in values.split(",")[:i]]
+        twice = [v for i, v in enumerate(values) if v in values[:i]]
         if twice:
             raise UsageError(f"--grid {entry}: {twice[0]} is named twice (its runs would write one folder)")
-        axes.append((flag, values.split(",")))
+        axes.append((flag, values))
     if len({flag for flag, _ in axes}) < len(axes):
         raise UsageError("--grid names a flag twice")
     return axes
