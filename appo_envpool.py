@@ -22,9 +22,12 @@ import time
 from dataclasses import dataclass
 from typing import Annotated, ClassVar, Optional
 
-if __name__ == "__main__":  # Ctrl-C while the libraries below import (seconds): exit 130, no traceback
+if (
+    __name__ == "__main__"
+):  # Ctrl-C while the libraries below import (seconds): exit 130, no traceback
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     from jax_async_rl.helptext import help_from_source
+
     help_from_source(__file__)  # --help prints without the libraries below (their seconds)
 
 import flax.linen as nn
@@ -44,7 +47,8 @@ SPLITS = flags.default_is("2 with image observations, else 1")
 
 @dataclass
 class Args(flags.RunArgs):
-    """Asynchronous PPO (actor and learner threads). Every size is in agent steps unless it says frames.
+    """Asynchronous PPO (actor and learner threads). Every size is in agent steps unless it says
+    frames.
 
     Flags shown with "(default: preset)" take the value of the task's preset (listed below; the
     PRESETS table in this file); an explicit flag wins, and config.json records the values used.
@@ -53,20 +57,23 @@ class Args(flags.RunArgs):
     num_envs: Annotated[int, POSITIVE, at_most(65_536)] = 8
     """number of parallel environments of each actor thread (see --num-actor-threads)"""
     num_splits: Annotated[Optional[int], SPLITS, POSITIVE] = None
-    """envpool splits for double-buffered sampling (Sample Factory §3.2); 1 disables it. It pays where
-    stepping a split costs about one inference call and a core is free for it: images, not vectors"""
+    """envpool splits for double-buffered sampling (Sample Factory §3.2); 1 disables it. It pays
+    where stepping a split costs about one inference call and a core is free for it: images, not
+    vectors"""
     num_steps: Annotated[Optional[int], PRESET, POSITIVE, at_most(65_536)] = None
     """rollout length: steps per environment in each rollout"""
     queue_size: Annotated[int, POSITIVE, at_most(1024)] = 2
     """rollouts the actor may queue ahead of the learner before it blocks (backpressure)"""
     actor_lag: Annotated[Optional[int], NON_NEGATIVE, at_most(64)] = 1
-    """the actor acts on rollout m with the update on rollout m - 1 - this (acting_version): 1, Cleanba's
-    actor, the learner learns from data one update old; 0, the synchronous limit; None, Sample Factory's
-    free-running actor, up to --queue-size + 1 old. --deterministic: exactly that update, else at least it"""
+    """the actor acts on rollout m with the update on rollout m - 1 - this (acting_version): 1,
+    Cleanba's actor, the learner learns from data one update old; 0, the synchronous limit; None,
+    Sample Factory's free-running actor, up to --queue-size + 1 old. --deterministic: exactly that
+    update, else at least it"""
     max_policy_lag: Annotated[int, NON_NEGATIVE] = 25
     """transitions chosen by a policy more than this many updates old are masked out of the loss"""
     vtrace: bool = True
-    """V-trace targets (Espeholt et al. 2018), advantages without its rho (PPO's ratio weights); GAE when off"""
+    """V-trace targets (Espeholt et al. 2018), advantages without its rho (PPO's ratio weights);
+    GAE when off"""
     vtrace_rho_bar: Annotated[float, POSITIVE] = 1.0
     """V-trace clipping threshold of the importance ratio in the targets (rho bar)"""
     vtrace_c_bar: Annotated[float, POSITIVE] = 1.0
@@ -99,7 +106,8 @@ class Args(flags.RunArgs):
     max_grad_norm: Annotated[float, POSITIVE] = 0.5
     """global gradient-norm clipping threshold"""
     norm_obs: Annotated[Optional[bool], PRESET] = None
-    """True: normalise observations by a running mean and std, clipped to [-10, 10] (CleanRL, MuJoCo)"""
+    """True: normalise observations by a running mean and std, clipped to [-10, 10] (CleanRL,
+    MuJoCo)"""
     norm_reward: Annotated[Optional[bool], PRESET] = None
     """True: divide rewards by the running std of the discounted return, clipped to [-10, 10]"""
     action_mask: bool = True
@@ -109,7 +117,8 @@ class Args(flags.RunArgs):
     """an LSTM core between the encoder and the policy/value heads (TorchBeast's --use_lstm, Sample
     Factory's --use_rnn), its state carried per env and reset where an episode starts"""
     lstm_size: Annotated[int, POSITIVE, at_most(8192)] = 128
-    """hidden units of the LSTM, the size of its h and of its c (CleanRL's ppo_atari_lstm.py: 128)"""
+    """hidden units of the LSTM, the size of its h and of its c (CleanRL's ppo_atari_lstm.py:
+    128)"""
     num_threads: Annotated[int, NON_NEGATIVE, at_most(1024)] = 0
     """envpool worker threads of each actor thread (your Gymnasium env's: worker processes; 0: the
     CPU cores shared among the actor threads, at most num_envs)"""
@@ -117,7 +126,8 @@ class Args(flags.RunArgs):
     """actor threads on each actor device, each with num_envs envs and splits of its own; an update
     takes one rollout from each, so its global batch is processes x actor devices x actor threads x
     num_envs x num_steps env steps (config.json records it)"""
-    # The variants these flags make: the default --exp-name (the run's folder, its header line) names them.
+    # The variants these flags make: the default --exp-name (the run's folder, its header line)
+    # names them.
     NAMED: ClassVar[dict] = {"lstm": dict(lstm=True)}
 
 
@@ -127,45 +137,179 @@ class Args(flags.RunArgs):
 NO_NORM = dict(norm_obs=False, norm_reward=False)
 PRESETS = {
     # CleanRL's ppo_atari_envpool.py (Huang et al. 2022).
-    "atari": dict(num_steps=128, learning_rate=2.5e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=4, update_epochs=4,
-                  clip_coef=0.1, ent_coef=0.01, **NO_NORM),
+    "atari": dict(
+        num_steps=128,
+        learning_rate=2.5e-4,
+        gamma=0.99,
+        gae_lambda=0.95,
+        num_minibatches=4,
+        update_epochs=4,
+        clip_coef=0.1,
+        ent_coef=0.01,
+        **NO_NORM,
+    ),
     # CleanRL's ppo_continuous_action.py (2048 steps a rollout, minibatches of 64 at 8 envs), with
     # its observation and reward normalisation.
-    "mujoco": dict(num_steps=256, learning_rate=3e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=32, update_epochs=10,
-                   clip_coef=0.2, ent_coef=0.0, norm_obs=True, norm_reward=True),
+    "mujoco": dict(
+        num_steps=256,
+        learning_rate=3e-4,
+        gamma=0.99,
+        gae_lambda=0.95,
+        num_minibatches=32,
+        update_epochs=10,
+        clip_coef=0.2,
+        ent_coef=0.0,
+        norm_obs=True,
+        norm_reward=True,
+    ),
     # Any other vector task: CleanRL's ppo.py defaults, a general starting point, not a tuned one.
-    "classic": dict(num_steps=128, learning_rate=2.5e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=4,
-                    update_epochs=4, clip_coef=0.2, ent_coef=0.01, **NO_NORM),
+    "classic": dict(
+        num_steps=128,
+        learning_rate=2.5e-4,
+        gamma=0.99,
+        gae_lambda=0.95,
+        num_minibatches=4,
+        update_epochs=4,
+        clip_coef=0.2,
+        ent_coef=0.01,
+        **NO_NORM,
+    ),
     # rl-baselines3-zoo's tuned PPO (hyperparams/ppo.yml): CartPole solves within 100k steps.
-    "CartPole": dict(num_steps=32, learning_rate=1e-3, gamma=0.98, gae_lambda=0.8, num_minibatches=1, update_epochs=20,
-                     clip_coef=0.2, anneal_clip=True, ent_coef=0.0, **NO_NORM),
-    "Acrobot": dict(num_steps=256, learning_rate=3e-4, gamma=0.99, gae_lambda=0.94, num_minibatches=32, update_epochs=4,
-                    clip_coef=0.2, ent_coef=0.0, norm_obs=True, norm_reward=True),
-    "MountainCar": dict(num_steps=16, learning_rate=3e-4, gamma=0.99, gae_lambda=0.98, num_minibatches=2,
-                        update_epochs=4, clip_coef=0.2, ent_coef=0.0, norm_obs=True, norm_reward=True),
-    "Pendulum": dict(num_steps=1024, learning_rate=1e-3, gamma=0.9, gae_lambda=0.95, num_minibatches=128,
-                     update_epochs=10, clip_coef=0.2, ent_coef=0.0, **NO_NORM),
-    "LunarLander": dict(num_steps=1024, learning_rate=3e-4, gamma=0.999, gae_lambda=0.98, num_minibatches=128,
-                        update_epochs=4, clip_coef=0.2, ent_coef=0.01, **NO_NORM),
+    "CartPole": dict(
+        num_steps=32,
+        learning_rate=1e-3,
+        gamma=0.98,
+        gae_lambda=0.8,
+        num_minibatches=1,
+        update_epochs=20,
+        clip_coef=0.2,
+        anneal_clip=True,
+        ent_coef=0.0,
+        **NO_NORM,
+    ),
+    "Acrobot": dict(
+        num_steps=256,
+        learning_rate=3e-4,
+        gamma=0.99,
+        gae_lambda=0.94,
+        num_minibatches=32,
+        update_epochs=4,
+        clip_coef=0.2,
+        ent_coef=0.0,
+        norm_obs=True,
+        norm_reward=True,
+    ),
+    "MountainCar": dict(
+        num_steps=16,
+        learning_rate=3e-4,
+        gamma=0.99,
+        gae_lambda=0.98,
+        num_minibatches=2,
+        update_epochs=4,
+        clip_coef=0.2,
+        ent_coef=0.0,
+        norm_obs=True,
+        norm_reward=True,
+    ),
+    "Pendulum": dict(
+        num_steps=1024,
+        learning_rate=1e-3,
+        gamma=0.9,
+        gae_lambda=0.95,
+        num_minibatches=128,
+        update_epochs=10,
+        clip_coef=0.2,
+        ent_coef=0.0,
+        **NO_NORM,
+    ),
+    "LunarLander": dict(
+        num_steps=1024,
+        learning_rate=3e-4,
+        gamma=0.999,
+        gae_lambda=0.98,
+        num_minibatches=128,
+        update_epochs=4,
+        clip_coef=0.2,
+        ent_coef=0.01,
+        **NO_NORM,
+    ),
     # rl-baselines3-zoo's CarRacing (512 steps, minibatches of 128 at 8 envs, reward normalisation).
-    "CarRacing": dict(num_steps=512, learning_rate=1e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=32,
-                      update_epochs=10, clip_coef=0.2, ent_coef=0.0, norm_obs=False, norm_reward=True),
-    # The Control Suite: CleanRL's ppo_continuous_action.py, which CleanRL also benchmarks on dm_control.
-    "dm_control": dict(num_steps=256, learning_rate=3e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=32,
-                       update_epochs=10, clip_coef=0.2, ent_coef=0.0, norm_obs=True, norm_reward=True),
-    # MiniGrid and BabyAI: rl-starter-files' PPO (torch-ac): 128 steps an env, minibatches of 256, lr 1e-3.
-    "minigrid": dict(num_steps=128, learning_rate=1e-3, gamma=0.99, gae_lambda=0.95, num_minibatches=4, update_epochs=4,
-                     clip_coef=0.2, ent_coef=0.01, **NO_NORM),
+    "CarRacing": dict(
+        num_steps=512,
+        learning_rate=1e-4,
+        gamma=0.99,
+        gae_lambda=0.95,
+        num_minibatches=32,
+        update_epochs=10,
+        clip_coef=0.2,
+        ent_coef=0.0,
+        norm_obs=False,
+        norm_reward=True,
+    ),
+    # The Control Suite: CleanRL's ppo_continuous_action.py, which CleanRL also benchmarks on
+    # dm_control.
+    "dm_control": dict(
+        num_steps=256,
+        learning_rate=3e-4,
+        gamma=0.99,
+        gae_lambda=0.95,
+        num_minibatches=32,
+        update_epochs=10,
+        clip_coef=0.2,
+        ent_coef=0.0,
+        norm_obs=True,
+        norm_reward=True,
+    ),
+    # MiniGrid and BabyAI: rl-starter-files' PPO (torch-ac): 128 steps an env, minibatches of 256,
+    # lr 1e-3.
+    "minigrid": dict(
+        num_steps=128,
+        learning_rate=1e-3,
+        gamma=0.99,
+        gae_lambda=0.95,
+        num_minibatches=4,
+        update_epochs=4,
+        clip_coef=0.2,
+        ent_coef=0.01,
+        **NO_NORM,
+    ),
     # MiniGrid's memory task: Pleines et al. 2022's recurrent PPO on MiniGrid-Memory (their
     # configs/minigrid.yaml: 256 steps an env, 8 minibatches, 4 epochs, lr 2e-4, entropy 0.001).
-    "MiniGrid-MemoryS7": dict(num_steps=256, learning_rate=2e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=8,
-                              update_epochs=4, clip_coef=0.2, ent_coef=0.001, **NO_NORM),
+    "MiniGrid-MemoryS7": dict(
+        num_steps=256,
+        learning_rate=2e-4,
+        gamma=0.99,
+        gae_lambda=0.95,
+        num_minibatches=8,
+        update_epochs=4,
+        clip_coef=0.2,
+        ent_coef=0.001,
+        **NO_NORM,
+    ),
     # highway-env's scripts/sb3_highway_ppo.py: gamma 0.8, 10 epochs of minibatches of 64, lr 5e-4.
-    "highway": dict(num_steps=128, learning_rate=5e-4, gamma=0.8, gae_lambda=0.95, num_minibatches=16, update_epochs=10,
-                    clip_coef=0.2, ent_coef=0.0, **NO_NORM),
+    "highway": dict(
+        num_steps=128,
+        learning_rate=5e-4,
+        gamma=0.8,
+        gae_lambda=0.95,
+        num_minibatches=16,
+        update_epochs=10,
+        clip_coef=0.2,
+        ent_coef=0.0,
+        **NO_NORM,
+    ),
     # Google Research Football's PPO reproduction (Kurach et al. 2020, 11_vs_11_easy_stochastic).
-    "gfootball": dict(num_steps=512, learning_rate=3.43e-4, gamma=0.993, gae_lambda=0.95, num_minibatches=8,
-                      update_epochs=2, clip_coef=0.08, ent_coef=0.003, **NO_NORM),
+    "gfootball": dict(
+        num_steps=512,
+        learning_rate=3.43e-4,
+        gamma=0.993,
+        gae_lambda=0.95,
+        num_minibatches=8,
+        update_epochs=2,
+        clip_coef=0.08,
+        ent_coef=0.003,
+        **NO_NORM,
+    ),
 }
 
 
@@ -175,21 +319,31 @@ def resolve_args(args: Args) -> Args:
     fill = tasks.preset_values(args, PRESETS)
     if args.anneal_clip is None:  # the presets that do not name it: off
         fill.setdefault("anneal_clip", False)
-    if args.lstm and "num_minibatches" in fill:  # whole env sequences: a preset's count that divides num_envs
+    if (
+        args.lstm and "num_minibatches" in fill
+    ):  # whole env sequences: a preset's count that divides num_envs
         fill["num_minibatches"] = int(np.gcd(fill["num_minibatches"], devices.global_envs(args)))
     if args.num_splits is None:  # double buffering for the Nature CNN's images (see --num-splits)
-        fill["num_splits"] = 2 if "nature" in dict(tasks.encoders(tasks.spaces(args.env_id)[0])) else 1
+        fill["num_splits"] = (
+            2 if "nature" in dict(tasks.encoders(tasks.spaces(args.env_id)[0])) else 1
+        )
     args = runs.checked(dataclasses.replace(args, **fill))
     if args.num_envs % args.num_splits:
-        raise UsageError(f"--num-splits {args.num_splits} must divide --num-envs {args.num_envs} "
-                         "(left out, --num-splits is 2 with image observations, else 1)")
+        raise UsageError(
+            f"--num-splits {args.num_splits} must divide --num-envs {args.num_envs} "
+            "(left out, --num-splits is 2 with image observations, else 1)"
+        )
     if devices.global_envs(args) * args.num_steps % args.num_minibatches:
         raise UsageError(
-            f"--num-minibatches {args.num_minibatches} must divide the global batch {devices.describe_batch(args)}")
+            f"--num-minibatches {args.num_minibatches} must divide the global batch "
+            f"{devices.describe_batch(args)}"
+        )
     if args.lstm and devices.global_envs(args) % args.num_minibatches:
         raise UsageError(
-            f"--num-minibatches {args.num_minibatches} must divide the {devices.global_envs(args)} envs of an "
-            "update (--num-envs, summed over actors and processes) with --lstm (a minibatch holds whole env sequences); pass a divisor"
+            f"--num-minibatches {args.num_minibatches} must divide the "
+            f"{devices.global_envs(args)} envs of an "
+            "update (--num-envs, summed over actors and processes) with --lstm (a minibatch holds "
+            "whole env sequences); pass a divisor"
         )
     return args
 
@@ -218,8 +372,10 @@ def zero_core(lstm_size: int, num_envs: int):
     [N, lstm_size], first [N] all True); None without an LSTM."""
     if not lstm_size:
         return None
-    return (np.zeros((num_envs, lstm_size), np.float32), np.zeros((num_envs, lstm_size), np.float32)), np.ones(
-        num_envs, bool)
+    return (
+        np.zeros((num_envs, lstm_size), np.float32),
+        np.zeros((num_envs, lstm_size), np.float32),
+    ), np.ones(num_envs, bool)
 
 
 class ActorCritic(nn.Module):
@@ -239,7 +395,8 @@ class ActorCritic(nn.Module):
     continuous: bool
     encoders: tuple  # tasks.leaf_encoder of each observation leaf
     lstm_size: int = 0  # 0: no LSTM
-    heads: tuple = ()  # a factored policy's choices in each of D dimensions: A = D x the most (legal_actions)
+    # a factored policy's choices in each of D dimensions: A = D x the most (legal_actions)
+    heads: tuple = ()
     action_mask: bool = False  # the observation's "action_mask" is applied (legal_actions)
 
     @nn.compact
@@ -249,13 +406,21 @@ class ActorCritic(nn.Module):
             state, first = core
             shape = first.shape  # [T, B], or [B] for one step
             first = first.reshape(-1, shape[-1])
-            # Rows env-major [B x T, ...]: with the envs split over learner devices, each keeps its own.
+            # Rows env-major [B x T, ...]: with the envs split over learner devices, each keeps its
+            # own.
             obs = jax.tree.map(
-                lambda x: jnp.swapaxes(x.reshape(*first.shape, *x.shape[len(shape):]), 0, 1).reshape(
-                    -1, *x.shape[len(shape):]), obs)
+                lambda x: jnp.swapaxes(
+                    x.reshape(*first.shape, *x.shape[len(shape) :]), 0, 1
+                ).reshape(-1, *x.shape[len(shape) :]),
+                obs,
+            )
 
         def conv(x, size, kernel, stride=1):
-            return nn.relu(nn.Conv(size, (kernel, kernel), (stride, stride), "VALID", kernel_init=orth(np.sqrt(2)))(x))
+            return nn.relu(
+                nn.Conv(
+                    size, (kernel, kernel), (stride, stride), "VALID", kernel_init=orth(np.sqrt(2))
+                )(x)
+            )
 
         features = []
         for x, (kind, arg) in zip(jax.tree.leaves(obs), self.encoders, strict=True):
@@ -263,18 +428,26 @@ class ActorCritic(nn.Module):
                 x = jnp.transpose(x, (0, 2, 3, 1))  # [B, C, H, W] -> [B, H, W, C]
             if kind == "nature":  # Mnih et al. 2015
                 x = conv(conv(conv(x.astype(jnp.float32) / 255.0, 32, 8, 4), 64, 4, 2), 64, 3)
-            elif kind == "grid":  # rl-starter-files' (torch-ac's) MiniGrid network: 2x2 convs, a max-pool
+            elif (
+                kind == "grid"
+            ):  # rl-starter-files' (torch-ac's) MiniGrid network: 2x2 convs, a max-pool
                 x = nn.max_pool(conv(x.astype(jnp.float32), 16, 2), (2, 2), (2, 2))
                 x = conv(conv(x, 32, 2), 64, 2)
             else:
-                x = jax.nn.one_hot(x - arg[1], arg[0]) if kind == "onehot" else x.astype(jnp.float32) * arg
+                x = (
+                    jax.nn.one_hot(x - arg[1], arg[0])
+                    if kind == "onehot"
+                    else x.astype(jnp.float32) * arg
+                )
             features.append(x.reshape(x.shape[0], -1))
         x = jnp.concatenate(features, axis=-1)
         nature = any(kind == "nature" for kind, _ in self.encoders)
         if nature:
             x = nn.relu(nn.Dense(512, kernel_init=orth(np.sqrt(2)))(x))
         if self.lstm_size:
-            state, x = LSTMCore(self.lstm_size)(state, (jnp.swapaxes(x.reshape(*first.shape[::-1], -1), 0, 1), first))
+            state, x = LSTMCore(self.lstm_size)(
+                state, (jnp.swapaxes(x.reshape(*first.shape[::-1], -1), 0, 1), first)
+            )
             x = jnp.swapaxes(x, 0, 1).reshape(-1, self.lstm_size)
         if nature:
             actor_hidden = critic_hidden = x
@@ -289,7 +462,9 @@ class ActorCritic(nn.Module):
             pi = jnp.concatenate([pi, jnp.broadcast_to(log_std, pi.shape)], axis=-1)
         value = nn.Dense(1, kernel_init=orth(1.0))(critic_hidden)[:, 0]
         if self.lstm_size:  # back to time-major
-            pi, value = (jnp.swapaxes(y.reshape(*first.shape[::-1], *y.shape[1:]), 0, 1) for y in (pi, value))
+            pi, value = (
+                jnp.swapaxes(y.reshape(*first.shape[::-1], *y.shape[1:]), 0, 1) for y in (pi, value)
+            )
             return pi.reshape(*shape, -1), value.reshape(shape), state
         return pi, value, None
 
@@ -313,11 +488,12 @@ def sample_action(pi, keys, continuous: bool, greedy: bool = False, legal=None):
 
 def log_prob_entropy(pi, actions, continuous: bool, legal=None):
     """Log-probability of `actions` under `pi` and the policy's entropy, both [B], with only `legal`
-    actions (masked_logits); a factored policy's (actions [B, D]) are the sums over its dimensions."""
+    actions (masked_logits); a factored policy's (actions [B, D]) are the sums over its
+    dimensions."""
     if continuous:
         mean, log_std = jnp.split(pi, 2, axis=-1)
         z = (actions - mean) / jnp.exp(log_std)
-        logprob = jnp.sum(-0.5 * z ** 2 - log_std - 0.5 * jnp.log(2 * jnp.pi), axis=-1)
+        logprob = jnp.sum(-0.5 * z**2 - log_std - 0.5 * jnp.log(2 * jnp.pi), axis=-1)
         entropy = jnp.sum(log_std + 0.5 * (1.0 + jnp.log(2 * jnp.pi)), axis=-1)
         return logprob, entropy
     log_p = jax.nn.log_softmax(masked_logits(pi, legal))
@@ -364,12 +540,23 @@ def compute_gae(rewards, values, bootstrap_value, discounts, gae_lambda):
         carry = delta + discount * gae_lambda * carry
         return carry, carry
 
-    _, advantages = jax.lax.scan(backward, jnp.zeros_like(bootstrap_value), (deltas, discounts), reverse=True)
+    _, advantages = jax.lax.scan(
+        backward, jnp.zeros_like(bootstrap_value), (deltas, discounts), reverse=True
+    )
     return advantages
 
 
-def vtrace(log_rhos, discounts, rewards, values, bootstrap_value, clip_rho_threshold=1.0, clip_c_threshold=1.0,
-           clip_pg_rho_threshold=1.0, lambda_=1.0):
+def vtrace(
+    log_rhos,
+    discounts,
+    rewards,
+    values,
+    bootstrap_value,
+    clip_rho_threshold=1.0,
+    clip_c_threshold=1.0,
+    clip_pg_rho_threshold=1.0,
+    lambda_=1.0,
+):
     """V-trace targets and policy-gradient advantages (Espeholt et al. 2018, eq. 1 and §4.2),
     with rlax's `lambda_` (vtrace_td_error_and_advantage): traces c = lambda min(c bar, rho), and
     the advantage bootstraps on lambda vs + (1 - lambda) V, so that on-policy the targets are
@@ -377,7 +564,8 @@ def vtrace(log_rhos, discounts, rewards, values, bootstrap_value, clip_rho_thres
 
     log_rhos = log pi(a|x) - log mu(a|x), discounts, rewards, values: [T, B]; bootstrap_value: [B].
     clip_pg_rho_threshold None: no rho in the advantage (for a loss whose ratio pi / mu already
-    weights each sample, as PPO's does). Returns (vs, pg_advantages), both [T, B], gradients stopped.
+    weights each sample, as PPO's does). Returns (vs, pg_advantages), both [T, B], gradients
+    stopped.
     """
     rhos = jnp.exp(log_rhos)
     clipped_rhos = jnp.minimum(clip_rho_threshold, rhos)
@@ -390,7 +578,9 @@ def vtrace(log_rhos, discounts, rewards, values, bootstrap_value, clip_rho_thres
         carry = delta + discount * c * carry
         return carry, carry
 
-    _, vs_minus_v = jax.lax.scan(backward, jnp.zeros_like(bootstrap_value), (deltas, discounts, cs), reverse=True)
+    _, vs_minus_v = jax.lax.scan(
+        backward, jnp.zeros_like(bootstrap_value), (deltas, discounts, cs), reverse=True
+    )
     vs = vs_minus_v + values
     next_vs = jnp.concatenate([vs[1:], bootstrap_value[None]], axis=0)
     next_vs = lambda_ * next_vs + (1.0 - lambda_) * next_values
@@ -416,7 +606,11 @@ def learning_rate_at(args: Args, global_step, total_timesteps):
     linearly to 0 at --total-timesteps (CleanRL). A function of steps, not of an optimiser count,
     so a resumed run continues its schedule, also with another budget or batch size; the budget
     is an argument of the jitted update, so that a larger one compiles nothing new."""
-    return linear_decay(args.learning_rate, global_step, total_timesteps) if args.anneal_lr else args.learning_rate
+    return (
+        linear_decay(args.learning_rate, global_step, total_timesteps)
+        if args.anneal_lr
+        else args.learning_rate
+    )
 
 
 def linear_decay(value, global_step, total_timesteps):
@@ -426,8 +620,13 @@ def linear_decay(value, global_step, total_timesteps):
 
 def clip_coef_at(args: Args, global_step, total_timesteps):
     """PPO's clip epsilon in the update that starts at env step `global_step`: with --anneal-clip
-    it falls linearly to 0 at --total-timesteps, as the learning rate does (a resumed run goes on)."""
-    return linear_decay(args.clip_coef, global_step, total_timesteps) if args.anneal_clip else args.clip_coef
+    it falls linearly to 0 at --total-timesteps, as the learning rate does (a resumed run goes
+    on)."""
+    return (
+        linear_decay(args.clip_coef, global_step, total_timesteps)
+        if args.anneal_clip
+        else args.clip_coef
+    )
 
 
 def masked_mean(x, mask):
@@ -435,8 +634,19 @@ def masked_mean(x, mask):
     return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def ppo_loss(logprobs, old_logprobs, advantages, values, returns, entropy, mask, clip_coef, vf_coef, ent_coef,
-             norm_adv):
+def ppo_loss(
+    logprobs,
+    old_logprobs,
+    advantages,
+    values,
+    returns,
+    entropy,
+    mask,
+    clip_coef,
+    vf_coef,
+    ent_coef,
+    norm_adv,
+):
     """PPO-clip surrogate (Schulman et al. 2017, eq. 7) + value regression - entropy bonus, on
     advantages normalised over the minibatch when `norm_adv` (CleanRL's detail 7).
 
@@ -445,11 +655,17 @@ def ppo_loss(logprobs, old_logprobs, advantages, values, returns, entropy, mask,
     """
     if norm_adv:
         mean = masked_mean(advantages, mask)
-        advantages = (advantages - mean) / (jnp.sqrt(masked_mean((advantages - mean) ** 2, mask)) + 1e-8)
+        advantages = (advantages - mean) / (
+            jnp.sqrt(masked_mean((advantages - mean) ** 2, mask)) + 1e-8
+        )
     log_ratio = logprobs - old_logprobs
     ratio = jnp.exp(log_ratio)
-    pg_loss = masked_mean(jnp.maximum(-advantages * ratio, -advantages * jnp.clip(ratio, 1 - clip_coef, 1 + clip_coef)),
-                          mask)
+    pg_loss = masked_mean(
+        jnp.maximum(
+            -advantages * ratio, -advantages * jnp.clip(ratio, 1 - clip_coef, 1 + clip_coef)
+        ),
+        mask,
+    )
     value_loss = 0.5 * masked_mean((values - returns) ** 2, mask)
     entropy_loss = masked_mean(entropy, mask)
     loss = pg_loss + vf_coef * value_loss - ent_coef * entropy_loss
@@ -460,8 +676,12 @@ def ppo_loss(logprobs, old_logprobs, advantages, values, returns, entropy, mask,
         "approx_kl": masked_mean((ratio - 1) - log_ratio, mask),
         "clipfrac": masked_mean((jnp.abs(ratio - 1) > clip_coef).astype(jnp.float32), mask),
         "explained_variance": jnp.where(
-            jnp.sum(mask) > 0, 1 - masked_mean((returns - values) ** 2, mask) /
-            jnp.maximum(masked_mean((returns - masked_mean(returns, mask)) ** 2, mask), 1e-8), 0.0),
+            jnp.sum(mask) > 0,
+            1
+            - masked_mean((returns - values) ** 2, mask)
+            / jnp.maximum(masked_mean((returns - masked_mean(returns, mask)) ** 2, mask), 1e-8),
+            0.0,
+        ),
     }
     return loss, diagnostics
 
@@ -499,39 +719,68 @@ def acting_version(rollout: int, actor_lag, oldest: int) -> int:
     return min(rollout, 1) if actor_lag is None else max(oldest, rollout - actor_lag)
 
 
-def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts, device=None, thread=0, first=0,
-               resume=None):
-    """Double-buffered sampling (Sample Factory §3.2): act on the split `recv()` returns while envpool steps the
-    others; queue `num_rollouts` rollouts (Trajectories), each with the games that ended in it, blocking while
-    the queue is full. Rollout m (from `first`) is acted with the parameters `acting_version` names (§3.4;
-    exactly those with --deterministic), each env's draws keyed by its index and step. With --lstm, `memory`
-    holds each env's state, reset where an episode starts; a rollout records the states before its row 0 (Sample
-    Factory's: no burn-in). Thread `thread` acts on `device`. `resume` (--deterministic): the journal's actions
-    [steps, B, ...] and states that put the envs back where the run stopped (journal.replay)."""
+def actor_loop(
+    envs,
+    policy_step,
+    shared,
+    rollout_queue,
+    key,
+    args,
+    num_rollouts,
+    device=None,
+    thread=0,
+    first=0,
+    resume=None,
+):
+    """Double-buffered sampling (Sample Factory §3.2): act on the split `recv()` returns while
+    envpool steps the others; queue `num_rollouts` rollouts (Trajectories), each with the games that
+    ended in it, blocking while the queue is full. Rollout m (from `first`) is acted with the
+    parameters `acting_version` names (§3.4; exactly those with --deterministic), each env's draws
+    keyed by its index and step. With --lstm, `memory` holds each env's state, reset where an
+    episode starts; a rollout records the states before its row 0 (Sample Factory's: no burn-in).
+    Thread `thread` acts on `device`. `resume` (--deterministic): the journal's actions [steps, B,
+    ...] and states that put the envs back where the run stopped (journal.replay)."""
     T, B = args.num_steps, args.num_envs
-    memory = zero_core(args.lstm_size, B)[0] if args.lstm else None  # (c, h) [B, lstm_size], by env id
+    memory = (
+        zero_core(args.lstm_size, B)[0] if args.lstm else None
+    )  # (c, h) [B, lstm_size], by env id
     stats, timing, pushed = tasks.EpisodeStats(B), shared.timing, 0
     dones, memory = journal.start_envs(envs, resume, shared.normalizer, stats, memory, thread * B)
-    trajectories = Trajectories(T, B, tasks.policy_space(args.env_id), memory, first * T, resume is not None, dones)
+    trajectories = Trajectories(
+        T, B, tasks.policy_space(args.env_id), memory, first * T, resume is not None, dones
+    )
     core = held = params = None  # held: the version of `params`
     while pushed < num_rollouts and not shared.stop.is_set():
         start = time.perf_counter()
         obs, reward, terminated, truncated, info = envs.recv()
         timing["env"] += (now := time.perf_counter()) - start
         env_ids, index = info["env_id"], trajectories.steps[info["env_id"]]
-        reward = np.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's: undefined (dm_control)
+        reward = np.where(
+            info["elapsed_step"] > 0, reward, 0.0
+        )  # a reset's: undefined (dm_control)
         obs = shared.normalizer.observe(obs)
         ended = trajectories.sent[env_ids]  # the observation ends a step (not an env's first)
         if memory is not None:  # the envs' states, and which observations start an episode
-            core = jax.tree.map(lambda s: s[env_ids], memory), trajectories.prev_dones[env_ids] | ~ended
+            core = (
+                jax.tree.map(lambda s: s[env_ids], memory),
+                trajectories.prev_dones[env_ids] | ~ended,
+            )
         stats.update(env_ids, reward, terminated, truncated, info)  # game scores: raw rewards
-        tasks.check_legal(args, obs, env_ids, ~(terminated | truncated), info["elapsed_step"])  # masks obeyable
-        if ended.any() and index.max() == trajectories.start:  # the last step replayed: its games were logged
+        tasks.check_legal(
+            args, obs, env_ids, ~(terminated | truncated), info["elapsed_step"]
+        )  # masks obeyable
+        if (
+            ended.any() and index.max() == trajectories.start
+        ):  # the last step replayed: its games were logged
             stats.pop()
         done = terminated | truncated
-        reward[ended] = shared.normalizer.reward(reward[ended], done[ended], env_ids[ended] + thread * B)
+        reward[ended] = shared.normalizer.reward(
+            reward[ended], done[ended], env_ids[ended] + thread * B
+        )
         trajectories.returned(env_ids, obs, reward, done, truncated, memory)
-        timing["bookkeeping"] += time.perf_counter() - now  # then the queue, and the wait for parameters
+        timing["bookkeeping"] += (
+            time.perf_counter() - now
+        )  # then the queue, and the wait for parameters
         while pushed < num_rollouts and (rollout := trajectories.complete()) is not None:
             rollout["host"]["games"] = stats.pop()
             start = time.perf_counter()
@@ -539,15 +788,21 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
                 return
             timing["queue_put"] += time.perf_counter() - start
             pushed += 1
-        version = acting_version(int(index.max()) // T, args.actor_lag, shared.oldest)  # free-running: never an update
-        acting = shared.acting(version if args.deterministic else min(version, first + pushed), args.deterministic)
+        version = acting_version(
+            int(index.max()) // T, args.actor_lag, shared.oldest
+        )  # free-running: never an update
+        acting = shared.acting(
+            version if args.deterministic else min(version, first + pushed), args.deterministic
+        )
         if acting is None:  # on a rollout not queued yet (with splits, an env may still be in it)
             return
         if acting[1] != held:  # copied to this actor's device once per version
             held, params = acting[1], devices.to_actor(device, acting[0])
         now = time.perf_counter()
         action, logprob, _, state = policy_step(params, obs, core, key, env_ids, index)
-        timing["inference"] += (start := time.perf_counter()) - now  # dispatched; the bookkeeping overlaps it
+        timing["inference"] += (
+            start := time.perf_counter()
+        ) - now  # dispatched; the bookkeeping overlaps it
         current = trajectories.started(env_ids, obs, held, core)
         timing["bookkeeping"] += (now := time.perf_counter()) - start
 
@@ -578,19 +833,27 @@ def rollout_forward(network, params, rollout, continuous: bool):
     (which starts an episode when row T-1 is a reset step, `valid` 0)."""
     T, B = rollout["rewards"].shape
     if network.lstm_size:
-        obs = jax.tree.map(lambda x, y: jnp.concatenate([x, y[None]]), rollout["obs"], rollout["bootstrap_obs"])
+        obs = jax.tree.map(
+            lambda x, y: jnp.concatenate([x, y[None]]), rollout["obs"], rollout["bootstrap_obs"]
+        )
         first = jnp.concatenate([rollout["first"], 1.0 - rollout["valid"][-1:]])
         pi, values, _ = network.apply(params, obs, (rollout["state"], first))
         legal = legal_actions(network, rollout["obs"], pi[:-1])  # the masks stored with the rollout
         logprobs, entropy = log_prob_entropy(pi[:-1], rollout["actions"], continuous, legal)
         return logprobs, entropy, values[:-1], values[-1]
 
-    def rows(x):  # [T, B, ...] -> [B x T, ...], env-major: rows stay on the learner device that holds their env
+    def rows(
+        x,
+        # [T, B, ...] -> [B x T, ...], env-major: rows stay on the learner device that holds their
+        # env
+    ):
         return jnp.swapaxes(x, 0, 1).reshape(B * T, *x.shape[2:])
 
     obs = jax.tree.map(rows, rollout["obs"])
     pi, values, _ = network.apply(params, obs)
-    logprobs, entropy = log_prob_entropy(pi, rows(rollout["actions"]), continuous, legal_actions(network, obs, pi))
+    logprobs, entropy = log_prob_entropy(
+        pi, rows(rollout["actions"]), continuous, legal_actions(network, obs, pi)
+    )
     _, bootstrap_value, _ = network.apply(params, rollout["bootstrap_obs"])
     return *(x.reshape(B, T).T for x in (logprobs, entropy, values)), bootstrap_value
 
@@ -602,15 +865,21 @@ def minibatches(key, data, num_minibatches: int):
     T, B = data["valid"].shape
     if "state" not in data:
         order = jax.random.permutation(key, T * B)
-        return jax.tree.map(lambda x: x.reshape(T * B, *x.shape[2:])[order].reshape(num_minibatches, -1, *x.shape[2:]),
-                            data)
+        return jax.tree.map(
+            lambda x: x.reshape(T * B, *x.shape[2:])[order].reshape(
+                num_minibatches, -1, *x.shape[2:]
+            ),
+            data,
+        )
     order = jax.random.permutation(key, B)
 
     def split(x):  # [B, ...] -> [M, B / M, ...] in the shuffled env order
         return x[order].reshape(num_minibatches, B // num_minibatches, *x.shape[1:])
 
     state = jax.tree.map(split, data["state"])
-    sequences = jax.tree.map(lambda x: jnp.swapaxes(split(jnp.swapaxes(x, 0, 1)), 1, 2), {**data, "state": None})
+    sequences = jax.tree.map(
+        lambda x: jnp.swapaxes(split(jnp.swapaxes(x, 0, 1)), 1, 2), {**data, "state": None}
+    )
     return dict(sequences, state=state)
 
 
@@ -618,13 +887,28 @@ def targets(network, state, rollout, args: Args, continuous: bool, clip_coef):
     """What the loss learns from a rollout [T, B]: (advantages, returns, the mask of transitions
     that count, diagnostics): V-trace (or GAE) from the current parameters, and policy-lag
     control (Sample Factory §3.4): transitions from too old a policy do not count."""
-    logprobs, _, values, bootstrap_value = rollout_forward(network, state["params"], rollout, continuous)
-    rewards = time_limit_bootstrap(rollout["rewards"], values, bootstrap_value, rollout["truncated"], args.gamma)
+    logprobs, _, values, bootstrap_value = rollout_forward(
+        network, state["params"], rollout, continuous
+    )
+    rewards = time_limit_bootstrap(
+        rollout["rewards"], values, bootstrap_value, rollout["truncated"], args.gamma
+    )
     discounts = args.gamma * (1.0 - rollout["dones"])
     log_ratio = logprobs - rollout["logprobs"]  # pi / mu before this update moves pi
-    if args.vtrace:  # the advantage without IMPALA's rho: PPO's ratio is already each sample's weight
-        returns, advantages = vtrace(log_ratio, discounts, rewards, values, bootstrap_value, args.vtrace_rho_bar,
-                                     args.vtrace_c_bar, clip_pg_rho_threshold=None, lambda_=args.gae_lambda)
+    if (
+        args.vtrace
+    ):  # the advantage without IMPALA's rho: PPO's ratio is already each sample's weight
+        returns, advantages = vtrace(
+            log_ratio,
+            discounts,
+            rewards,
+            values,
+            bootstrap_value,
+            args.vtrace_rho_bar,
+            args.vtrace_c_bar,
+            clip_pg_rho_threshold=None,
+            lambda_=args.gae_lambda,
+        )
     else:
         advantages = compute_gae(rewards, values, bootstrap_value, discounts, args.gae_lambda)
         returns = advantages + values
@@ -635,9 +919,13 @@ def targets(network, state, rollout, args: Args, continuous: bool, clip_coef):
         "async/policy_lag_mean": masked_mean(lag, rollout["valid"]),
         "async/policy_lag_max": jnp.max(jnp.where(rollout["valid"] > 0, lag, 0)),
         "async/stale_fraction": masked_mean(1.0 - fresh, rollout["valid"]),
-        "async/start_clipfrac": masked_mean((jnp.abs(ratio - 1) > clip_coef).astype(jnp.float32), rollout["valid"]),
+        "async/start_clipfrac": masked_mean(
+            (jnp.abs(ratio - 1) > clip_coef).astype(jnp.float32), rollout["valid"]
+        ),
         "async/start_kl": masked_mean(ratio - 1 - log_ratio, rollout["valid"]),
-        "async/rho_clipfrac": masked_mean((ratio > args.vtrace_rho_bar).astype(jnp.float32), rollout["valid"]),
+        "async/rho_clipfrac": masked_mean(
+            (ratio > args.vtrace_rho_bar).astype(jnp.float32), rollout["valid"]
+        ),
     }
     return advantages, returns, rollout["valid"] * fresh, diagnostics
 
@@ -647,27 +935,55 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
     minibatches of PPO-clip against the behaviour policy (Sample Factory's APPO)."""
 
     def loss_fn(params, mb, clip_coef):
-        pi, values, _ = network.apply(params, mb["obs"], (mb["state"], mb["first"]) if "state" in mb else None)
-        logprobs, entropy = log_prob_entropy(pi, mb["actions"], continuous, legal_actions(network, mb["obs"], pi))
-        return ppo_loss(logprobs, mb["logprobs"], mb["advantages"], values, mb["returns"], entropy, mb["valid"],
-                        clip_coef, args.vf_coef, args.ent_coef, args.norm_adv)
+        pi, values, _ = network.apply(
+            params, mb["obs"], (mb["state"], mb["first"]) if "state" in mb else None
+        )
+        logprobs, entropy = log_prob_entropy(
+            pi, mb["actions"], continuous, legal_actions(network, mb["obs"], pi)
+        )
+        return ppo_loss(
+            logprobs,
+            mb["logprobs"],
+            mb["advantages"],
+            values,
+            mb["returns"],
+            entropy,
+            mb["valid"],
+            clip_coef,
+            args.vf_coef,
+            args.ent_coef,
+            args.norm_adv,
+        )
 
     def minibatch_step(learning_rate, clip_coef, carry, mb):
         params, opt_state = carry
-        (loss, diagnostics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb, clip_coef)
+        (loss, diagnostics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, mb, clip_coef
+        )
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, jax.tree.map(lambda u: -learning_rate * u, updates))
-        return (params, opt_state), {"loss": loss, "grad_norm": optax.global_norm(grads), **diagnostics}
+        return (params, opt_state), {
+            "loss": loss,
+            "grad_norm": optax.global_norm(grads),
+            **diagnostics,
+        }
 
     @jax.jit
     def update(state, rollout, key, total_timesteps):
         params, opt_state = state["params"], state["opt_state"]
         # XLA:CPU runs convs in a loop ~10x slower than unrolled (Nature CNN), so on CPU scans over
-        # images unroll up to 16 minibatch steps (Atari's 4 x 4; CarRacing's 10 x 32: 9 GiB, 5+ min).
+        # images unroll up to 16 minibatch steps (Atari's 4 x 4; CarRacing's 10 x 32: 9 GiB, 5+
+        # min).
         images = any(kind in ("nature", "grid") for kind, _ in network.encoders)
-        unroll = jax.default_backend() == "cpu" and images and args.update_epochs * args.num_minibatches <= 16
+        unroll = (
+            jax.default_backend() == "cpu"
+            and images
+            and args.update_epochs * args.num_minibatches <= 16
+        )
         clip_coef = clip_coef_at(args, state["global_step"], total_timesteps)
-        advantages, returns, valid, diagnostics = targets(network, state, rollout, args, continuous, clip_coef)
+        advantages, returns, valid, diagnostics = targets(
+            network, state, rollout, args, continuous, clip_coef
+        )
         data = {
             "obs": rollout["obs"],
             "actions": rollout["actions"],
@@ -682,23 +998,39 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
 
         def epoch(carry, key):
             epoch_data = minibatches(key, data, args.num_minibatches)
-            if mesh is not None:  # each learner device takes its share of every minibatch: data parallel
+            if (
+                mesh is not None
+            ):  # each learner device takes its share of every minibatch: data parallel
                 epoch_data = jax.tree_util.tree_map_with_path(
                     lambda path, x: jax.lax.with_sharding_constraint(
-                        x, devices.split_envs(mesh, 1 + (devices.env_axis(path)
-                                                         if "state" in data else 0))), epoch_data)
-            return jax.lax.scan(functools.partial(minibatch_step, learning_rate, clip_coef), carry, epoch_data,
-                                unroll=unroll)
+                        x,
+                        devices.split_envs(
+                            mesh, 1 + (devices.env_axis(path) if "state" in data else 0)
+                        ),
+                    ),
+                    epoch_data,
+                )
+            return jax.lax.scan(
+                functools.partial(minibatch_step, learning_rate, clip_coef),
+                carry,
+                epoch_data,
+                unroll=unroll,
+            )
 
         epoch_keys = jax.random.split(key, args.update_epochs)
-        (params, opt_state), losses = jax.lax.scan(epoch, (params, opt_state), epoch_keys, unroll=unroll)
+        (params, opt_state), losses = jax.lax.scan(
+            epoch, (params, opt_state), epoch_keys, unroll=unroll
+        )
         diagnostics.update(jax.tree.map(jnp.mean, losses), learning_rate=learning_rate)
         if args.anneal_clip:
             diagnostics["clip_coef"] = clip_coef
         leaves = jax.tree.leaves(params)
         diagnostics["finite"] = jnp.isfinite(diagnostics["loss"]) & jnp.all(
-            jnp.array([jnp.all(jnp.isfinite(x)) for x in leaves]))
-        new_state = dict(state, params=params, opt_state=opt_state, policy_version=state["policy_version"] + 1)
+            jnp.array([jnp.all(jnp.isfinite(x)) for x in leaves])
+        )
+        new_state = dict(
+            state, params=params, opt_state=opt_state, policy_version=state["policy_version"] + 1
+        )
         return new_state, diagnostics
 
     return update
@@ -717,19 +1049,25 @@ def learner_loop(run, update, shared, queues, key):
         timing["queue_get"] += time.perf_counter() - start
         if run.should_stop(None in rollouts, games):
             break
-        hosts = [rollout.pop("host") for rollout in rollouts]  # games; --lstm: the states after the rollout
+        hosts = [
+            rollout.pop("host") for rollout in rollouts
+        ]  # games; --lstm: the states after the rollout
         games = [game for host in hosts for game in host["games"]]
         start = time.perf_counter()
-        subkey = jax.random.fold_in(key, int(state["policy_version"]))  # the update's own: a resume draws the same
+        subkey = jax.random.fold_in(
+            key, int(state["policy_version"])
+        )  # the update's own: a resume draws the same
         batch = devices.joined(rollouts)
-        run.journaled(batch["actions"], [host.get("next_state") for host in hosts], shared.published)
+        run.journaled(
+            batch["actions"], [host.get("next_state") for host in hosts], shared.published
+        )
         batch = devices.to_learner(run.mesh, batch)
         state, diagnostics = update(state, batch, subkey, run.args.total_timesteps)
         diagnostics = jax.device_get(diagnostics)
         timing["update"] += time.perf_counter() - start
         pipeline = {
             "timing/queue_size": sum(q.qsize() for q in queues),
-            "timing/learner_busy_fraction": timing["update"] / run.elapsed()
+            "timing/learner_busy_fraction": timing["update"] / run.elapsed(),
         }
         state = run.learned(state, diagnostics, timing, pipeline)
         shared.publish(state["params"], int(state["policy_version"]))
@@ -745,17 +1083,44 @@ def learner_loop(run, update, shared, queues, key):
 def build(args: Args, key):
     """(network, optimizer, continuous, normalizer, initial state) of a run with these flags; a
     checkpoint restores into `dict(state, **normalizer.state())` (utils/evaluate.py does too)."""
-    obs_space, action_space = tasks.spaces(args.env_id)[0], tasks.policy_space(args.env_id)  # what the policy samples
-    heads = tuple(map(int, getattr(action_space, "nvec", ())))  # multi-discrete, factored: a categorical a dimension
+    obs_space, action_space = (
+        tasks.spaces(args.env_id)[0],
+        tasks.policy_space(args.env_id),
+    )  # what the policy samples
+    heads = tuple(
+        map(int, getattr(action_space, "nvec", ()))
+    )  # multi-discrete, factored: a categorical a dimension
     continuous = not hasattr(action_space, "n") and not heads
-    action_dim = len(heads) * max(heads) if heads else int(getattr(action_space, "n", np.prod(action_space.shape)))
-    network = ActorCritic(action_dim, continuous, tasks.encoders(obs_space), args.lstm_size if args.lstm else 0, heads,
-                          args.action_mask and tasks.mask_shape(obs_space) is not None)
-    params = network.init(key, tasks.zeros_like_space(obs_space, 1), zero_core(network.lstm_size, 1))
+    action_dim = (
+        len(heads) * max(heads)
+        if heads
+        else int(getattr(action_space, "n", np.prod(action_space.shape)))
+    )
+    network = ActorCritic(
+        action_dim,
+        continuous,
+        tasks.encoders(obs_space),
+        args.lstm_size if args.lstm else 0,
+        heads,
+        args.action_mask and tasks.mask_shape(obs_space) is not None,
+    )
+    params = network.init(
+        key, tasks.zeros_like_space(obs_space, 1), zero_core(network.lstm_size, 1)
+    )
     optimizer = make_optimizer(args)
-    normalizer = Normalizer(tasks.zeros_like_space(obs_space), devices.local_envs(args), args.norm_obs,
-                            args.norm_reward, args.gamma)
-    state = {"params": params, "opt_state": optimizer.init(params), "global_step": 0, "policy_version": 0}
+    normalizer = Normalizer(
+        tasks.zeros_like_space(obs_space),
+        devices.local_envs(args),
+        args.norm_obs,
+        args.norm_reward,
+        args.gamma,
+    )
+    state = {
+        "params": params,
+        "opt_state": optimizer.init(params),
+        "global_step": 0,
+        "policy_version": 0,
+    }
     return network, optimizer, continuous, normalizer, state
 
 
@@ -772,24 +1137,59 @@ def main(args: Args, given=None) -> int:
         resumes = run.journal_for(tasks.policy_space(args.env_id))
         actors = run.actors()  # (device, env seed, action key) of each actor thread
         envs = [
-            tasks.make_actor_env(args.env_id, args.num_envs, seed, run.env_threads, args.num_splits, args.deterministic)
+            tasks.make_actor_env(
+                args.env_id,
+                args.num_envs,
+                seed,
+                run.env_threads,
+                args.num_splits,
+                args.deterministic,
+            )
             for _, seed, _ in actors
         ]
-        policy_step = make_policy_step(network, continuous, values=False)  # the actor needs no values
+        policy_step = make_policy_step(
+            network, continuous, values=False
+        )  # the actor needs no values
         update = make_update(network, optimizer, args, continuous, run.mesh)
-        shared = threads.Shared(state["params"], state["policy_version"], normalizer, run.sampled, run.stop,
-                                learning=True, keep=(args.actor_lag or 0) + 2, published=run.keeper
-                                and run.keeper.acting())
+        shared = threads.Shared(
+            state["params"],
+            state["policy_version"],
+            normalizer,
+            run.sampled,
+            run.stop,
+            learning=True,
+            keep=(args.actor_lag or 0) + 2,
+            published=run.keeper and run.keeper.acting(),
+        )
         run.begin(
-            f"preset {tasks.preset_name(args.env_id, PRESETS)}, {args.num_splits} split{'s' * (args.num_splits > 1)}")
+            f"preset {tasks.preset_name(args.env_id, PRESETS)}, {args.num_splits} "
+            f"split{'s' * (args.num_splits > 1)}"
+        )
         queues = [queue.Queue(maxsize=args.queue_size) for _ in actors]
         for i, (device, _, key) in enumerate(actors):
-            run.threads.start(f"actor {i}" if i else "actor", actor_loop, envs[i], policy_step, shared, queues[i], key,
-                              args, run.num_updates - run.start_update, device, i, run.start_update, resumes[i],
-                              owns=envs[i])
-        run.wait(run.threads.start("learner", learner_loop, run, update, shared, queues, run.update_key))
-        return run.finish(make_policy_step(network, continuous, values=False),
-                          functools.partial(zero_core, network.lstm_size))
+            run.threads.start(
+                f"actor {i}" if i else "actor",
+                actor_loop,
+                envs[i],
+                policy_step,
+                shared,
+                queues[i],
+                key,
+                args,
+                run.num_updates - run.start_update,
+                device,
+                i,
+                run.start_update,
+                resumes[i],
+                owns=envs[i],
+            )
+        run.wait(
+            run.threads.start("learner", learner_loop, run, update, shared, queues, run.update_key)
+        )
+        return run.finish(
+            make_policy_step(network, continuous, values=False),
+            functools.partial(zero_core, network.lstm_size),
+        )
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ env step, while the learner trains meanwhile:
 `diff appo_envpool.py appo_envpool_xla.py` shows the XLA actor and nothing else.
 
 The run itself (flags, folders, checkpoints, logs, devices) is the installed package
-`jax_async_rl`: this file holds the algorithm. Usage: python appo_envpool_xla.py --env-id CartPole-v1
+`jax_async_rl`: this file holds the algorithm. Usage: python appo_envpool_xla.py --env-id
+CartPole-v1
 """
 
 import dataclasses
@@ -25,9 +26,12 @@ import time
 from dataclasses import dataclass
 from typing import Annotated, ClassVar, Optional
 
-if __name__ == "__main__":  # Ctrl-C while the libraries below import (seconds): exit 130, no traceback
+if (
+    __name__ == "__main__"
+):  # Ctrl-C while the libraries below import (seconds): exit 130, no traceback
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     from jax_async_rl.helptext import help_from_source
+
     help_from_source(__file__)  # --help prints without the libraries below (their seconds)
 
 import flax.linen as nn
@@ -47,7 +51,8 @@ SPLITS = flags.default_is("2 with image observations, else 1")
 
 @dataclass
 class Args(flags.RunArgs):
-    """Asynchronous PPO with an XLA actor (actor and learner threads). Every size is in agent steps unless it says frames.
+    """Asynchronous PPO with an XLA actor (actor and learner threads). Every size is in agent steps
+    unless it says frames.
 
     Flags shown with "(default: preset)" take the value of the task's preset (listed below; the
     PRESETS table in this file); an explicit flag wins, and config.json records the values used.
@@ -56,20 +61,22 @@ class Args(flags.RunArgs):
     num_envs: Annotated[int, POSITIVE, at_most(65_536)] = 8
     """number of parallel environments of each actor thread (see --num-actor-threads)"""
     num_splits: Annotated[Optional[int], SPLITS, POSITIVE] = None
-    """envpool splits for double-buffered sampling (Sample Factory §3.2); 1 disables it. With no Python
-    per step, 2 splits also pay on vector tasks where a core is free for envpool's thread"""
+    """envpool splits for double-buffered sampling (Sample Factory §3.2); 1 disables it. With no
+    Python per step, 2 splits also pay on vector tasks where a core is free for envpool's thread"""
     num_steps: Annotated[Optional[int], PRESET, POSITIVE, at_most(65_536)] = None
     """rollout length: steps per environment in each rollout"""
     queue_size: Annotated[int, POSITIVE, at_most(1024)] = 2
     """rollouts the actor may queue ahead of the learner before it blocks (backpressure)"""
     actor_lag: Annotated[Optional[int], NON_NEGATIVE, at_most(64)] = 1
-    """the actor acts on rollout m with the update on rollout m - 1 - this (acting_version): 1, Cleanba's
-    actor, the learner learns from data one update old; 0, the synchronous limit; None, Sample Factory's
-    free-running actor, up to --queue-size + 1 old. --deterministic: exactly that update, else at least it"""
+    """the actor acts on rollout m with the update on rollout m - 1 - this (acting_version): 1,
+    Cleanba's actor, the learner learns from data one update old; 0, the synchronous limit; None,
+    Sample Factory's free-running actor, up to --queue-size + 1 old. --deterministic: exactly that
+    update, else at least it"""
     max_policy_lag: Annotated[int, NON_NEGATIVE] = 25
     """transitions chosen by a policy more than this many updates old are masked out of the loss"""
     vtrace: bool = True
-    """V-trace targets (Espeholt et al. 2018), advantages without its rho (PPO's ratio weights); GAE when off"""
+    """V-trace targets (Espeholt et al. 2018), advantages without its rho (PPO's ratio weights);
+    GAE when off"""
     vtrace_rho_bar: Annotated[float, POSITIVE] = 1.0
     """V-trace clipping threshold of the importance ratio in the targets (rho bar)"""
     vtrace_c_bar: Annotated[float, POSITIVE] = 1.0
@@ -102,7 +109,8 @@ class Args(flags.RunArgs):
     max_grad_norm: Annotated[float, POSITIVE] = 0.5
     """global gradient-norm clipping threshold"""
     norm_obs: Annotated[Optional[bool], PRESET] = None
-    """True: normalise observations by a running mean and std, clipped to [-10, 10] (CleanRL, MuJoCo)"""
+    """True: normalise observations by a running mean and std, clipped to [-10, 10] (CleanRL,
+    MuJoCo)"""
     norm_reward: Annotated[Optional[bool], PRESET] = None
     """True: divide rewards by the running std of the discounted return, clipped to [-10, 10]"""
     action_mask: bool = True
@@ -112,7 +120,8 @@ class Args(flags.RunArgs):
     """an LSTM core between the encoder and the policy/value heads (TorchBeast's --use_lstm, Sample
     Factory's --use_rnn), its state carried per env and reset where an episode starts"""
     lstm_size: Annotated[int, POSITIVE, at_most(8192)] = 128
-    """hidden units of the LSTM, the size of its h and of its c (CleanRL's ppo_atari_lstm.py: 128)"""
+    """hidden units of the LSTM, the size of its h and of its c (CleanRL's ppo_atari_lstm.py:
+    128)"""
     num_threads: Annotated[int, NON_NEGATIVE, at_most(1024)] = 0
     """envpool worker threads of each actor thread (your Gymnasium env's: worker processes; 0: the
     CPU cores shared among the actor threads, at most num_envs)"""
@@ -120,7 +129,8 @@ class Args(flags.RunArgs):
     """actor threads on each actor device, each with num_envs envs and splits of its own; an update
     takes one rollout from each, so its global batch is processes x actor devices x actor threads x
     num_envs x num_steps env steps (config.json records it)"""
-    # The variants these flags make: the default --exp-name (the run's folder, its header line) names them.
+    # The variants these flags make: the default --exp-name (the run's folder, its header line)
+    # names them.
     NAMED: ClassVar[dict] = {"lstm": dict(lstm=True)}
 
 
@@ -130,45 +140,179 @@ class Args(flags.RunArgs):
 NO_NORM = dict(norm_obs=False, norm_reward=False)
 PRESETS = {
     # CleanRL's ppo_atari_envpool.py (Huang et al. 2022).
-    "atari": dict(num_steps=128, learning_rate=2.5e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=4, update_epochs=4,
-                  clip_coef=0.1, ent_coef=0.01, **NO_NORM),
+    "atari": dict(
+        num_steps=128,
+        learning_rate=2.5e-4,
+        gamma=0.99,
+        gae_lambda=0.95,
+        num_minibatches=4,
+        update_epochs=4,
+        clip_coef=0.1,
+        ent_coef=0.01,
+        **NO_NORM,
+    ),
     # CleanRL's ppo_continuous_action.py (2048 steps a rollout, minibatches of 64 at 8 envs), with
     # its observation and reward normalisation.
-    "mujoco": dict(num_steps=256, learning_rate=3e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=32, update_epochs=10,
-                   clip_coef=0.2, ent_coef=0.0, norm_obs=True, norm_reward=True),
+    "mujoco": dict(
+        num_steps=256,
+        learning_rate=3e-4,
+        gamma=0.99,
+        gae_lambda=0.95,
+        num_minibatches=32,
+        update_epochs=10,
+        clip_coef=0.2,
+        ent_coef=0.0,
+        norm_obs=True,
+        norm_reward=True,
+    ),
     # Any other vector task: CleanRL's ppo.py defaults, a general starting point, not a tuned one.
-    "classic": dict(num_steps=128, learning_rate=2.5e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=4,
-                    update_epochs=4, clip_coef=0.2, ent_coef=0.01, **NO_NORM),
+    "classic": dict(
+        num_steps=128,
+        learning_rate=2.5e-4,
+        gamma=0.99,
+        gae_lambda=0.95,
+        num_minibatches=4,
+        update_epochs=4,
+        clip_coef=0.2,
+        ent_coef=0.01,
+        **NO_NORM,
+    ),
     # rl-baselines3-zoo's tuned PPO (hyperparams/ppo.yml): CartPole solves within 100k steps.
-    "CartPole": dict(num_steps=32, learning_rate=1e-3, gamma=0.98, gae_lambda=0.8, num_minibatches=1, update_epochs=20,
-                     clip_coef=0.2, anneal_clip=True, ent_coef=0.0, **NO_NORM),
-    "Acrobot": dict(num_steps=256, learning_rate=3e-4, gamma=0.99, gae_lambda=0.94, num_minibatches=32, update_epochs=4,
-                    clip_coef=0.2, ent_coef=0.0, norm_obs=True, norm_reward=True),
-    "MountainCar": dict(num_steps=16, learning_rate=3e-4, gamma=0.99, gae_lambda=0.98, num_minibatches=2,
-                        update_epochs=4, clip_coef=0.2, ent_coef=0.0, norm_obs=True, norm_reward=True),
-    "Pendulum": dict(num_steps=1024, learning_rate=1e-3, gamma=0.9, gae_lambda=0.95, num_minibatches=128,
-                     update_epochs=10, clip_coef=0.2, ent_coef=0.0, **NO_NORM),
-    "LunarLander": dict(num_steps=1024, learning_rate=3e-4, gamma=0.999, gae_lambda=0.98, num_minibatches=128,
-                        update_epochs=4, clip_coef=0.2, ent_coef=0.01, **NO_NORM),
+    "CartPole": dict(
+        num_steps=32,
+        learning_rate=1e-3,
+        gamma=0.98,
+        gae_lambda=0.8,
+        num_minibatches=1,
+        update_epochs=20,
+        clip_coef=0.2,
+        anneal_clip=True,
+        ent_coef=0.0,
+        **NO_NORM,
+    ),
+    "Acrobot": dict(
+        num_steps=256,
+        learning_rate=3e-4,
+        gamma=0.99,
+        gae_lambda=0.94,
+        num_minibatches=32,
+        update_epochs=4,
+        clip_coef=0.2,
+        ent_coef=0.0,
+        norm_obs=True,
+        norm_reward=True,
+    ),
+    "MountainCar": dict(
+        num_steps=16,
+        learning_rate=3e-4,
+        gamma=0.99,
+        gae_lambda=0.98,
+        num_minibatches=2,
+        update_epochs=4,
+        clip_coef=0.2,
+        ent_coef=0.0,
+        norm_obs=True,
+        norm_reward=True,
+    ),
+    "Pendulum": dict(
+        num_steps=1024,
+        learning_rate=1e-3,
+        gamma=0.9,
+        gae_lambda=0.95,
+        num_minibatches=128,
+        update_epochs=10,
+        clip_coef=0.2,
+        ent_coef=0.0,
+        **NO_NORM,
+    ),
+    "LunarLander": dict(
+        num_steps=1024,
+        learning_rate=3e-4,
+        gamma=0.999,
+        gae_lambda=0.98,
+        num_minibatches=128,
+        update_epochs=4,
+        clip_coef=0.2,
+        ent_coef=0.01,
+        **NO_NORM,
+    ),
     # rl-baselines3-zoo's CarRacing (512 steps, minibatches of 128 at 8 envs, reward normalisation).
-    "CarRacing": dict(num_steps=512, learning_rate=1e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=32,
-                      update_epochs=10, clip_coef=0.2, ent_coef=0.0, norm_obs=False, norm_reward=True),
-    # The Control Suite: CleanRL's ppo_continuous_action.py, which CleanRL also benchmarks on dm_control.
-    "dm_control": dict(num_steps=256, learning_rate=3e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=32,
-                       update_epochs=10, clip_coef=0.2, ent_coef=0.0, norm_obs=True, norm_reward=True),
-    # MiniGrid and BabyAI: rl-starter-files' PPO (torch-ac): 128 steps an env, minibatches of 256, lr 1e-3.
-    "minigrid": dict(num_steps=128, learning_rate=1e-3, gamma=0.99, gae_lambda=0.95, num_minibatches=4, update_epochs=4,
-                     clip_coef=0.2, ent_coef=0.01, **NO_NORM),
+    "CarRacing": dict(
+        num_steps=512,
+        learning_rate=1e-4,
+        gamma=0.99,
+        gae_lambda=0.95,
+        num_minibatches=32,
+        update_epochs=10,
+        clip_coef=0.2,
+        ent_coef=0.0,
+        norm_obs=False,
+        norm_reward=True,
+    ),
+    # The Control Suite: CleanRL's ppo_continuous_action.py, which CleanRL also benchmarks on
+    # dm_control.
+    "dm_control": dict(
+        num_steps=256,
+        learning_rate=3e-4,
+        gamma=0.99,
+        gae_lambda=0.95,
+        num_minibatches=32,
+        update_epochs=10,
+        clip_coef=0.2,
+        ent_coef=0.0,
+        norm_obs=True,
+        norm_reward=True,
+    ),
+    # MiniGrid and BabyAI: rl-starter-files' PPO (torch-ac): 128 steps an env, minibatches of 256,
+    # lr 1e-3.
+    "minigrid": dict(
+        num_steps=128,
+        learning_rate=1e-3,
+        gamma=0.99,
+        gae_lambda=0.95,
+        num_minibatches=4,
+        update_epochs=4,
+        clip_coef=0.2,
+        ent_coef=0.01,
+        **NO_NORM,
+    ),
     # MiniGrid's memory task: Pleines et al. 2022's recurrent PPO on MiniGrid-Memory (their
     # configs/minigrid.yaml: 256 steps an env, 8 minibatches, 4 epochs, lr 2e-4, entropy 0.001).
-    "MiniGrid-MemoryS7": dict(num_steps=256, learning_rate=2e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=8,
-                              update_epochs=4, clip_coef=0.2, ent_coef=0.001, **NO_NORM),
+    "MiniGrid-MemoryS7": dict(
+        num_steps=256,
+        learning_rate=2e-4,
+        gamma=0.99,
+        gae_lambda=0.95,
+        num_minibatches=8,
+        update_epochs=4,
+        clip_coef=0.2,
+        ent_coef=0.001,
+        **NO_NORM,
+    ),
     # highway-env's scripts/sb3_highway_ppo.py: gamma 0.8, 10 epochs of minibatches of 64, lr 5e-4.
-    "highway": dict(num_steps=128, learning_rate=5e-4, gamma=0.8, gae_lambda=0.95, num_minibatches=16, update_epochs=10,
-                    clip_coef=0.2, ent_coef=0.0, **NO_NORM),
+    "highway": dict(
+        num_steps=128,
+        learning_rate=5e-4,
+        gamma=0.8,
+        gae_lambda=0.95,
+        num_minibatches=16,
+        update_epochs=10,
+        clip_coef=0.2,
+        ent_coef=0.0,
+        **NO_NORM,
+    ),
     # Google Research Football's PPO reproduction (Kurach et al. 2020, 11_vs_11_easy_stochastic).
-    "gfootball": dict(num_steps=512, learning_rate=3.43e-4, gamma=0.993, gae_lambda=0.95, num_minibatches=8,
-                      update_epochs=2, clip_coef=0.08, ent_coef=0.003, **NO_NORM),
+    "gfootball": dict(
+        num_steps=512,
+        learning_rate=3.43e-4,
+        gamma=0.993,
+        gae_lambda=0.95,
+        num_minibatches=8,
+        update_epochs=2,
+        clip_coef=0.08,
+        ent_coef=0.003,
+        **NO_NORM,
+    ),
 }
 
 
@@ -178,21 +322,31 @@ def resolve_args(args: Args) -> Args:
     fill = tasks.preset_values(args, PRESETS)
     if args.anneal_clip is None:  # the presets that do not name it: off
         fill.setdefault("anneal_clip", False)
-    if args.lstm and "num_minibatches" in fill:  # whole env sequences: a preset's count that divides num_envs
+    if (
+        args.lstm and "num_minibatches" in fill
+    ):  # whole env sequences: a preset's count that divides num_envs
         fill["num_minibatches"] = int(np.gcd(fill["num_minibatches"], devices.global_envs(args)))
     if args.num_splits is None:  # double buffering for the Nature CNN's images (see --num-splits)
-        fill["num_splits"] = 2 if "nature" in dict(tasks.encoders(tasks.spaces(args.env_id)[0])) else 1
+        fill["num_splits"] = (
+            2 if "nature" in dict(tasks.encoders(tasks.spaces(args.env_id)[0])) else 1
+        )
     args = runs.checked(dataclasses.replace(args, **fill))
     if args.num_envs % args.num_splits:
-        raise UsageError(f"--num-splits {args.num_splits} must divide --num-envs {args.num_envs} "
-                         "(left out, --num-splits is 2 with image observations, else 1)")
+        raise UsageError(
+            f"--num-splits {args.num_splits} must divide --num-envs {args.num_envs} "
+            "(left out, --num-splits is 2 with image observations, else 1)"
+        )
     if devices.global_envs(args) * args.num_steps % args.num_minibatches:
         raise UsageError(
-            f"--num-minibatches {args.num_minibatches} must divide the global batch {devices.describe_batch(args)}")
+            f"--num-minibatches {args.num_minibatches} must divide the global batch "
+            f"{devices.describe_batch(args)}"
+        )
     if args.lstm and devices.global_envs(args) % args.num_minibatches:
         raise UsageError(
-            f"--num-minibatches {args.num_minibatches} must divide the {devices.global_envs(args)} envs of an "
-            "update (--num-envs, summed over actors and processes) with --lstm (a minibatch holds whole env sequences); pass a divisor"
+            f"--num-minibatches {args.num_minibatches} must divide the "
+            f"{devices.global_envs(args)} envs of an "
+            "update (--num-envs, summed over actors and processes) with --lstm (a minibatch holds "
+            "whole env sequences); pass a divisor"
         )
     return args
 
@@ -221,8 +375,10 @@ def zero_core(lstm_size: int, num_envs: int):
     [N, lstm_size], first [N] all True); None without an LSTM."""
     if not lstm_size:
         return None
-    return (np.zeros((num_envs, lstm_size), np.float32), np.zeros((num_envs, lstm_size), np.float32)), np.ones(
-        num_envs, bool)
+    return (
+        np.zeros((num_envs, lstm_size), np.float32),
+        np.zeros((num_envs, lstm_size), np.float32),
+    ), np.ones(num_envs, bool)
 
 
 class ActorCritic(nn.Module):
@@ -242,7 +398,8 @@ class ActorCritic(nn.Module):
     continuous: bool
     encoders: tuple  # tasks.leaf_encoder of each observation leaf
     lstm_size: int = 0  # 0: no LSTM
-    heads: tuple = ()  # a factored policy's choices in each of D dimensions: A = D x the most (legal_actions)
+    # a factored policy's choices in each of D dimensions: A = D x the most (legal_actions)
+    heads: tuple = ()
     action_mask: bool = False  # the observation's "action_mask" is applied (legal_actions)
 
     @nn.compact
@@ -252,13 +409,21 @@ class ActorCritic(nn.Module):
             state, first = core
             shape = first.shape  # [T, B], or [B] for one step
             first = first.reshape(-1, shape[-1])
-            # Rows env-major [B x T, ...]: with the envs split over learner devices, each keeps its own.
+            # Rows env-major [B x T, ...]: with the envs split over learner devices, each keeps its
+            # own.
             obs = jax.tree.map(
-                lambda x: jnp.swapaxes(x.reshape(*first.shape, *x.shape[len(shape):]), 0, 1).reshape(
-                    -1, *x.shape[len(shape):]), obs)
+                lambda x: jnp.swapaxes(
+                    x.reshape(*first.shape, *x.shape[len(shape) :]), 0, 1
+                ).reshape(-1, *x.shape[len(shape) :]),
+                obs,
+            )
 
         def conv(x, size, kernel, stride=1):
-            return nn.relu(nn.Conv(size, (kernel, kernel), (stride, stride), "VALID", kernel_init=orth(np.sqrt(2)))(x))
+            return nn.relu(
+                nn.Conv(
+                    size, (kernel, kernel), (stride, stride), "VALID", kernel_init=orth(np.sqrt(2))
+                )(x)
+            )
 
         features = []
         for x, (kind, arg) in zip(jax.tree.leaves(obs), self.encoders, strict=True):
@@ -266,18 +431,26 @@ class ActorCritic(nn.Module):
                 x = jnp.transpose(x, (0, 2, 3, 1))  # [B, C, H, W] -> [B, H, W, C]
             if kind == "nature":  # Mnih et al. 2015
                 x = conv(conv(conv(x.astype(jnp.float32) / 255.0, 32, 8, 4), 64, 4, 2), 64, 3)
-            elif kind == "grid":  # rl-starter-files' (torch-ac's) MiniGrid network: 2x2 convs, a max-pool
+            elif (
+                kind == "grid"
+            ):  # rl-starter-files' (torch-ac's) MiniGrid network: 2x2 convs, a max-pool
                 x = nn.max_pool(conv(x.astype(jnp.float32), 16, 2), (2, 2), (2, 2))
                 x = conv(conv(x, 32, 2), 64, 2)
             else:
-                x = jax.nn.one_hot(x - arg[1], arg[0]) if kind == "onehot" else x.astype(jnp.float32) * arg
+                x = (
+                    jax.nn.one_hot(x - arg[1], arg[0])
+                    if kind == "onehot"
+                    else x.astype(jnp.float32) * arg
+                )
             features.append(x.reshape(x.shape[0], -1))
         x = jnp.concatenate(features, axis=-1)
         nature = any(kind == "nature" for kind, _ in self.encoders)
         if nature:
             x = nn.relu(nn.Dense(512, kernel_init=orth(np.sqrt(2)))(x))
         if self.lstm_size:
-            state, x = LSTMCore(self.lstm_size)(state, (jnp.swapaxes(x.reshape(*first.shape[::-1], -1), 0, 1), first))
+            state, x = LSTMCore(self.lstm_size)(
+                state, (jnp.swapaxes(x.reshape(*first.shape[::-1], -1), 0, 1), first)
+            )
             x = jnp.swapaxes(x, 0, 1).reshape(-1, self.lstm_size)
         if nature:
             actor_hidden = critic_hidden = x
@@ -292,7 +465,9 @@ class ActorCritic(nn.Module):
             pi = jnp.concatenate([pi, jnp.broadcast_to(log_std, pi.shape)], axis=-1)
         value = nn.Dense(1, kernel_init=orth(1.0))(critic_hidden)[:, 0]
         if self.lstm_size:  # back to time-major
-            pi, value = (jnp.swapaxes(y.reshape(*first.shape[::-1], *y.shape[1:]), 0, 1) for y in (pi, value))
+            pi, value = (
+                jnp.swapaxes(y.reshape(*first.shape[::-1], *y.shape[1:]), 0, 1) for y in (pi, value)
+            )
             return pi.reshape(*shape, -1), value.reshape(shape), state
         return pi, value, None
 
@@ -316,11 +491,12 @@ def sample_action(pi, keys, continuous: bool, greedy: bool = False, legal=None):
 
 def log_prob_entropy(pi, actions, continuous: bool, legal=None):
     """Log-probability of `actions` under `pi` and the policy's entropy, both [B], with only `legal`
-    actions (masked_logits); a factored policy's (actions [B, D]) are the sums over its dimensions."""
+    actions (masked_logits); a factored policy's (actions [B, D]) are the sums over its
+    dimensions."""
     if continuous:
         mean, log_std = jnp.split(pi, 2, axis=-1)
         z = (actions - mean) / jnp.exp(log_std)
-        logprob = jnp.sum(-0.5 * z ** 2 - log_std - 0.5 * jnp.log(2 * jnp.pi), axis=-1)
+        logprob = jnp.sum(-0.5 * z**2 - log_std - 0.5 * jnp.log(2 * jnp.pi), axis=-1)
         entropy = jnp.sum(log_std + 0.5 * (1.0 + jnp.log(2 * jnp.pi)), axis=-1)
         return logprob, entropy
     log_p = jax.nn.log_softmax(masked_logits(pi, legal))
@@ -367,12 +543,23 @@ def compute_gae(rewards, values, bootstrap_value, discounts, gae_lambda):
         carry = delta + discount * gae_lambda * carry
         return carry, carry
 
-    _, advantages = jax.lax.scan(backward, jnp.zeros_like(bootstrap_value), (deltas, discounts), reverse=True)
+    _, advantages = jax.lax.scan(
+        backward, jnp.zeros_like(bootstrap_value), (deltas, discounts), reverse=True
+    )
     return advantages
 
 
-def vtrace(log_rhos, discounts, rewards, values, bootstrap_value, clip_rho_threshold=1.0, clip_c_threshold=1.0,
-           clip_pg_rho_threshold=1.0, lambda_=1.0):
+def vtrace(
+    log_rhos,
+    discounts,
+    rewards,
+    values,
+    bootstrap_value,
+    clip_rho_threshold=1.0,
+    clip_c_threshold=1.0,
+    clip_pg_rho_threshold=1.0,
+    lambda_=1.0,
+):
     """V-trace targets and policy-gradient advantages (Espeholt et al. 2018, eq. 1 and §4.2),
     with rlax's `lambda_` (vtrace_td_error_and_advantage): traces c = lambda min(c bar, rho), and
     the advantage bootstraps on lambda vs + (1 - lambda) V, so that on-policy the targets are
@@ -380,7 +567,8 @@ def vtrace(log_rhos, discounts, rewards, values, bootstrap_value, clip_rho_thres
 
     log_rhos = log pi(a|x) - log mu(a|x), discounts, rewards, values: [T, B]; bootstrap_value: [B].
     clip_pg_rho_threshold None: no rho in the advantage (for a loss whose ratio pi / mu already
-    weights each sample, as PPO's does). Returns (vs, pg_advantages), both [T, B], gradients stopped.
+    weights each sample, as PPO's does). Returns (vs, pg_advantages), both [T, B], gradients
+    stopped.
     """
     rhos = jnp.exp(log_rhos)
     clipped_rhos = jnp.minimum(clip_rho_threshold, rhos)
@@ -393,7 +581,9 @@ def vtrace(log_rhos, discounts, rewards, values, bootstrap_value, clip_rho_thres
         carry = delta + discount * c * carry
         return carry, carry
 
-    _, vs_minus_v = jax.lax.scan(backward, jnp.zeros_like(bootstrap_value), (deltas, discounts, cs), reverse=True)
+    _, vs_minus_v = jax.lax.scan(
+        backward, jnp.zeros_like(bootstrap_value), (deltas, discounts, cs), reverse=True
+    )
     vs = vs_minus_v + values
     next_vs = jnp.concatenate([vs[1:], bootstrap_value[None]], axis=0)
     next_vs = lambda_ * next_vs + (1.0 - lambda_) * next_values
@@ -419,7 +609,11 @@ def learning_rate_at(args: Args, global_step, total_timesteps):
     linearly to 0 at --total-timesteps (CleanRL). A function of steps, not of an optimiser count,
     so a resumed run continues its schedule, also with another budget or batch size; the budget
     is an argument of the jitted update, so that a larger one compiles nothing new."""
-    return linear_decay(args.learning_rate, global_step, total_timesteps) if args.anneal_lr else args.learning_rate
+    return (
+        linear_decay(args.learning_rate, global_step, total_timesteps)
+        if args.anneal_lr
+        else args.learning_rate
+    )
 
 
 def linear_decay(value, global_step, total_timesteps):
@@ -429,8 +623,13 @@ def linear_decay(value, global_step, total_timesteps):
 
 def clip_coef_at(args: Args, global_step, total_timesteps):
     """PPO's clip epsilon in the update that starts at env step `global_step`: with --anneal-clip
-    it falls linearly to 0 at --total-timesteps, as the learning rate does (a resumed run goes on)."""
-    return linear_decay(args.clip_coef, global_step, total_timesteps) if args.anneal_clip else args.clip_coef
+    it falls linearly to 0 at --total-timesteps, as the learning rate does (a resumed run goes
+    on)."""
+    return (
+        linear_decay(args.clip_coef, global_step, total_timesteps)
+        if args.anneal_clip
+        else args.clip_coef
+    )
 
 
 def masked_mean(x, mask):
@@ -438,8 +637,19 @@ def masked_mean(x, mask):
     return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def ppo_loss(logprobs, old_logprobs, advantages, values, returns, entropy, mask, clip_coef, vf_coef, ent_coef,
-             norm_adv):
+def ppo_loss(
+    logprobs,
+    old_logprobs,
+    advantages,
+    values,
+    returns,
+    entropy,
+    mask,
+    clip_coef,
+    vf_coef,
+    ent_coef,
+    norm_adv,
+):
     """PPO-clip surrogate (Schulman et al. 2017, eq. 7) + value regression - entropy bonus, on
     advantages normalised over the minibatch when `norm_adv` (CleanRL's detail 7).
 
@@ -448,11 +658,17 @@ def ppo_loss(logprobs, old_logprobs, advantages, values, returns, entropy, mask,
     """
     if norm_adv:
         mean = masked_mean(advantages, mask)
-        advantages = (advantages - mean) / (jnp.sqrt(masked_mean((advantages - mean) ** 2, mask)) + 1e-8)
+        advantages = (advantages - mean) / (
+            jnp.sqrt(masked_mean((advantages - mean) ** 2, mask)) + 1e-8
+        )
     log_ratio = logprobs - old_logprobs
     ratio = jnp.exp(log_ratio)
-    pg_loss = masked_mean(jnp.maximum(-advantages * ratio, -advantages * jnp.clip(ratio, 1 - clip_coef, 1 + clip_coef)),
-                          mask)
+    pg_loss = masked_mean(
+        jnp.maximum(
+            -advantages * ratio, -advantages * jnp.clip(ratio, 1 - clip_coef, 1 + clip_coef)
+        ),
+        mask,
+    )
     value_loss = 0.5 * masked_mean((values - returns) ** 2, mask)
     entropy_loss = masked_mean(entropy, mask)
     loss = pg_loss + vf_coef * value_loss - ent_coef * entropy_loss
@@ -463,8 +679,12 @@ def ppo_loss(logprobs, old_logprobs, advantages, values, returns, entropy, mask,
         "approx_kl": masked_mean((ratio - 1) - log_ratio, mask),
         "clipfrac": masked_mean((jnp.abs(ratio - 1) > clip_coef).astype(jnp.float32), mask),
         "explained_variance": jnp.where(
-            jnp.sum(mask) > 0, 1 - masked_mean((returns - values) ** 2, mask) /
-            jnp.maximum(masked_mean((returns - masked_mean(returns, mask)) ** 2, mask), 1e-8), 0.0),
+            jnp.sum(mask) > 0,
+            1
+            - masked_mean((returns - values) ** 2, mask)
+            / jnp.maximum(masked_mean((returns - masked_mean(returns, mask)) ** 2, mask), 1e-8),
+            0.0,
+        ),
     }
     return loss, diagnostics
 
@@ -513,25 +733,42 @@ class XlaRollouts:
     (recv waits for a full split), into the next ones. `collect(R)(carry, params, version)` runs
     until the oldest rollout is complete, or stops short (complete False) before an env would
     write R rollouts ahead of the oldest (`grown` then doubles R); it returns (carry, that
-    rollout, whether it is complete, the games ended, their count). `init(key, R)`: the first carry."""
+    rollout, whether it is complete, the games ended, their count). `init(key, R)`: the first
+    carry."""
 
     def __init__(self, envs, policy_step, args):
-        self.T, self.B, self.args, self.policy_step, self.space = args.num_steps, args.num_envs, args, policy_step, envs.action_space
-        self.actions = tasks.policy_space(args.env_id)  # the actions the policy samples (the rollout's)
+        self.T, self.B, self.args, self.policy_step, self.space = (
+            args.num_steps,
+            args.num_envs,
+            args,
+            policy_step,
+            envs.action_space,
+        )
+        self.actions = tasks.policy_space(
+            args.env_id
+        )  # the actions the policy samples (the rollout's)
         leaves = jax.tree.leaves(tasks.space_tree(envs.observation_space)) + [self.space]
-        self.x64 = np.float64 in [s.dtype for s in leaves]  # envpool's XLA interface passes float64 (MuJoCo) as it is:
+        self.x64 = np.float64 in [
+            s.dtype for s in leaves
+        ]  # envpool's XLA interface passes float64 (MuJoCo) as it is:
         with jax.enable_x64(self.x64):  # so must JAX, in this thread only
             self.handle, self.recv, self.send, _ = envs.xla()
         self.first = f32(tasks.zeros_like_space(envs.observation_space, 1))
-        self.memory = zero_core(args.lstm_size, self.B)[0] if args.lstm else None  # (c, h) [B, lstm_size], by env id
+        self.memory = (
+            zero_core(args.lstm_size, self.B)[0] if args.lstm else None
+        )  # (c, h) [B, lstm_size], by env id
         self.calls = {}  # ring size R -> its jitted call (collect)
 
     def init(self, key, R: int, first: int) -> dict:
-        """The first carry, for rollout `first` of the run (its envs' steps counted from first x T)."""
-        B, ring = self.B, {
-            "bootstrapped": np.zeros((self.B,), bool),
-            **new_rollout(self.T, self.B, self.first, self.actions, self.memory)
-        }
+        """The first carry, for rollout `first` of the run (its envs' steps counted from first x
+        T)."""
+        B, ring = (
+            self.B,
+            {
+                "bootstrapped": np.zeros((self.B,), bool),
+                **new_rollout(self.T, self.B, self.first, self.actions, self.memory),
+            },
+        )
         return {
             "handle": self.handle,
             "key": key,
@@ -544,33 +781,49 @@ class XlaRollouts:
             "oldest": np.int32(0),
             "norm": None,
             "norm_returns": np.zeros(B, np.float32),
-            "memory": self.memory
+            "memory": self.memory,
         }
 
     def step(self, R: int, params, version, c: dict) -> dict:
-        """One recv, policy, write and send of the loop (what appo_envpool.py's actor_loop does per recv)."""
+        """One recv, policy, write and send of the loop (what appo_envpool.py's actor_loop does
+        per recv)."""
         T, space, c, ring = self.T, self.space, dict(c), dict(c["ring"])
         c["handle"], (obs, reward, terminated, truncated, info) = self.recv(c["handle"])
-        if self.args.deterministic:  # the batch in env order, as the statistics of a normaliser need it
+        if (
+            self.args.deterministic
+        ):  # the batch in env order, as the statistics of a normaliser need it
             order = jnp.argsort(info["env_id"])
             obs, reward, terminated, truncated, info = jax.tree.map(
-                lambda x: x[order] if x.shape[:1] == order.shape else x, (obs, reward, terminated, truncated, info))
+                lambda x: x[order] if x.shape[:1] == order.shape else x,
+                (obs, reward, terminated, truncated, info),
+            )
         obs, ids, n = f32(obs), info["env_id"], c["steps"][info["env_id"]]
         reward = jnp.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's reward is undefined
         c, done = xla_games(c, ids, reward, terminated, truncated, info), terminated | truncated
         c, obs, reward = xla_normalize(c, obs, reward, done, ids, self.args)
-        core = None if self.memory is None else (  # --lstm: the envs' states; which observations start an episode
-            jax.tree.map(lambda m: m[ids], c["memory"]), c["prev_dones"][ids] | (n == 0))
+        core = (
+            None
+            if self.memory is None
+            else (  # --lstm: the envs' states; which observations start an episode
+                jax.tree.map(lambda m: m[ids], c["memory"]),
+                c["prev_dones"][ids] | (n == 0),
+            )
+        )
         ended = n > 0  # the observation ends env step n - 1: its reward and dones
         c["prev_dones"] = c["prev_dones"].at[ids].set(jnp.where(ended, done, c["prev_dones"][ids]))
         slot, row = jnp.where(ended, (n - 1) // T % R, R), (n - 1) % T  # R: dropped
         for name, x in (("rewards", reward), ("truncated", truncated), ("dones", done)):
             ring[name] = ring[name].at[slot, row, ids].set(x.astype(ring[name].dtype), mode="drop")
-        slot = jnp.where(ended & (n % T == 0), slot, R)  # ... and is the bootstrap_obs of its rollout
-        ring["bootstrap_obs"] = jax.tree.map(lambda b, x: b.at[slot, ids].set(x, mode="drop"), ring["bootstrap_obs"],
-                                             obs)
+        slot = jnp.where(
+            ended & (n % T == 0), slot, R
+        )  # ... and is the bootstrap_obs of its rollout
+        ring["bootstrap_obs"] = jax.tree.map(
+            lambda b, x: b.at[slot, ids].set(x, mode="drop"), ring["bootstrap_obs"], obs
+        )
         ring["bootstrapped"] = ring["bootstrapped"].at[slot, ids].set(True, mode="drop")
-        action, logprob, _, state = self.policy_step(params, obs, core, c["key"], ids, c["offset"] + n)
+        action, logprob, _, state = self.policy_step(
+            params, obs, core, c["key"], ids, c["offset"] + n
+        )
         action = f32(action)  # as the env gets it (the policy samples float64 under x64)
         slot, row = n // T % R, n % T  # env step n
         ring["obs"] = jax.tree.map(lambda b, x: b.at[slot, row, ids].set(x), ring["obs"], obs)
@@ -578,16 +831,23 @@ class XlaRollouts:
             "valid": 1.0 - c["prev_dones"][ids],
             "policy_version": version,
             "actions": action,
-            "logprobs": logprob
+            "logprobs": logprob,
         }
         for name, x in dict(stamps, **({} if core is None else {"first": core[1]})).items():
             ring[name] = ring[name].at[slot, row, ids].set(jnp.asarray(x, ring[name].dtype))
-        if core is not None:  # a rollout records the states before its row 0 (as appo_envpool.py's actor)
+        if (
+            core is not None
+        ):  # a rollout records the states before its row 0 (as appo_envpool.py's actor)
             start = jnp.where(row == 0, slot, R)
-            ring["state"] = jax.tree.map(lambda b, x: b.at[start, ids].set(x, mode="drop"), ring["state"], core[0])
+            ring["state"] = jax.tree.map(
+                lambda b, x: b.at[start, ids].set(x, mode="drop"), ring["state"], core[0]
+            )
             c["memory"] = jax.tree.map(lambda m, x: m.at[ids].set(x), c["memory"], state)
-        action = action.astype(jnp.int32) if hasattr(space, "n") else tasks.env_action(action, space).astype(
-            space.dtype)
+        action = (
+            action.astype(jnp.int32)
+            if hasattr(space, "n")
+            else tasks.env_action(action, space).astype(space.dtype)
+        )
         c["handle"], c["steps"] = self.send(c["handle"], action, ids), c["steps"].at[ids].add(1)
         return dict(c, ring=ring)
 
@@ -597,20 +857,44 @@ class XlaRollouts:
             return self.calls[R]
         T, B = self.T, self.B
 
-        def running(c):  # the oldest rollout lacks a bootstrap_obs, and no env's next step would leave the ring
-            return ~c["ring"]["bootstrapped"][c["oldest"] % R].all() & (c["steps"].max() < (c["oldest"] + R) * T)
+        def running(
+            c,
+        ):  # the oldest rollout lacks a bootstrap_obs, and no env's next step would leave the ring
+            return ~c["ring"]["bootstrapped"][c["oldest"] % R].all() & (
+                c["steps"].max() < (c["oldest"] + R) * T
+            )
 
         @functools.partial(jax.jit, donate_argnums=0)
         def call(carry, params, version):
-            games = {k: jnp.zeros(R * T * B, dtype) for k, dtype in [("env", int), ("return", float), ("length", int)]}
-            carry = jax.lax.while_loop(running, functools.partial(self.step, R, params, version),
-                                       dict(carry, count=0, games=games))
+            games = {
+                k: jnp.zeros(R * T * B, dtype)
+                for k, dtype in [("env", int), ("return", float), ("length", int)]
+            }
+            carry = jax.lax.while_loop(
+                running,
+                functools.partial(self.step, R, params, version),
+                dict(carry, count=0, games=games),
+            )
             # A call ends < R T B games
             slot, ring, games = carry["oldest"] % R, dict(carry["ring"]), carry.pop("games")
-            rollout = {k: jax.tree.map(lambda x: x[slot], v) for k, v in ring.items() if k != "bootstrapped"}
-            complete = ring["bootstrapped"][slot].all()  # then the slot starts the next rollout R on
-            ring["bootstrapped"] = ring["bootstrapped"].at[slot].set(ring["bootstrapped"][slot] & ~complete)
-            return dict(carry, ring=ring, oldest=carry["oldest"] + complete), rollout, complete, games, carry["count"]
+            rollout = {
+                k: jax.tree.map(lambda x: x[slot], v)
+                for k, v in ring.items()
+                if k != "bootstrapped"
+            }
+            complete = ring["bootstrapped"][
+                slot
+            ].all()  # then the slot starts the next rollout R on
+            ring["bootstrapped"] = (
+                ring["bootstrapped"].at[slot].set(ring["bootstrapped"][slot] & ~complete)
+            )
+            return (
+                dict(carry, ring=ring, oldest=carry["oldest"] + complete),
+                rollout,
+                complete,
+                games,
+                carry["count"],
+            )
 
         def call_x64(carry, params, version):
             with jax.enable_x64(self.x64):
@@ -625,11 +909,17 @@ def xla_games(c, ids, reward, terminated, truncated, info):
     goes into c["games"] as (env, raw score, length), c["count"] of them in this call."""
     over = info.get("terminated", terminated).astype(bool) | truncated
     returns = c["returns"].at[ids].add(info.get("reward", reward))
-    at = jnp.where(over, c["count"] + jnp.cumsum(over) - 1, len(c["games"]["env"]))  # past the end: dropped
+    at = jnp.where(
+        over, c["count"] + jnp.cumsum(over) - 1, len(c["games"]["env"])
+    )  # past the end: dropped
     values = {"env": ids, "return": returns[ids], "length": info["elapsed_step"]}
     games = {name: c["games"][name].at[at].set(x, mode="drop") for name, x in values.items()}
-    return dict(c, games=games, count=c["count"] + over.sum(dtype=jnp.int32),
-                returns=returns.at[ids].multiply(1.0 - over))
+    return dict(
+        c,
+        games=games,
+        count=c["count"] + over.sum(dtype=jnp.int32),
+        returns=returns.at[ids].multiply(1.0 - over),
+    )
 
 
 def xla_normalize(c, obs, reward, done, ids, args):
@@ -643,15 +933,27 @@ def xla_normalize(c, obs, reward, done, ids, args):
     (obs_stats, return_stats), (new_obs, new_return) = c["norm"]["stats"], c["norm"]["new"]
     if args.norm_obs:
         batch = normalize.moments(jax.tree.map(lambda x: x.astype(jnp.float32), obs))
-        obs_stats, new_obs = normalize.combined(obs_stats, batch), normalize.combined(new_obs, batch)
-        obs = jax.tree.map(lambda x, m, v: normalize.scaled_obs(x, m, v, jnp), obs, obs_stats[0], obs_stats[1])
+        obs_stats, new_obs = (
+            normalize.combined(obs_stats, batch),
+            normalize.combined(new_obs, batch),
+        )
+        obs = jax.tree.map(
+            lambda x, m, v: normalize.scaled_obs(x, m, v, jnp), obs, obs_stats[0], obs_stats[1]
+        )
     if args.norm_reward:
         returns = c["norm_returns"].at[ids].set(c["norm_returns"][ids] * args.gamma + reward)
         batch = normalize.moments(returns[ids])
-        return_stats, new_return = normalize.combined(return_stats, batch), normalize.combined(new_return, batch)
+        return_stats, new_return = (
+            normalize.combined(return_stats, batch),
+            normalize.combined(new_return, batch),
+        )
         c = dict(c, norm_returns=returns.at[ids].multiply(1.0 - done))
         reward = normalize.scaled_reward(reward, return_stats[1], jnp)
-    return dict(c, norm={"stats": (obs_stats, return_stats), "new": (new_obs, new_return)}), obs, reward
+    return (
+        dict(c, norm={"stats": (obs_stats, return_stats), "new": (new_obs, new_return)}),
+        obs,
+        reward,
+    )
 
 
 def f32(tree):
@@ -673,7 +975,18 @@ def grown(carry, R: int):
     return dict(carry, ring=jax.tree.map(grow, carry["ring"]))
 
 
-def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts, device=None, thread=0, first=0):
+def actor_loop(
+    envs,
+    policy_step,
+    shared,
+    rollout_queue,
+    key,
+    args,
+    num_rollouts,
+    device=None,
+    thread=0,
+    first=0,
+):
     """Rollouts from one jitted call each (XlaRollouts), queued as appo_envpool.py's actor queues
     its own: the same rows, columns, `valid`, bootstrap observations, version stamps and games, but
     the parameters (those `acting_version` names for the call's rollout, `first` on) are taken
@@ -689,23 +1002,36 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
         if acting[1] != held:
             held, params = acting[1], devices.to_actor(device, acting[0])
         start = time.perf_counter()
-        if args.norm_obs or args.norm_reward:  # the host's statistics, and none of this call's own yet
+        if (
+            args.norm_obs or args.norm_reward
+        ):  # the host's statistics, and none of this call's own yet
             stats = shared.normalizer.snapshot()
             carry = dict(carry, norm={"stats": stats, "new": jax.tree.map(np.zeros_like, stats)})
         carry, rollout, complete, ended, count = rollouts.collect(R)(carry, params, np.int32(held))
-        rollout, complete, ended, count, steps = jax.device_get((rollout, complete, ended, count, carry["steps"]))
+        rollout, complete, ended, count, steps = jax.device_get(
+            (rollout, complete, ended, count, carry["steps"])
+        )
         timing["env"] += (now := time.perf_counter()) - start
         if carry["norm"] is not None:
             shared.normalizer.merge(*jax.device_get(carry["norm"]["new"]))
         shared.sampled[thread] = int(steps.sum())
-        games += list(zip(*(ended[k][:count].tolist() for k in ("env", "return", "length"))))  # (jit sorts dict keys)
+        games += list(
+            zip(*(ended[k][:count].tolist() for k in ("env", "return", "length")))
+        )  # (jit sorts dict keys)
         if not complete:  # an env ran R rollouts ahead of another (one env's step took that long)
             carry, R = jax.device_put(grown(carry, R), device), 2 * R
             continue
-        T, B = rollout["valid"].shape  # the rollout's masks, obeyable (appo_envpool.py checks each step's)
-        tasks.check_legal(args, jax.tree.map(lambda x: x.reshape(T * B, *x.shape[2:]), rollout["obs"]),
-                          np.tile(np.arange(B), T), rollout["valid"].ravel() > 0,
-                          (first + pushed) * T + np.repeat(np.arange(T), B), "of the run")
+        T, B = rollout[
+            "valid"
+        ].shape  # the rollout's masks, obeyable (appo_envpool.py checks each step's)
+        tasks.check_legal(
+            args,
+            jax.tree.map(lambda x: x.reshape(T * B, *x.shape[2:]), rollout["obs"]),
+            np.tile(np.arange(B), T),
+            rollout["valid"].ravel() > 0,
+            (first + pushed) * T + np.repeat(np.arange(T), B),
+            "of the run",
+        )
         timing["bookkeeping"] += (start := time.perf_counter()) - now
         rollout["host"]["games"] = games
         if not threads.put(rollout_queue, rollout, shared.stop):
@@ -731,19 +1057,27 @@ def rollout_forward(network, params, rollout, continuous: bool):
     (which starts an episode when row T-1 is a reset step, `valid` 0)."""
     T, B = rollout["rewards"].shape
     if network.lstm_size:
-        obs = jax.tree.map(lambda x, y: jnp.concatenate([x, y[None]]), rollout["obs"], rollout["bootstrap_obs"])
+        obs = jax.tree.map(
+            lambda x, y: jnp.concatenate([x, y[None]]), rollout["obs"], rollout["bootstrap_obs"]
+        )
         first = jnp.concatenate([rollout["first"], 1.0 - rollout["valid"][-1:]])
         pi, values, _ = network.apply(params, obs, (rollout["state"], first))
         legal = legal_actions(network, rollout["obs"], pi[:-1])  # the masks stored with the rollout
         logprobs, entropy = log_prob_entropy(pi[:-1], rollout["actions"], continuous, legal)
         return logprobs, entropy, values[:-1], values[-1]
 
-    def rows(x):  # [T, B, ...] -> [B x T, ...], env-major: rows stay on the learner device that holds their env
+    def rows(
+        x,
+        # [T, B, ...] -> [B x T, ...], env-major: rows stay on the learner device that holds their
+        # env
+    ):
         return jnp.swapaxes(x, 0, 1).reshape(B * T, *x.shape[2:])
 
     obs = jax.tree.map(rows, rollout["obs"])
     pi, values, _ = network.apply(params, obs)
-    logprobs, entropy = log_prob_entropy(pi, rows(rollout["actions"]), continuous, legal_actions(network, obs, pi))
+    logprobs, entropy = log_prob_entropy(
+        pi, rows(rollout["actions"]), continuous, legal_actions(network, obs, pi)
+    )
     _, bootstrap_value, _ = network.apply(params, rollout["bootstrap_obs"])
     return *(x.reshape(B, T).T for x in (logprobs, entropy, values)), bootstrap_value
 
@@ -755,15 +1089,21 @@ def minibatches(key, data, num_minibatches: int):
     T, B = data["valid"].shape
     if "state" not in data:
         order = jax.random.permutation(key, T * B)
-        return jax.tree.map(lambda x: x.reshape(T * B, *x.shape[2:])[order].reshape(num_minibatches, -1, *x.shape[2:]),
-                            data)
+        return jax.tree.map(
+            lambda x: x.reshape(T * B, *x.shape[2:])[order].reshape(
+                num_minibatches, -1, *x.shape[2:]
+            ),
+            data,
+        )
     order = jax.random.permutation(key, B)
 
     def split(x):  # [B, ...] -> [M, B / M, ...] in the shuffled env order
         return x[order].reshape(num_minibatches, B // num_minibatches, *x.shape[1:])
 
     state = jax.tree.map(split, data["state"])
-    sequences = jax.tree.map(lambda x: jnp.swapaxes(split(jnp.swapaxes(x, 0, 1)), 1, 2), {**data, "state": None})
+    sequences = jax.tree.map(
+        lambda x: jnp.swapaxes(split(jnp.swapaxes(x, 0, 1)), 1, 2), {**data, "state": None}
+    )
     return dict(sequences, state=state)
 
 
@@ -771,13 +1111,28 @@ def targets(network, state, rollout, args: Args, continuous: bool, clip_coef):
     """What the loss learns from a rollout [T, B]: (advantages, returns, the mask of transitions
     that count, diagnostics): V-trace (or GAE) from the current parameters, and policy-lag
     control (Sample Factory §3.4): transitions from too old a policy do not count."""
-    logprobs, _, values, bootstrap_value = rollout_forward(network, state["params"], rollout, continuous)
-    rewards = time_limit_bootstrap(rollout["rewards"], values, bootstrap_value, rollout["truncated"], args.gamma)
+    logprobs, _, values, bootstrap_value = rollout_forward(
+        network, state["params"], rollout, continuous
+    )
+    rewards = time_limit_bootstrap(
+        rollout["rewards"], values, bootstrap_value, rollout["truncated"], args.gamma
+    )
     discounts = args.gamma * (1.0 - rollout["dones"])
     log_ratio = logprobs - rollout["logprobs"]  # pi / mu before this update moves pi
-    if args.vtrace:  # the advantage without IMPALA's rho: PPO's ratio is already each sample's weight
-        returns, advantages = vtrace(log_ratio, discounts, rewards, values, bootstrap_value, args.vtrace_rho_bar,
-                                     args.vtrace_c_bar, clip_pg_rho_threshold=None, lambda_=args.gae_lambda)
+    if (
+        args.vtrace
+    ):  # the advantage without IMPALA's rho: PPO's ratio is already each sample's weight
+        returns, advantages = vtrace(
+            log_ratio,
+            discounts,
+            rewards,
+            values,
+            bootstrap_value,
+            args.vtrace_rho_bar,
+            args.vtrace_c_bar,
+            clip_pg_rho_threshold=None,
+            lambda_=args.gae_lambda,
+        )
     else:
         advantages = compute_gae(rewards, values, bootstrap_value, discounts, args.gae_lambda)
         returns = advantages + values
@@ -788,9 +1143,13 @@ def targets(network, state, rollout, args: Args, continuous: bool, clip_coef):
         "async/policy_lag_mean": masked_mean(lag, rollout["valid"]),
         "async/policy_lag_max": jnp.max(jnp.where(rollout["valid"] > 0, lag, 0)),
         "async/stale_fraction": masked_mean(1.0 - fresh, rollout["valid"]),
-        "async/start_clipfrac": masked_mean((jnp.abs(ratio - 1) > clip_coef).astype(jnp.float32), rollout["valid"]),
+        "async/start_clipfrac": masked_mean(
+            (jnp.abs(ratio - 1) > clip_coef).astype(jnp.float32), rollout["valid"]
+        ),
         "async/start_kl": masked_mean(ratio - 1 - log_ratio, rollout["valid"]),
-        "async/rho_clipfrac": masked_mean((ratio > args.vtrace_rho_bar).astype(jnp.float32), rollout["valid"]),
+        "async/rho_clipfrac": masked_mean(
+            (ratio > args.vtrace_rho_bar).astype(jnp.float32), rollout["valid"]
+        ),
     }
     return advantages, returns, rollout["valid"] * fresh, diagnostics
 
@@ -800,27 +1159,55 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
     minibatches of PPO-clip against the behaviour policy (Sample Factory's APPO)."""
 
     def loss_fn(params, mb, clip_coef):
-        pi, values, _ = network.apply(params, mb["obs"], (mb["state"], mb["first"]) if "state" in mb else None)
-        logprobs, entropy = log_prob_entropy(pi, mb["actions"], continuous, legal_actions(network, mb["obs"], pi))
-        return ppo_loss(logprobs, mb["logprobs"], mb["advantages"], values, mb["returns"], entropy, mb["valid"],
-                        clip_coef, args.vf_coef, args.ent_coef, args.norm_adv)
+        pi, values, _ = network.apply(
+            params, mb["obs"], (mb["state"], mb["first"]) if "state" in mb else None
+        )
+        logprobs, entropy = log_prob_entropy(
+            pi, mb["actions"], continuous, legal_actions(network, mb["obs"], pi)
+        )
+        return ppo_loss(
+            logprobs,
+            mb["logprobs"],
+            mb["advantages"],
+            values,
+            mb["returns"],
+            entropy,
+            mb["valid"],
+            clip_coef,
+            args.vf_coef,
+            args.ent_coef,
+            args.norm_adv,
+        )
 
     def minibatch_step(learning_rate, clip_coef, carry, mb):
         params, opt_state = carry
-        (loss, diagnostics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb, clip_coef)
+        (loss, diagnostics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, mb, clip_coef
+        )
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, jax.tree.map(lambda u: -learning_rate * u, updates))
-        return (params, opt_state), {"loss": loss, "grad_norm": optax.global_norm(grads), **diagnostics}
+        return (params, opt_state), {
+            "loss": loss,
+            "grad_norm": optax.global_norm(grads),
+            **diagnostics,
+        }
 
     @jax.jit
     def update(state, rollout, key, total_timesteps):
         params, opt_state = state["params"], state["opt_state"]
         # XLA:CPU runs convs in a loop ~10x slower than unrolled (Nature CNN), so on CPU scans over
-        # images unroll up to 16 minibatch steps (Atari's 4 x 4; CarRacing's 10 x 32: 9 GiB, 5+ min).
+        # images unroll up to 16 minibatch steps (Atari's 4 x 4; CarRacing's 10 x 32: 9 GiB, 5+
+        # min).
         images = any(kind in ("nature", "grid") for kind, _ in network.encoders)
-        unroll = jax.default_backend() == "cpu" and images and args.update_epochs * args.num_minibatches <= 16
+        unroll = (
+            jax.default_backend() == "cpu"
+            and images
+            and args.update_epochs * args.num_minibatches <= 16
+        )
         clip_coef = clip_coef_at(args, state["global_step"], total_timesteps)
-        advantages, returns, valid, diagnostics = targets(network, state, rollout, args, continuous, clip_coef)
+        advantages, returns, valid, diagnostics = targets(
+            network, state, rollout, args, continuous, clip_coef
+        )
         data = {
             "obs": rollout["obs"],
             "actions": rollout["actions"],
@@ -835,23 +1222,39 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
 
         def epoch(carry, key):
             epoch_data = minibatches(key, data, args.num_minibatches)
-            if mesh is not None:  # each learner device takes its share of every minibatch: data parallel
+            if (
+                mesh is not None
+            ):  # each learner device takes its share of every minibatch: data parallel
                 epoch_data = jax.tree_util.tree_map_with_path(
                     lambda path, x: jax.lax.with_sharding_constraint(
-                        x, devices.split_envs(mesh, 1 + (devices.env_axis(path)
-                                                         if "state" in data else 0))), epoch_data)
-            return jax.lax.scan(functools.partial(minibatch_step, learning_rate, clip_coef), carry, epoch_data,
-                                unroll=unroll)
+                        x,
+                        devices.split_envs(
+                            mesh, 1 + (devices.env_axis(path) if "state" in data else 0)
+                        ),
+                    ),
+                    epoch_data,
+                )
+            return jax.lax.scan(
+                functools.partial(minibatch_step, learning_rate, clip_coef),
+                carry,
+                epoch_data,
+                unroll=unroll,
+            )
 
         epoch_keys = jax.random.split(key, args.update_epochs)
-        (params, opt_state), losses = jax.lax.scan(epoch, (params, opt_state), epoch_keys, unroll=unroll)
+        (params, opt_state), losses = jax.lax.scan(
+            epoch, (params, opt_state), epoch_keys, unroll=unroll
+        )
         diagnostics.update(jax.tree.map(jnp.mean, losses), learning_rate=learning_rate)
         if args.anneal_clip:
             diagnostics["clip_coef"] = clip_coef
         leaves = jax.tree.leaves(params)
         diagnostics["finite"] = jnp.isfinite(diagnostics["loss"]) & jnp.all(
-            jnp.array([jnp.all(jnp.isfinite(x)) for x in leaves]))
-        new_state = dict(state, params=params, opt_state=opt_state, policy_version=state["policy_version"] + 1)
+            jnp.array([jnp.all(jnp.isfinite(x)) for x in leaves])
+        )
+        new_state = dict(
+            state, params=params, opt_state=opt_state, policy_version=state["policy_version"] + 1
+        )
         return new_state, diagnostics
 
     return update
@@ -870,19 +1273,25 @@ def learner_loop(run, update, shared, queues, key):
         timing["queue_get"] += time.perf_counter() - start
         if run.should_stop(None in rollouts, games):
             break
-        hosts = [rollout.pop("host") for rollout in rollouts]  # games; --lstm: the states after the rollout
+        hosts = [
+            rollout.pop("host") for rollout in rollouts
+        ]  # games; --lstm: the states after the rollout
         games = [game for host in hosts for game in host["games"]]
         start = time.perf_counter()
-        subkey = jax.random.fold_in(key, int(state["policy_version"]))  # the update's own: a resume draws the same
+        subkey = jax.random.fold_in(
+            key, int(state["policy_version"])
+        )  # the update's own: a resume draws the same
         batch = devices.joined(rollouts)
-        run.journaled(batch["actions"], [host.get("next_state") for host in hosts], shared.published)
+        run.journaled(
+            batch["actions"], [host.get("next_state") for host in hosts], shared.published
+        )
         batch = devices.to_learner(run.mesh, batch)
         state, diagnostics = update(state, batch, subkey, run.args.total_timesteps)
         diagnostics = jax.device_get(diagnostics)
         timing["update"] += time.perf_counter() - start
         pipeline = {
             "timing/queue_size": sum(q.qsize() for q in queues),
-            "timing/learner_busy_fraction": timing["update"] / run.elapsed()
+            "timing/learner_busy_fraction": timing["update"] / run.elapsed(),
         }
         state = run.learned(state, diagnostics, timing, pipeline)
         shared.publish(state["params"], int(state["policy_version"]))
@@ -898,17 +1307,44 @@ def learner_loop(run, update, shared, queues, key):
 def build(args: Args, key):
     """(network, optimizer, continuous, normalizer, initial state) of a run with these flags; a
     checkpoint restores into `dict(state, **normalizer.state())` (utils/evaluate.py does too)."""
-    obs_space, action_space = tasks.spaces(args.env_id)[0], tasks.policy_space(args.env_id)  # what the policy samples
-    heads = tuple(map(int, getattr(action_space, "nvec", ())))  # multi-discrete, factored: a categorical a dimension
+    obs_space, action_space = (
+        tasks.spaces(args.env_id)[0],
+        tasks.policy_space(args.env_id),
+    )  # what the policy samples
+    heads = tuple(
+        map(int, getattr(action_space, "nvec", ()))
+    )  # multi-discrete, factored: a categorical a dimension
     continuous = not hasattr(action_space, "n") and not heads
-    action_dim = len(heads) * max(heads) if heads else int(getattr(action_space, "n", np.prod(action_space.shape)))
-    network = ActorCritic(action_dim, continuous, tasks.encoders(obs_space), args.lstm_size if args.lstm else 0, heads,
-                          args.action_mask and tasks.mask_shape(obs_space) is not None)
-    params = network.init(key, tasks.zeros_like_space(obs_space, 1), zero_core(network.lstm_size, 1))
+    action_dim = (
+        len(heads) * max(heads)
+        if heads
+        else int(getattr(action_space, "n", np.prod(action_space.shape)))
+    )
+    network = ActorCritic(
+        action_dim,
+        continuous,
+        tasks.encoders(obs_space),
+        args.lstm_size if args.lstm else 0,
+        heads,
+        args.action_mask and tasks.mask_shape(obs_space) is not None,
+    )
+    params = network.init(
+        key, tasks.zeros_like_space(obs_space, 1), zero_core(network.lstm_size, 1)
+    )
     optimizer = make_optimizer(args)
-    normalizer = Normalizer(tasks.zeros_like_space(obs_space), devices.local_envs(args), args.norm_obs,
-                            args.norm_reward, args.gamma)
-    state = {"params": params, "opt_state": optimizer.init(params), "global_step": 0, "policy_version": 0}
+    normalizer = Normalizer(
+        tasks.zeros_like_space(obs_space),
+        devices.local_envs(args),
+        args.norm_obs,
+        args.norm_reward,
+        args.gamma,
+    )
+    state = {
+        "params": params,
+        "opt_state": optimizer.init(params),
+        "global_step": 0,
+        "policy_version": 0,
+    }
     return network, optimizer, continuous, normalizer, state
 
 
@@ -916,9 +1352,16 @@ def resolve_xla_args(args: Args) -> Args:
     """resolve_args, for envpool tasks only: a Gymnasium env has no XLA interface."""
     args = resolve_args(args)
     if args.env_id in tasks.USER_ENVS:
-        raise UsageError(f"--env-id {args.env_id}: a Gymnasium env has no XLA interface; train it with appo_envpool.py")
-    if args.deterministic and args.num_splits > 1:  # a call's recv()s would interleave the splits as timing does
-        raise UsageError("--deterministic: the XLA actor steps its envs as one split; pass --num-splits 1")
+        raise UsageError(
+            f"--env-id {args.env_id}: a Gymnasium env has no XLA interface; train it with "
+            f"appo_envpool.py"
+        )
+    if (
+        args.deterministic and args.num_splits > 1
+    ):  # a call's recv()s would interleave the splits as timing does
+        raise UsageError(
+            "--deterministic: the XLA actor steps its envs as one split; pass --num-splits 1"
+        )
     return args
 
 
@@ -933,23 +1376,57 @@ def main(args: Args, given=None) -> int:
         state = run.open(state, normalizer)
         actors = run.actors()  # (device, env seed, action key) of each actor thread
         envs = [
-            tasks.make_env(args.env_id, args.num_envs, seed, run.env_threads, train=True,
-                           batch_size=args.num_envs // args.num_splits) for _, seed, _ in actors
+            tasks.make_env(
+                args.env_id,
+                args.num_envs,
+                seed,
+                run.env_threads,
+                train=True,
+                batch_size=args.num_envs // args.num_splits,
+            )
+            for _, seed, _ in actors
         ]
-        policy_step = make_policy_step(network, continuous, values=False)  # the actor needs no values
+        policy_step = make_policy_step(
+            network, continuous, values=False
+        )  # the actor needs no values
         update = make_update(network, optimizer, args, continuous, run.mesh)
-        shared = threads.Shared(state["params"], state["policy_version"], normalizer, run.sampled, run.stop,
-                                learning=True, keep=(args.actor_lag or 0) + 2)
+        shared = threads.Shared(
+            state["params"],
+            state["policy_version"],
+            normalizer,
+            run.sampled,
+            run.stop,
+            learning=True,
+            keep=(args.actor_lag or 0) + 2,
+        )
         run.begin(
-            f"preset {tasks.preset_name(args.env_id, PRESETS)}, {args.num_splits} split{'s' * (args.num_splits > 1)}, XLA actor"
+            f"preset {tasks.preset_name(args.env_id, PRESETS)}, {args.num_splits} "
+            f"split{'s' * (args.num_splits > 1)}, XLA actor"
         )
         queues = [queue.Queue(maxsize=args.queue_size) for _ in actors]
         for i, (device, _, key) in enumerate(actors):
-            run.threads.start(f"actor {i}" if i else "actor", actor_loop, envs[i], policy_step, shared, queues[i], key,
-                              args, run.num_updates - run.start_update, device, i, run.start_update, owns=envs[i])
-        run.wait(run.threads.start("learner", learner_loop, run, update, shared, queues, run.update_key))
-        return run.finish(make_policy_step(network, continuous, values=False),
-                          functools.partial(zero_core, network.lstm_size))
+            run.threads.start(
+                f"actor {i}" if i else "actor",
+                actor_loop,
+                envs[i],
+                policy_step,
+                shared,
+                queues[i],
+                key,
+                args,
+                run.num_updates - run.start_update,
+                device,
+                i,
+                run.start_update,
+                owns=envs[i],
+            )
+        run.wait(
+            run.threads.start("learner", learner_loop, run, update, shared, queues, run.update_key)
+        )
+        return run.finish(
+            make_policy_step(network, continuous, values=False),
+            functools.partial(zero_core, network.lstm_size),
+        )
 
 
 if __name__ == "__main__":

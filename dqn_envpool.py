@@ -24,9 +24,12 @@ import signal
 from dataclasses import dataclass
 from typing import Annotated, ClassVar, Optional
 
-if __name__ == "__main__":  # Ctrl-C while the libraries below import (seconds): exit 130, no traceback
+if (
+    __name__ == "__main__"
+):  # Ctrl-C while the libraries below import (seconds): exit 130, no traceback
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     from jax_async_rl.helptext import help_from_source
+
     help_from_source(__file__)  # --help prints without the libraries below (their seconds)
 
 import flax.linen as nn
@@ -43,10 +46,20 @@ from jax_async_rl.replay import Replay, check_rounds, gradient_steps
 from jax_async_rl.sequences import SequenceReplay
 
 SPLITS = flags.default_is("2 with image observations, else 1")
-EVAL_EPSILON = 0.001  # ε of the evaluation games (Dopamine's Rainbow: a greedy Atari agent can stall)
-EVAL_POLICY = f"ε-greedy at ε {EVAL_EPSILON}"  # evaluation_player's, in words (utils/evaluate.py says it)
+EVAL_EPSILON = (
+    0.001  # ε of the evaluation games (Dopamine's Rainbow: a greedy Atari agent can stall)
+)
+EVAL_POLICY = (
+    f"ε-greedy at ε {EVAL_EPSILON}"  # evaluation_player's, in words (utils/evaluate.py says it)
+)
 RESCALE_EPS = 1e-3  # ε of R2D2's value rescaling h (Kapturowski et al. 2019)
-SEQUENCE_FIELDS = ("obs", "action", "reward", "terminated", "truncated")  # a sequence's rows (SequenceReplay)
+SEQUENCE_FIELDS = (
+    "obs",
+    "action",
+    "reward",
+    "terminated",
+    "truncated",
+)  # a sequence's rows (SequenceReplay)
 
 
 @dataclass
@@ -68,9 +81,9 @@ class Args(flags.RunArgs):
     queue_size: Annotated[int, POSITIVE, at_most(1024)] = 1
     """chunks an actor may queue ahead of the learner before it waits (backpressure)"""
     actor_lag: Annotated[Optional[int], NON_NEGATIVE, at_most(64)] = None
-    """an actor collects chunk m with the round on chunk m - 1 - this (acting_version): 0, the serial
-    mode's data; None, rlpyt's free-running actor (the newest parameters). --deterministic: exactly
-    that round (1 where none is given), else at least it"""
+    """an actor collects chunk m with the round on chunk m - 1 - this (acting_version): 0, the
+    serial mode's data; None, rlpyt's free-running actor (the newest parameters). --deterministic:
+    exactly that round (1 where none is given), else at least it"""
     serial: bool = False
     """one thread: collect a chunk, then learn from the buffer, in turn (rlpyt's serial mode)"""
     buffer_size: Annotated[Optional[int], PRESET, POSITIVE] = None
@@ -92,7 +105,8 @@ class Args(flags.RunArgs):
     """TD errors beyond this get a constant gradient (the Huber loss: Mnih et al. 2015's error
     clipping, for clipped rewards); 0: the squared error (CleanRL). Not used by --c51"""
     max_grad_norm: Annotated[Optional[float], PRESET, POSITIVE] = None
-    """global gradient-norm clipping threshold (rlpyt's and Stable-Baselines3's DQN: 10; R2D2: 80)"""
+    """global gradient-norm clipping threshold (rlpyt's and Stable-Baselines3's DQN: 10; R2D2:
+    80)"""
     gamma: Annotated[Optional[float], PRESET, UNIT] = None
     """discount factor"""
     target_network_frequency: Annotated[Optional[int], PRESET, POSITIVE] = None
@@ -106,7 +120,8 @@ class Args(flags.RunArgs):
     exploration_fraction: Annotated[Optional[float], PRESET, UNIT] = None
     """the fraction of --total-timesteps over which ε falls linearly from --start-e to --end-e"""
     apex_epsilon: Annotated[Optional[bool], PRESET] = None
-    """Ape-X's fixed ε per env instead of the schedule: env i of N has --apex-base ** (1 + --apex-alpha x i / (N - 1))"""
+    """Ape-X's fixed ε per env instead of the schedule: env i of N has --apex-base ** (1 +
+    --apex-alpha x i / (N - 1))"""
     apex_base: Annotated[float, UNIT] = 0.4
     """Ape-X's base ε (Horgan et al. 2018)"""
     apex_alpha: Annotated[float, NON_NEGATIVE, at_most(100.0)] = 7.0
@@ -122,9 +137,11 @@ class Args(flags.RunArgs):
     priority_alpha: Annotated[Optional[float], PRESET, UNIT] = None
     """prioritisation exponent α (Rainbow: 0.5)"""
     priority_beta: Annotated[Optional[float], PRESET, UNIT] = None
-    """importance-sampling exponent β at the start, annealed linearly to --priority-beta-end over the run (Rainbow: 0.4)"""
+    """importance-sampling exponent β at the start, annealed linearly to --priority-beta-end over
+    the run (Rainbow: 0.4)"""
     priority_beta_end: Annotated[Optional[float], PRESET, UNIT] = None
-    """importance-sampling exponent β at the end of the run (Rainbow: 1; R2D2 keeps 0.6 throughout)"""
+    """importance-sampling exponent β at the end of the run (Rainbow: 1; R2D2 keeps 0.6
+    throughout)"""
     c51: Annotated[Optional[bool], PRESET] = None
     """distributional C51: a categorical return distribution over --num-atoms fixed atoms"""
     num_atoms: Annotated[int, POSITIVE, at_most(4096)] = 51
@@ -138,21 +155,23 @@ class Args(flags.RunArgs):
     explores, acts greedily and takes its target's maximum over legal actions; --no-action-mask: it
     is only an input"""
     lstm: bool = False
-    """R2D2 (Kapturowski et al. 2019): an LSTM after the encoder, learned from replayed sequences that
-    start from the state the actor stored, after a burn-in; value-rescaled n-step targets"""
+    """R2D2 (Kapturowski et al. 2019): an LSTM after the encoder, learned from replayed sequences
+    that start from the state the actor stored, after a burn-in; value-rescaled n-step targets"""
     lstm_size: Annotated[Optional[int], PRESET, POSITIVE, at_most(8192)] = None
     """--lstm: hidden units of the LSTM, the size of its h and of its c"""
     seq_len: Annotated[Optional[int], PRESET, POSITIVE, at_most(100_000)] = None
     """--lstm: steps of each replayed sequence that the loss covers, after its burn-in"""
     burn_in: Annotated[Optional[int], PRESET, NON_NEGATIVE, at_most(100_000)] = None
-    """--lstm: steps before those, over which the networks only rebuild the state from the stored one"""
+    """--lstm: steps before those, over which the networks only rebuild the state from the stored
+    one"""
     seq_period: Annotated[Optional[int], PRESET, POSITIVE, at_most(100_000)] = None
-    """--lstm: a sequence starts every this many steps of each env, where the actor's state is stored
-    (sequences overlap when it is below --burn-in + --seq-len)"""
+    """--lstm: a sequence starts every this many steps of each env, where the actor's state is
+    stored (sequences overlap when it is below --burn-in + --seq-len)"""
     priority_eta: Annotated[float, UNIT] = 0.9
     """--lstm: a sequence's priority, η max|δ| + (1 - η) mean|δ| over its steps (R2D2: 0.9)"""
     num_threads: Annotated[int, NON_NEGATIVE, at_most(1024)] = 0
-    """envpool worker threads of each actor thread (0: the CPU cores shared among the actor threads)"""
+    """envpool worker threads of each actor thread (0: the CPU cores shared among the actor
+    threads)"""
     num_actor_threads: Annotated[int, POSITIVE, at_most(256)] = 1
     """actor threads on each actor device, each with num_envs envs of its own; a round takes one
     chunk from each"""
@@ -160,63 +179,169 @@ class Args(flags.RunArgs):
     """write a checkpoint every this many rounds (0: only at the end)"""
     log_frequency: Annotated[int, POSITIVE] = 20
     """log losses, timings and SPS every this many rounds and after the last (returns: always)"""
-    # The variants these flags make: the default --exp-name (the run's folder, its header line) names them.
+    # The variants these flags make: the default --exp-name (the run's folder, its header line)
+    # names them.
     NAMED: ClassVar[dict] = {"serial": dict(serial=True), "lstm": dict(lstm=True)}
     # What a run saved before a flag existed did: --resume continues it so.
     UNTIL_ADDED: ClassVar[dict] = {"huber_delta": 1.0, "anneal_lr": False}
 
 
 PLAIN = dict(double_dqn=False, dueling=False, n_step=1, prioritized_replay=False, c51=False)
-# Rainbow's prioritised replay (α 0.5, β 0.4 -> 1), gradients clipped at 10 (rlpyt, Stable-Baselines3), the ε schedule.
-RAINBOW_REPLAY = dict(priority_alpha=0.5, priority_beta=0.4, priority_beta_end=1.0, max_grad_norm=10.0,
-                      apex_epsilon=False)
+# Rainbow's prioritised replay (α 0.5, β 0.4 -> 1), gradients clipped at 10 (rlpyt,
+# Stable-Baselines3), the ε schedule.
+RAINBOW_REPLAY = dict(
+    priority_alpha=0.5,
+    priority_beta=0.4,
+    priority_beta_end=1.0,
+    max_grad_norm=10.0,
+    apex_epsilon=False,
+)
 PRESETS = {
     # Rainbow minus noisy nets (rlpyt's "ernbw"): Hessel et al. 2018, Table 1 (Adam 6.25e-5 with
     # eps 1.5e-4, 3-step, α 0.5, β 0.4 -> 1, 51 atoms in [-10, 10], target every 32k frames, 80k
     # frames first, one update of 32 every 4 steps), with CleanRL's dqn_atari_jax.py ε schedule
     # in place of noisy nets (1 -> 0.01 over the first 10%).
-    "atari": dict(num_steps=4, buffer_size=1_000_000, learning_starts=20_000, replay_ratio=8.0, batch_size=32,
-                  learning_rate=6.25e-5, adam_eps=1.5e-4, gamma=0.99, target_network_frequency=8000, start_e=1.0,
-                  end_e=0.01, exploration_fraction=0.1, double_dqn=True, dueling=True, n_step=3,
-                  prioritized_replay=True, c51=True, huber_delta=1.0, anneal_lr=False, **RAINBOW_REPLAY),
+    "atari": dict(
+        num_steps=4,
+        buffer_size=1_000_000,
+        learning_starts=20_000,
+        replay_ratio=8.0,
+        batch_size=32,
+        learning_rate=6.25e-5,
+        adam_eps=1.5e-4,
+        gamma=0.99,
+        target_network_frequency=8000,
+        start_e=1.0,
+        end_e=0.01,
+        exploration_fraction=0.1,
+        double_dqn=True,
+        dueling=True,
+        n_step=3,
+        prioritized_replay=True,
+        c51=True,
+        huber_delta=1.0,
+        anneal_lr=False,
+        **RAINBOW_REPLAY,
+    ),
     # Any other vector task: CleanRL's dqn.py (batches of 128 every 10 steps, target every 500).
-    "classic": dict(num_steps=5, buffer_size=10_000, learning_starts=10_000, replay_ratio=12.8, batch_size=128,
-                    learning_rate=2.5e-4, adam_eps=1e-8, gamma=0.99, target_network_frequency=500, start_e=1.0,
-                    end_e=0.05, exploration_fraction=0.5, huber_delta=0.0, anneal_lr=False, **PLAIN, **RAINBOW_REPLAY),
+    "classic": dict(
+        num_steps=5,
+        buffer_size=10_000,
+        learning_starts=10_000,
+        replay_ratio=12.8,
+        batch_size=128,
+        learning_rate=2.5e-4,
+        adam_eps=1e-8,
+        gamma=0.99,
+        target_network_frequency=500,
+        start_e=1.0,
+        end_e=0.05,
+        exploration_fraction=0.5,
+        huber_delta=0.0,
+        anneal_lr=False,
+        **PLAIN,
+        **RAINBOW_REPLAY,
+    ),
     # rl-baselines3-zoo's tuned DQN (hyperparams/dqn.yml: 128 gradient steps of 64 every 256 steps)
     # with changes measured here over 500k steps (docs/algorithms/dqn.md): its learning rate 2.3e-3
     # -> 5e-4 and a buffer of the whole run (500k; with its 100k the policy forgot its failures and
     # fell back), 3-step returns and Double DQN (as published, squared error: Q diverged to 1,834),
     # the rate annealed to 0 (constant, 2 of 6 runs ended in a dip: last 20 episodes 437.8, 472.8).
-    "CartPole": dict(num_steps=32, buffer_size=500_000, learning_starts=1000, replay_ratio=32.0, batch_size=64,
-                     learning_rate=5e-4, adam_eps=1e-8, gamma=0.99, target_network_frequency=10, start_e=1.0,
-                     end_e=0.04, exploration_fraction=0.16, huber_delta=0.0, anneal_lr=True,
-                     **dict(PLAIN, n_step=3, double_dqn=True), **RAINBOW_REPLAY),
-    # --lstm on Atari, R2D2 as rlpyt's atari_r2d1.py runs it (Kapturowski et al. 2019, Table 2): γ 0.997,
-    # sequences of 80 after a burn-in of 40, one every 40 steps, 5-step double-Q targets, squared error,
-    # priorities α 0.9 (η 0.9), β 0.6, Adam 1e-4 with eps 1e-3, gradients clipped at 80, batches of 32
-    # sequences (the paper: 64), rlpyt's replay ratio 4 (burn-in rows counted: one gradient step per
-    # 960 env steps, its sampler's), target every 2,500 updates (2.4M env steps), learning from 100k
-    # steps, a 1M buffer, Ape-X's ε per env, an LSTM of 512.
-    "atari-lstm": dict(num_steps=120, buffer_size=1_000_000, learning_starts=100_000, replay_ratio=4.0, batch_size=32,
-                       learning_rate=1e-4, adam_eps=1e-3, gamma=0.997, target_network_frequency=2_400_000, start_e=1.0,
-                       end_e=0.01, exploration_fraction=0.1, double_dqn=True, dueling=True, n_step=5,
-                       prioritized_replay=True, c51=False, huber_delta=0.0, priority_alpha=0.9, priority_beta=0.6,
-                       priority_beta_end=0.6, max_grad_norm=80.0, apex_epsilon=True, anneal_lr=False, lstm_size=512,
-                       seq_len=80, burn_in=40, seq_period=40),
+    "CartPole": dict(
+        num_steps=32,
+        buffer_size=500_000,
+        learning_starts=1000,
+        replay_ratio=32.0,
+        batch_size=64,
+        learning_rate=5e-4,
+        adam_eps=1e-8,
+        gamma=0.99,
+        target_network_frequency=10,
+        start_e=1.0,
+        end_e=0.04,
+        exploration_fraction=0.16,
+        huber_delta=0.0,
+        anneal_lr=True,
+        **dict(PLAIN, n_step=3, double_dqn=True),
+        **RAINBOW_REPLAY,
+    ),
+    # --lstm on Atari, R2D2 as rlpyt's atari_r2d1.py runs it (Kapturowski et al. 2019, Table 2): γ
+    # 0.997, sequences of 80 after a burn-in of 40, one every 40 steps, 5-step double-Q targets,
+    # squared error, priorities α 0.9 (η 0.9), β 0.6, Adam 1e-4 with eps 1e-3, gradients clipped at
+    # 80, batches of 32 sequences (the paper: 64), rlpyt's replay ratio 4 (burn-in rows counted: one
+    # gradient step per 960 env steps, its sampler's), target every 2,500 updates (2.4M env steps),
+    # learning from 100k steps, a 1M buffer, Ape-X's ε per env, an LSTM of 512.
+    "atari-lstm": dict(
+        num_steps=120,
+        buffer_size=1_000_000,
+        learning_starts=100_000,
+        replay_ratio=4.0,
+        batch_size=32,
+        learning_rate=1e-4,
+        adam_eps=1e-3,
+        gamma=0.997,
+        target_network_frequency=2_400_000,
+        start_e=1.0,
+        end_e=0.01,
+        exploration_fraction=0.1,
+        double_dqn=True,
+        dueling=True,
+        n_step=5,
+        prioritized_replay=True,
+        c51=False,
+        huber_delta=0.0,
+        priority_alpha=0.9,
+        priority_beta=0.6,
+        priority_beta_end=0.6,
+        max_grad_norm=80.0,
+        apex_epsilon=True,
+        anneal_lr=False,
+        lstm_size=512,
+        seq_len=80,
+        burn_in=40,
+        seq_period=40,
+    ),
     # --lstm on any other task: a small R2D2, measured on two memory tasks (docs/algorithms/dqn.md).
-    "lstm": dict(num_steps=20, buffer_size=100_000, learning_starts=2000, replay_ratio=48.0, batch_size=32,
-                 learning_rate=1e-3, adam_eps=1e-3, gamma=0.99, target_network_frequency=2000, start_e=1.0, end_e=0.05,
-                 exploration_fraction=0.2, double_dqn=True, dueling=True, n_step=3, prioritized_replay=True, c51=False,
-                 huber_delta=0.0, priority_alpha=0.9, priority_beta=0.6, priority_beta_end=0.6, max_grad_norm=80.0,
-                 apex_epsilon=False, anneal_lr=False, lstm_size=64, seq_len=20, burn_in=10, seq_period=10),
+    "lstm": dict(
+        num_steps=20,
+        buffer_size=100_000,
+        learning_starts=2000,
+        replay_ratio=48.0,
+        batch_size=32,
+        learning_rate=1e-3,
+        adam_eps=1e-3,
+        gamma=0.99,
+        target_network_frequency=2000,
+        start_e=1.0,
+        end_e=0.05,
+        exploration_fraction=0.2,
+        double_dqn=True,
+        dueling=True,
+        n_step=3,
+        prioritized_replay=True,
+        c51=False,
+        huber_delta=0.0,
+        priority_alpha=0.9,
+        priority_beta=0.6,
+        priority_beta_end=0.6,
+        max_grad_norm=80.0,
+        apex_epsilon=False,
+        anneal_lr=False,
+        lstm_size=64,
+        seq_len=20,
+        burn_in=10,
+        seq_period=10,
+    ),
 }
-RAINBOW = {k: v for k, v in PRESETS["atari"].items() if k in PLAIN}  # the five switches, for any task
+RAINBOW = {
+    k: v for k, v in PRESETS["atari"].items() if k in PLAIN
+}  # the five switches, for any task
 LSTM_ONLY = ("lstm_size", "seq_len", "burn_in", "seq_period")
 
 
 def preset_name(args) -> str:
-    """The PRESETS entry of the task (tasks.preset_name); with --lstm, R2D2's for Atari, else the small one."""
+    """The PRESETS entry of the task (tasks.preset_name); with --lstm, R2D2's for Atari, else the
+    small one."""
     name = tasks.preset_name(args.env_id, PRESETS)
     return ("atari-lstm" if name == "atari" else "lstm") if args.lstm else name
 
@@ -229,17 +354,25 @@ def resolve_args(args: Args) -> Args:
         fill = {k: v for k, v in PRESETS[preset_name(args)].items() if getattr(args, k) is None}
     elif given := [k for k in LSTM_ONLY if getattr(args, k) is not None]:
         raise UsageError(
-            f"--{given[0].replace('_', '-')} {getattr(args, given[0])} is a flag of --lstm (R2D2); add --lstm, "
-            "or leave it out")
+            f"--{given[0].replace('_', '-')} {getattr(args, given[0])} is a flag of --lstm "
+            f"(R2D2); add --lstm, "
+            "or leave it out"
+        )
     if hasattr(tasks.policy_space(args.env_id), "nvec"):
         raise UsageError(
-            f"--env-id {args.env_id} has multi-discrete actions without a joint mask (a factored policy, one "
-            "choice a dimension); DQN's Q-values are over one set of actions: use appo_envpool.py")
+            f"--env-id {args.env_id} has multi-discrete actions without a joint mask (a factored "
+            f"policy, one "
+            "choice a dimension); DQN's Q-values are over one set of actions: use appo_envpool.py"
+        )
     if not hasattr(tasks.policy_space(args.env_id), "n"):
-        raise UsageError(f"--env-id {args.env_id} has continuous actions; DQN picks one of a finite set: "
-                         "use sac_envpool.py (or appo_envpool.py)")
+        raise UsageError(
+            f"--env-id {args.env_id} has continuous actions; DQN picks one of a finite set: "
+            "use sac_envpool.py (or appo_envpool.py)"
+        )
     if args.num_splits is None:
-        fill["num_splits"] = 2 if "nature" in dict(tasks.encoders(tasks.spaces(args.env_id)[0])) else 1
+        fill["num_splits"] = (
+            2 if "nature" in dict(tasks.encoders(tasks.spaces(args.env_id)[0])) else 1
+        )
     args = runs.checked(dataclasses.replace(args, **fill))
     if args.lstm:
         check_sequences(args)
@@ -256,18 +389,28 @@ def check_sequences(args: Args):
     longer than each env's ring holds (whole --seq-period blocks of it), and for legal-action masks
     (the recurrent act and r2d2_targets take every action)."""
     if args.c51:
-        raise UsageError("--c51 with --lstm: R2D2 here learns Q-values, not C51's distributions; pass --c51 False")
+        raise UsageError(
+            "--c51 with --lstm: R2D2 here learns Q-values, not C51's distributions; pass --c51 "
+            "False"
+        )
     if args.action_mask and tasks.mask_shape(tasks.spaces(args.env_id)[0]) is not None:
-        raise UsageError(f"--lstm does not apply action masks yet (--env-id {args.env_id}'s observation holds one): "
-                         "pass --no-action-mask")
+        raise UsageError(
+            f"--lstm does not apply action masks yet (--env-id {args.env_id}'s observation holds "
+            f"one): "
+            "pass --no-action-mask"
+        )
     stack = tasks.spaces(args.env_id)[0].shape[0] if tasks.env_kind(args.env_id) == "atari" else 1
     rows = args.buffer_size // devices.local_envs(args) // args.seq_period * args.seq_period
     need = args.burn_in + args.seq_len + args.n_step + args.seq_period + stack
     if rows < need:
         raise UsageError(
-            f"--buffer-size {args.buffer_size:,} keeps {rows:,} steps of each of the {devices.local_envs(args)} "
-            f"envs; sequences of --burn-in {args.burn_in} + --seq-len {args.seq_len} + --n-step {args.n_step} "
-            f"steps, one every --seq-period {args.seq_period}, need {need:,}: raise --buffer-size or shorten them")
+            f"--buffer-size {args.buffer_size:,} keeps {rows:,} steps of each of the "
+            f"{devices.local_envs(args)} "
+            f"envs; sequences of --burn-in {args.burn_in} + --seq-len {args.seq_len} + --n-step "
+            f"{args.n_step} "
+            f"steps, one every --seq-period {args.seq_period}, need {need:,}: raise --buffer-size "
+            f"or shorten them"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,11 +431,17 @@ def encode(obs, encoders: tuple):
             x = jnp.transpose(x, (0, 2, 3, 1))  # [B, C, H, W] -> [B, H, W, C]
         if kind == "nature":  # Mnih et al. 2015
             x = conv(conv(conv(x.astype(jnp.float32) / 255.0, 32, 8, 4), 64, 4, 2), 64, 3)
-        elif kind == "grid":  # rl-starter-files' (torch-ac's) MiniGrid network: 2x2 convs, a max-pool
+        elif (
+            kind == "grid"
+        ):  # rl-starter-files' (torch-ac's) MiniGrid network: 2x2 convs, a max-pool
             x = nn.max_pool(conv(x.astype(jnp.float32), 16, 2), (2, 2), (2, 2))
             x = conv(conv(x, 32, 2), 64, 2)
         else:
-            x = jax.nn.one_hot(x - arg[1], arg[0]) if kind == "onehot" else x.astype(jnp.float32) * arg
+            x = (
+                jax.nn.one_hot(x - arg[1], arg[0])
+                if kind == "onehot"
+                else x.astype(jnp.float32) * arg
+            )
         features.append(x.reshape(x.shape[0], -1))
     return jnp.concatenate(features, axis=-1)
 
@@ -316,8 +465,10 @@ def zero_core(lstm_size: int, num_envs: int):
     [N, lstm_size], first [N] all True); None without an LSTM."""
     if not lstm_size:
         return None
-    return (np.zeros((num_envs, lstm_size), np.float32), np.zeros((num_envs, lstm_size), np.float32)), np.ones(
-        num_envs, bool)
+    return (
+        np.zeros((num_envs, lstm_size), np.float32),
+        np.zeros((num_envs, lstm_size), np.float32),
+    ), np.ones(num_envs, bool)
 
 
 class QNetwork(nn.Module):
@@ -339,18 +490,24 @@ class QNetwork(nn.Module):
 
     @nn.compact
     def __call__(self, obs, core=None):
-        if self.lstm_size:  # rows env-major [B x T, ...]: with the envs split over learner devices, each keeps its own
+        # rows env-major [B x T, ...]: with the envs split over learner devices, each keeps its own
+        if self.lstm_size:
             state, first = core
             shape = first.shape  # [T, B], or [B] for one step
             first = first.reshape(-1, shape[-1])
             obs = jax.tree.map(
-                lambda x: jnp.swapaxes(x.reshape(*first.shape, *x.shape[len(shape):]), 0, 1).reshape(
-                    -1, *x.shape[len(shape):]), obs)
+                lambda x: jnp.swapaxes(
+                    x.reshape(*first.shape, *x.shape[len(shape) :]), 0, 1
+                ).reshape(-1, *x.shape[len(shape) :]),
+                obs,
+            )
         x = encode(obs, self.encoders)
         for size in [512] if any(kind == "nature" for kind, _ in self.encoders) else [256, 256]:
             x = nn.relu(nn.Dense(size)(x))
         if self.lstm_size:
-            state, x = LSTMCore(self.lstm_size)(state, (jnp.swapaxes(x.reshape(*first.shape[::-1], -1), 0, 1), first))
+            state, x = LSTMCore(self.lstm_size)(
+                state, (jnp.swapaxes(x.reshape(*first.shape[::-1], -1), 0, 1), first)
+            )
             x = jnp.swapaxes(x, 0, 1).reshape(-1, self.lstm_size)
         atoms = max(self.num_atoms, 1)
         q = nn.Dense(self.action_dim * atoms)(x).reshape(-1, self.action_dim, atoms)
@@ -385,8 +542,12 @@ def epsilon_at(args, step: int):
     """ε of every env of the run [global envs] at env step `step`: Ape-X's fixed ones, or the
     linear schedule's (one value for all)."""
     if args.apex_epsilon:
-        return apex_epsilons(devices.global_envs(args), args.apex_base, args.apex_alpha).astype(np.float32)
-    e = linear_schedule(args.start_e, args.end_e, args.exploration_fraction * args.total_timesteps, step)
+        return apex_epsilons(devices.global_envs(args), args.apex_base, args.apex_alpha).astype(
+            np.float32
+        )
+    e = linear_schedule(
+        args.start_e, args.end_e, args.exploration_fraction * args.total_timesteps, step
+    )
     return np.full(devices.global_envs(args), e, np.float32)
 
 
@@ -396,7 +557,9 @@ def importance_exponent(args, step: int) -> float:
     under uniform replay."""
     if not args.prioritized_replay:
         return 0.0
-    return args.priority_beta + (args.priority_beta_end - args.priority_beta) * min(1.0, step / args.total_timesteps)
+    return args.priority_beta + (args.priority_beta_end - args.priority_beta) * min(
+        1.0, step / args.total_timesteps
+    )
 
 
 def q_targets(next_q_target, next_q_online, reward, discount, double: bool, legal=None):
@@ -457,15 +620,23 @@ def value_rescale(x, eps: float = RESCALE_EPS):
 def value_unrescale(z, eps: float = RESCALE_EPS):
     """h's inverse (Pohlen et al. 2018, Proposition A.2): sign(z)(((sqrt(1 + 4 eps (|z| + 1 + eps))
     - 1) / (2 eps))^2 - 1), rearranged without its two differences of near-equal numbers (as
-    written it is off by 1e-4 near 0 in float32): with a = |z| and d = sqrt(1 + 4 eps (a + 1 + eps)),
-    sign(z) 4a (a + 1 + eps)(2a + 3 + 2 eps + d) / ((2a + 1 + 2 eps + d)(d + 1)^2)."""
+    written it is off by 1e-4 near 0 in float32): with a = |z| and d = sqrt(1 + 4 eps (a + 1 +
+    eps)), sign(z) 4a (a + 1 + eps)(2a + 3 + 2 eps + d) / ((2a + 1 + 2 eps + d)(d + 1)^2)."""
     a = jnp.abs(z)
     d = jnp.sqrt(1.0 + 4.0 * eps * (a + 1.0 + eps))
-    return jnp.sign(z) * 4.0 * a * (a + 1.0 + eps) * (2.0 * a + 3.0 + 2.0 * eps + d) / (
-        (2.0 * a + 1.0 + 2.0 * eps + d) * jnp.square(d + 1.0))
+    return (
+        jnp.sign(z)
+        * 4.0
+        * a
+        * (a + 1.0 + eps)
+        * (2.0 * a + 3.0 + 2.0 * eps + d)
+        / ((2.0 * a + 1.0 + 2.0 * eps + d) * jnp.square(d + 1.0))
+    )
 
 
-def r2d2_targets(q_target, q_online, reward, terminated, truncated, gamma: float, n_step: int, double: bool):
+def r2d2_targets(
+    q_target, q_online, reward, terminated, truncated, gamma: float, n_step: int, double: bool
+):
     """R2D2's targets [T - n, B] of rows 0 .. T-n-1 of sequences of T rows: h(G + gamma^k
     h^-1(Q_target(s_{t+k}, a*))), G the rewards of rows t+1 .. t+k discounted, k = n or the first
     of those rows that ends the episode: terminated, nothing bootstrapped; truncated, the value of
@@ -476,8 +647,11 @@ def r2d2_targets(q_target, q_online, reward, terminated, truncated, gamma: float
     length = reward.shape[0] - n_step
     best = jnp.argmax(q_online if double else q_target, axis=-1)
     value = value_unrescale(jnp.take_along_axis(q_target, best[..., None], axis=-1)[..., 0])
-    ret, discount, bootstrap = jnp.zeros_like(reward[:length]), jnp.ones_like(reward[:length]), jnp.zeros_like(
-        reward[:length])
+    ret, discount, bootstrap = (
+        jnp.zeros_like(reward[:length]),
+        jnp.ones_like(reward[:length]),
+        jnp.zeros_like(reward[:length]),
+    )
     alive = jnp.ones(ret.shape, bool)
     for k in range(1, n_step + 1):
         rows = slice(k, k + length)
@@ -492,7 +666,9 @@ def sequence_priorities(errors, mask, eta: float):
     """R2D2's priority of each sequence [B]: eta max |δ| + (1 - eta) mean |δ| over its steps that
     `mask` [T, B] keeps (errors: the TD errors δ [T, B])."""
     errors = jnp.abs(errors) * mask
-    return eta * errors.max(axis=0) + (1.0 - eta) * errors.sum(axis=0) / jnp.maximum(mask.sum(axis=0), 1)
+    return eta * errors.max(axis=0) + (1.0 - eta) * errors.sum(axis=0) / jnp.maximum(
+        mask.sum(axis=0), 1
+    )
 
 
 def unroll(network, params, obs, first, state, burn_in: int = 0):
@@ -513,24 +689,46 @@ def r2d2_loss(params, target_params, network, batch, args: Args, support=None):
     without gradient), the squared (or Huber) error of h-scaled Q to r2d2_targets on the steps
     after the burn-in that start a transition (not an episode's last observation), averaged over
     each sequence, weighted by its importance weight. Returns (loss, (priorities, mean Q))."""
-    seq = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), {k: batch[k] for k in SEQUENCE_FIELDS})  # time-major
+    seq = jax.tree.map(
+        lambda x: jnp.swapaxes(x, 0, 1), {k: batch[k] for k in SEQUENCE_FIELDS}
+    )  # time-major
     ended = seq["terminated"] | seq["truncated"]
-    # Row 0 starts from the stored state, which the actor had already reset if an episode started there.
+    # Row 0 starts from the stored state, which the actor had already reset if an episode started
+    # there.
     first = jnp.concatenate([jnp.zeros_like(ended[:1]), ended[:-1]])
     q = unroll(network, params, seq["obs"], first, batch["memory"], args.burn_in)
-    q_target = jax.lax.stop_gradient(unroll(network, target_params, seq["obs"], first, batch["memory"]))
+    q_target = jax.lax.stop_gradient(
+        unroll(network, target_params, seq["obs"], first, batch["memory"])
+    )
     start, stop = args.burn_in, args.burn_in + args.seq_len
     targets = jax.lax.stop_gradient(
-        r2d2_targets(q_target[start:], q[start:], seq["reward"][start:], seq["terminated"][start:],
-                     seq["truncated"][start:], args.gamma, args.n_step, args.double_dqn))
-    q_taken = jnp.take_along_axis(q[start:stop], seq["action"][start:stop].astype(jnp.int32)[..., None], axis=-1)[...,
-                                                                                                                  0]
+        r2d2_targets(
+            q_target[start:],
+            q[start:],
+            seq["reward"][start:],
+            seq["terminated"][start:],
+            seq["truncated"][start:],
+            args.gamma,
+            args.n_step,
+            args.double_dqn,
+        )
+    )
+    q_taken = jnp.take_along_axis(
+        q[start:stop], seq["action"][start:stop].astype(jnp.int32)[..., None], axis=-1
+    )[..., 0]
     mask = 1.0 - ended[start:stop]
     errors = q_taken - targets
-    losses = optax.huber_loss(q_taken, targets, delta=args.huber_delta) if args.huber_delta else 0.5 * errors ** 2
+    losses = (
+        optax.huber_loss(q_taken, targets, delta=args.huber_delta)
+        if args.huber_delta
+        else 0.5 * errors**2
+    )
     per_sequence = jnp.sum(losses * mask, axis=0) / jnp.maximum(mask.sum(axis=0), 1)
     mean_q = jnp.sum(value_unrescale(q_taken) * mask) / jnp.maximum(mask.sum(), 1)
-    return jnp.mean(batch["weights"] * per_sequence), (sequence_priorities(errors, mask, args.priority_eta), mean_q)
+    return jnp.mean(batch["weights"] * per_sequence), (
+        sequence_priorities(errors, mask, args.priority_eta),
+        mean_q,
+    )
 
 
 def dqn_loss(params, target_params, network, batch, args: Args, support):
@@ -542,7 +740,9 @@ def dqn_loss(params, target_params, network, batch, args: Args, support):
     next_target = network.apply(target_params, batch["next_obs"])
     next_online = network.apply(params, batch["next_obs"]) if args.double_dqn else next_target
     action = batch["action"].astype(jnp.int32)[:, None]
-    legal = legal_actions(network, batch["next_obs"], len(action))  # the masks stored with the transitions
+    legal = legal_actions(
+        network, batch["next_obs"], len(action)
+    )  # the masks stored with the transitions
     if args.c51:
 
         def values(logits):
@@ -550,16 +750,25 @@ def dqn_loss(params, target_params, network, batch, args: Args, support):
 
         best = legal_argmax(values(next_online), legal)[:, None, None]
         next_probs = jax.nn.softmax(jnp.take_along_axis(next_target, best, axis=1)[:, 0])
-        target = jax.lax.stop_gradient(c51_project(next_probs, batch["reward"], batch["discount"], support))
+        target = jax.lax.stop_gradient(
+            c51_project(next_probs, batch["reward"], batch["discount"], support)
+        )
         log_p = jax.nn.log_softmax(jnp.take_along_axis(q, action[..., None], axis=1)[:, 0])
         errors = -jnp.sum(target * log_p, axis=-1)
         q_taken, losses = jnp.sum(jnp.exp(log_p) * support, axis=-1), errors
     else:
         target = jax.lax.stop_gradient(
-            q_targets(next_target, next_online, batch["reward"], batch["discount"], args.double_dqn, legal))
+            q_targets(
+                next_target, next_online, batch["reward"], batch["discount"], args.double_dqn, legal
+            )
+        )
         q_taken = jnp.take_along_axis(q, action, axis=-1)[:, 0]
         errors = q_taken - target
-        losses = optax.huber_loss(q_taken, target, delta=args.huber_delta) if args.huber_delta else 0.5 * errors ** 2
+        losses = (
+            optax.huber_loss(q_taken, target, delta=args.huber_delta)
+            if args.huber_delta
+            else 0.5 * errors**2
+        )
     return jnp.mean(batch["weights"] * losses), (errors, q_taken)
 
 
@@ -570,11 +779,16 @@ def dqn_loss(params, target_params, network, batch, args: Args, support):
 
 def make_greedy(network, c51: bool, support):
     """One jitted call: the greedy actions [B] of a batch of observations (C51: by the expected
-    values), among the legal ones; with an LSTM, greedy(params, obs, core) -> (actions, the state after the step)."""
+    values), among the legal ones; with an LSTM, greedy(params, obs, core) -> (actions, the state
+    after the step)."""
 
     @jax.jit
     def greedy(params, obs, core=None):
-        q, state = network.apply(params, obs, core) if network.lstm_size else (network.apply(params, obs), None)
+        q, state = (
+            network.apply(params, obs, core)
+            if network.lstm_size
+            else (network.apply(params, obs), None)
+        )
         values = jnp.sum(jax.nn.softmax(q) * support, axis=-1) if c51 else q
         action = legal_argmax(values, legal_actions(network, obs, len(q)))
         return (action, state) if network.lstm_size else action
@@ -607,7 +821,9 @@ def make_act(greedy, args: Args, network, streams: EnvStreams):
     def act(params, obs, env_ids, steps):
         epsilon = epsilon_at(args, int(steps.max()) * envs)[env_ids]
         legal = legal_actions(network, obs, len(env_ids))
-        return epsilon_greedy(greedy, params, obs, epsilon, network.action_dim, streams.uniform(env_ids, steps), legal)
+        return epsilon_greedy(
+            greedy, params, obs, epsilon, network.action_dim, streams.uniform(env_ids, steps), legal
+        )
 
     return act
 
@@ -620,13 +836,21 @@ def make_recurrent_act(greedy, args: Args, network, streams: EnvStreams):
     memory, envs = zero_core(args.lstm_size, devices.local_envs(args))[0], devices.global_envs(args)
 
     def act(params, obs, env_ids, steps, first):
-        state = jax.tree.map(lambda m: np.where(first[:, None], np.float32(0.0), m[env_ids]), memory)
+        state = jax.tree.map(
+            lambda m: np.where(first[:, None], np.float32(0.0), m[env_ids]), memory
+        )
         action, after = jax.device_get(greedy(params, obs, (state, first)))
         for m, s in zip(memory, after):
             m[env_ids] = s
         epsilon = epsilon_at(args, int(steps.max()) * envs)[env_ids]
-        return epsilon_greedy(lambda *_: action, params, obs, epsilon, network.action_dim,
-                              streams.uniform(env_ids, steps)), state
+        return epsilon_greedy(
+            lambda *_: action,
+            params,
+            obs,
+            epsilon,
+            network.action_dim,
+            streams.uniform(env_ids, steps),
+        ), state
 
     return act
 
@@ -646,16 +870,30 @@ def evaluation_player(args: Args, built):
     state): ε-greedy at EVAL_EPSILON among the legal actions; its initial core (zero_core: with
     --lstm the state of zeros, else none), for a run's `build`; utils/evaluate.py calls it too."""
     network, _, support, _, _ = built
-    greedy, streams = make_greedy(network, args.c51, support), EnvStreams(args.seed + 10_000, 0, 100, 2)
+    greedy, streams = (
+        make_greedy(network, args.c51, support),
+        EnvStreams(args.seed + 10_000, 0, 100, 2),
+    )
 
     def policy(params, obs, core, key, env_ids, steps):
         epsilon, draws = np.full(len(env_ids), EVAL_EPSILON), streams.uniform(env_ids, steps)
         legal = legal_actions(network, obs, len(env_ids))
         if core is None:
-            return epsilon_greedy(greedy, params, obs, epsilon, network.action_dim, draws, legal), None, None, None
+            return (
+                epsilon_greedy(greedy, params, obs, epsilon, network.action_dim, draws, legal),
+                None,
+                None,
+                None,
+            )
         action, state = jax.device_get(greedy(params, obs, core))
-        return epsilon_greedy(lambda *_: action, params, obs, epsilon, network.action_dim, draws,
-                              legal), None, None, state
+        return (
+            epsilon_greedy(
+                lambda *_: action, params, obs, epsilon, network.action_dim, draws, legal
+            ),
+            None,
+            None,
+            state,
+        )
 
     return policy, functools.partial(zero_core, network.lstm_size)
 
@@ -684,30 +922,44 @@ def make_update(network, optimizer, args: Args, support, mesh=None):
     def step(lr_scale, carry, batch):
         params, opt_state, target_params = carry
         if mesh is not None:  # each learner device takes its share of the batch: data parallel
-            batch = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, devices.split_envs(mesh, 0)), batch)
-        (loss, (errors, q)), grads = jax.value_and_grad(r2d2_loss if args.lstm else dqn_loss, has_aux=True)(
-            params, target_params, network, batch, args, support)
+            batch = jax.tree.map(
+                lambda x: jax.lax.with_sharding_constraint(x, devices.split_envs(mesh, 0)), batch
+            )
+        (loss, (errors, q)), grads = jax.value_and_grad(
+            r2d2_loss if args.lstm else dqn_loss, has_aux=True
+        )(params, target_params, network, batch, args, support)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         if args.anneal_lr:  # Adam's step scaled: its learning rate times the budget's fraction left
             updates = jax.tree.map(lambda u: u * lr_scale, updates)
         params = optax.apply_updates(params, updates)
-        return (params, opt_state, target_params), ({
-            "loss": loss,
-            "q_values": q.mean(),
-            "grad_norm": optax.global_norm(grads)
-        }, errors)
+        return (params, opt_state, target_params), (
+            {"loss": loss, "q_values": q.mean(), "grad_norm": optax.global_norm(grads)},
+            errors,
+        )
 
     @jax.jit
     def update(state, batches, env_step):
-        sync = env_step // args.target_network_frequency != (env_step - round_steps) // args.target_network_frequency
-        target = jax.tree.map(lambda p, t: jnp.where(sync, args.tau * p + (1 - args.tau) * t, t), state["params"],
-                              state["target_params"])
-        # XLA:CPU runs convs in a loop ~10x slower than unrolled (Nature CNN): unroll up to 16 steps there.
+        sync = (
+            env_step // args.target_network_frequency
+            != (env_step - round_steps) // args.target_network_frequency
+        )
+        target = jax.tree.map(
+            lambda p, t: jnp.where(sync, args.tau * p + (1 - args.tau) * t, t),
+            state["params"],
+            state["target_params"],
+        )
+        # XLA:CPU runs convs in a loop ~10x slower than unrolled (Nature CNN): unroll up to 16 steps
+        # there.
         images = any(kind in ("nature", "grid") for kind, _ in network.encoders)
-        unroll = jax.default_backend() == "cpu" and images and jax.tree.leaves(batches)[0].shape[0] <= 16
+        unroll = (
+            jax.default_backend() == "cpu" and images and jax.tree.leaves(batches)[0].shape[0] <= 16
+        )
         (params, opt_state, target), (losses, errors) = jax.lax.scan(
-            functools.partial(step, lr_fraction(args, env_step)), (state["params"], state["opt_state"], target),
-            batches, unroll=unroll)
+            functools.partial(step, lr_fraction(args, env_step)),
+            (state["params"], state["opt_state"], target),
+            batches,
+            unroll=unroll,
+        )
         diagnostics = jax.tree.map(jnp.mean, losses)
         finite = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]
         diagnostics["finite"] = jnp.isfinite(diagnostics["loss"]) & jnp.all(jnp.array(finite))
@@ -715,8 +967,13 @@ def make_update(network, optimizer, args: Args, support, mesh=None):
             diagnostics["priorities"] = errors
         if args.lstm:
             diagnostics["replay/priority_mean"] = errors.mean()
-        new_state = dict(state, params=params, opt_state=opt_state, target_params=target,
-                         policy_version=state["policy_version"] + 1)
+        new_state = dict(
+            state,
+            params=params,
+            opt_state=opt_state,
+            target_params=target,
+            policy_version=state["policy_version"] + 1,
+        )
         return new_state, diagnostics
 
     return update
@@ -730,20 +987,35 @@ def make_update(network, optimizer, args: Args, support, mesh=None):
 def build(args: Args, key):
     """(network, optimizer, support, normalizer, initial state) of a run with these flags; a
     checkpoint restores into `dict(state, **normalizer.state())` (utils/evaluate.py does too)."""
-    obs_space, action_space = tasks.spaces(args.env_id)[0], tasks.policy_space(args.env_id)  # a joint mask: the product
-    network = QNetwork(int(action_space.n), tasks.encoders(obs_space), args.dueling, args.num_atoms if args.c51 else 0,
-                       args.action_mask and tasks.mask_shape(obs_space) is not None, args.lstm_size if args.lstm else 0)
-    params = network.init(key, tasks.zeros_like_space(obs_space, 1), *[zero_core(network.lstm_size, 1)] * args.lstm)
-    optimizer = optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
-                            optax.adam(args.learning_rate, eps=args.adam_eps))
+    obs_space, action_space = (
+        tasks.spaces(args.env_id)[0],
+        tasks.policy_space(args.env_id),
+    )  # a joint mask: the product
+    network = QNetwork(
+        int(action_space.n),
+        tasks.encoders(obs_space),
+        args.dueling,
+        args.num_atoms if args.c51 else 0,
+        args.action_mask and tasks.mask_shape(obs_space) is not None,
+        args.lstm_size if args.lstm else 0,
+    )
+    params = network.init(
+        key, tasks.zeros_like_space(obs_space, 1), *[zero_core(network.lstm_size, 1)] * args.lstm
+    )
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(args.max_grad_norm),
+        optax.adam(args.learning_rate, eps=args.adam_eps),
+    )
     support = jnp.linspace(args.v_min, args.v_max, args.num_atoms)
-    normalizer = Normalizer(tasks.zeros_like_space(obs_space), devices.local_envs(args), False, False, args.gamma)
+    normalizer = Normalizer(
+        tasks.zeros_like_space(obs_space), devices.local_envs(args), False, False, args.gamma
+    )
     state = {
         "params": params,
         "target_params": params,
         "opt_state": optimizer.init(params),
         "global_step": 0,
-        "policy_version": 0
+        "policy_version": 0,
     }
     return network, optimizer, support, normalizer, state
 
@@ -754,20 +1026,36 @@ def make_replay(args: Args, envs):
     obs_space, action_space = tasks.spaces(args.env_id)[0], tasks.policy_space(args.env_id)
     stack = obs_space.shape[0] if tasks.env_kind(args.env_id) == "atari" else 1
     if args.lstm:
-        return SequenceReplay(args.buffer_size, devices.local_envs(args), tasks.zeros_like_space(obs_space, 1),
-                              np.zeros(1, action_space.dtype),
-                              zero_core(args.lstm_size, 1)[0], args.burn_in + args.seq_len + args.n_step,
-                              args.seq_period, stack, args.priority_alpha if args.prioritized_replay else 0.0)
-    return Replay(args.buffer_size, devices.local_envs(args), tasks.zeros_like_space(obs_space, 1),
-                  np.zeros(1, action_space.dtype), args.n_step, args.gamma, stack,
-                  args.priority_alpha if args.prioritized_replay else 0.0)
+        return SequenceReplay(
+            args.buffer_size,
+            devices.local_envs(args),
+            tasks.zeros_like_space(obs_space, 1),
+            np.zeros(1, action_space.dtype),
+            zero_core(args.lstm_size, 1)[0],
+            args.burn_in + args.seq_len + args.n_step,
+            args.seq_period,
+            stack,
+            args.priority_alpha if args.prioritized_replay else 0.0,
+        )
+    return Replay(
+        args.buffer_size,
+        devices.local_envs(args),
+        tasks.zeros_like_space(obs_space, 1),
+        np.zeros(1, action_space.dtype),
+        args.n_step,
+        args.gamma,
+        stack,
+        args.priority_alpha if args.prioritized_replay else 0.0,
+    )
 
 
 def main(args: Args, given=None) -> int:
     """Train; return the exit code. `given`: the flags named on the command line, which replace a
     resumed run's own (None: those that differ from Args' defaults)."""
     if args.distributed:  # refused before the Run joins any process
-        raise UsageError("--distributed: dqn_envpool.py learns in one process (its buffer is that process's)")
+        raise UsageError(
+            "--distributed: dqn_envpool.py learns in one process (its buffer is that process's)"
+        )
     with runs.Run(args, given, __file__, resolve_args) as run:
         if run.finished:
             return 0
@@ -776,33 +1064,71 @@ def main(args: Args, given=None) -> int:
         state = run.open(state, normalizer)
         actors = run.actors()  # (device, env seed, action key) of each actor thread
         envs = [
-            tasks.make_actor_env(args.env_id, args.num_envs, seed, run.env_threads, args.num_splits, args.deterministic)
+            tasks.make_actor_env(
+                args.env_id,
+                args.num_envs,
+                seed,
+                run.env_threads,
+                args.num_splits,
+                args.deterministic,
+            )
             for _, seed, _ in actors
         ]
         greedy = make_greedy(network, args.c51, support)
-        shared = threads.Shared(state["params"], state["policy_version"], normalizer, run.sampled, run.stop,
-                                learning=not args.serial, keep=(args.actor_lag or 0) + 2)
+        shared = threads.Shared(
+            state["params"],
+            state["policy_version"],
+            normalizer,
+            run.sampled,
+            run.stop,
+            learning=not args.serial,
+            keep=(args.actor_lag or 0) + 2,
+        )
         acting = make_recurrent_act if args.lstm else make_act
         collectors = [
-            rounds.Collector(envs[i],
-                             acting(greedy, args, network, EnvStreams(seed, i * args.num_envs, args.num_envs, 2)), args,
-                             i, shared, run.start_update, args.lstm) for i, (_, seed, _) in enumerate(actors)
+            rounds.Collector(
+                envs[i],
+                acting(
+                    greedy, args, network, EnvStreams(seed, i * args.num_envs, args.num_envs, 2)
+                ),
+                args,
+                i,
+                shared,
+                run.start_update,
+                args.lstm,
+            )
+            for i, (_, seed, _) in enumerate(actors)
         ]
         learner = rounds.Learner(
-            run, make_replay(args, envs), make_update(network, optimizer, args, support, run.mesh),
-            np.random.default_rng(run.seed), shared.timing,
+            run,
+            make_replay(args, envs),
+            make_update(network, optimizer, args, support, run.mesh),
+            np.random.default_rng(run.seed),
+            shared.timing,
             lambda step: args.learning_rate * float(lr_fraction(args, step)),
-            beta=lambda step: importance_exponent(args, step), scalars=lambda step: {
+            beta=lambda step: importance_exponent(args, step),
+            scalars=lambda step: {
                 "charts/epsilon": float(np.mean(epsilon_at(args, step))),
-                **({
-                    "replay/burn_in": args.burn_in
-                } if args.lstm else {})
-            })
-        sequences = f", R2D2: sequences of {args.seq_len} after a burn-in of {args.burn_in}, one every {args.seq_period} steps"
-        run.begin(f"preset {preset_name(args)}, {gradient_steps(args)} gradient steps a round"
-                  f"{sequences * args.lstm}{', serial' if args.serial else ''}")
-        rounds.train(run, learner, collectors, actors, args.queue_size, args.serial,
-                     functools.partial(acting_version, actor_lag=args.actor_lag, oldest=shared.oldest))
+                **({"replay/burn_in": args.burn_in} if args.lstm else {}),
+            },
+        )
+        sequences = (
+            f", R2D2: sequences of {args.seq_len} after a burn-in of {args.burn_in}, one "
+            f"every {args.seq_period} steps"
+        )
+        run.begin(
+            f"preset {preset_name(args)}, {gradient_steps(args)} gradient steps a round"
+            f"{sequences * args.lstm}{', serial' if args.serial else ''}"
+        )
+        rounds.train(
+            run,
+            learner,
+            collectors,
+            actors,
+            args.queue_size,
+            args.serial,
+            functools.partial(acting_version, actor_lag=args.actor_lag, oldest=shared.oldest),
+        )
         return run.finish(*evaluation_player(args, built))
 
 

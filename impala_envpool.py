@@ -23,9 +23,12 @@ import time
 from dataclasses import dataclass
 from typing import Annotated, ClassVar, Optional
 
-if __name__ == "__main__":  # Ctrl-C while the libraries below import (seconds): exit 130, no traceback
+if (
+    __name__ == "__main__"
+):  # Ctrl-C while the libraries below import (seconds): exit 130, no traceback
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     from jax_async_rl.helptext import help_from_source
+
     help_from_source(__file__)  # --help prints without the libraries below (their seconds)
 
 import flax.linen as nn
@@ -54,17 +57,18 @@ class Args(flags.RunArgs):
     num_envs: Annotated[int, POSITIVE, at_most(65_536)] = 8
     """number of parallel environments of each actor thread (see --num-actor-threads)"""
     num_splits: Annotated[Optional[int], SPLITS, POSITIVE] = None
-    """envpool splits for double-buffered sampling (Sample Factory §3.2); 1 disables it. It pays where
-    stepping a split costs about one inference call and a core is free for it: images, not vectors"""
+    """envpool splits for double-buffered sampling (Sample Factory §3.2); 1 disables it. It pays
+    where stepping a split costs about one inference call and a core is free for it: images, not
+    vectors"""
     num_steps: Annotated[Optional[int], PRESET, POSITIVE, at_most(65_536)] = None
     """rollout length: steps per environment in each rollout"""
     queue_size: Annotated[int, POSITIVE, at_most(1024)] = 2
     """rollouts the actor may queue ahead of the learner before it blocks (backpressure)"""
     actor_lag: Annotated[Optional[int], NON_NEGATIVE, at_most(64)] = None
-    """the actor acts on rollout m with the update on rollout m - 1 - this (acting_version): 1, Cleanba's
-    actor; 0, the synchronous limit; None, TorchBeast's (Sample Factory's) free-running actor, up to
-    --queue-size + 1 updates old. --deterministic: exactly that update (1 where none is given), else
-    at least it"""
+    """the actor acts on rollout m with the update on rollout m - 1 - this (acting_version): 1,
+    Cleanba's actor; 0, the synchronous limit; None, TorchBeast's (Sample Factory's) free-running
+    actor, up to --queue-size + 1 updates old. --deterministic: exactly that update (1 where none is
+    given), else at least it"""
     max_policy_lag: Annotated[int, NON_NEGATIVE] = 25
     """transitions chosen by a policy more than this many updates old are masked out of the loss"""
     vtrace_rho_bar: Annotated[float, POSITIVE] = 1.0
@@ -90,7 +94,8 @@ class Args(flags.RunArgs):
     max_grad_norm: Annotated[float, POSITIVE] = 40.0
     """global gradient-norm clipping threshold (TorchBeast's --grad_norm_clipping)"""
     norm_obs: Annotated[Optional[bool], PRESET] = None
-    """True: normalise observations by a running mean and std, clipped to [-10, 10] (CleanRL, MuJoCo)"""
+    """True: normalise observations by a running mean and std, clipped to [-10, 10] (CleanRL,
+    MuJoCo)"""
     norm_reward: Annotated[Optional[bool], PRESET] = None
     """True: divide rewards by the running std of the discounted return, clipped to [-10, 10]"""
     action_mask: bool = True
@@ -100,7 +105,8 @@ class Args(flags.RunArgs):
     """an LSTM core between the encoder and the policy/value heads (TorchBeast's --use_lstm, Sample
     Factory's --use_rnn), its state carried per env and reset where an episode starts"""
     lstm_size: Annotated[int, POSITIVE, at_most(8192)] = 128
-    """hidden units of the LSTM, the size of its h and of its c (CleanRL's ppo_atari_lstm.py: 128)"""
+    """hidden units of the LSTM, the size of its h and of its c (CleanRL's ppo_atari_lstm.py:
+    128)"""
     num_threads: Annotated[int, NON_NEGATIVE, at_most(1024)] = 0
     """envpool worker threads of each actor thread (your Gymnasium env's: worker processes; 0: the
     CPU cores shared among the actor threads, at most num_envs)"""
@@ -108,35 +114,76 @@ class Args(flags.RunArgs):
     """actor threads on each actor device, each with num_envs envs and splits of its own; an update
     takes one rollout from each, so its global batch is processes x actor devices x actor threads x
     num_envs x num_steps env steps (config.json records it)"""
-    # The variants these flags make: the default --exp-name (the run's folder, its header line) names them.
+    # The variants these flags make: the default --exp-name (the run's folder, its header line)
+    # names them.
     NAMED: ClassVar[dict] = {"lstm": dict(lstm=True)}
 
 
 # Defaults of the flags left at None: a task's own preset (by name, without its version), else its
-# family's (tasks.env_kind); an explicit flag always wins. rl-baselines3-zoo's A2C settings carry over
-# (5-step unrolls, RMSProp); its gSDE exploration (Pendulum) is not reproduced.
+# family's (tasks.env_kind); an explicit flag always wins. rl-baselines3-zoo's A2C settings carry
+# over (5-step unrolls, RMSProp); its gSDE exploration (Pendulum) is not reproduced.
 NO_NORM = dict(norm_obs=False, norm_reward=False)
 PRESETS = {
     # TorchBeast's MonoBeast/PolyBeast Atari defaults: unrolls of 80 steps, batches of 8 unrolls.
     "atari": dict(num_steps=80, learning_rate=4.8e-4, gamma=0.99, entropy_cost=0.0006, **NO_NORM),
     # Cleanba's IMPALA settings with TorchBeast's optimiser, for continuous control, with CleanRL's
     # observation and reward normalisation.
-    "mujoco": dict(num_steps=20, learning_rate=3e-4, gamma=0.99, entropy_cost=0.0, norm_obs=True, norm_reward=True),
-    # Any other vector task: stable-baselines3's A2C defaults, a general starting point, not a tuned one.
+    "mujoco": dict(
+        num_steps=20,
+        learning_rate=3e-4,
+        gamma=0.99,
+        entropy_cost=0.0,
+        norm_obs=True,
+        norm_reward=True,
+    ),
+    # Any other vector task: stable-baselines3's A2C defaults, a general starting point, not a tuned
+    # one.
     "classic": dict(num_steps=5, learning_rate=7e-4, gamma=0.99, entropy_cost=0.0, **NO_NORM),
     # rl-baselines3-zoo's A2C (hyperparams/a2c.yml). CartPole: with longer unrolls the critic fit
     # too slowly and runs collapsed on some seeds.
     "CartPole": dict(num_steps=5, learning_rate=7e-4, gamma=0.99, entropy_cost=0.0, **NO_NORM),
-    "Acrobot": dict(num_steps=5, learning_rate=7e-4, gamma=0.99, entropy_cost=0.0, norm_obs=True, norm_reward=True),
-    "MountainCar": dict(num_steps=5, learning_rate=7e-4, gamma=0.99, entropy_cost=0.0, norm_obs=True, norm_reward=True),
-    "Pendulum": dict(num_steps=8, learning_rate=7e-4, gamma=0.9, entropy_cost=0.0, norm_obs=True, norm_reward=True),
-    "LunarLander": dict(num_steps=5, learning_rate=8.3e-4, gamma=0.995, entropy_cost=1e-5, **NO_NORM),
+    "Acrobot": dict(
+        num_steps=5,
+        learning_rate=7e-4,
+        gamma=0.99,
+        entropy_cost=0.0,
+        norm_obs=True,
+        norm_reward=True,
+    ),
+    "MountainCar": dict(
+        num_steps=5,
+        learning_rate=7e-4,
+        gamma=0.99,
+        entropy_cost=0.0,
+        norm_obs=True,
+        norm_reward=True,
+    ),
+    "Pendulum": dict(
+        num_steps=8,
+        learning_rate=7e-4,
+        gamma=0.9,
+        entropy_cost=0.0,
+        norm_obs=True,
+        norm_reward=True,
+    ),
+    "LunarLander": dict(
+        num_steps=5, learning_rate=8.3e-4, gamma=0.995, entropy_cost=1e-5, **NO_NORM
+    ),
     # The Control Suite: the continuous-control settings above.
-    "dm_control": dict(num_steps=20, learning_rate=3e-4, gamma=0.99, entropy_cost=0.0, norm_obs=True, norm_reward=True),
+    "dm_control": dict(
+        num_steps=20,
+        learning_rate=3e-4,
+        gamma=0.99,
+        entropy_cost=0.0,
+        norm_obs=True,
+        norm_reward=True,
+    ),
     # MiniGrid and BabyAI: rl-starter-files' A2C (torch-ac; 5-step unrolls, RMSProp, lr 1e-3).
     "minigrid": dict(num_steps=5, learning_rate=1e-3, gamma=0.99, entropy_cost=0.01, **NO_NORM),
     # gfootball's frames as Atari's: TorchBeast's Atari settings.
-    "gfootball": dict(num_steps=80, learning_rate=4.8e-4, gamma=0.99, entropy_cost=0.0006, **NO_NORM),
+    "gfootball": dict(
+        num_steps=80, learning_rate=4.8e-4, gamma=0.99, entropy_cost=0.0006, **NO_NORM
+    ),
 }
 
 
@@ -145,11 +192,15 @@ def resolve_args(args: Args) -> Args:
     line, before anything starts (runs.checked holds the checks every script's flags take)."""
     fill = tasks.preset_values(args, PRESETS)
     if args.num_splits is None:  # double buffering for the Nature CNN's images (see --num-splits)
-        fill["num_splits"] = 2 if "nature" in dict(tasks.encoders(tasks.spaces(args.env_id)[0])) else 1
+        fill["num_splits"] = (
+            2 if "nature" in dict(tasks.encoders(tasks.spaces(args.env_id)[0])) else 1
+        )
     args = runs.checked(dataclasses.replace(args, **fill))
     if args.num_envs % args.num_splits:
-        raise UsageError(f"--num-splits {args.num_splits} must divide --num-envs {args.num_envs} "
-                         "(left out, --num-splits is 2 with image observations, else 1)")
+        raise UsageError(
+            f"--num-splits {args.num_splits} must divide --num-envs {args.num_envs} "
+            "(left out, --num-splits is 2 with image observations, else 1)"
+        )
     return args
 
 
@@ -177,8 +228,10 @@ def zero_core(lstm_size: int, num_envs: int):
     [N, lstm_size], first [N] all True); None without an LSTM."""
     if not lstm_size:
         return None
-    return (np.zeros((num_envs, lstm_size), np.float32), np.zeros((num_envs, lstm_size), np.float32)), np.ones(
-        num_envs, bool)
+    return (
+        np.zeros((num_envs, lstm_size), np.float32),
+        np.zeros((num_envs, lstm_size), np.float32),
+    ), np.ones(num_envs, bool)
 
 
 class ActorCritic(nn.Module):
@@ -198,7 +251,8 @@ class ActorCritic(nn.Module):
     continuous: bool
     encoders: tuple  # tasks.leaf_encoder of each observation leaf
     lstm_size: int = 0  # 0: no LSTM
-    heads: tuple = ()  # a factored policy's choices in each of D dimensions: A = D x the most (legal_actions)
+    # a factored policy's choices in each of D dimensions: A = D x the most (legal_actions)
+    heads: tuple = ()
     action_mask: bool = False  # the observation's "action_mask" is applied (legal_actions)
 
     @nn.compact
@@ -208,13 +262,21 @@ class ActorCritic(nn.Module):
             state, first = core
             shape = first.shape  # [T, B], or [B] for one step
             first = first.reshape(-1, shape[-1])
-            # Rows env-major [B x T, ...]: with the envs split over learner devices, each keeps its own.
+            # Rows env-major [B x T, ...]: with the envs split over learner devices, each keeps its
+            # own.
             obs = jax.tree.map(
-                lambda x: jnp.swapaxes(x.reshape(*first.shape, *x.shape[len(shape):]), 0, 1).reshape(
-                    -1, *x.shape[len(shape):]), obs)
+                lambda x: jnp.swapaxes(
+                    x.reshape(*first.shape, *x.shape[len(shape) :]), 0, 1
+                ).reshape(-1, *x.shape[len(shape) :]),
+                obs,
+            )
 
         def conv(x, size, kernel, stride=1):
-            return nn.relu(nn.Conv(size, (kernel, kernel), (stride, stride), "VALID", kernel_init=orth(np.sqrt(2)))(x))
+            return nn.relu(
+                nn.Conv(
+                    size, (kernel, kernel), (stride, stride), "VALID", kernel_init=orth(np.sqrt(2))
+                )(x)
+            )
 
         features = []
         for x, (kind, arg) in zip(jax.tree.leaves(obs), self.encoders, strict=True):
@@ -222,18 +284,26 @@ class ActorCritic(nn.Module):
                 x = jnp.transpose(x, (0, 2, 3, 1))  # [B, C, H, W] -> [B, H, W, C]
             if kind == "nature":  # Mnih et al. 2015
                 x = conv(conv(conv(x.astype(jnp.float32) / 255.0, 32, 8, 4), 64, 4, 2), 64, 3)
-            elif kind == "grid":  # rl-starter-files' (torch-ac's) MiniGrid network: 2x2 convs, a max-pool
+            elif (
+                kind == "grid"
+            ):  # rl-starter-files' (torch-ac's) MiniGrid network: 2x2 convs, a max-pool
                 x = nn.max_pool(conv(x.astype(jnp.float32), 16, 2), (2, 2), (2, 2))
                 x = conv(conv(x, 32, 2), 64, 2)
             else:
-                x = jax.nn.one_hot(x - arg[1], arg[0]) if kind == "onehot" else x.astype(jnp.float32) * arg
+                x = (
+                    jax.nn.one_hot(x - arg[1], arg[0])
+                    if kind == "onehot"
+                    else x.astype(jnp.float32) * arg
+                )
             features.append(x.reshape(x.shape[0], -1))
         x = jnp.concatenate(features, axis=-1)
         nature = any(kind == "nature" for kind, _ in self.encoders)
         if nature:
             x = nn.relu(nn.Dense(512, kernel_init=orth(np.sqrt(2)))(x))
         if self.lstm_size:
-            state, x = LSTMCore(self.lstm_size)(state, (jnp.swapaxes(x.reshape(*first.shape[::-1], -1), 0, 1), first))
+            state, x = LSTMCore(self.lstm_size)(
+                state, (jnp.swapaxes(x.reshape(*first.shape[::-1], -1), 0, 1), first)
+            )
             x = jnp.swapaxes(x, 0, 1).reshape(-1, self.lstm_size)
         if nature:
             actor_hidden = critic_hidden = x
@@ -248,7 +318,9 @@ class ActorCritic(nn.Module):
             pi = jnp.concatenate([pi, jnp.broadcast_to(log_std, pi.shape)], axis=-1)
         value = nn.Dense(1, kernel_init=orth(1.0))(critic_hidden)[:, 0]
         if self.lstm_size:  # back to time-major
-            pi, value = (jnp.swapaxes(y.reshape(*first.shape[::-1], *y.shape[1:]), 0, 1) for y in (pi, value))
+            pi, value = (
+                jnp.swapaxes(y.reshape(*first.shape[::-1], *y.shape[1:]), 0, 1) for y in (pi, value)
+            )
             return pi.reshape(*shape, -1), value.reshape(shape), state
         return pi, value, None
 
@@ -272,11 +344,12 @@ def sample_action(pi, keys, continuous: bool, greedy: bool = False, legal=None):
 
 def log_prob_entropy(pi, actions, continuous: bool, legal=None):
     """Log-probability of `actions` under `pi` and the policy's entropy, both [B], with only `legal`
-    actions (masked_logits); a factored policy's (actions [B, D]) are the sums over its dimensions."""
+    actions (masked_logits); a factored policy's (actions [B, D]) are the sums over its
+    dimensions."""
     if continuous:
         mean, log_std = jnp.split(pi, 2, axis=-1)
         z = (actions - mean) / jnp.exp(log_std)
-        logprob = jnp.sum(-0.5 * z ** 2 - log_std - 0.5 * jnp.log(2 * jnp.pi), axis=-1)
+        logprob = jnp.sum(-0.5 * z**2 - log_std - 0.5 * jnp.log(2 * jnp.pi), axis=-1)
         entropy = jnp.sum(log_std + 0.5 * (1.0 + jnp.log(2 * jnp.pi)), axis=-1)
         return logprob, entropy
     log_p = jax.nn.log_softmax(masked_logits(pi, legal))
@@ -309,8 +382,17 @@ def legal_actions(network, obs, pi):
     return jnp.broadcast_to(legal * choices, (*pi.shape[:-1], *choices.shape))
 
 
-def vtrace(log_rhos, discounts, rewards, values, bootstrap_value, clip_rho_threshold=1.0, clip_c_threshold=1.0,
-           clip_pg_rho_threshold=1.0, lambda_=1.0):
+def vtrace(
+    log_rhos,
+    discounts,
+    rewards,
+    values,
+    bootstrap_value,
+    clip_rho_threshold=1.0,
+    clip_c_threshold=1.0,
+    clip_pg_rho_threshold=1.0,
+    lambda_=1.0,
+):
     """V-trace targets and policy-gradient advantages (Espeholt et al. 2018, eq. 1 and §4.2),
     with rlax's `lambda_` (vtrace_td_error_and_advantage): traces c = lambda min(c bar, rho), and
     the advantage bootstraps on lambda vs + (1 - lambda) V, so that on-policy the targets are
@@ -318,7 +400,8 @@ def vtrace(log_rhos, discounts, rewards, values, bootstrap_value, clip_rho_thres
 
     log_rhos = log pi(a|x) - log mu(a|x), discounts, rewards, values: [T, B]; bootstrap_value: [B].
     clip_pg_rho_threshold None: no rho in the advantage (for a loss whose ratio pi / mu already
-    weights each sample, as PPO's does). Returns (vs, pg_advantages), both [T, B], gradients stopped.
+    weights each sample, as PPO's does). Returns (vs, pg_advantages), both [T, B], gradients
+    stopped.
     """
     rhos = jnp.exp(log_rhos)
     clipped_rhos = jnp.minimum(clip_rho_threshold, rhos)
@@ -331,7 +414,9 @@ def vtrace(log_rhos, discounts, rewards, values, bootstrap_value, clip_rho_thres
         carry = delta + discount * c * carry
         return carry, carry
 
-    _, vs_minus_v = jax.lax.scan(backward, jnp.zeros_like(bootstrap_value), (deltas, discounts, cs), reverse=True)
+    _, vs_minus_v = jax.lax.scan(
+        backward, jnp.zeros_like(bootstrap_value), (deltas, discounts, cs), reverse=True
+    )
     vs = vs_minus_v + values
     next_vs = jnp.concatenate([vs[1:], bootstrap_value[None]], axis=0)
     next_vs = lambda_ * next_vs + (1.0 - lambda_) * next_values
@@ -357,7 +442,11 @@ def learning_rate_at(args: Args, global_step, total_timesteps):
     linearly to 0 at --total-timesteps (CleanRL). A function of steps, not of an optimiser count,
     so a resumed run continues its schedule, also with another budget or batch size; the budget
     is an argument of the jitted update, so that a larger one compiles nothing new."""
-    return linear_decay(args.learning_rate, global_step, total_timesteps) if args.anneal_lr else args.learning_rate
+    return (
+        linear_decay(args.learning_rate, global_step, total_timesteps)
+        if args.anneal_lr
+        else args.learning_rate
+    )
 
 
 def linear_decay(value, global_step, total_timesteps):
@@ -371,7 +460,8 @@ def masked_mean(x, mask):
 
 
 def impala_loss(logprobs, pg_advantages, values, vs, entropy, mask, baseline_cost, entropy_cost):
-    """IMPALA's actor-critic loss (Espeholt et al. 2018, §4), summed over transitions as in TorchBeast.
+    """IMPALA's actor-critic loss (Espeholt et al. 2018, §4), summed over transitions as in
+    TorchBeast.
 
     Policy gradient weighted by the V-trace advantage, baseline regression towards the V-trace
     targets `vs`, entropy bonus. Inputs [T, B]; transitions with mask 0 do not count.
@@ -381,7 +471,11 @@ def impala_loss(logprobs, pg_advantages, values, vs, entropy, mask, baseline_cos
     value_loss = 0.5 * jnp.sum((vs - values) ** 2 * mask)
     entropy_sum = jnp.sum(entropy * mask)
     loss = pg_loss + baseline_cost * value_loss - entropy_cost * entropy_sum
-    diagnostics = {"policy_loss": pg_loss, "value_loss": value_loss, "entropy": masked_mean(entropy, mask)}
+    diagnostics = {
+        "policy_loss": pg_loss,
+        "value_loss": value_loss,
+        "entropy": masked_mean(entropy, mask),
+    }
     return loss, diagnostics
 
 
@@ -418,39 +512,68 @@ def acting_version(rollout: int, actor_lag, oldest: int) -> int:
     return min(rollout, 1) if actor_lag is None else max(oldest, rollout - actor_lag)
 
 
-def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts, device=None, thread=0, first=0,
-               resume=None):
-    """Double-buffered sampling (Sample Factory §3.2): act on the split `recv()` returns while envpool steps the
-    others; queue `num_rollouts` rollouts (Trajectories), each with the games that ended in it, blocking while
-    the queue is full. Rollout m (from `first`) is acted with the parameters `acting_version` names (§3.4;
-    exactly those with --deterministic), each env's draws keyed by its index and step. With --lstm, `memory`
-    holds each env's state, reset where an episode starts; a rollout records the states before its row 0 (Sample
-    Factory's: no burn-in). Thread `thread` acts on `device`. `resume` (--deterministic): the journal's actions
-    [steps, B, ...] and states that put the envs back where the run stopped (journal.replay)."""
+def actor_loop(
+    envs,
+    policy_step,
+    shared,
+    rollout_queue,
+    key,
+    args,
+    num_rollouts,
+    device=None,
+    thread=0,
+    first=0,
+    resume=None,
+):
+    """Double-buffered sampling (Sample Factory §3.2): act on the split `recv()` returns while
+    envpool steps the others; queue `num_rollouts` rollouts (Trajectories), each with the games that
+    ended in it, blocking while the queue is full. Rollout m (from `first`) is acted with the
+    parameters `acting_version` names (§3.4; exactly those with --deterministic), each env's draws
+    keyed by its index and step. With --lstm, `memory` holds each env's state, reset where an
+    episode starts; a rollout records the states before its row 0 (Sample Factory's: no burn-in).
+    Thread `thread` acts on `device`. `resume` (--deterministic): the journal's actions [steps, B,
+    ...] and states that put the envs back where the run stopped (journal.replay)."""
     T, B = args.num_steps, args.num_envs
-    memory = zero_core(args.lstm_size, B)[0] if args.lstm else None  # (c, h) [B, lstm_size], by env id
+    memory = (
+        zero_core(args.lstm_size, B)[0] if args.lstm else None
+    )  # (c, h) [B, lstm_size], by env id
     stats, timing, pushed = tasks.EpisodeStats(B), shared.timing, 0
     dones, memory = journal.start_envs(envs, resume, shared.normalizer, stats, memory, thread * B)
-    trajectories = Trajectories(T, B, tasks.policy_space(args.env_id), memory, first * T, resume is not None, dones)
+    trajectories = Trajectories(
+        T, B, tasks.policy_space(args.env_id), memory, first * T, resume is not None, dones
+    )
     core = held = params = None  # held: the version of `params`
     while pushed < num_rollouts and not shared.stop.is_set():
         start = time.perf_counter()
         obs, reward, terminated, truncated, info = envs.recv()
         timing["env"] += (now := time.perf_counter()) - start
         env_ids, index = info["env_id"], trajectories.steps[info["env_id"]]
-        reward = np.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's: undefined (dm_control)
+        reward = np.where(
+            info["elapsed_step"] > 0, reward, 0.0
+        )  # a reset's: undefined (dm_control)
         obs = shared.normalizer.observe(obs)
         ended = trajectories.sent[env_ids]  # the observation ends a step (not an env's first)
         if memory is not None:  # the envs' states, and which observations start an episode
-            core = jax.tree.map(lambda s: s[env_ids], memory), trajectories.prev_dones[env_ids] | ~ended
+            core = (
+                jax.tree.map(lambda s: s[env_ids], memory),
+                trajectories.prev_dones[env_ids] | ~ended,
+            )
         stats.update(env_ids, reward, terminated, truncated, info)  # game scores: raw rewards
-        tasks.check_legal(args, obs, env_ids, ~(terminated | truncated), info["elapsed_step"])  # masks obeyable
-        if ended.any() and index.max() == trajectories.start:  # the last step replayed: its games were logged
+        tasks.check_legal(
+            args, obs, env_ids, ~(terminated | truncated), info["elapsed_step"]
+        )  # masks obeyable
+        if (
+            ended.any() and index.max() == trajectories.start
+        ):  # the last step replayed: its games were logged
             stats.pop()
         done = terminated | truncated
-        reward[ended] = shared.normalizer.reward(reward[ended], done[ended], env_ids[ended] + thread * B)
+        reward[ended] = shared.normalizer.reward(
+            reward[ended], done[ended], env_ids[ended] + thread * B
+        )
         trajectories.returned(env_ids, obs, reward, done, truncated, memory)
-        timing["bookkeeping"] += time.perf_counter() - now  # then the queue, and the wait for parameters
+        timing["bookkeeping"] += (
+            time.perf_counter() - now
+        )  # then the queue, and the wait for parameters
         while pushed < num_rollouts and (rollout := trajectories.complete()) is not None:
             rollout["host"]["games"] = stats.pop()
             start = time.perf_counter()
@@ -458,15 +581,21 @@ def actor_loop(envs, policy_step, shared, rollout_queue, key, args, num_rollouts
                 return
             timing["queue_put"] += time.perf_counter() - start
             pushed += 1
-        version = acting_version(int(index.max()) // T, args.actor_lag, shared.oldest)  # free-running: never an update
-        acting = shared.acting(version if args.deterministic else min(version, first + pushed), args.deterministic)
+        version = acting_version(
+            int(index.max()) // T, args.actor_lag, shared.oldest
+        )  # free-running: never an update
+        acting = shared.acting(
+            version if args.deterministic else min(version, first + pushed), args.deterministic
+        )
         if acting is None:  # on a rollout not queued yet (with splits, an env may still be in it)
             return
         if acting[1] != held:  # copied to this actor's device once per version
             held, params = acting[1], devices.to_actor(device, acting[0])
         now = time.perf_counter()
         action, logprob, _, state = policy_step(params, obs, core, key, env_ids, index)
-        timing["inference"] += (start := time.perf_counter()) - now  # dispatched; the bookkeeping overlaps it
+        timing["inference"] += (
+            start := time.perf_counter()
+        ) - now  # dispatched; the bookkeeping overlaps it
         current = trajectories.started(env_ids, obs, held, core)
         timing["bookkeeping"] += (now := time.perf_counter()) - start
 
@@ -491,7 +620,9 @@ def make_optimizer(args: Args):
     return optax.chain(
         optax.clip_by_global_norm(args.max_grad_norm),
         optax.scale_by_rms(decay=args.rmsprop_alpha, eps=args.rmsprop_eps, eps_in_sqrt=False),
-        optax.trace(decay=args.rmsprop_momentum),  # also at 0 (a no-op), so --rmsprop-momentum may change on resume
+        optax.trace(
+            decay=args.rmsprop_momentum
+        ),  # also at 0 (a no-op), so --rmsprop-momentum may change on resume
     )
 
 
@@ -502,19 +633,27 @@ def rollout_forward(network, params, rollout, continuous: bool):
     (which starts an episode when row T-1 is a reset step, `valid` 0)."""
     T, B = rollout["rewards"].shape
     if network.lstm_size:
-        obs = jax.tree.map(lambda x, y: jnp.concatenate([x, y[None]]), rollout["obs"], rollout["bootstrap_obs"])
+        obs = jax.tree.map(
+            lambda x, y: jnp.concatenate([x, y[None]]), rollout["obs"], rollout["bootstrap_obs"]
+        )
         first = jnp.concatenate([rollout["first"], 1.0 - rollout["valid"][-1:]])
         pi, values, _ = network.apply(params, obs, (rollout["state"], first))
         legal = legal_actions(network, rollout["obs"], pi[:-1])  # the masks stored with the rollout
         logprobs, entropy = log_prob_entropy(pi[:-1], rollout["actions"], continuous, legal)
         return logprobs, entropy, values[:-1], values[-1]
 
-    def rows(x):  # [T, B, ...] -> [B x T, ...], env-major: rows stay on the learner device that holds their env
+    def rows(
+        x,
+        # [T, B, ...] -> [B x T, ...], env-major: rows stay on the learner device that holds their
+        # env
+    ):
         return jnp.swapaxes(x, 0, 1).reshape(B * T, *x.shape[2:])
 
     obs = jax.tree.map(rows, rollout["obs"])
     pi, values, _ = network.apply(params, obs)
-    logprobs, entropy = log_prob_entropy(pi, rows(rollout["actions"]), continuous, legal_actions(network, obs, pi))
+    logprobs, entropy = log_prob_entropy(
+        pi, rows(rollout["actions"]), continuous, legal_actions(network, obs, pi)
+    )
     _, bootstrap_value, _ = network.apply(params, rollout["bootstrap_obs"])
     return *(x.reshape(B, T).T for x in (logprobs, entropy, values)), bootstrap_value
 
@@ -524,16 +663,37 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
     gradient step of the IMPALA loss (no epochs, no ratio clipping)."""
 
     def loss_fn(params, rollout, mask):
-        logprobs, entropy, values, bootstrap_value = rollout_forward(network, params, rollout, continuous)
-        rewards = time_limit_bootstrap(rollout["rewards"], values, bootstrap_value, rollout["truncated"], args.gamma)
+        logprobs, entropy, values, bootstrap_value = rollout_forward(
+            network, params, rollout, continuous
+        )
+        rewards = time_limit_bootstrap(
+            rollout["rewards"], values, bootstrap_value, rollout["truncated"], args.gamma
+        )
         discounts = args.gamma * (1.0 - rollout["dones"])
         log_rhos = logprobs - rollout["logprobs"]
-        vs, pg_advantages = vtrace(log_rhos, discounts, rewards, values, bootstrap_value, args.vtrace_rho_bar,
-                                   args.vtrace_c_bar)
-        loss, diagnostics = impala_loss(logprobs, pg_advantages, values, vs, entropy, mask, args.baseline_cost,
-                                        args.entropy_cost)
+        vs, pg_advantages = vtrace(
+            log_rhos,
+            discounts,
+            rewards,
+            values,
+            bootstrap_value,
+            args.vtrace_rho_bar,
+            args.vtrace_c_bar,
+        )
+        loss, diagnostics = impala_loss(
+            logprobs,
+            pg_advantages,
+            values,
+            vs,
+            entropy,
+            mask,
+            args.baseline_cost,
+            args.entropy_cost,
+        )
         diagnostics["approx_kl"] = masked_mean(jnp.expm1(log_rhos) - log_rhos, mask)
-        diagnostics["clipfrac"] = masked_mean((log_rhos > jnp.log(args.vtrace_rho_bar)).astype(jnp.float32), mask)
+        diagnostics["clipfrac"] = masked_mean(
+            (log_rhos > jnp.log(args.vtrace_rho_bar)).astype(jnp.float32), mask
+        )
         return loss, diagnostics
 
     @jax.jit
@@ -545,7 +705,9 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
         (loss, diagnostics), grads = grad_fn(state["params"], rollout, rollout["valid"] * fresh)
         learning_rate = learning_rate_at(args, state["global_step"], total_timesteps)
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], jax.tree.map(lambda u: -learning_rate * u, updates))
+        params = optax.apply_updates(
+            state["params"], jax.tree.map(lambda u: -learning_rate * u, updates)
+        )
         diagnostics["learning_rate"] = learning_rate
         diagnostics["loss"] = loss
         diagnostics["async/policy_lag_mean"] = masked_mean(lag, rollout["valid"])
@@ -553,8 +715,11 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
         diagnostics["async/stale_fraction"] = masked_mean(1.0 - fresh, rollout["valid"])
         leaves = jax.tree.leaves(params)
         diagnostics["finite"] = jnp.isfinite(diagnostics["loss"]) & jnp.all(
-            jnp.array([jnp.all(jnp.isfinite(x)) for x in leaves]))
-        new_state = dict(state, params=params, opt_state=opt_state, policy_version=state["policy_version"] + 1)
+            jnp.array([jnp.all(jnp.isfinite(x)) for x in leaves])
+        )
+        new_state = dict(
+            state, params=params, opt_state=opt_state, policy_version=state["policy_version"] + 1
+        )
         return new_state, diagnostics
 
     return update
@@ -573,19 +738,25 @@ def learner_loop(run, update, shared, queues, key):
         timing["queue_get"] += time.perf_counter() - start
         if run.should_stop(None in rollouts, games):
             break
-        hosts = [rollout.pop("host") for rollout in rollouts]  # games; --lstm: the states after the rollout
+        hosts = [
+            rollout.pop("host") for rollout in rollouts
+        ]  # games; --lstm: the states after the rollout
         games = [game for host in hosts for game in host["games"]]
         start = time.perf_counter()
-        subkey = jax.random.fold_in(key, int(state["policy_version"]))  # the update's own: a resume draws the same
+        subkey = jax.random.fold_in(
+            key, int(state["policy_version"])
+        )  # the update's own: a resume draws the same
         batch = devices.joined(rollouts)
-        run.journaled(batch["actions"], [host.get("next_state") for host in hosts], shared.published)
+        run.journaled(
+            batch["actions"], [host.get("next_state") for host in hosts], shared.published
+        )
         batch = devices.to_learner(run.mesh, batch)
         state, diagnostics = update(state, batch, subkey, run.args.total_timesteps)
         diagnostics = jax.device_get(diagnostics)
         timing["update"] += time.perf_counter() - start
         pipeline = {
             "timing/queue_size": sum(q.qsize() for q in queues),
-            "timing/learner_busy_fraction": timing["update"] / run.elapsed()
+            "timing/learner_busy_fraction": timing["update"] / run.elapsed(),
         }
         state = run.learned(state, diagnostics, timing, pipeline)
         shared.publish(state["params"], int(state["policy_version"]))
@@ -601,17 +772,44 @@ def learner_loop(run, update, shared, queues, key):
 def build(args: Args, key):
     """(network, optimizer, continuous, normalizer, initial state) of a run with these flags; a
     checkpoint restores into `dict(state, **normalizer.state())` (utils/evaluate.py does too)."""
-    obs_space, action_space = tasks.spaces(args.env_id)[0], tasks.policy_space(args.env_id)  # what the policy samples
-    heads = tuple(map(int, getattr(action_space, "nvec", ())))  # multi-discrete, factored: a categorical a dimension
+    obs_space, action_space = (
+        tasks.spaces(args.env_id)[0],
+        tasks.policy_space(args.env_id),
+    )  # what the policy samples
+    heads = tuple(
+        map(int, getattr(action_space, "nvec", ()))
+    )  # multi-discrete, factored: a categorical a dimension
     continuous = not hasattr(action_space, "n") and not heads
-    action_dim = len(heads) * max(heads) if heads else int(getattr(action_space, "n", np.prod(action_space.shape)))
-    network = ActorCritic(action_dim, continuous, tasks.encoders(obs_space), args.lstm_size if args.lstm else 0, heads,
-                          args.action_mask and tasks.mask_shape(obs_space) is not None)
-    params = network.init(key, tasks.zeros_like_space(obs_space, 1), zero_core(network.lstm_size, 1))
+    action_dim = (
+        len(heads) * max(heads)
+        if heads
+        else int(getattr(action_space, "n", np.prod(action_space.shape)))
+    )
+    network = ActorCritic(
+        action_dim,
+        continuous,
+        tasks.encoders(obs_space),
+        args.lstm_size if args.lstm else 0,
+        heads,
+        args.action_mask and tasks.mask_shape(obs_space) is not None,
+    )
+    params = network.init(
+        key, tasks.zeros_like_space(obs_space, 1), zero_core(network.lstm_size, 1)
+    )
     optimizer = make_optimizer(args)
-    normalizer = Normalizer(tasks.zeros_like_space(obs_space), devices.local_envs(args), args.norm_obs,
-                            args.norm_reward, args.gamma)
-    state = {"params": params, "opt_state": optimizer.init(params), "global_step": 0, "policy_version": 0}
+    normalizer = Normalizer(
+        tasks.zeros_like_space(obs_space),
+        devices.local_envs(args),
+        args.norm_obs,
+        args.norm_reward,
+        args.gamma,
+    )
+    state = {
+        "params": params,
+        "opt_state": optimizer.init(params),
+        "global_step": 0,
+        "policy_version": 0,
+    }
     return network, optimizer, continuous, normalizer, state
 
 
@@ -628,24 +826,59 @@ def main(args: Args, given=None) -> int:
         resumes = run.journal_for(tasks.policy_space(args.env_id))
         actors = run.actors()  # (device, env seed, action key) of each actor thread
         envs = [
-            tasks.make_actor_env(args.env_id, args.num_envs, seed, run.env_threads, args.num_splits, args.deterministic)
+            tasks.make_actor_env(
+                args.env_id,
+                args.num_envs,
+                seed,
+                run.env_threads,
+                args.num_splits,
+                args.deterministic,
+            )
             for _, seed, _ in actors
         ]
-        policy_step = make_policy_step(network, continuous, values=False)  # the actor needs no values
+        policy_step = make_policy_step(
+            network, continuous, values=False
+        )  # the actor needs no values
         update = make_update(network, optimizer, args, continuous, run.mesh)
-        shared = threads.Shared(state["params"], state["policy_version"], normalizer, run.sampled, run.stop,
-                                learning=True, keep=(args.actor_lag or 0) + 2, published=run.keeper
-                                and run.keeper.acting())
+        shared = threads.Shared(
+            state["params"],
+            state["policy_version"],
+            normalizer,
+            run.sampled,
+            run.stop,
+            learning=True,
+            keep=(args.actor_lag or 0) + 2,
+            published=run.keeper and run.keeper.acting(),
+        )
         run.begin(
-            f"preset {tasks.preset_name(args.env_id, PRESETS)}, {args.num_splits} split{'s' * (args.num_splits > 1)}")
+            f"preset {tasks.preset_name(args.env_id, PRESETS)}, {args.num_splits} "
+            f"split{'s' * (args.num_splits > 1)}"
+        )
         queues = [queue.Queue(maxsize=args.queue_size) for _ in actors]
         for i, (device, _, key) in enumerate(actors):
-            run.threads.start(f"actor {i}" if i else "actor", actor_loop, envs[i], policy_step, shared, queues[i], key,
-                              args, run.num_updates - run.start_update, device, i, run.start_update, resumes[i],
-                              owns=envs[i])
-        run.wait(run.threads.start("learner", learner_loop, run, update, shared, queues, run.update_key))
-        return run.finish(make_policy_step(network, continuous, values=False),
-                          functools.partial(zero_core, network.lstm_size))
+            run.threads.start(
+                f"actor {i}" if i else "actor",
+                actor_loop,
+                envs[i],
+                policy_step,
+                shared,
+                queues[i],
+                key,
+                args,
+                run.num_updates - run.start_update,
+                device,
+                i,
+                run.start_update,
+                resumes[i],
+                owns=envs[i],
+            )
+        run.wait(
+            run.threads.start("learner", learner_loop, run, update, shared, queues, run.update_key)
+        )
+        return run.finish(
+            make_policy_step(network, continuous, values=False),
+            functools.partial(zero_core, network.lstm_size),
+        )
 
 
 if __name__ == "__main__":

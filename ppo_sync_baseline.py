@@ -19,9 +19,12 @@ import time
 from dataclasses import dataclass
 from typing import Annotated, ClassVar, Optional
 
-if __name__ == "__main__":  # Ctrl-C while the libraries below import (seconds): exit 130, no traceback
+if (
+    __name__ == "__main__"
+):  # Ctrl-C while the libraries below import (seconds): exit 130, no traceback
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     from jax_async_rl.helptext import help_from_source
+
     help_from_source(__file__)  # --help prints without the libraries below (their seconds)
 
 import flax.linen as nn
@@ -78,7 +81,8 @@ class Args(flags.RunArgs):
     max_grad_norm: Annotated[float, POSITIVE] = 0.5
     """global gradient-norm clipping threshold"""
     norm_obs: Annotated[Optional[bool], PRESET] = None
-    """True: normalise observations by a running mean and std, clipped to [-10, 10] (CleanRL, MuJoCo)"""
+    """True: normalise observations by a running mean and std, clipped to [-10, 10] (CleanRL,
+    MuJoCo)"""
     norm_reward: Annotated[Optional[bool], PRESET] = None
     """True: divide rewards by the running std of the discounted return, clipped to [-10, 10]"""
     action_mask: bool = True
@@ -88,11 +92,13 @@ class Args(flags.RunArgs):
     """an LSTM core between the encoder and the policy/value heads (TorchBeast's --use_lstm, Sample
     Factory's --use_rnn), its state carried per env and reset where an episode starts"""
     lstm_size: Annotated[int, POSITIVE, at_most(8192)] = 128
-    """hidden units of the LSTM, the size of its h and of its c (CleanRL's ppo_atari_lstm.py: 128)"""
+    """hidden units of the LSTM, the size of its h and of its c (CleanRL's ppo_atari_lstm.py:
+    128)"""
     num_threads: Annotated[int, NON_NEGATIVE, at_most(1024)] = 0
     """envpool worker threads stepping the environments (your Gymnasium env's: worker processes; 0:
     one per CPU core, at most num_envs)"""
-    # The variants these flags make: the default --exp-name (the run's folder, its header line) names them.
+    # The variants these flags make: the default --exp-name (the run's folder, its header line)
+    # names them.
     NAMED: ClassVar[dict] = {"lstm": dict(lstm=True)}
 
 
@@ -102,45 +108,179 @@ class Args(flags.RunArgs):
 NO_NORM = dict(norm_obs=False, norm_reward=False)
 PRESETS = {
     # CleanRL's ppo_atari_envpool.py (Huang et al. 2022).
-    "atari": dict(num_steps=128, learning_rate=2.5e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=4, update_epochs=4,
-                  clip_coef=0.1, ent_coef=0.01, **NO_NORM),
+    "atari": dict(
+        num_steps=128,
+        learning_rate=2.5e-4,
+        gamma=0.99,
+        gae_lambda=0.95,
+        num_minibatches=4,
+        update_epochs=4,
+        clip_coef=0.1,
+        ent_coef=0.01,
+        **NO_NORM,
+    ),
     # CleanRL's ppo_continuous_action.py (2048 steps a rollout, minibatches of 64 at 8 envs), with
     # its observation and reward normalisation.
-    "mujoco": dict(num_steps=256, learning_rate=3e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=32, update_epochs=10,
-                   clip_coef=0.2, ent_coef=0.0, norm_obs=True, norm_reward=True),
+    "mujoco": dict(
+        num_steps=256,
+        learning_rate=3e-4,
+        gamma=0.99,
+        gae_lambda=0.95,
+        num_minibatches=32,
+        update_epochs=10,
+        clip_coef=0.2,
+        ent_coef=0.0,
+        norm_obs=True,
+        norm_reward=True,
+    ),
     # Any other vector task: CleanRL's ppo.py defaults, a general starting point, not a tuned one.
-    "classic": dict(num_steps=128, learning_rate=2.5e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=4,
-                    update_epochs=4, clip_coef=0.2, ent_coef=0.01, **NO_NORM),
+    "classic": dict(
+        num_steps=128,
+        learning_rate=2.5e-4,
+        gamma=0.99,
+        gae_lambda=0.95,
+        num_minibatches=4,
+        update_epochs=4,
+        clip_coef=0.2,
+        ent_coef=0.01,
+        **NO_NORM,
+    ),
     # rl-baselines3-zoo's tuned PPO (hyperparams/ppo.yml): CartPole solves within 100k steps.
-    "CartPole": dict(num_steps=32, learning_rate=1e-3, gamma=0.98, gae_lambda=0.8, num_minibatches=1, update_epochs=20,
-                     clip_coef=0.2, anneal_clip=True, ent_coef=0.0, **NO_NORM),
-    "Acrobot": dict(num_steps=256, learning_rate=3e-4, gamma=0.99, gae_lambda=0.94, num_minibatches=32, update_epochs=4,
-                    clip_coef=0.2, ent_coef=0.0, norm_obs=True, norm_reward=True),
-    "MountainCar": dict(num_steps=16, learning_rate=3e-4, gamma=0.99, gae_lambda=0.98, num_minibatches=2,
-                        update_epochs=4, clip_coef=0.2, ent_coef=0.0, norm_obs=True, norm_reward=True),
-    "Pendulum": dict(num_steps=1024, learning_rate=1e-3, gamma=0.9, gae_lambda=0.95, num_minibatches=128,
-                     update_epochs=10, clip_coef=0.2, ent_coef=0.0, **NO_NORM),
-    "LunarLander": dict(num_steps=1024, learning_rate=3e-4, gamma=0.999, gae_lambda=0.98, num_minibatches=128,
-                        update_epochs=4, clip_coef=0.2, ent_coef=0.01, **NO_NORM),
+    "CartPole": dict(
+        num_steps=32,
+        learning_rate=1e-3,
+        gamma=0.98,
+        gae_lambda=0.8,
+        num_minibatches=1,
+        update_epochs=20,
+        clip_coef=0.2,
+        anneal_clip=True,
+        ent_coef=0.0,
+        **NO_NORM,
+    ),
+    "Acrobot": dict(
+        num_steps=256,
+        learning_rate=3e-4,
+        gamma=0.99,
+        gae_lambda=0.94,
+        num_minibatches=32,
+        update_epochs=4,
+        clip_coef=0.2,
+        ent_coef=0.0,
+        norm_obs=True,
+        norm_reward=True,
+    ),
+    "MountainCar": dict(
+        num_steps=16,
+        learning_rate=3e-4,
+        gamma=0.99,
+        gae_lambda=0.98,
+        num_minibatches=2,
+        update_epochs=4,
+        clip_coef=0.2,
+        ent_coef=0.0,
+        norm_obs=True,
+        norm_reward=True,
+    ),
+    "Pendulum": dict(
+        num_steps=1024,
+        learning_rate=1e-3,
+        gamma=0.9,
+        gae_lambda=0.95,
+        num_minibatches=128,
+        update_epochs=10,
+        clip_coef=0.2,
+        ent_coef=0.0,
+        **NO_NORM,
+    ),
+    "LunarLander": dict(
+        num_steps=1024,
+        learning_rate=3e-4,
+        gamma=0.999,
+        gae_lambda=0.98,
+        num_minibatches=128,
+        update_epochs=4,
+        clip_coef=0.2,
+        ent_coef=0.01,
+        **NO_NORM,
+    ),
     # rl-baselines3-zoo's CarRacing (512 steps, minibatches of 128 at 8 envs, reward normalisation).
-    "CarRacing": dict(num_steps=512, learning_rate=1e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=32,
-                      update_epochs=10, clip_coef=0.2, ent_coef=0.0, norm_obs=False, norm_reward=True),
-    # The Control Suite: CleanRL's ppo_continuous_action.py, which CleanRL also benchmarks on dm_control.
-    "dm_control": dict(num_steps=256, learning_rate=3e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=32,
-                       update_epochs=10, clip_coef=0.2, ent_coef=0.0, norm_obs=True, norm_reward=True),
-    # MiniGrid and BabyAI: rl-starter-files' PPO (torch-ac): 128 steps an env, minibatches of 256, lr 1e-3.
-    "minigrid": dict(num_steps=128, learning_rate=1e-3, gamma=0.99, gae_lambda=0.95, num_minibatches=4, update_epochs=4,
-                     clip_coef=0.2, ent_coef=0.01, **NO_NORM),
+    "CarRacing": dict(
+        num_steps=512,
+        learning_rate=1e-4,
+        gamma=0.99,
+        gae_lambda=0.95,
+        num_minibatches=32,
+        update_epochs=10,
+        clip_coef=0.2,
+        ent_coef=0.0,
+        norm_obs=False,
+        norm_reward=True,
+    ),
+    # The Control Suite: CleanRL's ppo_continuous_action.py, which CleanRL also benchmarks on
+    # dm_control.
+    "dm_control": dict(
+        num_steps=256,
+        learning_rate=3e-4,
+        gamma=0.99,
+        gae_lambda=0.95,
+        num_minibatches=32,
+        update_epochs=10,
+        clip_coef=0.2,
+        ent_coef=0.0,
+        norm_obs=True,
+        norm_reward=True,
+    ),
+    # MiniGrid and BabyAI: rl-starter-files' PPO (torch-ac): 128 steps an env, minibatches of 256,
+    # lr 1e-3.
+    "minigrid": dict(
+        num_steps=128,
+        learning_rate=1e-3,
+        gamma=0.99,
+        gae_lambda=0.95,
+        num_minibatches=4,
+        update_epochs=4,
+        clip_coef=0.2,
+        ent_coef=0.01,
+        **NO_NORM,
+    ),
     # MiniGrid's memory task: Pleines et al. 2022's recurrent PPO on MiniGrid-Memory (their
     # configs/minigrid.yaml: 256 steps an env, 8 minibatches, 4 epochs, lr 2e-4, entropy 0.001).
-    "MiniGrid-MemoryS7": dict(num_steps=256, learning_rate=2e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=8,
-                              update_epochs=4, clip_coef=0.2, ent_coef=0.001, **NO_NORM),
+    "MiniGrid-MemoryS7": dict(
+        num_steps=256,
+        learning_rate=2e-4,
+        gamma=0.99,
+        gae_lambda=0.95,
+        num_minibatches=8,
+        update_epochs=4,
+        clip_coef=0.2,
+        ent_coef=0.001,
+        **NO_NORM,
+    ),
     # highway-env's scripts/sb3_highway_ppo.py: gamma 0.8, 10 epochs of minibatches of 64, lr 5e-4.
-    "highway": dict(num_steps=128, learning_rate=5e-4, gamma=0.8, gae_lambda=0.95, num_minibatches=16, update_epochs=10,
-                    clip_coef=0.2, ent_coef=0.0, **NO_NORM),
+    "highway": dict(
+        num_steps=128,
+        learning_rate=5e-4,
+        gamma=0.8,
+        gae_lambda=0.95,
+        num_minibatches=16,
+        update_epochs=10,
+        clip_coef=0.2,
+        ent_coef=0.0,
+        **NO_NORM,
+    ),
     # Google Research Football's PPO reproduction (Kurach et al. 2020, 11_vs_11_easy_stochastic).
-    "gfootball": dict(num_steps=512, learning_rate=3.43e-4, gamma=0.993, gae_lambda=0.95, num_minibatches=8,
-                      update_epochs=2, clip_coef=0.08, ent_coef=0.003, **NO_NORM),
+    "gfootball": dict(
+        num_steps=512,
+        learning_rate=3.43e-4,
+        gamma=0.993,
+        gae_lambda=0.95,
+        num_minibatches=8,
+        update_epochs=2,
+        clip_coef=0.08,
+        ent_coef=0.003,
+        **NO_NORM,
+    ),
 }
 
 
@@ -150,18 +290,25 @@ def resolve_args(args: Args) -> Args:
     fill = tasks.preset_values(args, PRESETS)
     if args.anneal_clip is None:  # the presets that do not name it: off
         fill.setdefault("anneal_clip", False)
-    if args.lstm and "num_minibatches" in fill:  # whole env sequences: a preset's count that divides num_envs
+    if (
+        args.lstm and "num_minibatches" in fill
+    ):  # whole env sequences: a preset's count that divides num_envs
         fill["num_minibatches"] = int(np.gcd(fill["num_minibatches"], devices.global_envs(args)))
     args = runs.checked(dataclasses.replace(args, **fill))
     if len(args.actor_device_ids) != 1:
         raise UsageError("--actor-device-ids: the synchronous loop acts on one device; give one id")
     if devices.global_envs(args) * args.num_steps % args.num_minibatches:
         raise UsageError(
-            f"--num-minibatches {args.num_minibatches} must divide the global batch {devices.describe_batch(args)}")
+            f"--num-minibatches {args.num_minibatches} must divide the global batch "
+            f"{devices.describe_batch(args)}"
+        )
     if args.lstm and devices.global_envs(args) % args.num_minibatches:
         raise UsageError(
-            f"--num-minibatches {args.num_minibatches} must divide the {devices.global_envs(args)} envs of an "
-            "update (--num-envs of every process) with --lstm (a minibatch holds whole env sequences); pass a divisor")
+            f"--num-minibatches {args.num_minibatches} must divide the "
+            f"{devices.global_envs(args)} envs of an "
+            "update (--num-envs of every process) with --lstm (a minibatch holds whole env "
+            "sequences); pass a divisor"
+        )
     return args
 
 
@@ -189,8 +336,10 @@ def zero_core(lstm_size: int, num_envs: int):
     [N, lstm_size], first [N] all True); None without an LSTM."""
     if not lstm_size:
         return None
-    return (np.zeros((num_envs, lstm_size), np.float32), np.zeros((num_envs, lstm_size), np.float32)), np.ones(
-        num_envs, bool)
+    return (
+        np.zeros((num_envs, lstm_size), np.float32),
+        np.zeros((num_envs, lstm_size), np.float32),
+    ), np.ones(num_envs, bool)
 
 
 class ActorCritic(nn.Module):
@@ -210,7 +359,8 @@ class ActorCritic(nn.Module):
     continuous: bool
     encoders: tuple  # tasks.leaf_encoder of each observation leaf
     lstm_size: int = 0  # 0: no LSTM
-    heads: tuple = ()  # a factored policy's choices in each of D dimensions: A = D x the most (legal_actions)
+    # a factored policy's choices in each of D dimensions: A = D x the most (legal_actions)
+    heads: tuple = ()
     action_mask: bool = False  # the observation's "action_mask" is applied (legal_actions)
 
     @nn.compact
@@ -220,13 +370,21 @@ class ActorCritic(nn.Module):
             state, first = core
             shape = first.shape  # [T, B], or [B] for one step
             first = first.reshape(-1, shape[-1])
-            # Rows env-major [B x T, ...]: with the envs split over learner devices, each keeps its own.
+            # Rows env-major [B x T, ...]: with the envs split over learner devices, each keeps its
+            # own.
             obs = jax.tree.map(
-                lambda x: jnp.swapaxes(x.reshape(*first.shape, *x.shape[len(shape):]), 0, 1).reshape(
-                    -1, *x.shape[len(shape):]), obs)
+                lambda x: jnp.swapaxes(
+                    x.reshape(*first.shape, *x.shape[len(shape) :]), 0, 1
+                ).reshape(-1, *x.shape[len(shape) :]),
+                obs,
+            )
 
         def conv(x, size, kernel, stride=1):
-            return nn.relu(nn.Conv(size, (kernel, kernel), (stride, stride), "VALID", kernel_init=orth(np.sqrt(2)))(x))
+            return nn.relu(
+                nn.Conv(
+                    size, (kernel, kernel), (stride, stride), "VALID", kernel_init=orth(np.sqrt(2))
+                )(x)
+            )
 
         features = []
         for x, (kind, arg) in zip(jax.tree.leaves(obs), self.encoders, strict=True):
@@ -234,18 +392,26 @@ class ActorCritic(nn.Module):
                 x = jnp.transpose(x, (0, 2, 3, 1))  # [B, C, H, W] -> [B, H, W, C]
             if kind == "nature":  # Mnih et al. 2015
                 x = conv(conv(conv(x.astype(jnp.float32) / 255.0, 32, 8, 4), 64, 4, 2), 64, 3)
-            elif kind == "grid":  # rl-starter-files' (torch-ac's) MiniGrid network: 2x2 convs, a max-pool
+            elif (
+                kind == "grid"
+            ):  # rl-starter-files' (torch-ac's) MiniGrid network: 2x2 convs, a max-pool
                 x = nn.max_pool(conv(x.astype(jnp.float32), 16, 2), (2, 2), (2, 2))
                 x = conv(conv(x, 32, 2), 64, 2)
             else:
-                x = jax.nn.one_hot(x - arg[1], arg[0]) if kind == "onehot" else x.astype(jnp.float32) * arg
+                x = (
+                    jax.nn.one_hot(x - arg[1], arg[0])
+                    if kind == "onehot"
+                    else x.astype(jnp.float32) * arg
+                )
             features.append(x.reshape(x.shape[0], -1))
         x = jnp.concatenate(features, axis=-1)
         nature = any(kind == "nature" for kind, _ in self.encoders)
         if nature:
             x = nn.relu(nn.Dense(512, kernel_init=orth(np.sqrt(2)))(x))
         if self.lstm_size:
-            state, x = LSTMCore(self.lstm_size)(state, (jnp.swapaxes(x.reshape(*first.shape[::-1], -1), 0, 1), first))
+            state, x = LSTMCore(self.lstm_size)(
+                state, (jnp.swapaxes(x.reshape(*first.shape[::-1], -1), 0, 1), first)
+            )
             x = jnp.swapaxes(x, 0, 1).reshape(-1, self.lstm_size)
         if nature:
             actor_hidden = critic_hidden = x
@@ -260,7 +426,9 @@ class ActorCritic(nn.Module):
             pi = jnp.concatenate([pi, jnp.broadcast_to(log_std, pi.shape)], axis=-1)
         value = nn.Dense(1, kernel_init=orth(1.0))(critic_hidden)[:, 0]
         if self.lstm_size:  # back to time-major
-            pi, value = (jnp.swapaxes(y.reshape(*first.shape[::-1], *y.shape[1:]), 0, 1) for y in (pi, value))
+            pi, value = (
+                jnp.swapaxes(y.reshape(*first.shape[::-1], *y.shape[1:]), 0, 1) for y in (pi, value)
+            )
             return pi.reshape(*shape, -1), value.reshape(shape), state
         return pi, value, None
 
@@ -284,11 +452,12 @@ def sample_action(pi, keys, continuous: bool, greedy: bool = False, legal=None):
 
 def log_prob_entropy(pi, actions, continuous: bool, legal=None):
     """Log-probability of `actions` under `pi` and the policy's entropy, both [B], with only `legal`
-    actions (masked_logits); a factored policy's (actions [B, D]) are the sums over its dimensions."""
+    actions (masked_logits); a factored policy's (actions [B, D]) are the sums over its
+    dimensions."""
     if continuous:
         mean, log_std = jnp.split(pi, 2, axis=-1)
         z = (actions - mean) / jnp.exp(log_std)
-        logprob = jnp.sum(-0.5 * z ** 2 - log_std - 0.5 * jnp.log(2 * jnp.pi), axis=-1)
+        logprob = jnp.sum(-0.5 * z**2 - log_std - 0.5 * jnp.log(2 * jnp.pi), axis=-1)
         entropy = jnp.sum(log_std + 0.5 * (1.0 + jnp.log(2 * jnp.pi)), axis=-1)
         return logprob, entropy
     log_p = jax.nn.log_softmax(masked_logits(pi, legal))
@@ -335,7 +504,9 @@ def compute_gae(rewards, values, bootstrap_value, discounts, gae_lambda):
         carry = delta + discount * gae_lambda * carry
         return carry, carry
 
-    _, advantages = jax.lax.scan(backward, jnp.zeros_like(bootstrap_value), (deltas, discounts), reverse=True)
+    _, advantages = jax.lax.scan(
+        backward, jnp.zeros_like(bootstrap_value), (deltas, discounts), reverse=True
+    )
     return advantages
 
 
@@ -355,7 +526,11 @@ def learning_rate_at(args: Args, global_step, total_timesteps):
     linearly to 0 at --total-timesteps (CleanRL). A function of steps, not of an optimiser count,
     so a resumed run continues its schedule, also with another budget or batch size; the budget
     is an argument of the jitted update, so that a larger one compiles nothing new."""
-    return linear_decay(args.learning_rate, global_step, total_timesteps) if args.anneal_lr else args.learning_rate
+    return (
+        linear_decay(args.learning_rate, global_step, total_timesteps)
+        if args.anneal_lr
+        else args.learning_rate
+    )
 
 
 def linear_decay(value, global_step, total_timesteps):
@@ -365,8 +540,13 @@ def linear_decay(value, global_step, total_timesteps):
 
 def clip_coef_at(args: Args, global_step, total_timesteps):
     """PPO's clip epsilon in the update that starts at env step `global_step`: with --anneal-clip
-    it falls linearly to 0 at --total-timesteps, as the learning rate does (a resumed run goes on)."""
-    return linear_decay(args.clip_coef, global_step, total_timesteps) if args.anneal_clip else args.clip_coef
+    it falls linearly to 0 at --total-timesteps, as the learning rate does (a resumed run goes
+    on)."""
+    return (
+        linear_decay(args.clip_coef, global_step, total_timesteps)
+        if args.anneal_clip
+        else args.clip_coef
+    )
 
 
 def masked_mean(x, mask):
@@ -374,8 +554,19 @@ def masked_mean(x, mask):
     return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def ppo_loss(logprobs, old_logprobs, advantages, values, returns, entropy, mask, clip_coef, vf_coef, ent_coef,
-             norm_adv):
+def ppo_loss(
+    logprobs,
+    old_logprobs,
+    advantages,
+    values,
+    returns,
+    entropy,
+    mask,
+    clip_coef,
+    vf_coef,
+    ent_coef,
+    norm_adv,
+):
     """PPO-clip surrogate (Schulman et al. 2017, eq. 7) + value regression - entropy bonus, on
     advantages normalised over the minibatch when `norm_adv` (CleanRL's detail 7).
 
@@ -384,11 +575,17 @@ def ppo_loss(logprobs, old_logprobs, advantages, values, returns, entropy, mask,
     """
     if norm_adv:
         mean = masked_mean(advantages, mask)
-        advantages = (advantages - mean) / (jnp.sqrt(masked_mean((advantages - mean) ** 2, mask)) + 1e-8)
+        advantages = (advantages - mean) / (
+            jnp.sqrt(masked_mean((advantages - mean) ** 2, mask)) + 1e-8
+        )
     log_ratio = logprobs - old_logprobs
     ratio = jnp.exp(log_ratio)
-    pg_loss = masked_mean(jnp.maximum(-advantages * ratio, -advantages * jnp.clip(ratio, 1 - clip_coef, 1 + clip_coef)),
-                          mask)
+    pg_loss = masked_mean(
+        jnp.maximum(
+            -advantages * ratio, -advantages * jnp.clip(ratio, 1 - clip_coef, 1 + clip_coef)
+        ),
+        mask,
+    )
     value_loss = 0.5 * masked_mean((values - returns) ** 2, mask)
     entropy_loss = masked_mean(entropy, mask)
     loss = pg_loss + vf_coef * value_loss - ent_coef * entropy_loss
@@ -399,8 +596,12 @@ def ppo_loss(logprobs, old_logprobs, advantages, values, returns, entropy, mask,
         "approx_kl": masked_mean((ratio - 1) - log_ratio, mask),
         "clipfrac": masked_mean((jnp.abs(ratio - 1) > clip_coef).astype(jnp.float32), mask),
         "explained_variance": jnp.where(
-            jnp.sum(mask) > 0, 1 - masked_mean((returns - values) ** 2, mask) /
-            jnp.maximum(masked_mean((returns - masked_mean(returns, mask)) ** 2, mask), 1e-8), 0.0),
+            jnp.sum(mask) > 0,
+            1
+            - masked_mean((returns - values) ** 2, mask)
+            / jnp.maximum(masked_mean((returns - masked_mean(returns, mask)) ** 2, mask), 1e-8),
+            0.0,
+        ),
     }
     return loss, diagnostics
 
@@ -428,7 +629,20 @@ def make_policy_step(network, continuous: bool, values: bool = True, greedy: boo
     return policy_step
 
 
-def collect_rollout(envs, policy_step, params, obs, prev_dones, core, key, first_step, stats, normalizer, args, timing):
+def collect_rollout(
+    envs,
+    policy_step,
+    params,
+    obs,
+    prev_dones,
+    core,
+    key,
+    first_step,
+    stats,
+    normalizer,
+    args,
+    timing,
+):
     """Step all envs `num_steps` times with `params`, from step `first_step` of each (its randomness
     keyed by env and step); return the rollout, next obs, dones and core.
 
@@ -440,7 +654,11 @@ def collect_rollout(envs, policy_step, params, obs, prev_dones, core, key, first
     episode's end); the rollout records the state before row 0 ("state"), which the learner
     unrolls from, and "first".
     """
-    T, B, space = args.num_steps, args.num_envs, tasks.policy_space(args.env_id)  # the actions the policy samples
+    T, B, space = (
+        args.num_steps,
+        args.num_envs,
+        tasks.policy_space(args.env_id),
+    )  # the actions the policy samples
     rollout = {
         "obs": jax.tree.map(lambda x: np.zeros((T, *x.shape), x.dtype), obs),
         "actions": np.zeros((T, B, *space.shape), space.dtype),
@@ -456,7 +674,9 @@ def collect_rollout(envs, policy_step, params, obs, prev_dones, core, key, first
     env_ids = np.arange(B)
     for t in range(T):
         start = time.perf_counter()
-        action, logprob, value, state = policy_step(params, obs, core, key, env_ids, np.full(B, first_step + t))
+        action, logprob, value, state = policy_step(
+            params, obs, core, key, env_ids, np.full(B, first_step + t)
+        )
         action, logprob, value = jax.device_get((action, logprob, value))
         timing["inference"] += time.perf_counter() - start
         write(rollout["obs"], t, obs)
@@ -465,15 +685,27 @@ def collect_rollout(envs, policy_step, params, obs, prev_dones, core, key, first
         if core is not None:
             rollout["first"][t] = core[1]
         start = time.perf_counter()
-        obs, reward, terminated, truncated, info = envs.step(tasks.env_action(action, envs.action_space))
-        reward = np.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's: undefined (dm_control)
+        obs, reward, terminated, truncated, info = envs.step(
+            tasks.env_action(action, envs.action_space)
+        )
+        reward = np.where(
+            info["elapsed_step"] > 0, reward, 0.0
+        )  # a reset's: undefined (dm_control)
         timing["env"] += time.perf_counter() - start
         stats.update(env_ids, reward, terminated, truncated, info)
-        tasks.check_legal(args, obs, env_ids, ~(terminated | truncated), info["elapsed_step"])  # masks obeyable
+        tasks.check_legal(
+            args, obs, env_ids, ~(terminated | truncated), info["elapsed_step"]
+        )  # masks obeyable
         rollout["valid"][t], prev_dones = 1.0 - prev_dones, terminated | truncated
-        core = None if core is None else (state, rollout["valid"][t] == 0)  # after a reset step, an episode starts
+        core = (
+            None if core is None else (state, rollout["valid"][t] == 0)
+        )  # after a reset step, an episode starts
         obs, reward = normalizer.observe(obs), normalizer.reward(reward, prev_dones, env_ids)
-        rollout["rewards"][t], rollout["dones"][t], rollout["truncated"][t] = reward, prev_dones, truncated
+        rollout["rewards"][t], rollout["dones"][t], rollout["truncated"][t] = (
+            reward,
+            prev_dones,
+            truncated,
+        )
     rollout["bootstrap_obs"] = obs
     return rollout, obs, prev_dones, core
 
@@ -495,19 +727,27 @@ def rollout_forward(network, params, rollout, continuous: bool):
     (which starts an episode when row T-1 is a reset step, `valid` 0)."""
     T, B = rollout["rewards"].shape
     if network.lstm_size:
-        obs = jax.tree.map(lambda x, y: jnp.concatenate([x, y[None]]), rollout["obs"], rollout["bootstrap_obs"])
+        obs = jax.tree.map(
+            lambda x, y: jnp.concatenate([x, y[None]]), rollout["obs"], rollout["bootstrap_obs"]
+        )
         first = jnp.concatenate([rollout["first"], 1.0 - rollout["valid"][-1:]])
         pi, values, _ = network.apply(params, obs, (rollout["state"], first))
         legal = legal_actions(network, rollout["obs"], pi[:-1])  # the masks stored with the rollout
         logprobs, entropy = log_prob_entropy(pi[:-1], rollout["actions"], continuous, legal)
         return logprobs, entropy, values[:-1], values[-1]
 
-    def rows(x):  # [T, B, ...] -> [B x T, ...], env-major: rows stay on the learner device that holds their env
+    def rows(
+        x,
+        # [T, B, ...] -> [B x T, ...], env-major: rows stay on the learner device that holds their
+        # env
+    ):
         return jnp.swapaxes(x, 0, 1).reshape(B * T, *x.shape[2:])
 
     obs = jax.tree.map(rows, rollout["obs"])
     pi, values, _ = network.apply(params, obs)
-    logprobs, entropy = log_prob_entropy(pi, rows(rollout["actions"]), continuous, legal_actions(network, obs, pi))
+    logprobs, entropy = log_prob_entropy(
+        pi, rows(rollout["actions"]), continuous, legal_actions(network, obs, pi)
+    )
     _, bootstrap_value, _ = network.apply(params, rollout["bootstrap_obs"])
     return *(x.reshape(B, T).T for x in (logprobs, entropy, values)), bootstrap_value
 
@@ -519,15 +759,21 @@ def minibatches(key, data, num_minibatches: int):
     T, B = data["valid"].shape
     if "state" not in data:
         order = jax.random.permutation(key, T * B)
-        return jax.tree.map(lambda x: x.reshape(T * B, *x.shape[2:])[order].reshape(num_minibatches, -1, *x.shape[2:]),
-                            data)
+        return jax.tree.map(
+            lambda x: x.reshape(T * B, *x.shape[2:])[order].reshape(
+                num_minibatches, -1, *x.shape[2:]
+            ),
+            data,
+        )
     order = jax.random.permutation(key, B)
 
     def split(x):  # [B, ...] -> [M, B / M, ...] in the shuffled env order
         return x[order].reshape(num_minibatches, B // num_minibatches, *x.shape[1:])
 
     state = jax.tree.map(split, data["state"])
-    sequences = jax.tree.map(lambda x: jnp.swapaxes(split(jnp.swapaxes(x, 0, 1)), 1, 2), {**data, "state": None})
+    sequences = jax.tree.map(
+        lambda x: jnp.swapaxes(split(jnp.swapaxes(x, 0, 1)), 1, 2), {**data, "state": None}
+    )
     return dict(sequences, state=state)
 
 
@@ -538,7 +784,9 @@ def targets(network, state, rollout, args: Args, continuous: bool):
     # With --lstm the bootstrap value needs the state after the last step: an unroll. Feed-forward,
     # XLA drops the unused pass over the rollout and computes V(bootstrap_obs) alone.
     _, _, _, bootstrap_value = rollout_forward(network, state["params"], rollout, continuous)
-    rewards = time_limit_bootstrap(rollout["rewards"], values, bootstrap_value, rollout["truncated"], args.gamma)
+    rewards = time_limit_bootstrap(
+        rollout["rewards"], values, bootstrap_value, rollout["truncated"], args.gamma
+    )
     discounts = args.gamma * (1.0 - rollout["dones"])
     advantages = compute_gae(rewards, values, bootstrap_value, discounts, args.gae_lambda)
     return advantages, advantages + values, rollout["valid"], {}
@@ -548,25 +796,51 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
     """The jitted learner step: the targets (GAE), then epochs x minibatches of PPO-clip."""
 
     def loss_fn(params, mb, clip_coef):
-        pi, values, _ = network.apply(params, mb["obs"], (mb["state"], mb["first"]) if "state" in mb else None)
-        logprobs, entropy = log_prob_entropy(pi, mb["actions"], continuous, legal_actions(network, mb["obs"], pi))
-        return ppo_loss(logprobs, mb["logprobs"], mb["advantages"], values, mb["returns"], entropy, mb["valid"],
-                        clip_coef, args.vf_coef, args.ent_coef, args.norm_adv)
+        pi, values, _ = network.apply(
+            params, mb["obs"], (mb["state"], mb["first"]) if "state" in mb else None
+        )
+        logprobs, entropy = log_prob_entropy(
+            pi, mb["actions"], continuous, legal_actions(network, mb["obs"], pi)
+        )
+        return ppo_loss(
+            logprobs,
+            mb["logprobs"],
+            mb["advantages"],
+            values,
+            mb["returns"],
+            entropy,
+            mb["valid"],
+            clip_coef,
+            args.vf_coef,
+            args.ent_coef,
+            args.norm_adv,
+        )
 
     def minibatch_step(learning_rate, clip_coef, carry, mb):
         params, opt_state = carry
-        (loss, diagnostics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb, clip_coef)
+        (loss, diagnostics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, mb, clip_coef
+        )
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, jax.tree.map(lambda u: -learning_rate * u, updates))
-        return (params, opt_state), {"loss": loss, "grad_norm": optax.global_norm(grads), **diagnostics}
+        return (params, opt_state), {
+            "loss": loss,
+            "grad_norm": optax.global_norm(grads),
+            **diagnostics,
+        }
 
     @jax.jit
     def update(state, rollout, key, total_timesteps):
         params, opt_state = state["params"], state["opt_state"]
         # XLA:CPU runs convs in a loop ~10x slower than unrolled (Nature CNN), so on CPU scans over
-        # images unroll up to 16 minibatch steps (Atari's 4 x 4; CarRacing's 10 x 32: 9 GiB, 5+ min).
+        # images unroll up to 16 minibatch steps (Atari's 4 x 4; CarRacing's 10 x 32: 9 GiB, 5+
+        # min).
         images = any(kind in ("nature", "grid") for kind, _ in network.encoders)
-        unroll = jax.default_backend() == "cpu" and images and args.update_epochs * args.num_minibatches <= 16
+        unroll = (
+            jax.default_backend() == "cpu"
+            and images
+            and args.update_epochs * args.num_minibatches <= 16
+        )
         clip_coef = clip_coef_at(args, state["global_step"], total_timesteps)
         advantages, returns, valid, diagnostics = targets(network, state, rollout, args, continuous)
         data = {
@@ -583,23 +857,39 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
 
         def epoch(carry, key):
             epoch_data = minibatches(key, data, args.num_minibatches)
-            if mesh is not None:  # each learner device takes its share of every minibatch: data parallel
+            if (
+                mesh is not None
+            ):  # each learner device takes its share of every minibatch: data parallel
                 epoch_data = jax.tree_util.tree_map_with_path(
                     lambda path, x: jax.lax.with_sharding_constraint(
-                        x, devices.split_envs(mesh, 1 + (devices.env_axis(path)
-                                                         if "state" in data else 0))), epoch_data)
-            return jax.lax.scan(functools.partial(minibatch_step, learning_rate, clip_coef), carry, epoch_data,
-                                unroll=unroll)
+                        x,
+                        devices.split_envs(
+                            mesh, 1 + (devices.env_axis(path) if "state" in data else 0)
+                        ),
+                    ),
+                    epoch_data,
+                )
+            return jax.lax.scan(
+                functools.partial(minibatch_step, learning_rate, clip_coef),
+                carry,
+                epoch_data,
+                unroll=unroll,
+            )
 
         epoch_keys = jax.random.split(key, args.update_epochs)
-        (params, opt_state), losses = jax.lax.scan(epoch, (params, opt_state), epoch_keys, unroll=unroll)
+        (params, opt_state), losses = jax.lax.scan(
+            epoch, (params, opt_state), epoch_keys, unroll=unroll
+        )
         diagnostics.update(jax.tree.map(jnp.mean, losses), learning_rate=learning_rate)
         if args.anneal_clip:
             diagnostics["clip_coef"] = clip_coef
         leaves = jax.tree.leaves(params)
         diagnostics["finite"] = jnp.isfinite(diagnostics["loss"]) & jnp.all(
-            jnp.array([jnp.all(jnp.isfinite(x)) for x in leaves]))
-        new_state = dict(state, params=params, opt_state=opt_state, policy_version=state["policy_version"] + 1)
+            jnp.array([jnp.all(jnp.isfinite(x)) for x in leaves])
+        )
+        new_state = dict(
+            state, params=params, opt_state=opt_state, policy_version=state["policy_version"] + 1
+        )
         return new_state, diagnostics
 
     return update
@@ -613,24 +903,46 @@ def train_loop(run, envs, policy_step, update, normalizer, key, device, resume=N
     recurrent core back where the run stopped (journal.replay)."""
     args, state = run.args, run.state
     stats, timing = tasks.EpisodeStats(args.num_envs), {"env": 0.0, "inference": 0.0, "update": 0.0}
-    core = zero_core(args.lstm_size if args.lstm else 0, args.num_envs)  # --lstm: every env starts from zeros
+    core = zero_core(
+        args.lstm_size if args.lstm else 0, args.num_envs
+    )  # --lstm: every env starts from zeros
     if resume is None:
         obs, dones = normalizer.observe(envs.reset()[0]), np.zeros(args.num_envs, bool)
     else:
-        dones, obs = journal.replay(envs, resume["actions"], normalizer, stats, 0, receive_last=True)
-        core = jax.tree.unflatten(jax.tree.structure(core), resume["memory"]) if "memory" in resume else core
+        dones, obs = journal.replay(
+            envs, resume["actions"], normalizer, stats, 0, receive_last=True
+        )
+        core = (
+            jax.tree.unflatten(jax.tree.structure(core), resume["memory"])
+            if "memory" in resume
+            else core
+        )
     for rollout_index in range(run.start_update, run.num_updates):
         if run.should_stop(False, stats.pop()):
             break
         params = devices.to_actor(device, state["params"])
-        rollout, obs, dones, core = collect_rollout(envs, policy_step, params, obs, dones, core, key,
-                                                    rollout_index * args.num_steps, stats, normalizer, args, timing)
+        rollout, obs, dones, core = collect_rollout(
+            envs,
+            policy_step,
+            params,
+            obs,
+            dones,
+            core,
+            key,
+            rollout_index * args.num_steps,
+            stats,
+            normalizer,
+            args,
+            timing,
+        )
         run.sampled[0] += args.num_envs * args.num_steps
         start = time.perf_counter()
         run.journaled(rollout["actions"], [core], {})
         # The update's own: a resume draws the same
         subkey = jax.random.fold_in(run.update_key, int(state["policy_version"]))
-        state, diagnostics = update(state, devices.to_learner(run.mesh, rollout), subkey, args.total_timesteps)
+        state, diagnostics = update(
+            state, devices.to_learner(run.mesh, rollout), subkey, args.total_timesteps
+        )
         diagnostics = jax.device_get(diagnostics)
         timing["update"] += time.perf_counter() - start
         state = run.learned(state, diagnostics, timing)
@@ -645,17 +957,44 @@ def train_loop(run, envs, policy_step, update, normalizer, key, device, resume=N
 def build(args: Args, key):
     """(network, optimizer, continuous, normalizer, initial state) of a run with these flags; a
     checkpoint restores into `dict(state, **normalizer.state())` (utils/evaluate.py does too)."""
-    obs_space, action_space = tasks.spaces(args.env_id)[0], tasks.policy_space(args.env_id)  # what the policy samples
-    heads = tuple(map(int, getattr(action_space, "nvec", ())))  # multi-discrete, factored: a categorical a dimension
+    obs_space, action_space = (
+        tasks.spaces(args.env_id)[0],
+        tasks.policy_space(args.env_id),
+    )  # what the policy samples
+    heads = tuple(
+        map(int, getattr(action_space, "nvec", ()))
+    )  # multi-discrete, factored: a categorical a dimension
     continuous = not hasattr(action_space, "n") and not heads
-    action_dim = len(heads) * max(heads) if heads else int(getattr(action_space, "n", np.prod(action_space.shape)))
-    network = ActorCritic(action_dim, continuous, tasks.encoders(obs_space), args.lstm_size if args.lstm else 0, heads,
-                          args.action_mask and tasks.mask_shape(obs_space) is not None)
-    params = network.init(key, tasks.zeros_like_space(obs_space, 1), zero_core(network.lstm_size, 1))
+    action_dim = (
+        len(heads) * max(heads)
+        if heads
+        else int(getattr(action_space, "n", np.prod(action_space.shape)))
+    )
+    network = ActorCritic(
+        action_dim,
+        continuous,
+        tasks.encoders(obs_space),
+        args.lstm_size if args.lstm else 0,
+        heads,
+        args.action_mask and tasks.mask_shape(obs_space) is not None,
+    )
+    params = network.init(
+        key, tasks.zeros_like_space(obs_space, 1), zero_core(network.lstm_size, 1)
+    )
     optimizer = make_optimizer(args)
-    normalizer = Normalizer(tasks.zeros_like_space(obs_space), devices.local_envs(args), args.norm_obs,
-                            args.norm_reward, args.gamma)
-    state = {"params": params, "opt_state": optimizer.init(params), "global_step": 0, "policy_version": 0}
+    normalizer = Normalizer(
+        tasks.zeros_like_space(obs_space),
+        devices.local_envs(args),
+        args.norm_obs,
+        args.norm_reward,
+        args.gamma,
+    )
+    state = {
+        "params": params,
+        "opt_state": optimizer.init(params),
+        "global_step": 0,
+        "policy_version": 0,
+    }
     return network, optimizer, continuous, normalizer, state
 
 
@@ -669,19 +1008,33 @@ def main(args: Args, given=None) -> int:
         network, optimizer, continuous, normalizer, state = build(args, run.init_key)
         state = run.open(state, normalizer)
         # --deterministic: a resume replays the run's actions
-        resume, = run.journal_for(tasks.policy_space(args.env_id))
-        (device, seed, key), = run.actors()  # (device, env seed, action key): the synchronous loop acts on one device
+        (resume,) = run.journal_for(tasks.policy_space(args.env_id))
+        ((device, seed, key),) = (
+            run.actors()
+        )  # (device, env seed, action key): the synchronous loop acts on one device
         envs = tasks.make_env(args.env_id, args.num_envs, seed, run.env_threads, train=True)
         policy_step = make_policy_step(network, continuous)
         update = make_update(network, optimizer, args, continuous, run.mesh)
         run.begin(f"preset {tasks.preset_name(args.env_id, PRESETS)}")
         try:
-            run.threads.run("training loop", train_loop, run, envs, policy_step, update, normalizer, key, device,
-                            resume)
+            run.threads.run(
+                "training loop",
+                train_loop,
+                run,
+                envs,
+                policy_step,
+                update,
+                normalizer,
+                key,
+                device,
+                resume,
+            )
         finally:
             envs.close()
-        return run.finish(make_policy_step(network, continuous, values=False),
-                          functools.partial(zero_core, network.lstm_size))
+        return run.finish(
+            make_policy_step(network, continuous, values=False),
+            functools.partial(zero_core, network.lstm_size),
+        )
 
 
 if __name__ == "__main__":

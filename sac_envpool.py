@@ -24,9 +24,12 @@ import signal
 from dataclasses import dataclass
 from typing import Annotated, ClassVar, Optional
 
-if __name__ == "__main__":  # Ctrl-C while the libraries below import (seconds): exit 130, no traceback
+if (
+    __name__ == "__main__"
+):  # Ctrl-C while the libraries below import (seconds): exit 130, no traceback
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     from jax_async_rl.helptext import help_from_source
+
     help_from_source(__file__)  # --help prints without the libraries below (their seconds)
 
 import flax.linen as nn
@@ -42,7 +45,8 @@ from jax_async_rl.normalize import Normalizer
 from jax_async_rl.replay import Replay, check_rounds, gradient_steps
 
 LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0  # CleanRL's bounds of the policy's log standard deviation
-EVAL_POLICY = "the deterministic policy, tanh(mean)"  # evaluation_player's, in words (utils/evaluate.py says it)
+# evaluation_player's, in words (utils/evaluate.py says it)
+EVAL_POLICY = "the deterministic policy, tanh(mean)"
 
 
 @dataclass
@@ -52,7 +56,8 @@ class Args(flags.RunArgs):
 
     env_id: str = "HalfCheetah-v4"
     """envpool task id with continuous (float Box) actions: MuJoCo (HalfCheetah-v4), dm_control
-    (CheetahRun-v1), classic control (Pendulum-v1), Box2D, MetaWorld, ... (or your own Gymnasium env)"""
+    (CheetahRun-v1), classic control (Pendulum-v1), Box2D, MetaWorld, ... (or your own Gymnasium
+    env)"""
     num_envs: Annotated[int, POSITIVE, at_most(65_536)] = 1
     """number of parallel environments of each actor thread (see --num-actor-threads)"""
     num_splits: Annotated[int, POSITIVE] = 1
@@ -63,9 +68,9 @@ class Args(flags.RunArgs):
     queue_size: Annotated[int, POSITIVE, at_most(1024)] = 1
     """chunks an actor may queue ahead of the learner before it waits (backpressure)"""
     actor_lag: Annotated[Optional[int], NON_NEGATIVE, at_most(64)] = None
-    """an actor collects chunk m with the round on chunk m - 1 - this (acting_version): 0, the serial
-    mode's data; None, rlpyt's free-running actor (the newest parameters). --deterministic: exactly
-    that round (1 where none is given), else at least it"""
+    """an actor collects chunk m with the round on chunk m - 1 - this (acting_version): 0, the
+    serial mode's data; None, rlpyt's free-running actor (the newest parameters). --deterministic:
+    exactly that round (1 where none is given), else at least it"""
     serial: bool = False
     """one thread: collect a chunk, then learn from the buffer, in turn (rlpyt's serial mode)"""
     buffer_size: Annotated[int, POSITIVE] = 1_000_000
@@ -96,7 +101,8 @@ class Args(flags.RunArgs):
     autotune: bool = True
     """tune α toward the target entropy -|A| (Haarnoja et al. 2018, §5)"""
     num_threads: Annotated[int, NON_NEGATIVE, at_most(1024)] = 0
-    """envpool worker threads of each actor thread (0: the CPU cores shared among the actor threads)"""
+    """envpool worker threads of each actor thread (0: the CPU cores shared among the actor
+    threads)"""
     num_actor_threads: Annotated[int, POSITIVE, at_most(256)] = 1
     """actor threads on each actor device, each with num_envs envs of its own; a round takes one
     chunk from each"""
@@ -104,7 +110,8 @@ class Args(flags.RunArgs):
     """write a checkpoint every this many rounds (0: only at the end)"""
     log_frequency: Annotated[int, POSITIVE] = 20
     """log losses, timings and SPS every this many rounds and after the last (returns: always)"""
-    # The variants these flags make: the default --exp-name (the run's folder, its header line) names them.
+    # The variants these flags make: the default --exp-name (the run's folder, its header line)
+    # names them.
     NAMED: ClassVar[dict] = {"serial": dict(serial=True)}
 
 
@@ -115,12 +122,18 @@ def resolve_args(args: Args) -> Args:
     """The flags checked: UsageError, one line, before anything starts (runs.checked holds the
     checks every script's flags take)."""
     tasks.preset_values(args, {"classic": {}})  # the task known and checked
-    if not np.issubdtype(tasks.spaces(args.env_id)[1].dtype, np.floating):  # Discrete, integer Box, MultiDiscrete
-        raise UsageError(f"--env-id {args.env_id} has discrete actions; this script's policy is a continuous "
-                         "one: use dqn_envpool.py (or appo_envpool.py)")
+    if not np.issubdtype(
+        tasks.spaces(args.env_id)[1].dtype, np.floating
+    ):  # Discrete, integer Box, MultiDiscrete
+        raise UsageError(
+            f"--env-id {args.env_id} has discrete actions; this script's policy is a continuous "
+            "one: use dqn_envpool.py (or appo_envpool.py)"
+        )
     space = tasks.spaces(args.env_id)[1]
     if not (np.all(np.isfinite(space.low)) and np.all(np.isfinite(space.high))):
-        raise UsageError(f"--env-id {args.env_id} has unbounded actions; the policy's tanh needs finite bounds")
+        raise UsageError(
+            f"--env-id {args.env_id} has unbounded actions; the policy's tanh needs finite bounds"
+        )
     args = runs.checked(args)
     check_rounds(args, 5)
     return args
@@ -144,18 +157,25 @@ def encode(obs, encoders: tuple):
             x = jnp.transpose(x, (0, 2, 3, 1))  # [B, C, H, W] -> [B, H, W, C]
         if kind == "nature":  # Mnih et al. 2015
             x = conv(conv(conv(x.astype(jnp.float32) / 255.0, 32, 8, 4), 64, 4, 2), 64, 3)
-        elif kind == "grid":  # rl-starter-files' (torch-ac's) MiniGrid network: 2x2 convs, a max-pool
+        elif (
+            kind == "grid"
+        ):  # rl-starter-files' (torch-ac's) MiniGrid network: 2x2 convs, a max-pool
             x = nn.max_pool(conv(x.astype(jnp.float32), 16, 2), (2, 2), (2, 2))
             x = conv(conv(x, 32, 2), 64, 2)
         else:
-            x = jax.nn.one_hot(x - arg[1], arg[0]) if kind == "onehot" else x.astype(jnp.float32) * arg
+            x = (
+                jax.nn.one_hot(x - arg[1], arg[0])
+                if kind == "onehot"
+                else x.astype(jnp.float32) * arg
+            )
         features.append(x.reshape(x.shape[0], -1))
     return jnp.concatenate(features, axis=-1)
 
 
 class Critic(nn.Module):
     """Q(s, a) [B]: `encode`d observation and the action, through a 256-256 ReLU MLP (CleanRL).
-    K critics are one parameter tree with a leading axis of K (`critics`): TD3's and SAC's two, DDPG's one."""
+    K critics are one parameter tree with a leading axis of K (`critics`): TD3's and SAC's two,
+    DDPG's one."""
 
     encoders: tuple
 
@@ -180,7 +200,9 @@ class Actor(nn.Module):
         for size in [256, 256]:
             x = nn.relu(nn.Dense(size)(x))
         log_std = jnp.tanh(nn.Dense(self.action_dim)(x))
-        return nn.Dense(self.action_dim)(x), LOG_STD_MIN + 0.5 * (LOG_STD_MAX - LOG_STD_MIN) * (log_std + 1)
+        return nn.Dense(self.action_dim)(x), LOG_STD_MIN + 0.5 * (LOG_STD_MAX - LOG_STD_MIN) * (
+            log_std + 1
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,8 +213,11 @@ class Actor(nn.Module):
 def squashed_log_prob(u, mean, log_std, scale):
     """log π(a) [B] of the action a = tanh(u) x scale + bias, u ~ N(mean, exp(log_std)) [B, A]: the
     Gaussian's log-density minus log |da/du| = Σ log(scale (1 - tanh(u)^2)) (Haarnoja et al. 2018,
-    Appendix C), with log(1 - tanh(u)^2) = 2 (log 2 - u - softplus(-2u)), exact where tanh saturates."""
-    gaussian = -0.5 * jnp.square((u - mean) / jnp.exp(log_std)) - log_std - 0.5 * math.log(2 * math.pi)
+    Appendix C), with log(1 - tanh(u)^2) = 2 (log 2 - u - softplus(-2u)), exact where tanh
+    saturates."""
+    gaussian = (
+        -0.5 * jnp.square((u - mean) / jnp.exp(log_std)) - log_std - 0.5 * math.log(2 * math.pi)
+    )
     log_det = 2.0 * (math.log(2.0) - u - jax.nn.softplus(-2.0 * u)) + jnp.log(scale)
     return jnp.sum(gaussian - log_det, axis=-1)
 
@@ -201,8 +226,11 @@ def sample_action(actor, actor_params, obs, key, scale, bias):
     """(a, log π(a)) [B, A], [B]: a reparameterised sample of the squashed Gaussian, from one `key`
     or, keys [B, 2], row i from keys[i] (an env's at its step)."""
     mean, log_std = actor.apply(actor_params, obs)
-    noise = jax.vmap(lambda k: jax.random.normal(k, mean.shape[1:]))(key) if key.ndim == 2 else jax.random.normal(
-        key, mean.shape)
+    noise = (
+        jax.vmap(lambda k: jax.random.normal(k, mean.shape[1:]))(key)
+        if key.ndim == 2
+        else jax.random.normal(key, mean.shape)
+    )
     u = mean + jnp.exp(log_std) * noise
     return jnp.tanh(u) * scale + bias, squashed_log_prob(u, mean, log_std, scale)
 
@@ -238,7 +266,9 @@ def make_policy_step(actor, scale, bias, low, high):
     def policy_step(params, obs, explore, key, env_ids, steps):
         keys = jax.vmap(jax.random.split)(env_keys(key, env_ids, steps, jnp))  # [B, 2, 2]
         action, _ = sample_action(actor, params["actor"], obs, keys[:, 0], scale, bias)
-        uniform = jax.vmap(lambda k: jax.random.uniform(k, action.shape[1:], minval=low, maxval=high))(keys[:, 1])
+        uniform = jax.vmap(
+            lambda k: jax.random.uniform(k, action.shape[1:], minval=low, maxval=high)
+        )(keys[:, 1])
         return jnp.where(explore, uniform, action)
 
     return policy_step
@@ -268,9 +298,9 @@ def acting_version(rollout: int, actor_lag, oldest: int) -> int:
 
 
 def evaluation_player(args: Args, built):
-    """The evaluation's policy(params, obs, core, key, env_ids, steps) -> (actions, None, None, None): the
-    deterministic policy, tanh(mean) x scale + bias; its initial core (none). utils/evaluate.py
-    calls it too."""
+    """The evaluation's policy(params, obs, core, key, env_ids, steps) -> (actions, None, None,
+    None): the deterministic policy, tanh(mean) x scale + bias; its initial core (none).
+    utils/evaluate.py calls it too."""
     (actor, _), _, (scale, bias, _, _), _, _ = built
 
     @jax.jit
@@ -289,14 +319,22 @@ def evaluation_player(args: Args, built):
 def make_gradient_steps(networks, optimizers, args: Args, bounds):
     """(critic_step, policy_step), each (state, batch, key) -> (state, diagnostics): one Adam step
     of the twin critics toward the soft target, and one of the policy with the temperature's."""
-    (actor, critic), (actor_opt, q_opt, alpha_opt), (scale, bias, _, _) = networks, optimizers, bounds
+    (actor, critic), (actor_opt, q_opt, alpha_opt), (scale, bias, _, _) = (
+        networks,
+        optimizers,
+        bounds,
+    )
     target_entropy = -float(np.prod(scale.shape))
 
     def critic_step(state, batch, key):
         alpha = jnp.exp(state["log_alpha"])
-        next_action, next_log_prob = sample_action(actor, state["params"]["actor"], batch["next_obs"], key, scale, bias)
+        next_action, next_log_prob = sample_action(
+            actor, state["params"]["actor"], batch["next_obs"], key, scale, bias
+        )
         next_q = critics(critic, state["target_q"], batch["next_obs"], next_action)
-        target = jax.lax.stop_gradient(soft_q_target(next_q, next_log_prob, batch["reward"], batch["discount"], alpha))
+        target = jax.lax.stop_gradient(
+            soft_q_target(next_q, next_log_prob, batch["reward"], batch["discount"], alpha)
+        )
 
         def loss(q_params):  # CleanRL: the sum of each critic's mean squared error
             q = critics(critic, q_params, batch["obs"], batch["action"])
@@ -307,22 +345,35 @@ def make_gradient_steps(networks, optimizers, args: Args, bounds):
         params = dict(state["params"], q=optax.apply_updates(state["params"]["q"], updates))
         return dict(state, params=params, opt_state=dict(state["opt_state"], q=q_state)), {
             "qf_loss": q_loss,
-            "q_values": q.mean()
+            "q_values": q.mean(),
         }
 
     def policy_step(state, batch, key):
         actor_key, alpha_key = jax.random.split(key)
         alpha = jnp.exp(state["log_alpha"])
 
-        def loss(actor_params):  # E[α log π(a|s) - min_k Q_k(s, a)], a ~ π(s) (Haarnoja et al. 2018, eq. 7)
-            action, log_prob = sample_action(actor, actor_params, batch["obs"], actor_key, scale, bias)
-            return jnp.mean(alpha * log_prob - jnp.min(critics(critic, state["params"]["q"], batch["obs"], action), 0))
+        def loss(
+            actor_params,
+        ):  # E[α log π(a|s) - min_k Q_k(s, a)], a ~ π(s) (Haarnoja et al. 2018, eq. 7)
+            action, log_prob = sample_action(
+                actor, actor_params, batch["obs"], actor_key, scale, bias
+            )
+            return jnp.mean(
+                alpha * log_prob
+                - jnp.min(critics(critic, state["params"]["q"], batch["obs"], action), 0)
+            )
 
         actor_loss, grads = jax.value_and_grad(loss)(state["params"]["actor"])
-        updates, actor_state = actor_opt.update(grads, state["opt_state"]["actor"], state["params"]["actor"])
+        updates, actor_state = actor_opt.update(
+            grads, state["opt_state"]["actor"], state["params"]["actor"]
+        )
         params = dict(state["params"], actor=optax.apply_updates(state["params"]["actor"], updates))
-        _, log_prob = sample_action(actor, params["actor"], batch["obs"], alpha_key, scale, bias)  # the new policy's
-        alpha_loss, grad = jax.value_and_grad(temperature_loss)(state["log_alpha"], log_prob, target_entropy)
+        _, log_prob = sample_action(
+            actor, params["actor"], batch["obs"], alpha_key, scale, bias
+        )  # the new policy's
+        alpha_loss, grad = jax.value_and_grad(temperature_loss)(
+            state["log_alpha"], log_prob, target_entropy
+        )
         log_alpha, alpha_state = state["log_alpha"], state["opt_state"]["alpha"]
         if args.autotune:
             updates, alpha_state = alpha_opt.update(grad, alpha_state, log_alpha)
@@ -331,7 +382,7 @@ def make_gradient_steps(networks, optimizers, args: Args, bounds):
         return dict(state, params=params, opt_state=opt_state, log_alpha=log_alpha), {
             "actor_loss": actor_loss,
             "alpha_loss": alpha_loss,
-            "entropy": -jnp.mean(log_prob)
+            "entropy": -jnp.mean(log_prob),
         }
 
     return critic_step, policy_step
@@ -347,7 +398,9 @@ def make_update(networks, optimizers, args: Args, bounds, mesh=None):
     def step(state, batch_key):
         batch, key = batch_key
         if mesh is not None:  # each learner device takes its share of the batch: data parallel
-            batch = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, devices.split_envs(mesh, 0)), batch)
+            batch = jax.tree.map(
+                lambda x: jax.lax.with_sharding_constraint(x, devices.split_envs(mesh, 0)), batch
+            )
         keys = jax.random.split(key, args.policy_frequency + 1)
         state, diagnostics = critic_step(state, batch, keys[0])
 
@@ -358,11 +411,15 @@ def make_update(networks, optimizers, args: Args, bounds, mesh=None):
 
         due = state["gradient_step"] % args.policy_frequency == 0
         zeros = {"actor_loss": 0.0, "alpha_loss": 0.0, "entropy": 0.0}
-        state, policy_diagnostics = jax.lax.cond(due, policy_steps, lambda s: (s, jax.tree.map(jnp.float32, zeros)),
-                                                 state)
+        state, policy_diagnostics = jax.lax.cond(
+            due, policy_steps, lambda s: (s, jax.tree.map(jnp.float32, zeros)), state
+        )
         sync = state["gradient_step"] % args.target_network_frequency == 0
-        target_q = jax.tree.map(lambda p, t: jnp.where(sync, args.tau * p + (1 - args.tau) * t, t),
-                                state["params"]["q"], state["target_q"])
+        target_q = jax.tree.map(
+            lambda p, t: jnp.where(sync, args.tau * p + (1 - args.tau) * t, t),
+            state["params"]["q"],
+            state["target_q"],
+        )
         state = dict(state, target_q=target_q, gradient_step=state["gradient_step"] + 1)
         return state, dict(diagnostics, **policy_diagnostics, policy_step=due)
 
@@ -371,11 +428,16 @@ def make_update(networks, optimizers, args: Args, bounds, mesh=None):
         keys = jax.random.split(key, jax.tree.leaves(batches)[0].shape[0])
         state, steps = jax.lax.scan(step, state, (batches, keys))
         diagnostics = {k: jnp.mean(v) for k, v in steps.items() if k in ("qf_loss", "q_values")}
-        policy = jnp.maximum(jnp.sum(steps["policy_step"]), 1)  # the means over the steps that updated the policy
-        diagnostics.update({
-            k: jnp.sum(v) / policy
-            for k, v in steps.items() if k in ("actor_loss", "alpha_loss", "entropy")
-        })
+        policy = jnp.maximum(
+            jnp.sum(steps["policy_step"]), 1
+        )  # the means over the steps that updated the policy
+        diagnostics.update(
+            {
+                k: jnp.sum(v) / policy
+                for k, v in steps.items()
+                if k in ("actor_loss", "alpha_loss", "entropy")
+            }
+        )
         diagnostics["alpha"] = jnp.exp(state["log_alpha"])
         finite = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(state["params"])]
         diagnostics["finite"] = jnp.isfinite(diagnostics["qf_loss"]) & jnp.all(jnp.array(finite))
@@ -406,22 +468,36 @@ def build(args: Args, key):
     (utils/evaluate.py does too)."""
     obs_space, action_space = tasks.spaces(args.env_id)
     low, high = (np.asarray(x, np.float32) for x in (action_space.low, action_space.high))
-    bounds = ((high - low) / 2, (high + low) / 2, low, high)  # CleanRL's action_scale and action_bias
-    actor, critic = Actor(int(np.prod(action_space.shape)),
-                          tasks.encoders(obs_space)), Critic(tasks.encoders(obs_space))
-    obs, action = tasks.zeros_like_space(obs_space, 1), np.zeros((1, *action_space.shape), np.float32)
+    bounds = (
+        (high - low) / 2,
+        (high + low) / 2,
+        low,
+        high,
+    )  # CleanRL's action_scale and action_bias
+    actor, critic = (
+        Actor(int(np.prod(action_space.shape)), tasks.encoders(obs_space)),
+        Critic(tasks.encoders(obs_space)),
+    )
+    obs, action = (
+        tasks.zeros_like_space(obs_space, 1),
+        np.zeros((1, *action_space.shape), np.float32),
+    )
     actor_key, q_key = jax.random.split(key)
     params = {
         "actor": actor.init(actor_key, obs),
-        "q": jax.vmap(critic.init, in_axes=(0, None, None))(jax.random.split(q_key, 2), obs, action)
+        "q": jax.vmap(critic.init, in_axes=(0, None, None))(
+            jax.random.split(q_key, 2), obs, action
+        ),
     }
     optimizers = optax.adam(args.policy_lr), optax.adam(args.q_lr), optax.adam(args.q_lr)
     log_alpha = jnp.asarray(0.0 if args.autotune else math.log(max(args.alpha, 1e-30)), jnp.float32)
-    normalizer = Normalizer(tasks.zeros_like_space(obs_space), devices.local_envs(args), False, False, args.gamma)
+    normalizer = Normalizer(
+        tasks.zeros_like_space(obs_space), devices.local_envs(args), False, False, args.gamma
+    )
     opt_state = {
         "actor": optimizers[0].init(params["actor"]),
         "q": optimizers[1].init(params["q"]),
-        "alpha": optimizers[2].init(log_alpha)
+        "alpha": optimizers[2].init(log_alpha),
     }
     state = {
         "params": params,
@@ -430,7 +506,7 @@ def build(args: Args, key):
         "opt_state": opt_state,
         "gradient_step": 0,
         "global_step": 0,
-        "policy_version": 0
+        "policy_version": 0,
     }
     return (actor, critic), optimizers, bounds, normalizer, state
 
@@ -438,15 +514,23 @@ def build(args: Args, key):
 def make_replay(args: Args, envs):
     """The learner's buffer over all this process's envs (1-step transitions)."""
     obs_space, action_space = tasks.spaces(args.env_id)
-    return Replay(args.buffer_size, devices.local_envs(args), tasks.zeros_like_space(obs_space, 1),
-                  np.zeros((1, *action_space.shape), np.float32), 1, args.gamma)
+    return Replay(
+        args.buffer_size,
+        devices.local_envs(args),
+        tasks.zeros_like_space(obs_space, 1),
+        np.zeros((1, *action_space.shape), np.float32),
+        1,
+        args.gamma,
+    )
 
 
 def main(args: Args, given=None) -> int:
     """Train; return the exit code. `given`: the flags named on the command line, which replace a
     resumed run's own (None: those that differ from Args' defaults)."""
     if args.distributed:  # refused before the Run joins any process
-        raise UsageError("--distributed: sac_envpool.py learns in one process (its buffer is that process's)")
+        raise UsageError(
+            "--distributed: sac_envpool.py learns in one process (its buffer is that process's)"
+        )
     with runs.Run(args, given, __file__, resolve_args) as run:
         if run.finished:
             return 0
@@ -455,22 +539,55 @@ def main(args: Args, given=None) -> int:
         state = run.open(state, normalizer)
         actors = run.actors()  # (device, env seed, action key) of each actor thread
         envs = [
-            tasks.make_actor_env(args.env_id, args.num_envs, seed, run.env_threads, args.num_splits, args.deterministic)
+            tasks.make_actor_env(
+                args.env_id,
+                args.num_envs,
+                seed,
+                run.env_threads,
+                args.num_splits,
+                args.deterministic,
+            )
             for _, seed, _ in actors
         ]
         policy_step = make_policy_step(actor, *bounds)
-        shared = threads.Shared(state["params"], state["policy_version"], normalizer, run.sampled, run.stop,
-                                learning=not args.serial, keep=(args.actor_lag or 0) + 2)
+        shared = threads.Shared(
+            state["params"],
+            state["policy_version"],
+            normalizer,
+            run.sampled,
+            run.stop,
+            learning=not args.serial,
+            keep=(args.actor_lag or 0) + 2,
+        )
         collectors = [
-            rounds.Collector(envs[i], make_act(policy_step, args, key), args, i, shared, run.start_update)
+            rounds.Collector(
+                envs[i], make_act(policy_step, args, key), args, i, shared, run.start_update
+            )
             for i, (_, _, key) in enumerate(actors)
         ]
-        learn = make_learn(make_update(built[0], optimizers, args, bounds, run.mesh), run.update_key)
-        learner = rounds.Learner(run, make_replay(args, envs), learn, np.random.default_rng(run.seed), shared.timing,
-                                 lambda step: args.policy_lr)
-        run.begin(f"{gradient_steps(args)} gradient steps a round{', serial' if args.serial else ''}")
-        rounds.train(run, learner, collectors, actors, args.queue_size, args.serial,
-                     functools.partial(acting_version, actor_lag=args.actor_lag, oldest=shared.oldest))
+        learn = make_learn(
+            make_update(built[0], optimizers, args, bounds, run.mesh), run.update_key
+        )
+        learner = rounds.Learner(
+            run,
+            make_replay(args, envs),
+            learn,
+            np.random.default_rng(run.seed),
+            shared.timing,
+            lambda step: args.policy_lr,
+        )
+        run.begin(
+            f"{gradient_steps(args)} gradient steps a round{', serial' if args.serial else ''}"
+        )
+        rounds.train(
+            run,
+            learner,
+            collectors,
+            actors,
+            args.queue_size,
+            args.serial,
+            functools.partial(acting_version, actor_lag=args.actor_lag, oldest=shared.oldest),
+        )
         return run.finish(*evaluation_player(args, built))
 
 

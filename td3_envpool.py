@@ -24,9 +24,12 @@ import signal
 from dataclasses import dataclass
 from typing import Annotated, ClassVar, Optional
 
-if __name__ == "__main__":  # Ctrl-C while the libraries below import (seconds): exit 130, no traceback
+if (
+    __name__ == "__main__"
+):  # Ctrl-C while the libraries below import (seconds): exit 130, no traceback
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     from jax_async_rl.helptext import help_from_source
+
     help_from_source(__file__)  # --help prints without the libraries below (their seconds)
 
 import flax.linen as nn
@@ -41,7 +44,8 @@ from jax_async_rl.keys import env_keys
 from jax_async_rl.normalize import Normalizer
 from jax_async_rl.replay import Replay, check_rounds, gradient_steps
 
-EVAL_POLICY = "the deterministic policy, without exploration noise"  # evaluation_player's, in words (utils/evaluate.py)
+# evaluation_player's, in words (utils/evaluate.py)
+EVAL_POLICY = "the deterministic policy, without exploration noise"
 
 
 @dataclass
@@ -52,7 +56,8 @@ class Args(flags.RunArgs):
 
     env_id: str = "HalfCheetah-v4"
     """envpool task id with continuous (float Box) actions: MuJoCo (HalfCheetah-v4), dm_control
-    (CheetahRun-v1), classic control (Pendulum-v1), Box2D, MetaWorld, ... (or your own Gymnasium env)"""
+    (CheetahRun-v1), classic control (Pendulum-v1), Box2D, MetaWorld, ... (or your own Gymnasium
+    env)"""
     num_envs: Annotated[int, POSITIVE, at_most(65_536)] = 1
     """number of parallel environments of each actor thread (see --num-actor-threads)"""
     num_splits: Annotated[int, POSITIVE] = 1
@@ -63,9 +68,9 @@ class Args(flags.RunArgs):
     queue_size: Annotated[int, POSITIVE, at_most(1024)] = 1
     """chunks an actor may queue ahead of the learner before it waits (backpressure)"""
     actor_lag: Annotated[Optional[int], NON_NEGATIVE, at_most(64)] = None
-    """an actor collects chunk m with the round on chunk m - 1 - this (acting_version): 0, the serial
-    mode's data; None, rlpyt's free-running actor (the newest parameters). --deterministic: exactly
-    that round (1 where none is given), else at least it"""
+    """an actor collects chunk m with the round on chunk m - 1 - this (acting_version): 0, the
+    serial mode's data; None, rlpyt's free-running actor (the newest parameters). --deterministic:
+    exactly that round (1 where none is given), else at least it"""
     serial: bool = False
     """one thread: collect a chunk, then learn from the buffer, in turn (rlpyt's serial mode)"""
     buffer_size: Annotated[int, POSITIVE] = 1_000_000
@@ -85,9 +90,11 @@ class Args(flags.RunArgs):
     tau: Annotated[float, UNIT] = 0.005
     """target networks' Polyak rate: target <- tau x online + (1 - tau) x target"""
     policy_delay: Annotated[int, POSITIVE, at_most(1000)] = 2
-    """gradient steps between policy steps, which also move the targets (TD3's delayed update, §5.2; DDPG: 1)"""
+    """gradient steps between policy steps, which also move the targets (TD3's delayed update,
+    §5.2; DDPG: 1)"""
     twin_q: bool = True
-    """two critics, the smaller in the target (TD3's clipped double Q-learning, §4.2); off: DDPG's one"""
+    """two critics, the smaller in the target (TD3's clipped double Q-learning, §4.2); off:
+    DDPG's one"""
     target_noise: Annotated[float, NON_NEGATIVE] = 0.2
     """std of the Gaussian noise on the target policy's action, x the action scale (TD3's target
     policy smoothing, §5.3; DDPG: 0)"""
@@ -96,7 +103,8 @@ class Args(flags.RunArgs):
     exploration_noise: Annotated[float, NON_NEGATIVE] = 0.1
     """std of the Gaussian noise on the actors' actions, x the action scale"""
     num_threads: Annotated[int, NON_NEGATIVE, at_most(1024)] = 0
-    """envpool worker threads of each actor thread (0: the CPU cores shared among the actor threads)"""
+    """envpool worker threads of each actor thread (0: the CPU cores shared among the actor
+    threads)"""
     num_actor_threads: Annotated[int, POSITIVE, at_most(256)] = 1
     """actor threads on each actor device, each with num_envs envs of its own; a round takes one
     chunk from each"""
@@ -104,8 +112,12 @@ class Args(flags.RunArgs):
     """write a checkpoint every this many rounds (0: only at the end)"""
     log_frequency: Annotated[int, POSITIVE] = 20
     """log losses, timings and SPS every this many rounds and after the last (returns: always)"""
-    # The variants these flags make: the default --exp-name (the run's folder, its header line) names them.
-    NAMED: ClassVar[dict] = {"ddpg": dict(twin_q=False, policy_delay=1, target_noise=0.0), "serial": dict(serial=True)}
+    # The variants these flags make: the default --exp-name (the run's folder, its header line)
+    # names them.
+    NAMED: ClassVar[dict] = {
+        "ddpg": dict(twin_q=False, policy_delay=1, target_noise=0.0),
+        "serial": dict(serial=True),
+    }
 
 
 PRESETS = {}  # one configuration for every task: Args' defaults
@@ -115,12 +127,18 @@ def resolve_args(args: Args) -> Args:
     """The flags checked: UsageError, one line, before anything starts (runs.checked holds the
     checks every script's flags take)."""
     tasks.preset_values(args, {"classic": {}})  # the task known and checked
-    if not np.issubdtype(tasks.spaces(args.env_id)[1].dtype, np.floating):  # Discrete, integer Box, MultiDiscrete
-        raise UsageError(f"--env-id {args.env_id} has discrete actions; this script's policy is a continuous "
-                         "one: use dqn_envpool.py (or appo_envpool.py)")
+    if not np.issubdtype(
+        tasks.spaces(args.env_id)[1].dtype, np.floating
+    ):  # Discrete, integer Box, MultiDiscrete
+        raise UsageError(
+            f"--env-id {args.env_id} has discrete actions; this script's policy is a continuous "
+            "one: use dqn_envpool.py (or appo_envpool.py)"
+        )
     space = tasks.spaces(args.env_id)[1]
     if not (np.all(np.isfinite(space.low)) and np.all(np.isfinite(space.high))):
-        raise UsageError(f"--env-id {args.env_id} has unbounded actions; the policy's tanh needs finite bounds")
+        raise UsageError(
+            f"--env-id {args.env_id} has unbounded actions; the policy's tanh needs finite bounds"
+        )
     args = runs.checked(args)
     check_rounds(args, 5)
     return args
@@ -144,18 +162,25 @@ def encode(obs, encoders: tuple):
             x = jnp.transpose(x, (0, 2, 3, 1))  # [B, C, H, W] -> [B, H, W, C]
         if kind == "nature":  # Mnih et al. 2015
             x = conv(conv(conv(x.astype(jnp.float32) / 255.0, 32, 8, 4), 64, 4, 2), 64, 3)
-        elif kind == "grid":  # rl-starter-files' (torch-ac's) MiniGrid network: 2x2 convs, a max-pool
+        elif (
+            kind == "grid"
+        ):  # rl-starter-files' (torch-ac's) MiniGrid network: 2x2 convs, a max-pool
             x = nn.max_pool(conv(x.astype(jnp.float32), 16, 2), (2, 2), (2, 2))
             x = conv(conv(x, 32, 2), 64, 2)
         else:
-            x = jax.nn.one_hot(x - arg[1], arg[0]) if kind == "onehot" else x.astype(jnp.float32) * arg
+            x = (
+                jax.nn.one_hot(x - arg[1], arg[0])
+                if kind == "onehot"
+                else x.astype(jnp.float32) * arg
+            )
         features.append(x.reshape(x.shape[0], -1))
     return jnp.concatenate(features, axis=-1)
 
 
 class Critic(nn.Module):
     """Q(s, a) [B]: `encode`d observation and the action, through a 256-256 ReLU MLP (CleanRL).
-    K critics are one parameter tree with a leading axis of K (`critics`): TD3's and SAC's two, DDPG's one."""
+    K critics are one parameter tree with a leading axis of K (`critics`): TD3's and SAC's two,
+    DDPG's one."""
 
     encoders: tuple
 
@@ -180,7 +205,9 @@ class Actor(nn.Module):
         x = encode(obs, self.encoders)
         for size in [256, 256]:
             x = nn.relu(nn.Dense(size)(x))
-        return jnp.tanh(nn.Dense(self.action_dim)(x)) * jnp.asarray(self.scale) + jnp.asarray(self.bias)
+        return jnp.tanh(nn.Dense(self.action_dim)(x)) * jnp.asarray(self.scale) + jnp.asarray(
+            self.bias
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,7 +257,9 @@ def make_policy_step(actor, noise, scale, low, high):
         action = actor.apply(params["actor"], obs)
         gaussian = jax.vmap(lambda k: jax.random.normal(k, action.shape[1:]))(keys[:, 0])
         action = jnp.clip(action + noise * scale * gaussian, low, high)
-        uniform = jax.vmap(lambda k: jax.random.uniform(k, action.shape[1:], minval=low, maxval=high))(keys[:, 1])
+        uniform = jax.vmap(
+            lambda k: jax.random.uniform(k, action.shape[1:], minval=low, maxval=high)
+        )(keys[:, 1])
         return jnp.where(explore, uniform, action)
 
     return policy_step
@@ -260,9 +289,9 @@ def acting_version(rollout: int, actor_lag, oldest: int) -> int:
 
 
 def evaluation_player(args: Args, built):
-    """The evaluation's policy(params, obs, core, key, env_ids, steps) -> (actions, None, None, None): the
-    deterministic policy, without exploration noise; its initial core (none). utils/evaluate.py
-    calls it too."""
+    """The evaluation's policy(params, obs, core, key, env_ids, steps) -> (actions, None, None,
+    None): the deterministic policy, without exploration noise; its initial core (none).
+    utils/evaluate.py calls it too."""
     (actor, _), _, _, _, _ = built
 
     @jax.jit
@@ -299,24 +328,32 @@ def make_gradient_steps(networks, optimizer, args: Args, bounds):
         params = dict(state["params"], q=optax.apply_updates(state["params"]["q"], updates))
         return dict(state, params=params, opt_state=dict(state["opt_state"], q=q_state)), {
             "qf_loss": q_loss,
-            "q_values": q.mean()
+            "q_values": q.mean(),
         }
 
     def policy_step(state, batch, key):
 
-        def loss(actor_params):  # -Q_1(s, μ(s)): the deterministic policy gradient (Silver et al. 2014)
+        def loss(
+            actor_params,
+        ):  # -Q_1(s, μ(s)): the deterministic policy gradient (Silver et al. 2014)
             q_params = jax.tree.map(lambda p: p[:1], state["params"]["q"])
-            return -jnp.mean(critics(critic, q_params, batch["obs"], actor.apply(actor_params, batch["obs"])))
+            return -jnp.mean(
+                critics(critic, q_params, batch["obs"], actor.apply(actor_params, batch["obs"]))
+            )
 
         actor_loss, grads = jax.value_and_grad(loss)(state["params"]["actor"])
-        updates, actor_state = optimizer.update(grads, state["opt_state"]["actor"], state["params"]["actor"])
+        updates, actor_state = optimizer.update(
+            grads, state["opt_state"]["actor"], state["params"]["actor"]
+        )
         params = dict(state["params"], actor=optax.apply_updates(state["params"]["actor"], updates))
         polyak = lambda p, t: args.tau * p + (1 - args.tau) * t  # noqa: E731
-        return dict(state, params=params, opt_state=dict(state["opt_state"], actor=actor_state),
-                    target_actor=jax.tree.map(polyak, params["actor"], state["target_actor"]), target_q=jax.tree.map(
-                        polyak, params["q"], state["target_q"])), {
-                            "actor_loss": actor_loss
-                        }
+        return dict(
+            state,
+            params=params,
+            opt_state=dict(state["opt_state"], actor=actor_state),
+            target_actor=jax.tree.map(polyak, params["actor"], state["target_actor"]),
+            target_q=jax.tree.map(polyak, params["q"], state["target_q"]),
+        ), {"actor_loss": actor_loss}
 
     return critic_step, policy_step
 
@@ -330,12 +367,14 @@ def make_update(networks, optimizer, args: Args, bounds, mesh=None):
     def step(state, batch_key):
         batch, key = batch_key
         if mesh is not None:  # each learner device takes its share of the batch: data parallel
-            batch = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, devices.split_envs(mesh, 0)), batch)
+            batch = jax.tree.map(
+                lambda x: jax.lax.with_sharding_constraint(x, devices.split_envs(mesh, 0)), batch
+            )
         state, diagnostics = critic_step(state, batch, key)
         due = policy_due(state["gradient_step"], args.policy_delay)
-        state, policy_diagnostics = jax.lax.cond(due, policy_step, lambda s, b, k: (s, {
-            "actor_loss": jnp.float32(0)
-        }), state, batch, key)
+        state, policy_diagnostics = jax.lax.cond(
+            due, policy_step, lambda s, b, k: (s, {"actor_loss": jnp.float32(0)}), state, batch, key
+        )
         state = dict(state, gradient_step=state["gradient_step"] + 1)
         return state, dict(diagnostics, **policy_diagnostics, policy_step=due)
 
@@ -344,7 +383,9 @@ def make_update(networks, optimizer, args: Args, bounds, mesh=None):
         keys = jax.random.split(key, jax.tree.leaves(batches)[0].shape[0])
         state, steps = jax.lax.scan(step, state, (batches, keys))
         diagnostics = {k: jnp.mean(v) for k, v in steps.items() if k in ("qf_loss", "q_values")}
-        policy = jnp.maximum(jnp.sum(steps["policy_step"]), 1)  # the mean over the steps that updated the policy
+        policy = jnp.maximum(
+            jnp.sum(steps["policy_step"]), 1
+        )  # the mean over the steps that updated the policy
         diagnostics["actor_loss"] = jnp.sum(steps["actor_loss"]) / policy
         finite = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(state["params"])]
         diagnostics["finite"] = jnp.isfinite(diagnostics["qf_loss"]) & jnp.all(jnp.array(finite))
@@ -375,18 +416,34 @@ def build(args: Args, key):
     (utils/evaluate.py does too)."""
     obs_space, action_space = tasks.spaces(args.env_id)
     low, high = (np.asarray(x, np.float32) for x in (action_space.low, action_space.high))
-    bounds = ((high - low) / 2, (high + low) / 2, low, high)  # CleanRL's action_scale and action_bias
-    actor = Actor(int(np.prod(action_space.shape)), tasks.encoders(obs_space), tuple(bounds[0].tolist()),
-                  tuple(bounds[1].tolist()))
+    bounds = (
+        (high - low) / 2,
+        (high + low) / 2,
+        low,
+        high,
+    )  # CleanRL's action_scale and action_bias
+    actor = Actor(
+        int(np.prod(action_space.shape)),
+        tasks.encoders(obs_space),
+        tuple(bounds[0].tolist()),
+        tuple(bounds[1].tolist()),
+    )
     critic = Critic(tasks.encoders(obs_space))
-    obs, action = tasks.zeros_like_space(obs_space, 1), np.zeros((1, *action_space.shape), np.float32)
+    obs, action = (
+        tasks.zeros_like_space(obs_space, 1),
+        np.zeros((1, *action_space.shape), np.float32),
+    )
     actor_key, q_key = jax.random.split(key)
     params = {
         "actor": actor.init(actor_key, obs),
-        "q": jax.vmap(critic.init, in_axes=(0, None, None))(jax.random.split(q_key, 1 + args.twin_q), obs, action)
+        "q": jax.vmap(critic.init, in_axes=(0, None, None))(
+            jax.random.split(q_key, 1 + args.twin_q), obs, action
+        ),
     }
     optimizer = optax.adam(args.learning_rate)
-    normalizer = Normalizer(tasks.zeros_like_space(obs_space), devices.local_envs(args), False, False, args.gamma)
+    normalizer = Normalizer(
+        tasks.zeros_like_space(obs_space), devices.local_envs(args), False, False, args.gamma
+    )
     opt_state = {"actor": optimizer.init(params["actor"]), "q": optimizer.init(params["q"])}
     state = {
         "params": params,
@@ -395,7 +452,7 @@ def build(args: Args, key):
         "opt_state": opt_state,
         "gradient_step": 0,
         "global_step": 0,
-        "policy_version": 0
+        "policy_version": 0,
     }
     return (actor, critic), optimizer, bounds, normalizer, state
 
@@ -403,15 +460,23 @@ def build(args: Args, key):
 def make_replay(args: Args, envs):
     """The learner's buffer over all this process's envs (1-step transitions)."""
     obs_space, action_space = tasks.spaces(args.env_id)
-    return Replay(args.buffer_size, devices.local_envs(args), tasks.zeros_like_space(obs_space, 1),
-                  np.zeros((1, *action_space.shape), np.float32), 1, args.gamma)
+    return Replay(
+        args.buffer_size,
+        devices.local_envs(args),
+        tasks.zeros_like_space(obs_space, 1),
+        np.zeros((1, *action_space.shape), np.float32),
+        1,
+        args.gamma,
+    )
 
 
 def main(args: Args, given=None) -> int:
     """Train; return the exit code. `given`: the flags named on the command line, which replace a
     resumed run's own (None: those that differ from Args' defaults)."""
     if args.distributed:  # refused before the Run joins any process
-        raise UsageError("--distributed: td3_envpool.py learns in one process (its buffer is that process's)")
+        raise UsageError(
+            "--distributed: td3_envpool.py learns in one process (its buffer is that process's)"
+        )
     with runs.Run(args, given, __file__, resolve_args) as run:
         if run.finished:
             return 0
@@ -420,22 +485,53 @@ def main(args: Args, given=None) -> int:
         state = run.open(state, normalizer)
         actors = run.actors()  # (device, env seed, action key) of each actor thread
         envs = [
-            tasks.make_actor_env(args.env_id, args.num_envs, seed, run.env_threads, args.num_splits, args.deterministic)
+            tasks.make_actor_env(
+                args.env_id,
+                args.num_envs,
+                seed,
+                run.env_threads,
+                args.num_splits,
+                args.deterministic,
+            )
             for _, seed, _ in actors
         ]
         policy_step = make_policy_step(actor, args.exploration_noise, bounds[0], *bounds[2:])
-        shared = threads.Shared(state["params"], state["policy_version"], normalizer, run.sampled, run.stop,
-                                learning=not args.serial, keep=(args.actor_lag or 0) + 2)
+        shared = threads.Shared(
+            state["params"],
+            state["policy_version"],
+            normalizer,
+            run.sampled,
+            run.stop,
+            learning=not args.serial,
+            keep=(args.actor_lag or 0) + 2,
+        )
         collectors = [
-            rounds.Collector(envs[i], make_act(policy_step, args, key), args, i, shared, run.start_update)
+            rounds.Collector(
+                envs[i], make_act(policy_step, args, key), args, i, shared, run.start_update
+            )
             for i, (_, _, key) in enumerate(actors)
         ]
         learn = make_learn(make_update(built[0], optimizer, args, bounds, run.mesh), run.update_key)
-        learner = rounds.Learner(run, make_replay(args, envs), learn, np.random.default_rng(run.seed), shared.timing,
-                                 lambda step: args.learning_rate)
-        run.begin(f"{gradient_steps(args)} gradient steps a round{', serial' if args.serial else ''}")
-        rounds.train(run, learner, collectors, actors, args.queue_size, args.serial,
-                     functools.partial(acting_version, actor_lag=args.actor_lag, oldest=shared.oldest))
+        learner = rounds.Learner(
+            run,
+            make_replay(args, envs),
+            learn,
+            np.random.default_rng(run.seed),
+            shared.timing,
+            lambda step: args.learning_rate,
+        )
+        run.begin(
+            f"{gradient_steps(args)} gradient steps a round{', serial' if args.serial else ''}"
+        )
+        rounds.train(
+            run,
+            learner,
+            collectors,
+            actors,
+            args.queue_size,
+            args.serial,
+            functools.partial(acting_version, actor_lag=args.actor_lag, oldest=shared.oldest),
+        )
         return run.finish(*evaluation_player(args, built))
 
 

@@ -9,7 +9,8 @@ only guess at the end (about 0 on average); one with memory (--lstm) reaches abo
 
     python appo_envpool.py --env-id examples.corridor:Corridor --env-kwargs '{"length": 4}' --lstm
     python appo_envpool.py --env-id Corridor-v0 --env-module examples.corridor
-    python utils/benchmark.py --env-id examples.corridor:Corridor --env-kwargs '{"step_seconds": 0.001}' \
+    python utils/benchmark.py --env-id examples.corridor:Corridor --env-kwargs '{"step_seconds":
+    0.001}' \
         --parts sampler --quick --num-envs 16      # a 1 ms step: 2 splits against 1
 """
 
@@ -21,7 +22,8 @@ import numpy as np
 
 class Corridor(gymnasium.Env):
     metadata = {"render_modes": ["rgb_array"], "render_fps": 4}
-    # observation: [cue says left, cue says right, at the end]; actions: forward, turn left, turn right
+    # observation: [cue says left, cue says right, at the end]; actions: forward, turn left, turn
+    # right
     observation_space = gymnasium.spaces.Box(0.0, 1.0, (3,), np.float32)
     action_space = gymnasium.spaces.Discrete(3)
 
@@ -62,7 +64,7 @@ class Corridor(gymnasium.Env):
 
     def render(self):
         frame = np.full((16, 16 * (self.length + 1), 3), 255, np.uint8)
-        frame[4:12, 16 * self.position + 4:16 * self.position + 12] = (0, 0, 255)
+        frame[4:12, 16 * self.position + 4 : 16 * self.position + 12] = (0, 0, 255)
         if self.t == 0:
             frame[:4, :16] = (255, 0, 0) if self.cue == 0 else (0, 255, 0)
         return frame

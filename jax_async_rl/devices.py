@@ -40,13 +40,23 @@ def start_processes(args):
         return
     if args.num_processes < 0:
         raise UsageError(f"--num-processes must be >= 0 (0: detected), got {args.num_processes}")
-    if args.process_id < -1 or (args.num_processes and not -1 < args.process_id < args.num_processes):
+    if args.process_id < -1 or (
+        args.num_processes and not -1 < args.process_id < args.num_processes
+    ):
         raise UsageError(
-            f"--process-id {args.process_id} must be in 0 to --num-processes - 1 ({args.num_processes - 1})")
+            f"--process-id {args.process_id} must be in 0 to --num-processes - 1 "
+            f"({args.num_processes - 1})"
+        )
     if (args.num_processes or args.process_id >= 0) and not args.coordinator_address:
-        raise UsageError("--num-processes and --process-id need --coordinator-address HOST:PORT (process 0's)")
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # collectives between CPU processes
-    jax.config.update("jax_enable_preemption_service", False)  # it would take SIGTERM from the run's signal handler
+        raise UsageError(
+            "--num-processes and --process-id need --coordinator-address HOST:PORT (process 0's)"
+        )
+    jax.config.update(
+        "jax_cpu_collectives_implementation", "gloo"
+    )  # collectives between CPU processes
+    jax.config.update(
+        "jax_enable_preemption_service", False
+    )  # it would take SIGTERM from the run's signal handler
     try:
         jax.distributed.initialize(
             args.coordinator_address or None,
@@ -57,12 +67,15 @@ def start_processes(args):
             shutdown_timeout_seconds=3600,
         )
     except ValueError as e:  # no cluster detected, and no --coordinator-address
-        raise UsageError(f"--distributed: {e} Pass --coordinator-address, --num-processes and --process-id, "
-                         "or launch under a cluster manager JAX detects (SLURM, Open MPI, ...)")
+        raise UsageError(
+            f"--distributed: {e} Pass --coordinator-address, --num-processes and --process-id, "
+            "or launch under a cluster manager JAX detects (SLURM, Open MPI, ...)"
+        )
 
 
 def actor_threads(args) -> int:
-    """This process's actor threads: actor devices x --num-actor-threads (a script without that flag has one)."""
+    """This process's actor threads: actor devices x --num-actor-threads (a script without that
+    flag has one)."""
     return len(args.actor_device_ids) * getattr(args, "num_actor_threads", 1)
 
 
@@ -71,7 +84,9 @@ def available_memory():
     MemAvailable); None where it does not say."""
     try:
         with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+            return next(
+                int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")
+            )
     except (OSError, StopIteration, ValueError, IndexError):
         return None
 
@@ -86,11 +101,19 @@ def global_envs(args) -> int:
 
 
 def describe_batch(args) -> str:
-    """An update's batch, in words: processes x actor threads (where a script has them) x num_envs x num_steps."""
+    """An update's batch, in words: processes x actor threads (where a script has them) x
+    num_envs x num_steps."""
     threads, processes = actor_threads(args), jax.process_count()
-    actors = f"{threads} actor thread{'s' * (threads > 1)} x " if hasattr(args, "num_actor_threads") else ""
-    return (f"{processes} process{'es' * (processes > 1)} x {actors}{args.num_envs} envs x {args.num_steps} steps "
-            f"= {global_envs(args) * args.num_steps} env steps")
+    actors = (
+        f"{threads} actor thread{'s' * (threads > 1)} x "
+        if hasattr(args, "num_actor_threads")
+        else ""
+    )
+    return (
+        f"{processes} process{'es' * (processes > 1)} x {actors}{args.num_envs} envs x "
+        f"{args.num_steps} steps "
+        f"= {global_envs(args) * args.num_steps} env steps"
+    )
 
 
 def make_mesh(args):
@@ -98,22 +121,36 @@ def make_mesh(args):
     lines up the learner devices of every process along one axis, "env", over which each update's
     batch is split (jit with NamedSharding: XLA partitions the update and all-reduces gradients)."""
     local = [d for d in jax.devices() if d.process_index == jax.process_index()]
-    for flag, ids in [("--actor-device-ids", args.actor_device_ids), ("--learner-device-ids", args.learner_device_ids)]:
+    for flag, ids in [
+        ("--actor-device-ids", args.actor_device_ids),
+        ("--learner-device-ids", args.learner_device_ids),
+    ]:
         if not ids or min(ids) < 0 or max(ids) >= len(local) or len(set(ids)) < len(ids):
-            raise UsageError(f"{flag} {' '.join(map(str, ids))}: this process has {len(local)} {jax.default_backend()} "
-                             f"devices, 0 to {len(local) - 1}; give each at most once")
+            raise UsageError(
+                f"{flag} {' '.join(map(str, ids))}: this process has {len(local)} "
+                f"{jax.default_backend()} "
+                f"devices, 0 to {len(local) - 1}; give each at most once"
+            )
     if local_envs(args) % len(args.learner_device_ids):
-        raise UsageError(f"the {local_envs(args)} envs of this process do not divide over its "
-                         f"{len(args.learner_device_ids)} learner devices (--learner-device-ids)")
+        raise UsageError(
+            f"the {local_envs(args)} envs of this process do not divide over its "
+            f"{len(args.learner_device_ids)} learner devices (--learner-device-ids)"
+        )
     learners = [
-        d for p in range(jax.process_count())
-        for d in np.array([d for d in jax.devices() if d.process_index == p])[args.learner_device_ids]
+        d
+        for p in range(jax.process_count())
+        for d in np.array([d for d in jax.devices() if d.process_index == p])[
+            args.learner_device_ids
+        ]
     ]
-    return [local[i] for i in args.actor_device_ids], jax.sharding.Mesh(np.array(learners), ("env",))
+    return [local[i] for i in args.actor_device_ids], jax.sharding.Mesh(
+        np.array(learners), ("env",)
+    )
 
 
 def env_axis(path) -> int:
-    """The env axis of a rollout's leaf: 0 in bootstrap_obs and state ([B, ...]), else 1 ([T, B, ...])."""
+    """The env axis of a rollout's leaf: 0 in bootstrap_obs and state ([B, ...]), else 1 ([T, B,
+    ...])."""
     return 0 if path[0].key in ("bootstrap_obs", "state") else 1
 
 
@@ -121,7 +158,9 @@ def joined(rollouts: list) -> dict:
     """Actor threads' rollouts side by side along the env axis: this process's share of a batch."""
     if len(rollouts) == 1:
         return rollouts[0]
-    return jax.tree_util.tree_map_with_path(lambda path, *xs: np.concatenate(xs, env_axis(path)), *rollouts)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, *xs: np.concatenate(xs, env_axis(path)), *rollouts
+    )
 
 
 def split_envs(mesh, axis: int):
@@ -132,7 +171,9 @@ def split_envs(mesh, axis: int):
 def to_learner(mesh, rollout):
     """The one transfer of a rollout to the learner devices: this process's share of the global
     batch, split along the env axis over its learner devices."""
-    if jax.process_count() == 1 and mesh.size == 1:  # host arrays: the jitted update takes them in its call,
+    if (
+        jax.process_count() == 1 and mesh.size == 1
+    ):  # host arrays: the jitted update takes them in its call,
         return rollout  # 5x cheaper than a device_put of its own for a replay round's small batches
     by_axis = [split_envs(mesh, 0), split_envs(mesh, 1)]
     shardings = jax.tree_util.tree_map_with_path(lambda path, _: by_axis[env_axis(path)], rollout)
@@ -143,7 +184,9 @@ def to_learner(mesh, rollout):
 
 def replicated(mesh, tree):
     """`tree` (the same values in every process) on every learner device."""
-    return jax.device_put(jax.device_get(tree), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    return jax.device_put(
+        jax.device_get(tree), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    )
 
 
 def to_actor(device, params):
@@ -165,13 +208,17 @@ def agree_on_flags(args, error):
     must match). One process: `error` as it is."""
     if jax.process_count() == 1:
         return error
-    flags = json.dumps({k: v for k, v in dataclasses.asdict(args).items() if k != "process_id"}, sort_keys=True)
+    flags = json.dumps(
+        {k: v for k, v in dataclasses.asdict(args).items() if k != "process_id"}, sort_keys=True
+    )
     digest = int(hashlib.sha256(flags.encode()).hexdigest()[:7], 16)
     table = multihost_utils.process_allgather(np.array([error is not None, digest]))
     if error is None and table[:, 0].any():
         return UsageError("another process stopped on a bad flag (its log names it)")
     if error is None and len(set(table[:, 1])) > 1:
-        return UsageError("the processes were given different flags: give each the same, but --process-id")
+        return UsageError(
+            "the processes were given different flags: give each the same, but --process-id"
+        )
     return error
 
 
@@ -186,29 +233,39 @@ def agree(received: list, stopped: bool, episodes: list):
         return mine > 0, episodes
     counts = multihost_utils.process_allgather(np.array([mine, len(episodes)]))
     table = np.zeros((max(1, counts[:, 1].max()), 3))
-    table[:len(episodes)] = np.reshape(episodes, (-1, 3))
+    table[: len(episodes)] = np.reshape(episodes, (-1, 3))
     tables = multihost_utils.process_allgather(table)
     code = int(counts[:, 0].max())
     if code == 1 and mine == 0:
         raise RuntimeError("another process stopped with an error; its log has the traceback")
     if code > 1 and not received:
         received.append(code - 128)
-    return code > 0, [(int(e), float(r), int(n)) for t, k in zip(tables, counts[:, 1]) for e, r, n in t[:k]]
+    return code > 0, [
+        (int(e), float(r), int(n)) for t, k in zip(tables, counts[:, 1]) for e, r, n in t[:k]
+    ]
 
 
 def peer_failure(error) -> bool:
     """Whether `error` is a collective that failed because another process of the run is gone."""
-    return jax.process_count() > 1 and any(s in str(error)
-                                           for s in ("Connection closed by peer", "Connection reset by peer"))
+    return jax.process_count() > 1 and any(
+        s in str(error) for s in ("Connection closed by peer", "Connection reset by peer")
+    )
 
 
 def describe_dead(error) -> str:
     """One line for `peer_failure`: with two processes the other one, else the peer's address."""
     me, count = jax.process_index(), jax.process_count()
     peer = re.search(r"closed by peer \[?([^\s\]]+)\]?(:\d+)?", str(error))
-    who = f"process {1 - me}" if count == 2 else f"another process ({peer[1] if peer else 'address unknown'})"
-    return (f"{who} of this run stopped answering (it died, was killed or lost its connection; its own log says "
-            f"why); process {me} stops too")
+    who = (
+        f"process {1 - me}"
+        if count == 2
+        else f"another process ({peer[1] if peer else 'address unknown'})"
+    )
+    return (
+        f"{who} of this run stopped answering (it died, was killed or lost its connection; its "
+        f"own log says "
+        f"why); process {me} stops too"
+    )
 
 
 def use_compile_cache(path: str):
@@ -221,7 +278,11 @@ def use_compile_cache(path: str):
         os.makedirs(path, exist_ok=True)
     except OSError as e:
         raise UsageError(
-            f"--compile-cache {path}: cannot create it ({e.strerror}); pass another folder, or '' for none")
+            f"--compile-cache {path}: cannot create it ({e.strerror}); pass another folder, or '' "
+            f"for none"
+        )
     if not os.access(path, os.W_OK):
-        raise UsageError(f"--compile-cache {path} is not writable; pass another folder, or '' for none")
+        raise UsageError(
+            f"--compile-cache {path} is not writable; pass another folder, or '' for none"
+        )
     jax.config.update("jax_compilation_cache_dir", path)

@@ -12,7 +12,9 @@ import numpy as np
 from jax_async_rl.tasks import EpisodeStats, env_action, env_kind, make_env
 
 
-def evaluate(policy, params, initial_core, args, normalizer, num_episodes: int, video_dir=None, signals=()):
+def evaluate(
+    policy, params, initial_core, args, normalizer, num_episodes: int, video_dir=None, signals=()
+):
     """Play `num_episodes` full games; return the scores (game scores: all lives, raw rewards).
 
     `policy(params, obs, core, key, env_ids, steps)` -> (actions, their log-probs, values, the
@@ -31,18 +33,32 @@ def evaluate(policy, params, initial_core, args, normalizer, num_episodes: int, 
     stats = EpisodeStats(num_envs)
     obs, info = envs.reset()
     core, done, lives = initial_core(num_envs), np.zeros(num_envs, bool), info.get("lives")
-    scores, frames, video_episode, env_ids, steps = [], [], None, np.arange(num_envs), np.zeros(num_envs, np.int64)
+    scores, frames, video_episode, env_ids, steps = (
+        [],
+        [],
+        None,
+        np.arange(num_envs),
+        np.zeros(num_envs, np.int64),
+    )
     while len(scores) < num_episodes and not signals:
         if render and quota[0] == -(-num_episodes // num_envs):
             frames.append(envs.render()[0])
-        action, _, _, state = policy(params, normalizer.observe(obs, train=False), core, key, env_ids, steps)
+        action, _, _, state = policy(
+            params, normalizer.observe(obs, train=False), core, key, env_ids, steps
+        )
         steps += 1
         core = None if core is None else (state, done)  # --lstm: after an episode's end, one starts
-        obs, reward, terminated, truncated, info = envs.step(env_action(np.asarray(action), envs.action_space))
+        obs, reward, terminated, truncated, info = envs.step(
+            env_action(np.asarray(action), envs.action_space)
+        )
         done = terminated | truncated
-        if lives is not None:  # Atari: as in training (episodic life), each life lost resets the LSTM
+        if (
+            lives is not None
+        ):  # Atari: as in training (episodic life), each life lost resets the LSTM
             done, lives = done | (info["lives"] < lives), info["lives"]
-        reward = np.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's: undefined (dm_control)
+        reward = np.where(
+            info["elapsed_step"] > 0, reward, 0.0
+        )  # a reset's: undefined (dm_control)
         stats.update(np.arange(num_envs), reward, terminated, truncated, info)
         for env, ret, _ in stats.pop():
             if quota[env] > 0:
@@ -60,16 +76,24 @@ def evaluate(policy, params, initial_core, args, normalizer, num_episodes: int, 
         import imageio
 
         # Named by the game scores[i] lists; "unlisted": one cut off by the episode count.
-        path = os.path.join(video_dir, f"eval_episode_{'unlisted' if video_episode is None else video_episode}.mp4")
+        path = os.path.join(
+            video_dir, f"eval_episode_{'unlisted' if video_episode is None else video_episode}.mp4"
+        )
         try:
             os.makedirs(video_dir, exist_ok=True)
             with warnings.catch_warnings():  # JAX warns of any fork; ffmpeg's fork + exec is safe
                 warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
                 imageio.mimsave(path, frames, fps=fps, macro_block_size=1)
         except OSError as e:
-            print(f"warning: no video written ({e.strerror or e}: {e.filename or path})", file=sys.stderr)
+            print(
+                f"warning: no video written ({e.strerror or e}: {e.filename or path})",
+                file=sys.stderr,
+            )
     elif video_dir is not None:
-        print("warning: MuJoCo rendering needs an OpenGL backend (set MUJOCO_GL); no video written", file=sys.stderr)
+        print(
+            "warning: MuJoCo rendering needs an OpenGL backend (set MUJOCO_GL); no video written",
+            file=sys.stderr,
+        )
     return scores[:num_episodes]
 
 

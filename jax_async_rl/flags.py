@@ -45,18 +45,20 @@ NON_NEGATIVE = Bound(lambda v: v >= 0, "must be >= 0")
 UNIT = Bound(lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]")
 # Every int flag fits in 32 bits: JAX computes with int32 (a jitted update takes the step and the
 # budget), so a larger one would end in an overflow at the first update.
-INT32 = 2 ** 31 - 1
+INT32 = 2**31 - 1
 
 
 def at_most(limit) -> Bound:
     """A flag's upper limit: past it nothing sensible runs (an overflow, a loop or an allocation
     that no machine finishes)."""
-    return Bound(lambda v: v <= limit,
-                 f"must be at most {limit:,}" if isinstance(limit, int) else f"must be at most {limit:g}")
+    return Bound(
+        lambda v: v <= limit,
+        f"must be at most {limit:,}" if isinstance(limit, int) else f"must be at most {limit:g}",
+    )
 
 
 # Seeds of envs (int32 in envpool) are the seed plus env indices, and evaluation's seed + 10,000.
-SEED = Bound(lambda v: 0 <= v <= 2 ** 30, "must be in [0, 2**30]")
+SEED = Bound(lambda v: 0 <= v <= 2**30, "must be in [0, 2**30]")
 
 
 def default_is(text: str):
@@ -68,7 +70,8 @@ def default_is(text: str):
 PRESET = default_is("preset")
 # Flags that no longer exist, and where their job went: one line instead of tyro's box.
 RETIRED = {
-    "xla_actor": "retired: the XLA actor is the script appo_envpool_xla.py now (APPO, always with that actor; "
+    "xla_actor": "retired: the XLA actor is the script appo_envpool_xla.py now (APPO, always with "
+    "that actor; "
     "IMPALA's is gone: port it from `diff appo_envpool.py appo_envpool_xla.py`)",
 }
 
@@ -82,15 +85,16 @@ class RunArgs:
     """The flags of a run that no algorithm changes: task, budget, devices, folder, logs."""
 
     env_id: str = "Pong-v5"
-    """envpool task id of any single-agent family with Discrete, continuous or multi-discrete actions
-    (or your own Gymnasium env: see --env-module): Atari `*-v5`,
+    """envpool task id of any single-agent family with Discrete, continuous or multi-discrete
+    actions (or your own Gymnasium env: see --env-module): Atari `*-v5`,
     classic control, Box2D (CarRacing-v3), MuJoCo, dm_control (CheetahRun-v1), MiniGrid and BabyAI,
     MetaWorld, MyoSuite, Gymnasium-Robotics (FetchReach-v1), highway-env, gfootball, toy text,
     Jumanji (several integers: one categorical over their product where the action mask is joint,
     else one a dimension; docs/families.md lists each task's), ..."""
     env_module: Optional[str] = None
     """import this module first: it registers --env-id, a Gymnasium env of yours (from the working
-    directory or sys.path); or pass --env-id module:callable (a gymnasium.Env class or a function)"""
+    directory or sys.path); or pass --env-id module:callable (a gymnasium.Env class or a
+    function)"""
     env_kwargs: str = ""
     """keyword arguments of your Gymnasium env, as a JSON object, e.g. '{"length": 10}'"""
     env_timeout: Annotated[float, POSITIVE, at_most(7 * 86400.0)] = 300.0
@@ -102,9 +106,9 @@ class RunArgs:
     seed: Annotated[int, SEED] = 1
     """seed of the environments, the network initialisation and action sampling"""
     deterministic: bool = False
-    """the run reproduces bit for bit from --seed on this machine (same JAX version, devices and flags):
-    nothing it computes depends on timing (splits stepped in turn, the actor's parameters exactly
-    those its schedule names; docs/DESIGN.md, Reproducibility)"""
+    """the run reproduces bit for bit from --seed on this machine (same JAX version, devices and
+    flags): nothing it computes depends on timing (splits stepped in turn, the actor's parameters
+    exactly those its schedule names; docs/DESIGN.md, Reproducibility)"""
     total_timesteps: Annotated[int, POSITIVE] = 10_000_000
     """training budget in environment (agent) steps, summed over all environments"""
     actor_device_ids: list[int] = dataclasses.field(default_factory=lambda: [0])
@@ -122,12 +126,17 @@ class RunArgs:
     process_id: Annotated[int, Bound(lambda v: v >= -1, "must be -1 (detected) or >= 0")] = -1
     """with --distributed: this process's index, 0 to num_processes - 1 (-1: detected)"""
     compile_cache: str = dataclasses.field(
-        default_factory=lambda: os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "jax-async-rl"))
-    """folder of JAX's persistent compilation cache: a later run of the same configuration skips most
-    of XLA's compile (the Atari update's takes minutes on a CPU); '' turns it off"""
+        default_factory=lambda: os.path.join(
+            os.environ.get("XDG_CACHE_HOME", "~/.cache"), "jax-async-rl"
+        )
+    )
+    """folder of JAX's persistent compilation cache: a later run of the same configuration skips
+    most of XLA's compile (the Atari update's takes minutes on a CPU); '' turns it off"""
     exp_name: Annotated[Optional[str], default_is("the script's file name")] = None
     """experiment name, part of the run folder's name"""
-    run_dir: Annotated[Optional[str], default_is("runs/{env_id}__{exp_name}__{seed}__{time}")] = None
+    run_dir: Annotated[Optional[str], default_is("runs/{env_id}__{exp_name}__{seed}__{time}")] = (
+        None
+    )
     """output folder; one that holds another run is refused (continue that one with --resume)"""
     resume: Optional[str] = None
     """continue this run folder (or checkpoint file) with its own flags; flags given here replace
@@ -148,7 +157,9 @@ class RunArgs:
 
 def with_preset(args, values: dict):
     """`args` with the flags left at None set from `values` (a preset); an explicit flag wins."""
-    return dataclasses.replace(args, **{k: v for k, v in values.items() if getattr(args, k) is None})
+    return dataclasses.replace(
+        args, **{k: v for k, v in values.items() if getattr(args, k) is None}
+    )
 
 
 def check_bounds(args):
@@ -198,7 +209,9 @@ def from_json(hint, value):
         except TypeError:
             raise TypeError(type_words(kind)) from None
     if origin is None and (type(value) is kind or kind is float and type(value) is int):
-        return float(value) if kind is float else value  # JSON's 3 is a float flag's 3.0; True is not an int
+        return (
+            float(value) if kind is float else value
+        )  # JSON's 3 is a float flag's 3.0; True is not an int
     if origin in (list, tuple) or kind in (bool, int, str, float):
         raise TypeError(type_words(kind))
     return value
@@ -209,7 +222,13 @@ def type_words(kind) -> str:
     origin, inner = typing.get_origin(kind), typing.get_args(kind)
     if origin in (list, tuple):
         return f"a list ({type_words(inner[0])} each)"
-    words = {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "null"}
+    words = {
+        bool: "true or false",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        type(None): "null",
+    }
     return words.get(kind, getattr(kind, "__name__", str(kind)))
 
 
@@ -237,8 +256,9 @@ def default_exp_name(stem: str, args) -> str:
     make (the script's `Args.NAMED`: {name: {flag: value}}, e.g. TD3's `ddpg`, the replay
     scripts' `serial`), so that runs of two variants are told apart by their folders and headers."""
     named = [
-        name for name, values in getattr(type(args), "NAMED", {}).items() if all(
-            getattr(args, flag) == value for flag, value in values.items())
+        name
+        for name, values in getattr(type(args), "NAMED", {}).items()
+        if all(getattr(args, flag) == value for flag, value in values.items())
     ]
     return "__".join([stem, *named])
 
@@ -247,22 +267,28 @@ def budget_note(args, given, step: int, batch: int, batch_text: str):
     """The line saying what a --total-timesteps named on the command line (`given`; None: one
     that differs from the default) trains from `step` when it is not a whole number of updates of
     `batch`, else None (a default's remainder is no number the user chose)."""
-    named = "total_timesteps" in given if given is not None else args.total_timesteps != type(args)().total_timesteps
+    named = (
+        "total_timesteps" in given
+        if given is not None
+        else args.total_timesteps != type(args)().total_timesteps
+    )
     if not named or (args.total_timesteps - step) % batch == 0:
         return None
     updates = (args.total_timesteps - step) // batch
-    return (f"note: --total-timesteps {args.total_timesteps} is not a whole number of updates of {batch_text}: "
-            f"{updates} updates will train, to step {step + updates * batch}")
+    return (
+        f"note: --total-timesteps {args.total_timesteps} is not a whole number of updates of "
+        f"{batch_text}: "
+        f"{updates} updates will train, to step {step + updates * batch}"
+    )
 
 
 def flags_given(argv, args_class) -> set:
     """The Args fields named on a command line (`--flag value`, `--flag=value`, `--no-flag`)."""
     fields = {f.name for f in dataclasses.fields(args_class)}
     names = {token[2:].split("=")[0].replace("-", "_") for token in argv if token.startswith("--")}
-    return {name
-            for name in names
-            if name in fields} | {name[3:]
-                                  for name in names if name.startswith("no_") and name[3:] in fields}
+    return {name for name in names if name in fields} | {
+        name[3:] for name in names if name.startswith("no_") and name[3:] in fields
+    }
 
 
 def check_names(argv, args_class):
@@ -284,13 +310,22 @@ def check_names(argv, args_class):
         raise UsageError(f"unknown flag {token.split('=')[0]}{hint} (--help lists them)")
 
 
-FILE_SYSTEM_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EACCES, errno.ENOENT}
+FILE_SYSTEM_ERRNOS = {
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.EROFS,
+    errno.EIO,
+    errno.EACCES,
+    errno.ENOENT,
+}
 
 
 def is_file_system_error(error) -> bool:
     """A full disk, a read-only, forbidden or vanished folder: an OSError that names a file, or
     whose errno says so."""
-    return isinstance(error, OSError) and (bool(error.filename) or error.errno in FILE_SYSTEM_ERRNOS)
+    return isinstance(error, OSError) and (
+        bool(error.filename) or error.errno in FILE_SYSTEM_ERRNOS
+    )
 
 
 def describe_os_error(error: OSError) -> str:
@@ -303,7 +338,9 @@ def parse(config_class, argv, description=None):
     """tyro's parse of `argv` into `config_class`; what tyro rejects (a value that does not parse, a
     value too many, a positional missing) is one UsageError line, not tyro's box of many lines."""
     said, columns = io.StringIO(), os.environ.get("COLUMNS")
-    os.environ["COLUMNS"] = "100000"  # tyro wraps its box at the terminal's width: a path would break
+    os.environ["COLUMNS"] = (
+        "100000"  # tyro wraps its box at the terminal's width: a path would break
+    )
     try:
         with contextlib.redirect_stderr(said):
             args = tyro.cli(config_class, args=argv, description=description)
@@ -312,7 +349,9 @@ def parse(config_class, argv, description=None):
         if not e.code or not message:  # a layout this does not read: as tyro printed it
             sys.stderr.write(said.getvalue())
             raise
-        if message.startswith("Unrecognized options:"):  # `--resume runs/x*/` where the glob matched 2 folders
+        if message.startswith(
+            "Unrecognized options:"
+        ):  # `--resume runs/x*/` where the glob matched 2 folders
             message += " (one value too many: did a glob match several folders?)"
         raise UsageError(f"{message}; --help lists the flags") from None
     finally:
@@ -336,7 +375,9 @@ def box_message(text: str) -> str:
         elif block:
             blocks, block = [*blocks, block], []
     blocks += [block] * bool(block)
-    message = blocks[0][1:] if blocks and len(blocks[0]) > 1 else blocks[1] if len(blocks) > 1 else []
+    message = (
+        blocks[0][1:] if blocks and len(blocks[0]) > 1 else blocks[1] if len(blocks) > 1 else []
+    )
     return " ".join(message)
 
 
@@ -361,23 +402,33 @@ def command_line(main, args_class, presets: dict):
     argv = sys.argv[1:]
 
     def call():
-        if {"-h", "--help"} & set(argv[:argv.index("--") if "--" in argv else len(argv)]):
+        if {"-h", "--help"} & set(argv[: argv.index("--") if "--" in argv else len(argv)]):
             try:
                 text = helptext.help_text(os.path.basename(sys.argv[0]), args_class, presets)
             except Exception:  # an Args this layout does not know (a user's edit): tyro's own help
-                tyro.cli(args_class, args=argv, description=helptext.describe_presets(args_class, presets))
+                tyro.cli(
+                    args_class,
+                    args=argv,
+                    description=helptext.describe_presets(args_class, presets),
+                )
             print(text, end="")
             return 0
         check_names(argv, args_class)
-        return main(parse(args_class, argv, helptext.describe_presets(args_class, presets)),
-                    flags_given(argv, args_class))
+        return main(
+            parse(args_class, argv, helptext.describe_presets(args_class, presets)),
+            flags_given(argv, args_class),
+        )
 
     exit_with(reported(call))
 
 
 def exit_with(exit_code: int):
-    """Exit; by os._exit where a run's thread is still in an XLA call (interpreter shutdown would abort)."""
-    if any(t.name.startswith(("actor", "learner", "training loop")) and t.is_alive() for t in threading.enumerate()):
+    """Exit; by os._exit where a run's thread is still in an XLA call (interpreter shutdown would
+    abort)."""
+    if any(
+        t.name.startswith(("actor", "learner", "training loop")) and t.is_alive()
+        for t in threading.enumerate()
+    ):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(exit_code)

@@ -23,7 +23,8 @@ from jax_async_rl.checkpoints import CHECKPOINT, CONFIG, JOURNAL, METRICS
 from jax_async_rl.flags import UsageError
 
 LOCK = ".lock"
-# The files a run writes in its folder (and their .tmp); those it appends to or cuts in place; its folders.
+# The files a run writes in its folder (and their .tmp); those it appends to or cuts in place; its
+# folders.
 RUN_FILES = (CONFIG, CHECKPOINT, METRICS, JOURNAL, LOCK, "eval.json")
 IN_PLACE = (METRICS, JOURNAL, LOCK)
 RUN_FOLDERS = ("videos", "wandb")
@@ -33,7 +34,11 @@ def own_folder(args) -> str:
     """The folder a run writes: --run-dir, else a resumed run's own (None: a new folder)."""
     if args.run_dir:
         return args.run_dir
-    return os.path.dirname(os.path.abspath(checkpoints.checkpoint_path(args.resume))) if args.resume else None
+    return (
+        os.path.dirname(os.path.abspath(checkpoints.checkpoint_path(args.resume)))
+        if args.resume
+        else None
+    )
 
 
 def same_folder(a, b) -> bool:
@@ -54,12 +59,17 @@ def check(args, resumed: bool):
     ckpt = os.path.join(args.run_dir, CHECKPOINT)
     if os.path.exists(ckpt) or checkpoints.complete_tmp(ckpt):
         raise UsageError(
-            f"--run-dir {args.run_dir} already holds a run; continue it with --resume {args.run_dir}, or pick another folder"
+            f"--run-dir {args.run_dir} already holds a run; continue it with --resume "
+            f"{args.run_dir}, or pick another folder"
         )
     if os.path.exists(os.path.join(args.run_dir, CONFIG)):
-        partial = " (only an incomplete checkpoint.msgpack.tmp)" if os.path.exists(f"{ckpt}.tmp") else ""
-        raise UsageError(f"--run-dir {args.run_dir} holds a run that saved no checkpoint{partial}; "
-                         "remove it or pick another folder")
+        partial = (
+            " (only an incomplete checkpoint.msgpack.tmp)" if os.path.exists(f"{ckpt}.tmp") else ""
+        )
+        raise UsageError(
+            f"--run-dir {args.run_dir} holds a run that saved no checkpoint{partial}; "
+            "remove it or pick another folder"
+        )
 
 
 def probe(args):
@@ -70,7 +80,10 @@ def probe(args):
     if folder:
         check_files(folder)
     if folder and (holder := held(folder)):
-        raise UsageError(f"{folder} is in use by another run ({holder}); wait for it to end, or pick another folder")
+        raise UsageError(
+            f"{folder} is in use by another run ({holder}); wait for it to end, or pick another "
+            f"folder"
+        )
 
 
 def check_files(folder: str):
@@ -84,38 +97,63 @@ def check_files(folder: str):
     except OSError:  # none yet, or not a folder (check says so)
         return
     for name in names:
-        base = name[:-len(".tmp")] if name.endswith(".tmp") else name
-        if base not in RUN_FILES and name not in RUN_FOLDERS and not name.startswith("events.out.tfevents."):
+        base = name[: -len(".tmp")] if name.endswith(".tmp") else name
+        if (
+            base not in RUN_FILES
+            and name not in RUN_FOLDERS
+            and not name.startswith("events.out.tfevents.")
+        ):
             continue
         path = os.path.join(folder, name)
         info = os.lstat(path)
-        fix = "remove it"  # the lock, a .tmp, a folder, what is no file: nothing of the run's is lost
+        fix = (
+            "remove it"  # the lock, a .tmp, a folder, what is no file: nothing of the run's is lost
+        )
         if name in (CONFIG, CHECKPOINT):
             fix = "replace it with a copy of the file itself, or remove it"
-        elif name in (METRICS, JOURNAL) and (stat.S_ISLNK(info.st_mode) or stat.S_ISREG(info.st_mode)):
-            fix = replace_with_copy(path)  # removing it would lose the run's curves, or its --deterministic replay
+        elif name in (METRICS, JOURNAL) and (
+            stat.S_ISLNK(info.st_mode) or stat.S_ISREG(info.st_mode)
+        ):
+            fix = replace_with_copy(
+                path
+            )  # removing it would lose the run's curves, or its --deterministic replay
         if stat.S_ISLNK(info.st_mode):
-            raise UsageError(f"{path} is a symbolic link, and a run never reads or writes through a link in its folder "
-                             f"(a run folder may come from anyone): {fix}")
+            raise UsageError(
+                f"{path} is a symbolic link, and a run never reads or writes through a link in "
+                f"its folder "
+                f"(a run folder may come from anyone): {fix}"
+            )
         if name in RUN_FOLDERS:
             continue
         if not stat.S_ISREG(info.st_mode) or (name in IN_PLACE and info.st_nlink > 1):
-            what = "has another name (a hard link)" if stat.S_ISREG(info.st_mode) else "is not a regular file"
-            raise UsageError(f"{path} {what}, and a run writes only its own files in its folder: {fix}")
+            what = (
+                "has another name (a hard link)"
+                if stat.S_ISREG(info.st_mode)
+                else "is not a regular file"
+            )
+            raise UsageError(
+                f"{path} {what}, and a run writes only its own files in its folder: {fix}"
+            )
 
 
 def replace_with_copy(path: str) -> str:
     """The advice for a linked file a run must keep: the command that makes it a file of its own."""
     copy = shlex.quote(f"{path}.copy")
-    return f"replace it with a copy of itself (cp {shlex.quote(path)} {copy} && mv {copy} {shlex.quote(path)})"
+    return (
+        f"replace it with a copy of itself (cp {shlex.quote(path)} {copy} && mv {copy} "
+        f"{shlex.quote(path)})"
+    )
 
 
 def held(folder: str):
-    """The holder of `folder`'s lock ("pid N on host", or "unknown") if another process holds it, else None."""
+    """The holder of `folder`'s lock ("pid N on host", or "unknown") if another process holds it,
+    else None."""
     path = os.path.join(folder, LOCK)
     if not os.path.lexists(path):
         return None
-    with checkpoints.open_own(path, os.O_RDWR, "r+") as f:  # an exclusive lock needs a file open for writing (NFS)
+    with checkpoints.open_own(
+        path, os.O_RDWR, "r+"
+    ) as f:  # an exclusive lock needs a file open for writing (NFS)
         if lock(f, path):
             fcntl.flock(f, fcntl.LOCK_UN)
             return None
@@ -133,8 +171,11 @@ def lock(f, path: str) -> bool:
             time.sleep(0.05 * (attempt + 1))
         except OSError as e:  # ENOLCK, EOPNOTSUPP, ENOSYS: no locks here
             print(
-                f"warning: {path}: the file system does not lock ({e.strerror}); nothing stops a second run "
-                "from using this folder at the same time", file=sys.stderr)
+                f"warning: {path}: the file system does not lock ({e.strerror}); nothing stops a "
+                f"second run "
+                "from using this folder at the same time",
+                file=sys.stderr,
+            )
             return True
     return False
 
@@ -150,7 +191,9 @@ def claim(folder: str, owner: str = "run"):
         holder = f.read().strip() or "unknown"
         f.close()
         raise UsageError(
-            f"{folder} is in use by another {owner} ({holder}); wait for it to end, or pick another folder")
+            f"{folder} is in use by another {owner} ({holder}); wait for it to end, or pick "
+            f"another folder"
+        )
     f.seek(0)
     f.truncate()
     f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
@@ -174,7 +217,9 @@ def make(args, resumed: bool):
             lock.close()
             raise
         return run_dir, not existed, lock
-    base = os.path.join("runs", path_safe(f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"))
+    base = os.path.join(
+        "runs", path_safe(f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}")
+    )
     for n in itertools.count(1):
         run_dir = base if n == 1 else f"{base}_{n}"
         try:
@@ -217,32 +262,48 @@ def kept(ckpt_file: str, lock) -> str:
     if now is not None and not os.path.isdir(now):  # "... (deleted)"
         return "the run folder was removed mid-run, and its checkpoints with it"
     if now is not None and os.path.exists(os.path.join(now, CHECKPOINT)):
-        return f"the last good checkpoint is kept: {os.path.join(now, CHECKPOINT)} (the run folder was moved there mid-run)"
+        return (
+            f"the last good checkpoint is kept: {os.path.join(now, CHECKPOINT)} (the run "
+            f"folder was moved there mid-run)"
+        )
     if os.path.isdir(os.path.dirname(ckpt_file)) or now is not None:
         return "no checkpoint written"
-    return f"the run folder {os.path.dirname(ckpt_file)} was moved or removed mid-run: where its checkpoint is, is unknown"
+    return (
+        f"the run folder {os.path.dirname(ckpt_file)} was moved or removed mid-run: where its "
+        f"checkpoint is, is unknown"
+    )
 
 
 def read_config(path: str) -> dict:
-    """A run's config.json; UsageError naming the file if it is missing, unreadable or not an object,
-    and the key if its "resumes" is not a list of objects."""
+    """A run's config.json; UsageError naming the file if it is missing, unreadable or not an
+    object, and the key if its "resumes" is not a list of objects."""
     try:
         with open(path) as f:
             config = json.load(f)
     except FileNotFoundError:
-        raise UsageError(f"{path} is missing: the run's record is gone; restore it, or --resume into a new --run-dir")
+        raise UsageError(
+            f"{path} is missing: the run's record is gone; restore it, or --resume into a new "
+            f"--run-dir"
+        )
     except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep
         raise UsageError(
-            f"{path} is not readable JSON ({type(e).__name__}); restore it, or --resume into a new --run-dir")
+            f"{path} is not readable JSON ({type(e).__name__}); restore it, or --resume into a "
+            f"new --run-dir"
+        )
     if not isinstance(config, dict):
         raise UsageError(f"{path} holds a {type(config).__name__}, not a run's record (an object)")
     resumes, again = config.get("resumes", []), "restore it, or --resume into a new --run-dir"
     if not isinstance(resumes, list):  # a resume appends its entry to the list
-        raise UsageError(f"{path}: \"resumes\" is {json.dumps(resumes):.80}, not a list of resumes' records; {again}")
+        raise UsageError(
+            f'{path}: "resumes" is {json.dumps(resumes):.80}, not a list of resumes\' records; '
+            f"{again}"
+        )
     for i, resume in enumerate(resumes):
         if not isinstance(resume, dict):
-            raise UsageError(f"{path}: \"resumes\"[{i}] is {json.dumps(resume):.80}, not a resume's record (an "
-                             f"object); {again}")
+            raise UsageError(
+                f'{path}: "resumes"[{i}] is {json.dumps(resume):.80}, not a resume\'s record (an '
+                f"object); {again}"
+            )
     return config
 
 
@@ -252,8 +313,10 @@ def write_config(run_dir: str, args, changed: dict, global_step: int, batch: str
     the step it resumed from, under "resumes" (read_config's errors if the record is damaged)."""
     path = os.path.join(run_dir, CONFIG)
     config = dict(dataclasses.asdict(args), global_batch=batch)
-    if args.resume and (os.path.exists(path)
-                        or same_folder(run_dir, own_folder(dataclasses.replace(args, run_dir=None)))):
+    if args.resume and (
+        os.path.exists(path)
+        or same_folder(run_dir, own_folder(dataclasses.replace(args, run_dir=None)))
+    ):
         config = read_config(path)
     if args.resume:
         resume = {
@@ -261,7 +324,7 @@ def write_config(run_dir: str, args, changed: dict, global_step: int, batch: str
             "wall_time": time.time(),
             "from": os.path.abspath(args.resume),
             "changed": changed,
-            "global_batch": batch
+            "global_batch": batch,
         }
         config["resumes"] = [*config.get("resumes", []), resume]
     checkpoints.write_atomically(path, json.dumps(config, indent=2).encode())
@@ -282,7 +345,13 @@ def cut_metrics(run_dir: str, global_step: int) -> int:
         try:
             if int(json.loads(line)["step"]) <= global_step:
                 kept.append(line)
-        except (ValueError, KeyError, TypeError, OverflowError, RecursionError):  # a step of Infinity, deep nesting
+        except (
+            ValueError,
+            KeyError,
+            TypeError,
+            OverflowError,
+            RecursionError,
+        ):  # a step of Infinity, deep nesting
             pass
     dropped = sum(1 for line in lines if line.strip()) - len(kept)
     if dropped:

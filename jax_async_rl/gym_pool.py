@@ -73,33 +73,43 @@ def fault(obs: list, first: list, env_ids, elapsed):
     or dtype from `first` ((path, shape, dtype) of the worker's first), or holds a NaN or an inf."""
     for k, o in enumerate(obs):
         if [path for path, _ in leaves(o)] != [path for path, _, _ in first]:
-            return env_ids[k], (f"returned an observation of keys {[p for p, _ in leaves(o)]} where its first had "
-                                f"{[p for p, _, _ in first]}")
+            return env_ids[k], (
+                f"returned an observation of keys {[p for p, _ in leaves(o)]} where its first had "
+                f"{[p for p, _, _ in first]}"
+            )
         when = f"at step {elapsed[k]} of its episode"
         for (path, x), (_, shape, dtype) in zip(leaves(o), first):
             if (x.shape, x.dtype) != (shape, dtype):
                 return env_ids[k], (
-                    f"returned an observation{path} of shape {x.shape} {x.dtype} {when}, where its first "
-                    f"had {shape} {dtype}")
+                    f"returned an observation{path} of shape {x.shape} {x.dtype} {when}, where "
+                    f"its first "
+                    f"had {shape} {dtype}"
+                )
             if x.dtype.kind == "f" and not np.isfinite(x).all():
-                return env_ids[k], f"returned a non-finite observation{path} ({x[~np.isfinite(x)][0]}) {when}"
+                return env_ids[
+                    k
+                ], f"returned a non-finite observation{path} ({x[~np.isfinite(x)][0]}) {when}"
     return None
 
 
 # The guard of a pool's process group (`python -S -c GUARD`, a few MB): its stdin is a pipe from the
 # run's process, which the kernel closes when that process ends, however it ends.
-GUARD = ("import os, signal\n"
-         "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
-         "signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))\n"
-         "while os.read(0, 1):\n    pass\n"
-         "os.killpg(0, signal.SIGKILL)\n")
+GUARD = (
+    "import os, signal\n"
+    "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+    "signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))\n"
+    "while os.read(0, 1):\n    pass\n"
+    "os.killpg(0, signal.SIGKILL)\n"
+)
 # A worker's interpreter: the run's sys.path first (to unpickle `make`), then this module alone.
-WORKER = ("import sys\n"
-          "from multiprocessing.connection import Connection\n"
-          "conn = Connection(int(sys.argv[1]))\n"
-          "sys.path[:] = conn.recv()\n"
-          "from jax_async_rl.gym_pool import serve\n"
-          "serve(conn, int(sys.argv[2]), sys.argv[3] == '1')\n")
+WORKER = (
+    "import sys\n"
+    "from multiprocessing.connection import Connection\n"
+    "conn = Connection(int(sys.argv[1]))\n"
+    "sys.path[:] = conn.recv()\n"
+    "from jax_async_rl.gym_pool import serve\n"
+    "serve(conn, int(sys.argv[2]), sys.argv[3] == '1')\n"
+)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -158,12 +168,23 @@ def worker(conn, make, env_ids: list, seed: int):
                 batch = stack(obs)
             except ValueError:
                 batch = None
-            if (batch is None or [(p, x.shape[1:], x.dtype) for p, x in leaves(batch)] != first
-                    or not all(np.isfinite(x).all() for _, x in leaves(batch) if x.dtype.kind == "f")):
+            if (
+                batch is None
+                or [(p, x.shape[1:], x.dtype) for p, x in leaves(batch)] != first
+                or not all(np.isfinite(x).all() for _, x in leaves(batch) if x.dtype.kind == "f")
+            ):
                 if (bad := fault(obs, first, env_ids, elapsed)) is not None:
                     conn.send(("fault", *bad))
                     continue
-            conn.send((stack(obs) if batch is None else batch, rewards, terminated, truncated, elapsed.copy()))
+            conn.send(
+                (
+                    stack(obs) if batch is None else batch,
+                    rewards,
+                    terminated,
+                    truncated,
+                    elapsed.copy(),
+                )
+            )
     except (EOFError, KeyboardInterrupt):
         return
     except BaseException:
@@ -176,8 +197,16 @@ class GymPool:
     at most one an env); `timeout`: the seconds an env may take to answer (--env-timeout); `stop`:
     the run's stop event, on which a wait gives up (Stopped); see the module docstring."""
 
-    def __init__(self, make, num_envs: int, batch_size: int, seed: int, processes: int = 1, timeout: float = 300.0,
-                 stop=None):
+    def __init__(
+        self,
+        make,
+        num_envs: int,
+        batch_size: int,
+        seed: int,
+        processes: int = 1,
+        timeout: float = 300.0,
+        stop=None,
+    ):
         if num_envs % batch_size:
             raise ValueError(f"{num_envs} envs do not split into batches of {batch_size}")
         probe = make()
@@ -193,8 +222,12 @@ class GymPool:
         self.cuts = [batch_size * w // self.workers for w in range(self.workers + 1)]
         self.timeout, self.stop, self.asked, self.closed = timeout, stop, {}, False
         self.conns, self.procs, self.sentinels, self.pending, self.replies = [], [], [], [], {}
-        self.guard = subprocess.Popen([sys.executable, "-S", "-c", GUARD], stdin=subprocess.PIPE, process_group=0)
-        tie = "1" if threading.current_thread() is threading.main_thread() else "0"  # the kernel ties to a thread
+        self.guard = subprocess.Popen(
+            [sys.executable, "-S", "-c", GUARD], stdin=subprocess.PIPE, process_group=0
+        )
+        tie = (
+            "1" if threading.current_thread() is threading.main_thread() else "0"
+        )  # the kernel ties to a thread
         for first in range(0, num_envs, batch_size):
             for w in range(self.workers):
                 ids = list(range(first + self.cuts[w], first + self.cuts[w + 1]))
@@ -205,16 +238,20 @@ class GymPool:
         process that runs JAX's threads), which takes `make` over its socket."""
         parent, child = socket.socketpair()
         with child:
-            proc = subprocess.Popen([sys.executable, "-c", WORKER,
-                                     str(child.fileno()),
-                                     str(os.getpid()), tie], pass_fds=[child.fileno()], stdin=subprocess.DEVNULL,
-                                    process_group=self.guard.pid)
+            proc = subprocess.Popen(
+                [sys.executable, "-c", WORKER, str(child.fileno()), str(os.getpid()), tie],
+                pass_fds=[child.fileno()],
+                stdin=subprocess.DEVNULL,
+                process_group=self.guard.pid,
+            )
         conn = Connection(parent.detach())
         conn.send(sys.path)
         conn.send((make, env_ids, seed))
         self.conns.append(conn)
         self.procs.append(proc)
-        self.sentinels.append(os.pidfd_open(proc.pid) if hasattr(os, "pidfd_open") else None)  # readable once it ends
+        self.sentinels.append(
+            os.pidfd_open(proc.pid) if hasattr(os, "pidfd_open") else None
+        )  # readable once it ends
 
     def split_of(self, env_ids) -> int:
         return int(env_ids[0]) // self.batch_size
@@ -235,7 +272,7 @@ class GymPool:
         actions = np.asarray(actions)
         for w, i in enumerate(self.of_split(split)):
             try:
-                self.conns[i].send(("step", actions[self.cuts[w]:self.cuts[w + 1]]))
+                self.conns[i].send(("step", actions[self.cuts[w] : self.cuts[w + 1]]))
             except (BrokenPipeError, ConnectionError):
                 pass  # its worker is gone: recv says so
         self.pending.append(split)
@@ -255,20 +292,30 @@ class GymPool:
                 if all(i in self.replies for i in self.of_split(split)):
                     self.pending.remove(split)
                     return self.result(split, [self.replies.pop(i) for i in self.of_split(split)])
-            waiting = [i for split in self.pending for i in self.of_split(split) if i not in self.replies]
-            call, since = min((self.asked[split] for split in self.pending), key=lambda asked: asked[1])
+            waiting = [
+                i for split in self.pending for i in self.of_split(split) if i not in self.replies
+            ]
+            call, since = min(
+                (self.asked[split] for split in self.pending), key=lambda asked: asked[1]
+            )
             now, overdue = time.monotonic(), since + self.timeout
             if now >= overdue:
                 late = [i for i in waiting if self.asked[i // self.workers][1] == since]
-                raise EnvError(f"{self.envs_of(late[0])} did not answer {call}() within --env-timeout "
-                               f"{self.timeout:g} s: a hung env (raise --env-timeout if it is only slow)")
+                raise EnvError(
+                    f"{self.envs_of(late[0])} did not answer {call}() within --env-timeout "
+                    f"{self.timeout:g} s: a hung env (raise --env-timeout if it is only slow)"
+                )
             if give_up is not None and now >= give_up:
                 raise TimeoutError(f"no split answered within {timeout} s")
             if self.stop is not None and self.stop.is_set():
                 raise Stopped("the run stops")
-            watched = [self.conns[i]
-                       for i in waiting] + [self.sentinels[i] for i in waiting if self.sentinels[i] is not None]
-            ready = wait(watched, timeout=min(overdue, give_up or overdue, now + (0.2 if self.stop else 1e9)) - now)
+            watched = [self.conns[i] for i in waiting] + [
+                self.sentinels[i] for i in waiting if self.sentinels[i] is not None
+            ]
+            ready = wait(
+                watched,
+                timeout=min(overdue, give_up or overdue, now + (0.2 if self.stop else 1e9)) - now,
+            )
             for i in waiting:
                 if self.conns[i] in ready or self.sentinels[i] in ready:
                     self.replies[i] = self.reply(i)
@@ -276,7 +323,10 @@ class GymPool:
     def envs_of(self, i: int) -> str:
         """Worker i's envs, in words."""
         split, w = divmod(i, self.workers)
-        first, last = split * self.batch_size + self.cuts[w], split * self.batch_size + self.cuts[w + 1] - 1
+        first, last = (
+            split * self.batch_size + self.cuts[w],
+            split * self.batch_size + self.cuts[w + 1] - 1,
+        )
         return f"envs {first}-{last}" if last > first else f"env {first}"
 
     def reply(self, i: int):
@@ -287,7 +337,9 @@ class GymPool:
                 self.procs[i].wait(1)
             except subprocess.TimeoutExpired:
                 pass
-            raise EnvError(f"the worker of {self.envs_of(i)} died (exit code {self.procs[i].returncode})")
+            raise EnvError(
+                f"the worker of {self.envs_of(i)} died (exit code {self.procs[i].returncode})"
+            )
         if isinstance(reply, tuple) and len(reply) == 3 and reply[0] == "error":
             raise EnvError(f"env {reply[1]} raised in its worker (its traceback above)", reply[2])
         if isinstance(reply, tuple) and len(reply) == 3 and reply[0] == "fault":
@@ -295,7 +347,9 @@ class GymPool:
         return reply
 
     def result(self, split: int, replies: list):
-        obs, rewards, terminated, truncated, elapsed = (concat([r[k] for r in replies]) for k in range(5))
+        obs, rewards, terminated, truncated, elapsed = (
+            concat([r[k] for r in replies]) for k in range(5)
+        )
         env_ids = np.arange(split * self.batch_size, (split + 1) * self.batch_size, dtype=np.int32)
         return obs, rewards, terminated, truncated, {"env_id": env_ids, "elapsed_step": elapsed}
 
@@ -307,14 +361,20 @@ class GymPool:
         """All splits at once (a pool of one split: `recv` after `send`)."""
         actions = np.asarray(actions)
         for split in range(self.splits):
-            self.send(actions[split * self.batch_size:(split + 1) * self.batch_size],
-                      np.arange(split * self.batch_size, (split + 1) * self.batch_size))
+            self.send(
+                actions[split * self.batch_size : (split + 1) * self.batch_size],
+                np.arange(split * self.batch_size, (split + 1) * self.batch_size),
+            )
         return self.gather()
 
     def gather(self):
-        results = sorted((self.recv() for _ in range(self.splits)), key=lambda r: int(r[4]["env_id"][0]))
+        results = sorted(
+            (self.recv() for _ in range(self.splits)), key=lambda r: int(r[4]["env_id"][0])
+        )
         obs = concat([r[0] for r in results])
-        info = {key: np.concatenate([r[4][key] for r in results]) for key in ("env_id", "elapsed_step")}
+        info = {
+            key: np.concatenate([r[4][key] for r in results]) for key in ("env_id", "elapsed_step")
+        }
         return obs, *(np.concatenate([r[k] for r in results]) for k in (1, 2, 3)), info
 
     def close(self):

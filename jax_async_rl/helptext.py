@@ -14,10 +14,28 @@ import typing
 import tyro
 
 # --help's groups: flags not named here are the algorithm's (or, in flags.RunArgs, the run's).
-ENVIRONMENT = ("env_id", "env_module", "env_kwargs", "env_timeout", "trust_env_module", "seed", "num_envs",
-               "num_splits", "num_threads", "norm_obs", "norm_reward")
-DEVICES = ("actor_device_ids", "learner_device_ids", "num_actor_threads", "distributed", "coordinator_address",
-           "num_processes", "process_id")
+ENVIRONMENT = (
+    "env_id",
+    "env_module",
+    "env_kwargs",
+    "env_timeout",
+    "trust_env_module",
+    "seed",
+    "num_envs",
+    "num_splits",
+    "num_threads",
+    "norm_obs",
+    "norm_reward",
+)
+DEVICES = (
+    "actor_device_ids",
+    "learner_device_ids",
+    "num_actor_threads",
+    "distributed",
+    "coordinator_address",
+    "num_processes",
+    "process_id",
+)
 
 
 def field_docs(cls) -> dict:
@@ -25,14 +43,19 @@ def field_docs(cls) -> dict:
     docs = {}
     for klass in reversed(cls.__mro__[:-1]):
         try:
-            body = getattr(ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0], "body", None)
+            body = getattr(
+                ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0], "body", None
+            )
         except Exception:  # no source (an interactive class), or not one block
             continue
         if not isinstance(body, list):
             continue
         for node, after in zip(body, body[1:]):
-            if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(
-                    after.value, ast.Constant):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+            ):
                 docs[node.target.id] = " ".join(str(after.value.value).split())
     return docs
 
@@ -49,7 +72,9 @@ def metavar(hint) -> str:
     return {int: "INT", float: "FLOAT", str: "STR", bool: ""}.get(hint, "VALUE")
 
 
-POSITIONAL = typing.get_args(tyro.conf.Positional[int])[1]  # tyro's mark of an argument given without a flag
+POSITIONAL = typing.get_args(tyro.conf.Positional[int])[
+    1
+]  # tyro's mark of an argument given without a flag
 
 
 def help_text(prog: str, args_class, presets: dict) -> str:
@@ -57,8 +82,13 @@ def help_text(prog: str, args_class, presets: dict) -> str:
     script's: algorithm, environment, run, devices; a tool's: one), each with a plain metavar, its
     meaning and its default, wrapped to 100 columns."""
     docs, hints = field_docs(args_class), typing.get_type_hints(args_class, include_extras=True)
-    # A script's Args inherits flags.RunArgs (found by name: flags imports this module, not the reverse)
-    run_args = [k for k in args_class.__mro__ if (k.__module__, k.__name__) == ("jax_async_rl.flags", "RunArgs")]
+    # A script's Args inherits flags.RunArgs (found by name: flags imports this module, not the
+    # reverse)
+    run_args = [
+        k
+        for k in args_class.__mro__
+        if (k.__module__, k.__name__) == ("jax_async_rl.flags", "RunArgs")
+    ]
     run_fields, script = {f.name for k in run_args for f in dataclasses.fields(k)}, bool(run_args)
     groups = {
         "arguments": [],
@@ -66,36 +96,73 @@ def help_text(prog: str, args_class, presets: dict) -> str:
         "environment flags": [],
         "run flags": [],
         "devices flags": [],
-        "flags": []
+        "flags": [],
     }
     for field in dataclasses.fields(args_class):
         name, meta = field.name, getattr(hints[field.name], "__metadata__", ())
-        hint = hints[name].__origin__ if typing.get_origin(hints[name]) is typing.Annotated else hints[name]
-        label = next((m.metavar for m in meta if getattr(m, "metavar", None)), None) or metavar(hint)
+        hint = (
+            hints[name].__origin__
+            if typing.get_origin(hints[name]) is typing.Annotated
+            else hints[name]
+        )
+        label = next((m.metavar for m in meta if getattr(m, "metavar", None)), None) or metavar(
+            hint
+        )
         shown = [m.help_behavior_hint for m in meta if getattr(m, "help_behavior_hint", None)]
-        value = field.default if field.default_factory is dataclasses.MISSING else field.default_factory()
-        default = shown[0] if shown else f"(default: {value!r})" if isinstance(value, str) else f"(default: {value})"
+        value = (
+            field.default
+            if field.default_factory is dataclasses.MISSING
+            else field.default_factory()
+        )
+        default = (
+            shown[0]
+            if shown
+            else f"(default: {value!r})"
+            if isinstance(value, str)
+            else f"(default: {value})"
+        )
         if POSITIONAL in meta:
             group, flag, default = "arguments", label, ""
         else:
-            group = ("flags" if not script else "environment flags" if name in ENVIRONMENT else
-                     "devices flags" if name in DEVICES else "run flags" if name in run_fields else "algorithm flags")
-            flag = f"--{name.replace('_', '-')}" + (f" / --no-{name.replace('_', '-')}"
-                                                    if hint is bool else f" {label}")
+            group = (
+                "flags"
+                if not script
+                else "environment flags"
+                if name in ENVIRONMENT
+                else "devices flags"
+                if name in DEVICES
+                else "run flags"
+                if name in run_fields
+                else "algorithm flags"
+            )
+            flag = f"--{name.replace('_', '-')}" + (
+                f" / --no-{name.replace('_', '-')}" if hint is bool else f" {label}"
+            )
             default = "(required)" if value is dataclasses.MISSING else default
-        text = textwrap.fill(f"{docs.get(name, '')} {default}".strip(), 100, initial_indent=" " * 6,
-                             subsequent_indent=" " * 6)
+        text = textwrap.fill(
+            f"{docs.get(name, '')} {default}".strip(),
+            100,
+            initial_indent=" " * 6,
+            subsequent_indent=" " * 6,
+        )
         groups[group].append(f"  {flag}\n{text}")
     preset_lines = [
-        textwrap.fill(f"{name}: " + ", ".join(f"{k}={v}" for k, v in values.items()), 100, initial_indent="  ",
-                      subsequent_indent="      ") for name, values in presets.items()
+        textwrap.fill(
+            f"{name}: " + ", ".join(f"{k}={v}" for k, v in values.items()),
+            100,
+            initial_indent="  ",
+            subsequent_indent="      ",
+        )
+        for name, values in presets.items()
     ]
     paragraphs = inspect.cleandoc(args_class.__doc__).split("\n\n")
     description = "\n\n".join(textwrap.fill(" ".join(p.split()), 100) for p in paragraphs)
     arguments = "".join(f"{entry.split(chr(10))[0].strip()} " for entry in groups["arguments"])
     out = [
-        f"usage: {prog} {arguments}[--flag VALUE ...]", "", description,
-        *(["", "presets:", *preset_lines] if presets else [])
+        f"usage: {prog} {arguments}[--flag VALUE ...]",
+        "",
+        description,
+        *(["", "presets:", *preset_lines] if presets else []),
     ]
     for group, entries in groups.items():
         if entries:
@@ -108,22 +175,38 @@ def light_import(node, needed: set):
     jax_async_rl.flags (nothing that imports JAX, flax or envpool); None when none is left."""
 
     def light(module, name):
-        return module.split(".")[0] in sys.stdlib_module_names or "jax_async_rl.flags" in (module, f"{module}.{name}")
+        return module.split(".")[0] in sys.stdlib_module_names or "jax_async_rl.flags" in (
+            module,
+            f"{module}.{name}",
+        )
 
     if isinstance(node, ast.Import):
-        kept = [a for a in node.names if (a.asname or a.name.split(".")[0]) in needed and light(a.name, "")]
+        kept = [
+            a
+            for a in node.names
+            if (a.asname or a.name.split(".")[0]) in needed and light(a.name, "")
+        ]
     else:
         kept = [
-            a for a in node.names if (a.asname or a.name) in needed and node.level == 0 and light(node.module, a.name)
+            a
+            for a in node.names
+            if (a.asname or a.name) in needed and node.level == 0 and light(node.module, a.name)
         ]
     return type(node)(**{**vars(node), "names": kept}) if kept else None
 
 
 def bound_names(node) -> set:
-    """The module-level names a statement of a script defines (a class, a function, an assignment's targets)."""
+    """The module-level names a statement of a script defines (a class, a function, an
+    assignment's targets)."""
     if isinstance(node, ast.ClassDef | ast.FunctionDef):
         return {node.name}
-    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+    targets = (
+        node.targets
+        if isinstance(node, ast.Assign)
+        else [node.target]
+        if isinstance(node, ast.AnnAssign)
+        else []
+    )
     return {n.id for target in targets for n in ast.walk(target) if isinstance(n, ast.Name)}
 
 
@@ -134,9 +217,11 @@ def help_from_source(path: str):
     `help_text` and exit 0. On any failure it returns, and the script's command line prints the
     same help after its imports (an Args edited to need JAX costs only the time)."""
     argv = sys.argv[1:]
-    if not {"-h", "--help"} & set(argv[:argv.index("--") if "--" in argv else len(argv)]):
+    if not {"-h", "--help"} & set(argv[: argv.index("--") if "--" in argv else len(argv)]):
         return
-    module = types.ModuleType(f"_help_source_{abs(hash(path))}")  # field_docs reads the file through it
+    module = types.ModuleType(
+        f"_help_source_{abs(hash(path))}"
+    )  # field_docs reads the file through it
     module.__file__ = path
     try:
         tree = ast.parse(open(path, encoding="utf-8").read(), path)
@@ -145,12 +230,18 @@ def help_from_source(path: str):
         while new := [node for node, bound in definitions if bound & needed and node not in chosen]:
             chosen += new
             needed |= {n.id for node in new for n in ast.walk(node) if isinstance(n, ast.Name)}
-        imports = [light_import(node, needed) for node in tree.body if isinstance(node, ast.Import | ast.ImportFrom)]
+        imports = [
+            light_import(node, needed)
+            for node in tree.body
+            if isinstance(node, ast.Import | ast.ImportFrom)
+        ]
         body = sorted([node for node in imports if node] + chosen, key=lambda node: node.lineno)
         sys.modules[module.__name__] = module
         exec(compile(ast.Module(body=body, type_ignores=[]), path, "exec"), module.__dict__)
         text = help_text(os.path.basename(sys.argv[0]), module.Args, module.PRESETS)
-    except Exception:  # what Args needs is more than this runs: the script's own path prints the help
+    except (
+        Exception
+    ):  # what Args needs is more than this runs: the script's own path prints the help
         return
     finally:
         sys.modules.pop(module.__name__, None)
@@ -160,5 +251,10 @@ def help_from_source(path: str):
 
 def describe_presets(args_class, presets: dict) -> str:
     """--help's description: the Args docstring and the values each preset gives."""
-    lines = [f"  {name}: " + ", ".join(f"{k}={v}" for k, v in values.items()) for name, values in presets.items()]
-    return "\n".join([inspect.cleandoc(args_class.__doc__), *(["", "Presets:", *lines] if lines else [])])
+    lines = [
+        f"  {name}: " + ", ".join(f"{k}={v}" for k, v in values.items())
+        for name, values in presets.items()
+    ]
+    return "\n".join(
+        [inspect.cleandoc(args_class.__doc__), *(["", "Presets:", *lines] if lines else [])]
+    )

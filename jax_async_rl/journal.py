@@ -23,11 +23,14 @@ class Journal:
     """The actions [T, B, ...] of each update, appended in order to `run_dir`/actions.bin (process
     0's envs: every actor thread's, side by side), flushed to disk with each checkpoint, which
     records its sha256 up to the checkpoint's update (`digest`) so that a resume replays only the
-    actions the run took. Opened never through a link, and only as a regular file of the run's own."""
+    actions the run took. Opened never through a link, and only as a regular file of the run's
+    own."""
 
     def __init__(self, run_dir: str, example):
         self.path, self.example = os.path.join(run_dir, JOURNAL), np.asarray(example)
-        self.shape = str(list(self.example.shape))  # an update's actions, as the checkpoint's record keeps it
+        self.shape = str(
+            list(self.example.shape)
+        )  # an update's actions, as the checkpoint's record keeps it
         self.file = None
         self.hash, self.count = hashlib.sha256(), 0  # of the updates read and appended so far
 
@@ -39,7 +42,9 @@ class Journal:
         checkpoint wrote more)."""
         size = updates * self.example.nbytes
         try:
-            with checkpoints.open_own(self.path, os.O_RDWR if cut else os.O_RDONLY, "r+b" if cut else "rb") as f:
+            with checkpoints.open_own(
+                self.path, os.O_RDWR if cut else os.O_RDONLY, "r+b" if cut else "rb"
+            ) as f:
                 data = f.read(size)
                 if len(data) == size and (record is None or matches(data, record)) and cut:
                     f.truncate(size)
@@ -49,14 +54,22 @@ class Journal:
             raise refused(f"{self.path} is not a regular file of the run's own ({e.strerror})")
         kept = record and record.get("shape", self.shape)  # before shapes were kept: the size only
         if record is not None and (record.get("bytes") != size or kept != self.shape):
-            raise refused(f"{self.path} was kept with other --num-envs or --num-steps than these "
-                          f"(actions of shape {kept} an update, {record.get('bytes')} bytes to the checkpoint; "
-                          f"these flags make {self.shape}, {size} bytes)")
+            raise refused(
+                f"{self.path} was kept with other --num-envs or --num-steps than these "
+                f"(actions of shape {kept} an update, {record.get('bytes')} bytes to the "
+                f"checkpoint; "
+                f"these flags make {self.shape}, {size} bytes)"
+            )
         if len(data) < size:
-            raise refused(f"{self.path} holds fewer than the checkpoint's {updates} updates of actions")
+            raise refused(
+                f"{self.path} holds fewer than the checkpoint's {updates} updates of actions"
+            )
         if record is not None and not matches(data, record):
-            raise refused(f"{self.path} is not the journal of the actions the run took (its sha256 differs from the "
-                          "checkpoint's)")
+            raise refused(
+                f"{self.path} is not the journal of the actions the run took (its sha256 differs "
+                f"from the "
+                "checkpoint's)"
+            )
         actions = np.frombuffer(data, self.example.dtype).reshape(updates, *self.example.shape)
         if action_space is not None:
             check_actions(actions, action_space, self.path)
@@ -65,14 +78,17 @@ class Journal:
 
     def moved(self, run_dir: str, actions):
         """A resume into another --run-dir: the journal goes on there, from a copy of the actions
-        that `read` checked ([updates, T, B, ...], or None), and the resumed folder's is left as it is."""
+        that `read` checked ([updates, T, B, ...], or None), and the resumed folder's is left as it
+        is."""
         self.path = os.path.join(run_dir, JOURNAL)
         self.file = checkpoints.open_own(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "wb")
         if actions is not None:
             self.file.write(np.ascontiguousarray(actions, self.example.dtype).tobytes())
 
     def append(self, actions):
-        if self.file is None:  # a new run's journal starts empty; a resumed one goes on after read's
+        if (
+            self.file is None
+        ):  # a new run's journal starts empty; a resumed one goes on after read's
             flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | (0 if self.count else os.O_TRUNC)
             self.file = checkpoints.open_own(self.path, flags, "ab")
         data = np.ascontiguousarray(actions, self.example.dtype).tobytes()
@@ -81,10 +97,13 @@ class Journal:
         self.count += 1
 
     def digest(self, updates: int) -> dict:
-        """The record of the first `updates` updates that a checkpoint keeps: their sha256, size and shape."""
+        """The record of the first `updates` updates that a checkpoint keeps: their sha256, size
+        and shape."""
         size, digest = updates * self.example.nbytes, self.hash
         if updates != self.count:
-            with checkpoints.open_own(self.path, os.O_RDONLY, "rb") as f:  # more appended than learned from
+            with checkpoints.open_own(
+                self.path, os.O_RDONLY, "rb"
+            ) as f:  # more appended than learned from
                 digest = hashlib.sha256(f.read(size))
         return {"sha256": digest.hexdigest(), "bytes": size, "shape": self.shape}
 
@@ -105,8 +124,11 @@ def matches(data: bytes, record: dict) -> bool:
 
 
 def refused(problem: str) -> UsageError:
-    return UsageError(f"--resume --deterministic: {problem}, so the run cannot be replayed to where it stopped; "
-                      "resume with --no-deterministic (it goes on from its checkpoint, not as the uninterrupted run)")
+    return UsageError(
+        f"--resume --deterministic: {problem}, so the run cannot be replayed to where it stopped; "
+        "resume with --no-deterministic (it goes on from its checkpoint, not as the uninterrupted "
+        "run)"
+    )
 
 
 def check_actions(actions, action_space, path: str):
@@ -130,20 +152,31 @@ def check_carry(payload: dict, path: str):
     carry, params = payload.get("carry"), payload["state"].get("params")
     if carry is None:
         return
-    shapes = lambda tree: (jax.tree.structure(tree), [np.shape(x) for x in jax.tree.leaves(tree)])  # noqa: E731
+
+    def shapes(tree):
+        return jax.tree.structure(tree), [np.shape(x) for x in jax.tree.leaves(tree)]
+
     parts = carry if isinstance(carry, dict) else {}
     acting, record, memory = parts.get("acting", {}), parts.get("journal"), parts.get("memory", {})
     fits = {
         "acting": isinstance(acting, dict)
         and all(str(v).isdigit() and shapes(tree) == shapes(params) for v, tree in acting.items()),
-        "journal": record is None or isinstance(record, dict) and isinstance(record.get("sha256"), str)
-        and np.asarray(record.get("bytes")).dtype.kind in "iu" and isinstance(record.get("shape", ""), str),
+        "journal": record is None
+        or isinstance(record, dict)
+        and isinstance(record.get("sha256"), str)
+        and np.asarray(record.get("bytes")).dtype.kind in "iu"
+        and isinstance(record.get("shape", ""), str),
         "memory": isinstance(memory, dict) and all(isinstance(m, dict) for m in memory.values()),
     }
-    wrong = [name for name, good in fits.items() if not good] if isinstance(carry, dict) else ["carry"]
+    wrong = (
+        [name for name, good in fits.items() if not good] if isinstance(carry, dict) else ["carry"]
+    )
     if wrong:
-        raise UsageError(f"--resume: {path} carries a {wrong[0]!r} for --deterministic that no run writes; resume "
-                         "from the run's own checkpoint, or with --no-deterministic")
+        raise UsageError(
+            f"--resume: {path} carries a {wrong[0]!r} for --deterministic that no run writes; "
+            f"resume "
+            "from the run's own checkpoint, or with --no-deterministic"
+        )
 
 
 def verify(run_dir: str, carried, updates: int, shape, dtype, action_space):
@@ -154,8 +187,11 @@ def verify(run_dir: str, carried, updates: int, shape, dtype, action_space):
     record = carried.get("journal") if isinstance(carried, dict) else None
     if not isinstance(record, dict):
         print(
-            f"note: the checkpoint records no digest of {os.path.join(run_dir, JOURNAL)} (it was written before "
-            "checkpoints kept one): its actions are checked against the action space only", file=sys.stderr)
+            f"note: the checkpoint records no digest of {os.path.join(run_dir, JOURNAL)} (it was "
+            f"written before "
+            "checkpoints kept one): its actions are checked against the action space only",
+            file=sys.stderr,
+        )
         record = None
     Journal(run_dir, np.zeros(shape, dtype)).read(updates, record, action_space, cut=False)
 
@@ -198,28 +234,42 @@ class Keeper:
     schedule still acts with (--actor-lag versions before the newest). `resumption(thread)` hands
     a resumed actor thread what it needs (actor_loop's `resume`)."""
 
-    def __init__(self, run_dir, carried, updates: int, shape, dtype, threads: int, placed, space, source=None):
+    def __init__(
+        self, run_dir, carried, updates: int, shape, dtype, threads: int, placed, space, source=None
+    ):
         self.carried, self.threads = carried or {}, threads
-        self.journal = Journal(source or run_dir, np.zeros(shape, dtype))  # `source`: a resume's other folder
+        self.journal = Journal(
+            source or run_dir, np.zeros(shape, dtype)
+        )  # `source`: a resume's other folder
         self.placed = placed  # the carried parameters placed as the learner's are (runs.Run's mesh)
-        record = self.carried.get("journal")  # checked at start-up (verify); again here, as it is cut
+        record = self.carried.get(
+            "journal"
+        )  # checked at start-up (verify); again here, as it is cut
         record = record if isinstance(record, dict) else None
         actions = self.journal.read(updates, record, space, cut=source is None) if updates else None
         if source is not None:
             self.journal.moved(run_dir, actions)
-        self.actions = None if actions is None else actions.reshape(-1, *shape[1:])  # [steps, B, ...]
+        self.actions = (
+            None if actions is None else actions.reshape(-1, *shape[1:])
+        )  # [steps, B, ...]
         # What a checkpoint carries until the first update: what the resume carried.
         self.published = self.acting()
-        self.memories = [self.resumption(i)["memory"] for i in range(threads)] if "memory" in self.carried else None
+        self.memories = (
+            [self.resumption(i)["memory"] for i in range(threads)]
+            if "memory" in self.carried
+            else None
+        )
 
     def resumption(self, thread: int):
         if self.actions is None:
             return None
         B = self.actions.shape[1] // self.threads
-        out = {"actions": self.actions[:, thread * B:(thread + 1) * B]}
+        out = {"actions": self.actions[:, thread * B : (thread + 1) * B]}
         if self.carried.get("memory") is not None:  # the leaves of the thread's recurrent state
             leaves = self.carried["memory"][str(thread)]
-            out["memory"] = [np.array(leaves[str(j)]) for j in range(len(leaves))]  # writable: the actor updates it
+            out["memory"] = [
+                np.array(leaves[str(j)]) for j in range(len(leaves))
+            ]  # writable: the actor updates it
         return out
 
     def acting(self) -> dict:
@@ -239,16 +289,14 @@ class Keeper:
         carry = {
             "acting": {
                 str(v): self.published[v]
-                for v in range(version - actor_lag, version) if self.published and v in self.published
+                for v in range(version - actor_lag, version)
+                if self.published and v in self.published
             },
             "journal": self.journal.digest(version),
         }
         if self.memories and self.memories[0] is not None:
             carry["memory"] = {
-                str(i): {
-                    str(j): x
-                    for j, x in enumerate(jax.tree.leaves(m))
-                }
+                str(i): {str(j): x for j, x in enumerate(jax.tree.leaves(m))}
                 for i, m in enumerate(self.memories)
             }
         return carry
@@ -261,4 +309,6 @@ def start_envs(envs, resume, normalizer, stats, memory, env_offset: int):
         envs.async_reset()
         return None, memory
     dones, _ = replay(envs, resume["actions"], normalizer, stats, env_offset, receive_last=False)
-    return dones, jax.tree.unflatten(jax.tree.structure(memory), resume["memory"]) if "memory" in resume else memory
+    return dones, jax.tree.unflatten(
+        jax.tree.structure(memory), resume["memory"]
+    ) if "memory" in resume else memory

@@ -13,7 +13,8 @@ BLOCK = 256  # steps of an env's stream drawn at once (EnvStreams)
 
 
 def mix(h, xp):
-    """MurmurHash3's 32-bit finaliser: every input bit reaches every output bit (uint32, wrapping)."""
+    """MurmurHash3's 32-bit finaliser: every input bit reaches every output bit (uint32,
+    wrapping)."""
     h = h ^ (h >> 16)
     h = h * xp.uint32(0x85EBCA6B)
     h = h ^ (h >> 13)
@@ -45,9 +46,12 @@ class EnvStreams:
     def uniform(self, env_ids, steps):
         """[B, width]: row i is env env_ids[i]'s draw at its step steps[i] (a step in or after the
         env's current block: each env steps forward)."""
-        rows, steps = np.asarray(env_ids, np.int64) - self.first, np.asarray(steps, np.int64)
+        rows = np.asarray(env_ids, np.int64) - self.first
+        steps = np.asarray(steps, np.int64)
         for row in rows[self.numbers[rows] != steps // BLOCK]:
             self.numbers[row] = steps[rows == row][0] // BLOCK
-            seq = np.random.SeedSequence([self.seed, self.first + int(row), int(self.numbers[row])])
-            self.draws[row] = np.random.Generator(np.random.PCG64(seq)).random(self.draws.shape[1:])
+            env = self.first + int(row)
+            seq = np.random.SeedSequence([self.seed, env, int(self.numbers[row])])
+            generator = np.random.Generator(np.random.PCG64(seq))
+            self.draws[row] = generator.random(self.draws.shape[1:])
         return self.draws[rows, steps % BLOCK]

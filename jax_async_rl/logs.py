@@ -35,21 +35,33 @@ class Logger:
         self.run_dir, self.lock, self.failed, self.wandb = run_dir, threading.Lock(), False, None
         if run_dir is None:
             return
-        name = os.path.join(run_dir, f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}")
-        self.events_path = next(f"{name}{k or ''}" for k in range(1000) if not os.path.lexists(f"{name}{k or ''}"))
-        self.events = checkpoints.open_own(self.events_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, "wb", buffering=0)
+        name = os.path.join(
+            run_dir, f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}"
+        )
+        self.events_path = next(
+            f"{name}{k or ''}" for k in range(1000) if not os.path.lexists(f"{name}{k or ''}")
+        )
+        self.events = checkpoints.open_own(
+            self.events_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, "wb", buffering=0
+        )
         first = [event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2")]
         if purge_step is not None:
             first.append(
-                event_pb2.Event(step=purge_step, wall_time=time.time(),
-                                session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
+                event_pb2.Event(
+                    step=purge_step,
+                    wall_time=time.time(),
+                    session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START),
+                )
+            )
         self.events.write(b"".join(map(record, first)))
         self.path = os.path.join(run_dir, METRICS)
         self.jsonl = append(self.path)
         if args.track:
             import wandb
 
-            self.wandb = wandb.init(project=args.wandb_project, config=vars(args), dir=run_dir, resume="allow")
+            self.wandb = wandb.init(
+                project=args.wandb_project, config=vars(args), dir=run_dir, resume="allow"
+            )
 
     def log(self, step: int, scalars: dict):
         with self.lock:
@@ -61,9 +73,16 @@ class Logger:
                 lines, events = [], []
                 for tag, value in scalars.items():
                     value = float(value)
-                    summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=tag, simple_value=value)])
+                    summary = summary_pb2.Summary(
+                        value=[summary_pb2.Summary.Value(tag=tag, simple_value=value)]
+                    )
                     events.append(event_pb2.Event(wall_time=now, step=int(step), summary=summary))
-                    lines.append(json.dumps({"step": int(step), "wall_time": now, "tag": tag, "value": value}) + "\n")
+                    lines.append(
+                        json.dumps(
+                            {"step": int(step), "wall_time": now, "tag": tag, "value": value}
+                        )
+                        + "\n"
+                    )
                 self.jsonl.write("".join(lines))
                 writing = self.events_path
                 self.events.write(b"".join(map(record, events)))
@@ -85,11 +104,16 @@ class Logger:
         self.jsonl.close()
         self.jsonl = append(self.path)
         print(
-            f"warning: {self.path} was deleted mid-run; recreated from step {step} on (the records before are in "
-            "TensorBoard's events file)", file=sys.stderr, flush=True)
+            f"warning: {self.path} was deleted mid-run; recreated from step {step} on (the "
+            f"records before are in "
+            "TensorBoard's events file)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def close(self):
-        """Both files closed; an error the run has not reported yet is raised (one, naming its file)."""
+        """Both files closed; an error the run has not reported yet is raised (one, naming its
+        file)."""
         if self.run_dir is None:
             return
         with self.lock:
@@ -117,7 +141,12 @@ def record(event) -> bytes:
     the data, its masked CRC-32C."""
     data = event.SerializeToString()
     header = struct.pack("Q", len(data))
-    return header + struct.pack("I", masked_crc32c(header)) + data + struct.pack("I", masked_crc32c(data))
+    return (
+        header
+        + struct.pack("I", masked_crc32c(header))
+        + data
+        + struct.pack("I", masked_crc32c(data))
+    )
 
 
 class Progress:
@@ -131,14 +160,29 @@ class Progress:
     learning's start, no ETA. The first update, and a replay run's first learning round, compile:
     "compiling" and no SPS (the actor waits) until it ends; the ETA is n/a until a second one."""
 
-    def __init__(self, total: int, counts, interval: float = 5.0, window: float = 60.0, clock=time.time, start=True,
-                 learning_from: int = 0):
-        self.total, self.counts, self.interval, self.span, self.clock = total, counts, interval, window, clock
+    def __init__(
+        self,
+        total: int,
+        counts,
+        interval: float = 5.0,
+        window: float = 60.0,
+        clock=time.time,
+        start=True,
+        learning_from: int = 0,
+    ):
+        self.total, self.counts, self.interval, self.span, self.clock = (
+            total,
+            counts,
+            interval,
+            window,
+            clock,
+        )
         self.learning_from = learning_from
         self.returns = deque(maxlen=20)
         self.window = deque([(clock(), *counts())], maxlen=7)
         self.updates = deque()  # (time, learned) at each learning update's end
-        self.filling = []  # (time, learned) at the end of the first and the last round that learned nothing
+        # (time, learned) at the end of the first and the last round that learned nothing
+        self.filling = []
         self.round = None  # the steps of a round that learned nothing (the last two apart)
         self.compiled = False  # no compile pending: the update (or the learning round) has run once
         self.lock = threading.Lock()
@@ -158,7 +202,9 @@ class Progress:
                 self.updates.append((now, learned))
                 while len(self.updates) > 2 and self.updates[1][0] < now - self.span:
                     self.updates.popleft()
-            if not self.compiled or len(self.updates) == 1:  # a compile just ended: SPS counts from here
+            if (
+                not self.compiled or len(self.updates) == 1
+            ):  # a compile just ended: SPS counts from here
                 self.window = deque([(now, *self.counts())], maxlen=7)
             self.compiled = not self.compiling()
 
@@ -167,12 +213,20 @@ class Progress:
         update has ended (the next round passes `learning_from`)."""
         if self.updates:
             return False
-        return not self.filling or self.round is not None and self.learning_from - self.filling[-1][1] < self.round
+        return (
+            not self.filling
+            or self.round is not None
+            and self.learning_from - self.filling[-1][1] < self.round
+        )
 
     def eta(self, now: float) -> str:
         with self.lock:
             updates, filling, compiling = list(self.updates), list(self.filling), self.compiling()
-        starts = f"learning starts at step {self.learning_from}" if self.learning_from < self.total else ""
+        starts = (
+            f"learning starts at step {self.learning_from}"
+            if self.learning_from < self.total
+            else ""
+        )
         if compiling and (filling or not self.learning_from):
             return "n/a (compiling the first update)"
         if compiling:
@@ -181,12 +235,16 @@ class Progress:
             (t0, learned0), (t1, learned1) = filling[0], filling[-1]
             if t1 <= t0 or learned1 <= learned0:
                 return f"n/a ({starts or 'no update learns'})"
-            left = (min(self.learning_from, self.total) - learned1) / ((learned1 - learned0) / (t1 - t0)) - (now - t1)
+            left = (min(self.learning_from, self.total) - learned1) / (
+                (learned1 - learned0) / (t1 - t0)
+            ) - (now - t1)
             return f"n/a ({starts} in {clock_time(left)})" if starts else clock_time(left)
         (t0, learned0), (t1, learned1) = updates[0], updates[-1]
         if t1 <= t0 or learned1 <= learned0:
             return "n/a"
-        return clock_time((self.total - learned1) / ((learned1 - learned0) / (t1 - t0)) - (now - t1))
+        return clock_time(
+            (self.total - learned1) / ((learned1 - learned0) / (t1 - t0)) - (now - t1)
+        )
 
     def line(self) -> str:
         sampled, learned = self.counts()
@@ -197,8 +255,10 @@ class Progress:
         sps = f"{(sampled - sampled_then) / (now - then):7.0f}" if known else f"{'n/a':>7}"
         returns = list(self.returns)
         mean_ret = f"{np.mean(returns):.1f}" if returns else "n/a"
-        return (f"step {sampled:>10d} sampled {learned:>10d} learned of {self.total}  SPS {sps}  "
-                f"return(last 20) {mean_ret}  ETA {self.eta(now)}")
+        return (
+            f"step {sampled:>10d} sampled {learned:>10d} learned of {self.total}  SPS {sps}  "
+            f"return(last 20) {mean_ret}  ETA {self.eta(now)}"
+        )
 
     def run(self):
         while not self.done.wait(self.interval):

@@ -35,11 +35,14 @@ class Normalizer:
 
     @staticmethod
     def updated(stats, x):
-        """(mean, variance, count) after adding the batch x [N, ...], a pytree (Chan et al.'s parallel
-        update); one pass per leaf, plain ufuncs (np.var's wrapper cost the actor 10 µs a call)."""
+        """(mean, variance, count) after adding the batch x [N, ...], a pytree (Chan et al.'s
+        parallel update); one pass per leaf, plain ufuncs (np.var's wrapper cost the actor 10 µs a
+        call)."""
         (mean, var, count), (leaves, tree) = stats, jax.tree.flatten(x)
         n = len(leaves[0])
-        if not n:  # no sample (an actor's batch of first observations, whose rewards are not a step's)
+        if (
+            not n
+        ):  # no sample (an actor's batch of first observations, whose rewards are not a step's)
             return stats
         total, means, variances = count + n, [], []
         for leaf, m, v in zip(leaves, jax.tree.leaves(mean), jax.tree.leaves(var), strict=True):
@@ -47,11 +50,12 @@ class Normalizer:
             delta = batch_mean - m
             batch_var = np.square(leaf - batch_mean).mean(0)
             means.append(m + delta * n / total)
-            variances.append((v * count + batch_var * n + delta ** 2 * count * n / total) / total)
+            variances.append((v * count + batch_var * n + delta**2 * count * n / total) / total)
         return jax.tree.unflatten(tree, means), jax.tree.unflatten(tree, variances), total
 
     def observe(self, obs, train: bool = True):
-        """Normalised observations [N, ...] (the float leaves; others pass); `train` also adds them to the statistics."""
+        """Normalised observations [N, ...] (the float leaves; others pass); `train` also adds
+        them to the statistics."""
         if not self.norm_obs:
             return obs
         if train:
@@ -96,8 +100,12 @@ class Normalizer:
         """Take the statistics out of a restored state (see `state`)."""
         stats = state.pop("norm", None)
         if stats is not None:
-            self.obs_stats = tuple(jax.tree.map(np.asarray, stats[f"obs_{k}"]) for k in ("mean", "var", "count"))
-            self.return_stats = tuple(np.asarray(stats[f"return_{k}"]) for k in ("mean", "var", "count"))
+            self.obs_stats = tuple(
+                jax.tree.map(np.asarray, stats[f"obs_{k}"]) for k in ("mean", "var", "count")
+            )
+            self.return_stats = tuple(
+                np.asarray(stats[f"return_{k}"]) for k in ("mean", "var", "count")
+            )
 
 
 def scaled_obs(x, mean, var, xp):
@@ -125,6 +133,11 @@ def combined(a, b):
     (mean_a, var_a, n_a), (mean_b, var_b, n_b) = a, b
     n = n_a + n_b
     mean = jax.tree.map(lambda ma, mb: ma + (mb - ma) * n_b / n, mean_a, mean_b)
-    var = jax.tree.map(lambda ma, va, mb, vb: (va * n_a + vb * n_b + (mb - ma) ** 2 * n_a * n_b / n) / n, mean_a, var_a,
-                       mean_b, var_b)
+    var = jax.tree.map(
+        lambda ma, va, mb, vb: (va * n_a + vb * n_b + (mb - ma) ** 2 * n_a * n_b / n) / n,
+        mean_a,
+        var_a,
+        mean_b,
+        var_b,
+    )
     return mean, var, n

@@ -38,47 +38,75 @@ from jax_async_rl.tasks import MASK
 def check_rounds(args, min_rows: int):
     """The flags of a replay script's rounds (each actor thread's chunk of --num-steps steps of its
     --num-envs envs, then --replay-ratio x the round / --batch-size gradient steps), checked:
-    UsageError, one line. `min_rows`: the rows each env's ring must hold beyond that (n-step + stack).
-    When a run starts (not utils/evaluate.py, which allocates no buffer), the buffer and a round's
-    batches must fit in 90% of the memory available (the rest is the run's own: JAX, the envs)."""
+    UsageError, one line. `min_rows`: the rows each env's ring must hold beyond that (n-step +
+    stack). When a run starts (not utils/evaluate.py, which allocates no buffer), the buffer and a
+    round's batches must fit in 90% of the memory available (the rest is the run's own: JAX, the
+    envs)."""
     if args.num_envs % args.num_splits:
         raise UsageError(f"--num-splits {args.num_splits} must divide --num-envs {args.num_envs}")
     chunk, per = devices.global_envs(args) * args.num_steps, sample_rows(args)
     steps = args.replay_ratio * chunk / (args.batch_size * per)
     if steps < 1 or abs(steps - round(steps)) > 1e-6:
-        rows = f" x {per} steps a sequence (--burn-in + --seq-len)" if getattr(args, "lstm", False) else ""
+        rows = (
+            f" x {per} steps a sequence (--burn-in + --seq-len)"
+            if getattr(args, "lstm", False)
+            else ""
+        )
         raise UsageError(
-            f"--replay-ratio {args.replay_ratio} x a round's {chunk} env steps ({devices.describe_batch(args)}) "
-            f"/ --batch-size {args.batch_size}{rows} = {steps:g} gradient steps: make it a whole number")
+            f"--replay-ratio {args.replay_ratio} x a round's {chunk} env steps "
+            f"({devices.describe_batch(args)}) "
+            f"/ --batch-size {args.batch_size}{rows} = {steps:g} gradient steps: make it a whole "
+            f"number"
+        )
     if args.batch_size % len(args.learner_device_ids):
         raise UsageError(
-            f"--batch-size {args.batch_size} must divide over the {len(args.learner_device_ids)} learner devices")
+            f"--batch-size {args.batch_size} must divide over the {len(args.learner_device_ids)} "
+            f"learner devices"
+        )
     if args.buffer_size < 2 * chunk or args.buffer_size // devices.local_envs(args) <= min_rows:
-        raise UsageError(f"--buffer-size {args.buffer_size} must hold two rounds ({chunk} env steps) and more than "
-                         f"{min_rows} steps of each of the {devices.local_envs(args)} envs")
+        raise UsageError(
+            f"--buffer-size {args.buffer_size} must hold two rounds ({chunk} env steps) and more "
+            f"than "
+            f"{min_rows} steps of each of the {devices.local_envs(args)} envs"
+        )
     check_first_sample(args, chunk)
     if tasks.RUN_STOP[0] is None or (available := devices.available_memory()) is None:
         return
     obs_space, action_space = tasks.spaces(args.env_id)
-    obs = sum(np.dtype(s.dtype).itemsize * math.prod(s.shape) for s in jax.tree.leaves(tasks.space_tree(obs_space)))
-    stack = obs_space.shape[0] if tasks.env_kind(args.env_id) == "atari" else 1  # frames stored once (the docstring)
+    obs = sum(
+        np.dtype(s.dtype).itemsize * math.prod(s.shape)
+        for s in jax.tree.leaves(tasks.space_tree(obs_space))
+    )
+    stack = (
+        obs_space.shape[0] if tasks.env_kind(args.env_id) == "atari" else 1
+    )  # frames stored once (the docstring)
     action = np.dtype(action_space.dtype).itemsize * math.prod(action_space.shape or ())
     rows = args.buffer_size // devices.local_envs(args) * devices.local_envs(args)
-    row = obs // stack + action + 4 + 3  # the reward, terminated, truncated and the stack's reach back
+    row = (
+        obs // stack + action + 4 + 3
+    )  # the reward, terminated, truncated and the stack's reach back
     sample = 2 * obs + action + 20  # obs, next obs, reward, discount, slot, weight
-    if getattr(args, "lstm", False):  # R2D2: a state stored every --seq-period rows; a sample: a window and a state
+    if getattr(
+        args, "lstm", False
+    ):  # R2D2: a state stored every --seq-period rows; a sample: a window and a state
         row += 8 * args.lstm_size / args.seq_period
         sample = (per + args.n_step) * (obs + action + 6) + 8 * args.lstm_size + 16
-    buffer = rows * row + 16 * 2 ** max(1, math.ceil(math.log2(rows)))  # the sum tree: 2 float64 a leaf
+    buffer = rows * row + 16 * 2 ** max(
+        1, math.ceil(math.log2(rows))
+    )  # the sum tree: 2 float64 a leaf
     batches = round(steps) * args.batch_size * sample
     if buffer + batches > 0.9 * available:
-        flag, what = ((f"--buffer-size {args.buffer_size:,}",
-                       f"its {rows:,} rows of {row:,} bytes") if buffer >= batches else
-                      (f"--replay-ratio {args.replay_ratio:g}", f"a round's {round(steps):,} batches"))
+        flag, what = (
+            (f"--buffer-size {args.buffer_size:,}", f"its {rows:,} rows of {row:,} bytes")
+            if buffer >= batches
+            else (f"--replay-ratio {args.replay_ratio:g}", f"a round's {round(steps):,} batches")
+        )
         raise UsageError(
-            f"{flag}: the replay buffer and a round's batches take {(buffer + batches) / 2**30:.1f} GiB ({what}"
+            f"{flag}: the replay buffer and a round's batches take "
+            f"{(buffer + batches) / 2**30:.1f} GiB ({what}"
             f"{', Atari frames stored once' if stack > 1 else ''}), more than 90% of the "
-            f"{available / 2**30:.1f} GiB this machine has available; lower {flag.split()[0]}")
+            f"{available / 2**30:.1f} GiB this machine has available; lower {flag.split()[0]}"
+        )
 
 
 def check_first_sample(args, chunk: int):
@@ -92,20 +120,34 @@ def check_first_sample(args, chunk: int):
     rounds = args.learning_starts // chunk + 1
     if rounds * args.num_steps >= need:
         return
-    what, fix = ((f"a sequence of --burn-in {args.burn_in} + --seq-len {args.seq_len} + --n-step {n}",
-                  "shorten the sequences") if lstm else (f"a transition and its --n-step {n}",
-                                                         "lower --n-step") if hasattr(args, "n_step") else
-                 ("a transition and the next", "raise --num-steps"))
+    what, fix = (
+        (
+            f"a sequence of --burn-in {args.burn_in} + --seq-len {args.seq_len} + --n-step {n}",
+            "shorten the sequences",
+        )
+        if lstm
+        else (f"a transition and its --n-step {n}", "lower --n-step")
+        if hasattr(args, "n_step")
+        else ("a transition and the next", "raise --num-steps")
+    )
     raise UsageError(
-        f"--learning-starts {args.learning_starts} learns first in round {rounds}, after {rounds * args.num_steps} "
-        f"steps of each env (--num-steps {args.num_steps} a round), and {what} needs {need} steps of an env: raise "
-        f"--learning-starts to {(-(-need // args.num_steps) - 1) * chunk}, or {fix}")
+        f"--learning-starts {args.learning_starts} learns first in round {rounds}, after "
+        f"{rounds * args.num_steps} "
+        f"steps of each env (--num-steps {args.num_steps} a round), and {what} needs {need} steps "
+        f"of an env: raise "
+        f"--learning-starts to {(-(-need // args.num_steps) - 1) * chunk}, or {fix}"
+    )
 
 
 def gradient_steps(args) -> int:
     """Gradient steps of each round: --replay-ratio x the round's env steps / (--batch-size x
     sample_rows)."""
-    return round(args.replay_ratio * devices.global_envs(args) * args.num_steps / (args.batch_size * sample_rows(args)))
+    return round(
+        args.replay_ratio
+        * devices.global_envs(args)
+        * args.num_steps
+        / (args.batch_size * sample_rows(args))
+    )
 
 
 def sample_rows(args) -> int:
@@ -166,18 +208,40 @@ class Replay:
     weights, 1 under uniform replay); `update_priorities(slots, td_errors)` under prioritised
     replay."""
 
-    def __init__(self, capacity: int, num_envs: int, obs_example, action_example, n_step: int = 1, gamma: float = 0.99,
-                 frame_stack: int = 1, alpha: float = 0.0, eps: float = 1e-6):
+    def __init__(
+        self,
+        capacity: int,
+        num_envs: int,
+        obs_example,
+        action_example,
+        n_step: int = 1,
+        gamma: float = 0.99,
+        frame_stack: int = 1,
+        alpha: float = 0.0,
+        eps: float = 1e-6,
+    ):
         if capacity < num_envs:
-            raise ValueError(f"a buffer of {capacity} transitions cannot hold a row of {num_envs} envs")
+            raise ValueError(
+                f"a buffer of {capacity} transitions cannot hold a row of {num_envs} envs"
+            )
         self.capacity, self.rows, self.num_envs = capacity, capacity // num_envs, num_envs
-        self.n_step, self.gamma, self.stack, self.alpha, self.eps = n_step, gamma, frame_stack, alpha, eps
+        self.n_step, self.gamma, self.stack, self.alpha, self.eps = (
+            n_step,
+            gamma,
+            frame_stack,
+            alpha,
+            eps,
+        )
         if self.rows < n_step + frame_stack + 1:
-            raise ValueError(f"{self.rows} rows an env is too few for n-step {n_step} with {frame_stack} frames")
+            raise ValueError(
+                f"{self.rows} rows an env is too few for n-step {n_step} with {frame_stack} frames"
+            )
 
         def storage(example, frames=False):  # example: a batch, as the env returns it
             example = np.asarray(example)
-            return np.zeros((self.rows, num_envs, *example.shape[2 if frames else 1:]), example.dtype)
+            return np.zeros(
+                (self.rows, num_envs, *example.shape[2 if frames else 1 :]), example.dtype
+            )
 
         leaves, tree = jax.tree_util.tree_flatten_with_path(obs_example)
         self.bits = {
@@ -188,10 +252,12 @@ class Replay:
         self.obs = jax.tree.unflatten(
             tree,
             [
-                storage(x, frame_stack > 1) if i not in self.bits else storage(
-                    np.zeros((1, -(-np.size(x[0]) // 8)), np.uint8))  # bytes of bits
+                storage(x, frame_stack > 1)
+                if i not in self.bits
+                else storage(np.zeros((1, -(-np.size(x[0]) // 8)), np.uint8))  # bytes of bits
                 for i, (_, x) in enumerate(leaves)
-            ])
+            ],
+        )
         self.action = storage(action_example)
         self.reward = np.zeros((self.rows, num_envs), np.float32)
         self.terminated = np.zeros((self.rows, num_envs), bool)
@@ -231,20 +297,25 @@ class Replay:
         start = t - self.n_step
         ready = (start >= 0) & (start >= self.count[e] - self.rows + self.stack - 1)
         start, ready_e = start[ready], e[ready]
-        ended = self.terminated[start % self.rows, ready_e] | self.truncated[start % self.rows, ready_e]
+        ended = (
+            self.terminated[start % self.rows, ready_e] | self.truncated[start % self.rows, ready_e]
+        )
         fresh = self.slot(start[~ended], ready_e[~ended])
         self.live[stale], self.live[fresh] = False, True
         if self.tree is not None:
-            self.tree.update(np.concatenate([stale, fresh]),
-                             np.r_[np.zeros(len(stale)),
-                                   np.full(len(fresh), self.max_priority ** self.alpha)])
+            self.tree.update(
+                np.concatenate([stale, fresh]),
+                np.r_[np.zeros(len(stale)), np.full(len(fresh), self.max_priority**self.alpha)],
+            )
 
     def write(self, env_ids, obs, action, reward, terminated, truncated, elapsed):
         """`add`'s rows, written; returns each one's (row number, env id)."""
         e = np.asarray(env_ids, np.int64)
         order = np.argsort(e, kind="stable")
         before = np.empty_like(e)
-        before[order] = np.arange(len(e)) - np.searchsorted(e[order], e[order])  # its env's rows before it
+        before[order] = np.arange(len(e)) - np.searchsorted(
+            e[order], e[order]
+        )  # its env's rows before it
         t = self.count[e] + before
         rows = t % self.rows
         for i, (store, value) in enumerate(zip(jax.tree.leaves(self.obs), jax.tree.leaves(obs))):
@@ -270,7 +341,9 @@ class Replay:
         if self.stack == 1:
             return self.read((t % self.rows, e))
         back = self.back[t % self.rows, e].astype(np.int64)[:, None]
-        rows = (t[:, None] - np.minimum(np.arange(self.stack - 1, -1, -1), back)) % self.rows  # [B, stack]
+        rows = (
+            t[:, None] - np.minimum(np.arange(self.stack - 1, -1, -1), back)
+        ) % self.rows  # [B, stack]
         return self.read((rows, e[:, None]))
 
     def read(self, index):
@@ -278,10 +351,16 @@ class Replay:
         out = [store[index] for store in jax.tree.leaves(self.obs)]
         for i, (shape, dtype) in self.bits.items():
             size = int(np.prod(shape))
-            out[i] = np.unpackbits(out[i], axis=-1, count=size).reshape(*out[i].shape[:-1], *shape).astype(dtype)
+            out[i] = (
+                np.unpackbits(out[i], axis=-1, count=size)
+                .reshape(*out[i].shape[:-1], *shape)
+                .astype(dtype)
+            )
         return jax.tree.unflatten(jax.tree.structure(self.obs), out)
 
-    def sample(self, batch_size: int, rng: np.random.Generator, beta: float = 0.0, num_batches: int = 0):
+    def sample(
+        self, batch_size: int, rng: np.random.Generator, beta: float = 0.0, num_batches: int = 0
+    ):
         """One batch, or with `num_batches` that many [num_batches, batch_size, ...] drawn at once
         (a learner's round: the numpy calls are paid once)."""
         count = batch_size * max(num_batches, 1)
@@ -298,7 +377,9 @@ class Replay:
         if num_batches:
             batch = jax.tree.map(lambda x: x.reshape(num_batches, batch_size, *x.shape[1:]), batch)
         # rlpyt: importance weights normalised by the largest of their batch
-        batch["weights"] = (batch["weights"] / batch["weights"].max(axis=-1, keepdims=True)).astype(np.float32)
+        batch["weights"] = (batch["weights"] / batch["weights"].max(axis=-1, keepdims=True)).astype(
+            np.float32
+        )
         return batch
 
     def uniform_slots(self, count: int, rng: np.random.Generator):
@@ -327,11 +408,19 @@ class Replay:
             terminated, truncated = self.terminated[row, e], self.truncated[row, e]
             discount = np.where(alive & terminated, 0.0, discount)
             alive &= ~(terminated | truncated)
-        return dict(obs=self.stacked(t, e), action=self.action[t % self.rows, e], reward=reward, discount=discount,
-                    next_obs=self.stacked(next_t, e), slots=slots, weights=self.weights(slots, beta))
+        return dict(
+            obs=self.stacked(t, e),
+            action=self.action[t % self.rows, e],
+            reward=reward,
+            discount=discount,
+            next_obs=self.stacked(next_t, e),
+            slots=slots,
+            weights=self.weights(slots, beta),
+        )
 
     def weights(self, slots, beta: float):
-        """Prioritised replay's importance weights (N P(slot))^-beta (1 without; normalised by `sample`)."""
+        """Prioritised replay's importance weights (N P(slot))^-beta (1 without; normalised by
+        `sample`)."""
         if self.tree is None or not beta:
             return np.ones(len(slots), np.float32)
         return (len(self) * (self.tree.get(slots) / self.tree.total)) ** -beta

@@ -42,13 +42,16 @@ class Collector:
     """One actor thread's envs, `thread` of the process's, stepped a split at a time (`recv`
     returns the split whose step finished, or with --deterministic the next in turn) in chunks of
     --num-steps steps of every env, chunk `first` of the run first. `recurrent`: `act` is a
-    recurrent policy (see the module docstring); each row then carries the state it was acted from."""
+    recurrent policy (see the module docstring); each row then carries the state it was acted
+    from."""
 
     def __init__(self, envs, act, args, thread: int, shared, first: int, recurrent: bool = False):
         self.envs, self.act, self.shared, self.thread, self.first = envs, act, shared, thread, first
         self.args = args
         self.recvs, self.offset = args.num_steps * args.num_splits, thread * args.num_envs
-        self.steps = np.full(args.num_envs, first * args.num_steps, np.int64)  # each env's steps over the run
+        self.steps = np.full(
+            args.num_envs, first * args.num_steps, np.int64
+        )  # each env's steps over the run
         self.stats = tasks.EpisodeStats(args.num_envs)
         # An episode starts at the observation after one that ended an episode (envpool's reset
         # step), or at an env's first: the PPO scripts' `first`.
@@ -65,19 +68,41 @@ class Collector:
             obs, reward, terminated, truncated, info = self.envs.recv()
             timing["env"] += (now := time.perf_counter()) - start
             env_ids = info["env_id"]
-            reward = np.where(info["elapsed_step"] > 0, reward, 0.0)  # a reset's: undefined (dm_control)
+            reward = np.where(
+                info["elapsed_step"] > 0, reward, 0.0
+            )  # a reset's: undefined (dm_control)
             state = ()
             if self.ended is None:
-                action = np.asarray(self.act(params, obs, env_ids + self.offset, self.steps[env_ids]))
+                action = np.asarray(
+                    self.act(params, obs, env_ids + self.offset, self.steps[env_ids])
+                )
             else:
-                action, state = self.act(params, obs, env_ids + self.offset, self.steps[env_ids], self.ended[env_ids])
-                action, state, self.ended[env_ids] = np.asarray(action), (state,), terminated | truncated
+                action, state = self.act(
+                    params, obs, env_ids + self.offset, self.steps[env_ids], self.ended[env_ids]
+                )
+                action, state, self.ended[env_ids] = (
+                    np.asarray(action),
+                    (state,),
+                    terminated | truncated,
+                )
             timing["inference"] += (start := time.perf_counter()) - now
             self.envs.send(tasks.env_action(action, self.envs.action_space), env_ids)
             self.stats.update(env_ids, reward, terminated, truncated, info)
-            tasks.check_legal(self.args, obs, env_ids, ~(terminated | truncated), info["elapsed_step"])  # masks
+            tasks.check_legal(
+                self.args, obs, env_ids, ~(terminated | truncated), info["elapsed_step"]
+            )  # masks
             rows.append(
-                (env_ids + self.offset, obs, action, reward, terminated, truncated, info["elapsed_step"], *state))
+                (
+                    env_ids + self.offset,
+                    obs,
+                    action,
+                    reward,
+                    terminated,
+                    truncated,
+                    info["elapsed_step"],
+                    *state,
+                )
+            )
             self.steps[env_ids] += 1
             self.shared.sampled[self.thread] += len(env_ids)
             timing["bookkeeping"] += time.perf_counter() - start
@@ -94,12 +119,16 @@ class Learner:
     exponent, else uniform), `learn`, write back the priorities. `scalars(step)`: the script's
     own scalars of each round (logged with the update's); `learning_rate(step)`: the one logged."""
 
-    def __init__(self, run, replay, learn, rng, timing: dict, learning_rate, beta=None, scalars=None):
+    def __init__(
+        self, run, replay, learn, rng, timing: dict, learning_rate, beta=None, scalars=None
+    ):
         self.run, self.replay, self.learn, self.rng, self.timing = run, replay, learn, rng, timing
         self.learning_rate, self.beta, self.scalars = learning_rate, beta, scalars
         self.args, self.steps = run.args, gradient_steps(run.args)
         self.warm_at = run.start_step + run.args.learning_starts
-        self.sampled = self.learned_from = 0  # transitions sampled; env steps since the first update
+        self.sampled = self.learned_from = (
+            0  # transitions sampled; env steps since the first update
+        )
         timing["replay"] = 0.0
 
     def round(self, chunks: list) -> dict:
@@ -113,7 +142,9 @@ class Learner:
         extra.update(self.scalars(step) if self.scalars else {})
         diagnostics = {"finite": True}
         if step > self.warm_at:
-            batches = self.replay.sample(args.batch_size, self.rng, self.beta(step) if self.beta else 0.0, self.steps)
+            batches = self.replay.sample(
+                args.batch_size, self.rng, self.beta(step) if self.beta else 0.0, self.steps
+            )
             slots = batches.pop("slots")
             self.timing["replay"] += (now := time.perf_counter()) - start
             state, diagnostics = self.learn(state, devices.to_learner(run.mesh, batches), step)
@@ -127,7 +158,9 @@ class Learner:
         else:
             state = dict(state, policy_version=state["policy_version"] + 1)
             self.timing["replay"] += time.perf_counter() - start
-        return run.learned(state, dict(diagnostics, learning_rate=self.learning_rate(step)), self.timing, extra)
+        return run.learned(
+            state, dict(diagnostics, learning_rate=self.learning_rate(step)), self.timing, extra
+        )
 
 
 def actor_loop(collector, shared, chunk_queue, device, num_chunks: int, schedule, exact: bool):
@@ -135,8 +168,12 @@ def actor_loop(collector, shared, chunk_queue, device, num_chunks: int, schedule
     newest once they are out; copied to this actor's device once per version) and queue them."""
     held = params = None
     for chunk_index in range(collector.first, collector.first + num_chunks):
-        acting = shared.acting(schedule(chunk_index) if exact else min(schedule(chunk_index), chunk_index), exact)
-        if acting is None:  # the run stops (free-running: never an update on a chunk not queued yet)
+        acting = shared.acting(
+            schedule(chunk_index) if exact else min(schedule(chunk_index), chunk_index), exact
+        )
+        if (
+            acting is None
+        ):  # the run stops (free-running: never an update on a chunk not queued yet)
             return
         if acting[1] != held:
             held, params = acting[1], devices.to_actor(device, acting[0])
@@ -155,7 +192,9 @@ def learner_loop(run, learner, shared, queues):
         start = time.perf_counter()
         chunks = [threads.get(q, run.stop) for q in queues]
         shared.timing["queue_get"] += time.perf_counter() - start
-        if run.should_stop(None in chunks, [game for chunk in chunks if chunk for game in chunk["games"]]):
+        if run.should_stop(
+            None in chunks, [game for chunk in chunks if chunk for game in chunk["games"]]
+        ):
             break
         state = learner.round(chunks)
         shared.publish(state["params"], int(state["policy_version"]))
@@ -175,13 +214,28 @@ def train(run, learner, collectors, actors, queue_size: int, serial: bool, sched
     """Run the rounds to the end of the run, or until it stops: actor threads (one per collector,
     on its device from `actors`, run.actors(); their parameters as `schedule` names them) and the
     learner thread, or with `serial` one thread for both. The main thread waits, so a signal stops
-    the run within seconds whatever a thread is doing (a long round, an env that does not answer)."""
+    the run within seconds whatever a thread is doing (a long round, an env that does not
+    answer)."""
     envs = [c.envs for c in collectors]
     if serial:
-        run.wait(run.threads.start("training loop", serial_loop, run, learner, collectors, actors[0][0], owns=envs))
+        run.wait(
+            run.threads.start(
+                "training loop", serial_loop, run, learner, collectors, actors[0][0], owns=envs
+            )
+        )
         return
     shared, queues = collectors[0].shared, [queue.Queue(maxsize=queue_size) for _ in collectors]
     for i, (collector, (device, _, _)) in enumerate(zip(collectors, actors)):
-        run.threads.start(f"actor {i}" if i else "actor", actor_loop, collector, shared, queues[i], device,
-                          run.num_updates - run.start_update, schedule, run.args.deterministic, owns=[collector.envs])
+        run.threads.start(
+            f"actor {i}" if i else "actor",
+            actor_loop,
+            collector,
+            shared,
+            queues[i],
+            device,
+            run.num_updates - run.start_update,
+            schedule,
+            run.args.deterministic,
+            owns=[collector.envs],
+        )
     run.wait(run.threads.start("learner", learner_loop, run, learner, shared, queues))

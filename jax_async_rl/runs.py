@@ -5,11 +5,12 @@ thread errors, the final evaluation. A script's `main` reads:
     with runs.Run(args, given, __file__, resolve_args) as run:
         if run.finished: return 0                          # a resumed run that has nothing left
         network, optimizer, continuous, normalizer, state = build(run.args, run.init_key)
-        state = run.open(state, normalizer)                # --resume's state on the learner devices; the folder
-        ...                                                # envs (run.actors()), the jitted functions
-        run.begin("preset classic")                        # header line, clock, progress line
-        run.threads.run("training loop", train_loop, ...)  # or .start() actor and learner threads
-        return run.finish(policy, initial_core)            # checkpoint, evaluation, exit code
+        state = run.open(state, normalizer)                # --resume's state on the learner
+        devices; the folder ...                                                # envs
+        (run.actors()), the jitted functions run.begin("preset classic")                        #
+        header line, clock, progress line run.threads.run("training loop", train_loop, ...)  # or
+        .start() actor and learner threads return run.finish(policy, initial_core)            #
+        checkpoint, evaluation, exit code
 
 and once per update the learner calls `run.should_stop(...)` (stop together, gather games) and
 `run.learned(state, diagnostics, timing)` (count, log, checkpoint on schedule).
@@ -40,10 +41,14 @@ class Run:
 
     def __init__(self, args, given, script: str, resolve):
         self.given, self.script, self.resolve, self.args = given, script, resolve, args
-        self.saving = threading.Lock()  # one checkpoint write at a time (the learner's and the main thread's)
+        self.saving = (
+            threading.Lock()
+        )  # one checkpoint write at a time (the learner's and the main thread's)
         self.run_dir = self.logger = self.progress = self.lock = None
         self.peer_lost = False  # another process died: exit without JAX's shutdown
-        self.last_episode_step, self.episode_lock = -1, threading.Lock(
+        self.last_episode_step, self.episode_lock = (
+            -1,
+            threading.Lock(),
         )  # each game its own step (TensorBoard keeps one a step)
         self.warned = False
 
@@ -70,62 +75,119 @@ class Run:
             if self.lock is not None:
                 self.lock.close()
             self.signals.close()
-            if self.peer_lost:  # JAX's shutdown would wait for the dead process, then abort this one
+            if (
+                self.peer_lost
+            ):  # JAX's shutdown would wait for the dead process, then abort this one
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(1)
         return False
 
     def start_up(self):
-        """Flags (resumed, resolved, checked), processes, devices; UsageError before anything starts."""
+        """Flags (resumed, resolved, checked), processes, devices; UsageError before anything
+        starts."""
         # XLA:CPU runs each call in the calling thread, not handed to a thread of its own (set
         # before the backend starts): an actor's per-step inference waits for no hand-off on busy
         # cores (docs/DESIGN.md, the run's start-up); the GIL is still released while a call runs.
         jax.config.update("jax_cpu_enable_async_dispatch", False)
         folders.probe(self.args)  # another run in the folder: say so first
-        args, self.payload, self.changed = checkpoints.resume_args(self.args, self.given, self.script)
-        args = dataclasses.replace(args, exp_name=args.exp_name or default_exp_name(Path(self.script).stem, args))
+        args, self.payload, self.changed = checkpoints.resume_args(
+            self.args, self.given, self.script
+        )
+        args = dataclasses.replace(
+            args, exp_name=args.exp_name or default_exp_name(Path(self.script).stem, args)
+        )
         flags = os.environ.get("XLA_FLAGS", "")
         # GPU kernels without atomics, read at backend start
         if args.deterministic and "xla_gpu_deterministic_ops" not in flags:
             os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_deterministic_ops=true".strip()
         devices.start_processes(args)
-        self.args, self.actor_devices, self.mesh = prepare(args, self.resolve, self.payload is not None)
+        self.args, self.actor_devices, self.mesh = prepare(
+            args, self.resolve, self.payload is not None
+        )
         self.batch_size = devices.global_envs(self.args) * self.args.num_steps
         if self.args.num_steps < 4:
             print(
-                f"warning: --num-steps {self.args.num_steps}: rollouts this short give the returns almost nothing "
-                "to bootstrap from and most of an update's time goes to overhead; 4 or more is usual", file=sys.stderr,
-                flush=True)
-        self.global_step = self.start_step = int(self.payload["state"]["global_step"]) if self.payload else 0
-        self.finished = self.payload is not None and self.global_step + self.batch_size > self.args.total_timesteps
+                f"warning: --num-steps {self.args.num_steps}: rollouts this short give the "
+                f"returns almost nothing "
+                "to bootstrap from and most of an update's time goes to overhead; 4 or more is "
+                "usual",
+                file=sys.stderr,
+                flush=True,
+            )
+        self.global_step = self.start_step = (
+            int(self.payload["state"]["global_step"]) if self.payload else 0
+        )
+        self.finished = (
+            self.payload is not None
+            and self.global_step + self.batch_size > self.args.total_timesteps
+        )
         if self.finished:
-            print(f"{self.args.resume}: finished, {self.global_step} of --total-timesteps {self.args.total_timesteps} "
-                  "steps trained; pass a larger --total-timesteps to train on")
+            print(
+                f"{self.args.resume}: finished, {self.global_step} of --total-timesteps "
+                f"{self.args.total_timesteps} "
+                "steps trained; pass a larger --total-timesteps to train on"
+            )
             return
-        note = budget_note(self.args, self.given, self.global_step, self.batch_size, devices.describe_batch(self.args))
+        note = budget_note(
+            self.args,
+            self.given,
+            self.global_step,
+            self.batch_size,
+            devices.describe_batch(self.args),
+        )
         if note:
             print(note, file=sys.stderr, flush=True)
-        trained = (self.args.total_timesteps - self.global_step) // self.batch_size * self.batch_size
-        if getattr(self.args, "learning_starts", 0) >= trained:  # replay: a run (or resume) fills its buffer first
+        trained = (
+            (self.args.total_timesteps - self.global_step) // self.batch_size * self.batch_size
+        )
+        if (
+            getattr(self.args, "learning_starts", 0) >= trained
+        ):  # replay: a run (or resume) fills its buffer first
             raise UsageError(
-                f"--learning-starts {self.args.learning_starts} is not below the {trained} env steps left of "
-                f"--total-timesteps {self.args.total_timesteps}: no gradient step would run; lower it or raise the budget"
+                f"--learning-starts {self.args.learning_starts} is not below the {trained} env "
+                f"steps left of "
+                f"--total-timesteps {self.args.total_timesteps}: no gradient step would run; "
+                f"lower it or raise the budget"
             )
-        self.source = os.path.dirname(checkpoints.checkpoint_path(self.args.resume)) if self.payload else None
-        if self.source and self.args.deterministic and jax.process_count() == 1 and (
-                "carry" in self.payload or os.path.lexists(os.path.join(self.source, JOURNAL))):
+        self.source = (
+            os.path.dirname(checkpoints.checkpoint_path(self.args.resume)) if self.payload else None
+        )
+        if (
+            self.source
+            and self.args.deterministic
+            and jax.process_count() == 1
+            and ("carry" in self.payload or os.path.lexists(os.path.join(self.source, JOURNAL)))
+        ):
             journal.check_carry(self.payload, checkpoints.checkpoint_path(self.args.resume))
-            space = tasks.policy_space(self.args.env_id)  # the journal that journal_for will replay, checked now
-            journal.verify(self.source, self.payload.get("carry"), int(self.payload["state"].get("policy_version", 0)),
-                           (self.args.num_steps, devices.local_envs(self.args), *space.shape), space.dtype, space)
-        print(f"jax {jax.__version__} on {jax.default_backend()}: {', '.join(map(str, jax.local_devices()))}",
-              flush=True)
-        self.seed = (self.args.seed +
-                     self.global_step) % 2 ** 30  # a resumed run draws new seeds; within int32 (flags.SEED)
-        self.env_seed, self.keeper = self.seed, None  # journal_for: the run's own seeds, to replay its envs
-        # Keys from --seed alone: draws are keyed by env and step, updates by their number (fold_in).
-        self.key, self.init_key, self.update_key = jax.random.split(jax.random.PRNGKey(self.args.seed), 3)
+            space = tasks.policy_space(
+                self.args.env_id
+            )  # the journal that journal_for will replay, checked now
+            journal.verify(
+                self.source,
+                self.payload.get("carry"),
+                int(self.payload["state"].get("policy_version", 0)),
+                (self.args.num_steps, devices.local_envs(self.args), *space.shape),
+                space.dtype,
+                space,
+            )
+        print(
+            f"jax {jax.__version__} on {jax.default_backend()}: "
+            f"{', '.join(map(str, jax.local_devices()))}",
+            flush=True,
+        )
+        self.seed = (
+            self.args.seed + self.global_step
+        ) % 2**30  # a resumed run draws new seeds; within int32 (flags.SEED)
+        self.env_seed, self.keeper = (
+            self.seed,
+            None,
+        )  # journal_for: the run's own seeds, to replay its envs
+        # Keys from --seed alone: draws are keyed by env and step, updates by their number
+        # (fold_in).
+        self.key, self.init_key, self.update_key = jax.random.split(
+            jax.random.PRNGKey(self.args.seed), 3
+        )
 
     def open(self, state: dict, normalizer) -> dict:
         """The run's state and folder. `state` (with the normaliser's statistics) is the initial
@@ -134,31 +196,63 @@ class Run:
         writes config.json and opens the logs, before any env starts."""
         if self.payload:
             path = checkpoints.checkpoint_path(self.args.resume)
-            state = checkpoints.load_checkpoint(self.payload, dict(state, **normalizer.state()), path)
+            state = checkpoints.load_checkpoint(
+                self.payload, dict(state, **normalizer.state()), path
+            )
             normalizer.load(state)
         self.normalizer = normalizer
         self.state = dict(devices.replicated(self.mesh, state), global_step=self.global_step)
         self.start_update = self.updates = int(self.state["policy_version"])  # updates: done so far
-        self.last_episode_step = self.start_step  # a resumed run's games come after the checkpoint's
-        self.num_updates = self.start_update + (self.args.total_timesteps - self.global_step) // self.batch_size
-        self.sampled = np.zeros(devices.actor_threads(self.args), np.int64)  # env steps each actor sent actions for
+        self.last_episode_step = (
+            self.start_step
+        )  # a resumed run's games come after the checkpoint's
+        self.num_updates = (
+            self.start_update + (self.args.total_timesteps - self.global_step) // self.batch_size
+        )
+        self.sampled = np.zeros(
+            devices.actor_threads(self.args), np.int64
+        )  # env steps each actor sent actions for
         if jax.process_index() == 0:
             own = folders.own_folder(self.args)
-            before = set(os.listdir(own)) if own and os.path.isdir(own) else None  # a launcher's log.txt
+            before = (
+                set(os.listdir(own)) if own and os.path.isdir(own) else None
+            )  # a launcher's log.txt
             self.run_dir, created, self.lock = folders.make(self.args, self.payload is not None)
-            if self.payload is None:  # a new run stopped before its first update removes what it wrote
+            if (
+                self.payload is None
+            ):  # a new run stopped before its first update removes what it wrote
                 self.signals.new_run = (self.run_dir, None if created else before)
             path = checkpoints.checkpoint_path(self.args.resume) if self.payload else None
-            if path and not os.path.exists(path) and folders.same_folder(os.path.dirname(path), self.run_dir):
-                checkpoints.finish_rename(path)  # resumed from a complete .tmp: make it the checkpoint
-            if self.payload and (dropped := folders.cut_metrics(self.run_dir, self.global_step)):  # before the record
+            if (
+                path
+                and not os.path.exists(path)
+                and folders.same_folder(os.path.dirname(path), self.run_dir)
+            ):
+                checkpoints.finish_rename(
+                    path
+                )  # resumed from a complete .tmp: make it the checkpoint
+            if self.payload and (
+                dropped := folders.cut_metrics(self.run_dir, self.global_step)
+            ):  # before the record
                 print(
-                    f"note: {dropped} records past step {self.global_step} (after the checkpoint, which the resume "
-                    "trains again) cut from metrics.jsonl", file=sys.stderr)
-            folders.write_config(self.run_dir, self.args, self.changed, self.global_step,
-                                 devices.describe_batch(self.args))
-        self.checkpoint_file = os.path.join(self.run_dir, CHECKPOINT) if self.run_dir else "process 0's"
-        self.logger = Logger(self.run_dir, self.args, purge_step=self.global_step + 1 if self.payload else None)
+                    f"note: {dropped} records past step {self.global_step} (after the checkpoint, "
+                    f"which the resume "
+                    "trains again) cut from metrics.jsonl",
+                    file=sys.stderr,
+                )
+            folders.write_config(
+                self.run_dir,
+                self.args,
+                self.changed,
+                self.global_step,
+                devices.describe_batch(self.args),
+            )
+        self.checkpoint_file = (
+            os.path.join(self.run_dir, CHECKPOINT) if self.run_dir else "process 0's"
+        )
+        self.logger = Logger(
+            self.run_dir, self.args, purge_step=self.global_step + 1 if self.payload else None
+        )
         return self.state
 
     def actors(self) -> list:
@@ -168,28 +262,43 @@ class Run:
         per_device = getattr(self.args, "num_actor_threads", 1)
         first = jax.process_index() * len(self.actor_devices) * per_device
         placed = [device for device in self.actor_devices for _ in range(per_device)]
-        return [(device, self.env_seed + (first + i) * self.args.num_envs, devices.actor_key(self.key, first + i))
-                for i, device in enumerate(placed)]
+        return [
+            (
+                device,
+                self.env_seed + (first + i) * self.args.num_envs,
+                devices.actor_key(self.key, first + i),
+            )
+            for i, device in enumerate(placed)
+        ]
 
     @property
     def env_threads(self) -> int:
-        """envpool worker threads of each actor's envs: --num-threads, else the cores shared among the actors."""
+        """envpool worker threads of each actor's envs: --num-threads, else the cores shared
+        among the actors."""
         actors = devices.actor_threads(self.args)
-        return self.args.num_threads or min(max(1, (os.cpu_count() or 1) // actors), self.args.num_envs)
+        return self.args.num_threads or min(
+            max(1, (os.cpu_count() or 1) // actors), self.args.num_envs
+        )
 
     def begin(self, details: str):
-        """The header line (`details`: the preset, the splits, ...), the clock and the progress line."""
+        """The header line (`details`: the preset, the splits, ...), the clock and the progress
+        line."""
         variant = "" if self.args.exp_name == Path(self.script).stem else f" ({self.args.exp_name})"
         name = os.path.basename(self.script) + variant
         resumed = f" resumed at step {self.start_step}:" if self.start_step else ""
         print(
-            f"{name}: {self.args.env_id} ({details}),{resumed} {self.num_updates - self.start_update} "
-            f"updates of {devices.describe_batch(self.args)} -> {self.run_dir or 'the run folder of process 0'}",
-            flush=True)
+            f"{name}: {self.args.env_id} ({details}),{resumed} "
+            f"{self.num_updates - self.start_update} "
+            f"updates of {devices.describe_batch(self.args)} -> "
+            f"{self.run_dir or 'the run folder of process 0'}",
+            flush=True,
+        )
         processes = jax.process_count()  # sampled: as if every process sampled at this one's pace
-        self.progress = Progress(self.args.total_timesteps, lambda:
-                                 (self.start_step + int(self.sampled.sum()) * processes, self.global_step),
-                                 learning_from=self.start_step + getattr(self.args, "learning_starts", 0))
+        self.progress = Progress(
+            self.args.total_timesteps,
+            lambda: (self.start_step + int(self.sampled.sum()) * processes, self.global_step),
+            learning_from=self.start_step + getattr(self.args, "learning_starts", 0),
+        )
         self.start_time = time.time()
 
     @property
@@ -210,13 +319,16 @@ class Run:
 
     def log_episodes(self, step: int, episodes):
         """Each game at its own step (TensorBoard keeps one value a step): the k games reported
-        together at `step` (they ended within the rollouts that led to it) at the k steps up to it."""
+        together at `step` (they ended within the rollouts that led to it) at the k steps up to
+        it."""
         with self.episode_lock:
             for i, (_, ret, length) in enumerate(episodes):
                 step_i = max(step - len(episodes) + 1 + i, self.last_episode_step + 1)
                 self.last_episode_step = step_i
                 self.progress.returns.append(ret)
-                self.logger.log(step_i, {"charts/episodic_return": ret, "charts/episodic_length": length})
+                self.logger.log(
+                    step_i, {"charts/episodic_return": ret, "charts/episodic_length": length}
+                )
 
     def learned(self, state: dict, diagnostics: dict, timing: dict, extra=None) -> dict:
         """After an update: FloatingPointError for a non-finite loss or parameters; else count the
@@ -232,7 +344,8 @@ class Run:
         self.signals.started.set()
         scalars = {
             k if "/" in k else f"losses/{k}": v
-            for k, v in diagnostics.items() if k not in ("finite", "learning_rate")
+            for k, v in diagnostics.items()
+            if k not in ("finite", "learning_rate")
         }
         scalars.update(extra or {})
         scalars["charts/learning_rate"] = diagnostics["learning_rate"]
@@ -242,7 +355,11 @@ class Run:
         if not self.warned and (warning := stale_warning(scalars, self.args)):
             self.warned = True
             print(warning, file=sys.stderr, flush=True)
-        if update_idx == 0 or (update_idx + 1) % self.args.log_frequency == 0 or update_idx + 1 == self.num_updates:
+        if (
+            update_idx == 0
+            or (update_idx + 1) % self.args.log_frequency == 0
+            or update_idx + 1 == self.num_updates
+        ):
             self.logger.log(self.global_step, scalars)
         if self.args.save_interval and (update_idx + 1) % self.args.save_interval == 0:
             self.save()
@@ -256,24 +373,37 @@ class Run:
         if not (self.args.deterministic and jax.process_count() == 1):
             return [None] * threads
         shape = (self.args.num_steps, devices.local_envs(self.args), *action_space.shape)
-        elsewhere = self.source and not folders.same_folder(self.source, self.run_dir)  # --resume A --run-dir B
-        self.keeper = journal.Keeper(self.run_dir, (self.payload or {}).get("carry"), self.start_update, shape,
-                                     action_space.dtype, threads, lambda params: devices.replicated(self.mesh, params),
-                                     action_space, self.source if elsewhere else None)
+        elsewhere = self.source and not folders.same_folder(
+            self.source, self.run_dir
+        )  # --resume A --run-dir B
+        self.keeper = journal.Keeper(
+            self.run_dir,
+            (self.payload or {}).get("carry"),
+            self.start_update,
+            shape,
+            action_space.dtype,
+            threads,
+            lambda params: devices.replicated(self.mesh, params),
+            action_space,
+            self.source if elsewhere else None,
+        )
         self.env_seed = self.args.seed
         return [self.keeper.resumption(i) for i in range(threads)]
 
     def journaled(self, actions, memories, published):
-        """Before an update, with a journal: its actions, the actors' states after it, the parameters by version."""
+        """Before an update, with a journal: its actions, the actors' states after it, the
+        parameters by version."""
         if self.keeper is not None:
             self.keeper.kept(actions, memories, published)
 
     def save(self):
-        carry = self.keeper and self.keeper.carry(int(self.state["policy_version"]),
-                                                  getattr(self.args, "actor_lag", 0) or 0)
+        carry = self.keeper and self.keeper.carry(
+            int(self.state["policy_version"]), getattr(self.args, "actor_lag", 0) or 0
+        )
         with self.saving:
-            checkpoints.save_checkpoint(self.checkpoint_file, self.state, self.args, self.normalizer, self.script,
-                                        carry)
+            checkpoints.save_checkpoint(
+                self.checkpoint_file, self.state, self.args, self.normalizer, self.script, carry
+            )
 
     def wait(self, learner: threading.Thread):
         """The main thread, while the threads train: until the learner ends or the run stops; then
@@ -291,32 +421,50 @@ class Run:
         (see evaluation.evaluate), the exit code."""
         self.progress.close()
         self.peer_lost = any(devices.peer_failure(error) for _, error, _ in self.threads.errors)
-        if not threads.report_errors(self.threads.errors, self.checkpoint_file, self.global_step, self.args.env_id,
-                                     self.lock):
+        if not threads.report_errors(
+            self.threads.errors, self.checkpoint_file, self.global_step, self.args.env_id, self.lock
+        ):
             self.save()
         if self.threads.errors:
             return 1
         print(self.progress.line(), flush=True)
         received = self.signals.received
         if received:
-            print(f"stopped by signal {received[0]} at step {self.global_step}; checkpoint: {self.checkpoint_file}",
-                  file=sys.stderr)
+            print(
+                f"stopped by signal {received[0]} at step {self.global_step}; checkpoint: "
+                f"{self.checkpoint_file}",
+                file=sys.stderr,
+            )
             return 128 + received[0]
         if self.progress.returns:
             print(
-                f"final: mean return over the last {len(self.progress.returns)} episodes {np.mean(self.progress.returns):.2f}"
+                f"final: mean return over the last {len(self.progress.returns)} episodes "
+                f"{np.mean(self.progress.returns):.2f}"
             )
         if not (self.args.eval_episodes and self.run_dir):  # process 0 evaluates
             return 0
         video_dir = os.path.join(self.run_dir, "videos") if self.args.capture_video else None
         print(f"eval: playing {self.args.eval_episodes} episodes with the final policy", flush=True)
-        params = devices.to_actor(self.actor_devices[0], self.state["params"])  # evaluated on an actor device
-        scores = evaluation.evaluate(policy, params, initial_core, self.args, self.normalizer, self.args.eval_episodes,
-                                     video_dir, signals=received)
+        params = devices.to_actor(
+            self.actor_devices[0], self.state["params"]
+        )  # evaluated on an actor device
+        scores = evaluation.evaluate(
+            policy,
+            params,
+            initial_core,
+            self.args,
+            self.normalizer,
+            self.args.eval_episodes,
+            video_dir,
+            signals=received,
+        )
         if received:
             print(
-                f"evaluation stopped by signal {received[0]} after {len(scores)} episodes; checkpoint: "
-                f"{self.checkpoint_file}", file=sys.stderr)
+                f"evaluation stopped by signal {received[0]} after {len(scores)} episodes; "
+                f"checkpoint: "
+                f"{self.checkpoint_file}",
+                file=sys.stderr,
+            )
             return 128 + received[0]
         self.logger.log(self.global_step, {"eval/episodic_return": np.mean(scores)})
         print(f"eval: {len(scores)} episodes, return {np.mean(scores):.2f} +- {np.std(scores):.2f}")
@@ -328,15 +476,18 @@ def stale_warning(scalars: dict, args):
     --max-policy-lag (the loss then learns from a fraction of the batch), else None."""
     stale = scalars.get("async/stale_fraction", 0)
     if stale > 0.5:
-        return (f"warning: {stale:.0%} of the update's transitions were older than --max-policy-lag "
-                f"{args.max_policy_lag} and masked out; raise it")
+        return (
+            f"warning: {stale:.0%} of the update's transitions were older than --max-policy-lag "
+            f"{args.max_policy_lag} and masked out; raise it"
+        )
     return None
 
 
 def prepare(args, resolve, resumed: bool):
     """Resolve and check the flags (`resolve`: the script's), make one env of the task (probe) and
     pick the devices: (args, actor devices, the learner's mesh). UsageError for a bad flag; with
-    many processes, in every process if one has one, or if their flags differ (devices.agree_on_flags)."""
+    many processes, in every process if one has one, or if their flags differ
+    (devices.agree_on_flags)."""
     error = actor_devices = mesh = None
     try:
         args = resolve(args)
@@ -355,13 +506,16 @@ def prepare(args, resolve, resumed: bool):
 
 def probe(env_id: str):
     """Make one env of an envpool task and close it: UsageError with envpool's own error in one line
-    where it cannot (a data file its package lacks: Sudoku-v0's database), before a folder or a compile."""
+    where it cannot (a data file its package lacks: Sudoku-v0's database), before a folder or a
+    compile."""
     if env_id not in tasks.USER_ENVS:  # a user's env was made already (tasks.user_maker)
         try:
             tasks.make_env(env_id, 1, 0, 1, train=True).close()
         except Exception as e:
-            raise UsageError(f"--env-id {env_id} cannot be made here: envpool says "
-                             f"{(str(e) or type(e).__name__).splitlines()[0]}") from None
+            raise UsageError(
+                f"--env-id {env_id} cannot be made here: envpool says "
+                f"{(str(e) or type(e).__name__).splitlines()[0]}"
+            ) from None
 
 
 def checked(args):
@@ -370,15 +524,23 @@ def checked(args):
     installed, a budget of at least one update. UsageError, one line, for the first that fails."""
     check_bounds(args)
     leaves = jax.tree.leaves(tasks.space_tree(tasks.spaces(args.env_id)[0]))
-    if getattr(args, "norm_obs", False) and not any(np.issubdtype(s.dtype, np.floating) for s in leaves):
-        raise UsageError(f"--norm-obs is for float observations; {args.env_id} has none: pass --norm-obs False")
+    if getattr(args, "norm_obs", False) and not any(
+        np.issubdtype(s.dtype, np.floating) for s in leaves
+    ):
+        raise UsageError(
+            f"--norm-obs is for float observations; {args.env_id} has none: pass --norm-obs False"
+        )
     if args.track and importlib.util.find_spec("wandb") is None:
-        raise UsageError("--track logs to Weights & Biases, which is not installed: pip install wandb")
+        raise UsageError(
+            "--track logs to Weights & Biases, which is not installed: pip install wandb"
+        )
     if args.deterministic:
         args = check_deterministic(args)
     if args.total_timesteps < devices.global_envs(args) * args.num_steps:
         raise UsageError(
-            f"--total-timesteps {args.total_timesteps} is less than one update ({devices.describe_batch(args)})")
+            f"--total-timesteps {args.total_timesteps} is less than one update "
+            f"({devices.describe_batch(args)})"
+        )
     return args
 
 
@@ -388,13 +550,27 @@ def check_deterministic(args):
     synchronous baseline and --serial (the replay scripts' loop) are deterministic as they are."""
     if not hasattr(args, "actor_lag") or getattr(args, "serial", False):
         return args
-    if args.actor_lag is None:  # the free-running actor has no schedule: Cleanba's, one update behind
-        print("note: --deterministic acts on a fixed schedule, and --actor-lag None has none: --actor-lag 1")
+    if (
+        args.actor_lag is None
+    ):  # the free-running actor has no schedule: Cleanba's, one update behind
+        print(
+            "note: --deterministic acts on a fixed schedule, and --actor-lag None has none: "
+            "--actor-lag 1"
+        )
         args = dataclasses.replace(args, actor_lag=1)
     if args.actor_lag == 0 and args.num_splits > 1:
-        raise UsageError("--actor-lag 0 acts on a rollout once every env has finished the one before, so no split "
-                         "steps meanwhile, and with --deterministic none may: pass --num-splits 1")
-    if devices.actor_threads(args) > 1 and (getattr(args, "norm_obs", False) or getattr(args, "norm_reward", False)):
-        raise UsageError("--deterministic: actor threads share the normaliser in the order their steps come; with "
-                         "several (--num-actor-threads x --actor-device-ids) pass --norm-obs False --norm-reward False")
+        raise UsageError(
+            "--actor-lag 0 acts on a rollout once every env has finished the one before, so no "
+            "split "
+            "steps meanwhile, and with --deterministic none may: pass --num-splits 1"
+        )
+    if devices.actor_threads(args) > 1 and (
+        getattr(args, "norm_obs", False) or getattr(args, "norm_reward", False)
+    ):
+        raise UsageError(
+            "--deterministic: actor threads share the normaliser in the order their steps come; "
+            "with "
+            "several (--num-actor-threads x --actor-device-ids) pass --norm-obs False "
+            "--norm-reward False"
+        )
     return args

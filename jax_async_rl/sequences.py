@@ -34,16 +34,35 @@ class SequenceReplay(Replay):
     back per sequence through `update_priorities`. `capacity` is rounded down to whole periods
     of every env's ring."""
 
-    def __init__(self, capacity: int, num_envs: int, obs_example, action_example, state_example, length: int,
-                 period: int, frame_stack: int = 1, alpha: float = 0.0, eps: float = 1e-6):
+    def __init__(
+        self,
+        capacity: int,
+        num_envs: int,
+        obs_example,
+        action_example,
+        state_example,
+        length: int,
+        period: int,
+        frame_stack: int = 1,
+        alpha: float = 0.0,
+        eps: float = 1e-6,
+    ):
         rows = capacity // num_envs // period * period
         if rows < length + period + frame_stack:
-            raise ValueError(f"{rows} rows an env are too few for sequences of {length} every {period} rows")
-        super().__init__(rows * num_envs, num_envs, obs_example, action_example, frame_stack=frame_stack, eps=eps)
+            raise ValueError(
+                f"{rows} rows an env are too few for sequences of {length} every {period} rows"
+            )
+        super().__init__(
+            rows * num_envs, num_envs, obs_example, action_example, frame_stack=frame_stack, eps=eps
+        )
         self.length, self.period, self.starts, self.alpha = length, period, rows // period, alpha
-        self.state = jax.tree.map(lambda x: np.zeros((self.starts, num_envs, *np.shape(x)[1:]),
-                                                     np.asarray(x).dtype), state_example)
-        self.begin = np.full((self.starts, num_envs), -1, np.int64)  # the row each slot's sequence starts at
+        self.state = jax.tree.map(
+            lambda x: np.zeros((self.starts, num_envs, *np.shape(x)[1:]), np.asarray(x).dtype),
+            state_example,
+        )
+        self.begin = np.full(
+            (self.starts, num_envs), -1, np.int64
+        )  # the row each slot's sequence starts at
         self.live = np.zeros(self.starts * num_envs, bool)  # slots whose sequence can be sampled
         self.tree = SumTree(self.starts * num_envs) if alpha else None
 
@@ -63,12 +82,18 @@ class SequenceReplay(Replay):
         was, renewed = self.live, np.zeros(len(self.live), bool)
         renewed[j * self.num_envs + e_begins] = True
         oldest = self.count - self.rows + self.stack - 1
-        self.live = ((self.begin >= 0) & (self.begin >= oldest) & (self.begin + self.length <= self.count)).ravel()
+        self.live = (
+            (self.begin >= 0) & (self.begin >= oldest) & (self.begin + self.length <= self.count)
+        ).ravel()
         if self.tree is not None:
-            stale, fresh = np.flatnonzero(was & ~self.live), np.flatnonzero(self.live & (~was | renewed))
-            self.tree.update(np.concatenate([stale, fresh]),
-                             np.r_[np.zeros(len(stale)),
-                                   np.full(len(fresh), self.max_priority ** self.alpha)])
+            stale, fresh = (
+                np.flatnonzero(was & ~self.live),
+                np.flatnonzero(self.live & (~was | renewed)),
+            )
+            self.tree.update(
+                np.concatenate([stale, fresh]),
+                np.r_[np.zeros(len(stale)), np.full(len(fresh), self.max_priority**self.alpha)],
+            )
 
     def row_of(self, slots):
         """(first row, env id) of the sequences in `slots`."""
@@ -76,7 +101,8 @@ class SequenceReplay(Replay):
         return self.begin[j, e], e
 
     def gather(self, slots, beta: float):
-        """The sequences in `slots`: windows [N, length, ...] of their rows and their stored states."""
+        """The sequences in `slots`: windows [N, length, ...] of their rows and their stored
+        states."""
         first, e = self.row_of(slots)
         t = (first[:, None] + np.arange(self.length)).ravel()
         e_rows = np.repeat(e, self.length)
@@ -86,7 +112,13 @@ class SequenceReplay(Replay):
 
         rows = (t % self.rows, e_rows)
         j = first // self.period % self.starts
-        return dict(obs=jax.tree.map(windows, self.stacked(t, e_rows)), action=windows(self.action[rows]),
-                    reward=windows(self.reward[rows]), terminated=windows(
-                        self.terminated[rows]), truncated=windows(self.truncated[rows]), memory=jax.tree.map(
-                            lambda store: store[j, e], self.state), slots=slots, weights=self.weights(slots, beta))
+        return dict(
+            obs=jax.tree.map(windows, self.stacked(t, e_rows)),
+            action=windows(self.action[rows]),
+            reward=windows(self.reward[rows]),
+            terminated=windows(self.terminated[rows]),
+            truncated=windows(self.truncated[rows]),
+            memory=jax.tree.map(lambda store: store[j, e], self.state),
+            slots=slots,
+            weights=self.weights(slots, beta),
+        )

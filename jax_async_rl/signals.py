@@ -19,9 +19,16 @@ class Signals:
     run lasts, a user env's pool gives up waiting on `stop` too (tasks.RUN_STOP)."""
 
     def __init__(self):
-        self.received, self.stop, self.started, self.new_run = [], threading.Event(), threading.Event(), None
+        self.received, self.stop, self.started, self.new_run = (
+            [],
+            threading.Event(),
+            threading.Event(),
+            None,
+        )
         tasks.RUN_STOP[0] = self.stop
-        self.handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.handlers = {
+            s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)
+        }
         self.read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)
         self.previous_fd = signal.set_wakeup_fd(write_fd)
@@ -37,7 +44,11 @@ class Signals:
             if not self.started.is_set():
                 if self.new_run:
                     folders.remove_new(*self.new_run)
-                print(f"stopped by signal {data[0]} during start-up: nothing to save", file=sys.stderr, flush=True)
+                print(
+                    f"stopped by signal {data[0]} during start-up: nothing to save",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 os._exit(128 + data[0])
 
     def close(self):

@@ -28,10 +28,12 @@ FAMILIES = {
     "minigrid": "minigrid",
     "highway": "highway",
     "gfootball": "gfootball",
-    "vizdoom": "vizdoom"
+    "vizdoom": "vizdoom",
 }
-MASK = "action_mask"  # the observation leaf of the legal actions (Jumanji's tasks; a user's env's Dict)
-# VizDoom's buttons as one Discrete action: envpool's default is a float Box over [DBL_MIN, DBL_MAX].
+# the observation leaf of the legal actions (Jumanji's tasks; a user's env's Dict)
+MASK = "action_mask"
+# VizDoom's buttons as one Discrete action: envpool's default is a float Box over [DBL_MIN,
+# DBL_MAX].
 VIZDOOM = dict(use_combined_action=True)
 # A user's Gymnasium envs (--env-id module:callable, or --env-module): env id -> its maker, and
 # the seconds it may take to answer (--env-timeout).
@@ -44,7 +46,9 @@ RUN_STOP = [None]
 
 def register_user_env(args):
     """Make a user's env known by its --env-id (user_maker's checks; an envpool id: nothing)."""
-    maker = user_maker(args.env_id, getattr(args, "env_module", None), getattr(args, "env_kwargs", ""))
+    maker = user_maker(
+        args.env_id, getattr(args, "env_module", None), getattr(args, "env_kwargs", "")
+    )
     if maker is not None:
         USER_ENVS[args.env_id] = maker
         ENV_TIMEOUTS[args.env_id] = getattr(args, "env_timeout", 300.0)
@@ -58,27 +62,37 @@ def user_maker(env_id: str, env_module, env_kwargs: str):
     keyword arguments that are not a JSON object or that the env does not take."""
     if ":" not in env_id and not env_module:
         if env_kwargs:
-            raise UsageError("--env-kwargs is for a Gymnasium env (--env-id module:callable, or --env-module)")
+            raise UsageError(
+                "--env-kwargs is for a Gymnasium env (--env-id module:callable, or --env-module)"
+            )
         return None
     try:
         kwargs = json.loads(env_kwargs) if env_kwargs else {}
     except ValueError as e:
         raise UsageError(f"--env-kwargs {env_kwargs!r} is not JSON ({e})")
     if not isinstance(kwargs, dict):
-        raise UsageError(f"--env-kwargs {env_kwargs!r} is not a JSON object ({{\"name\": value, ...}})")
+        raise UsageError(
+            f'--env-kwargs {env_kwargs!r} is not a JSON object ({{"name": value, ...}})'
+        )
     if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # the working directory's modules, as `python -m` finds them
+        sys.path.insert(
+            0, os.getcwd()
+        )  # the working directory's modules, as `python -m` finds them
     module = env_module or env_id.split(":", 1)[0]
     try:
         importlib.import_module(module)
     except Exception as e:
         raise UsageError(
-            f"--env-{'module' if env_module else 'id'} {module}: cannot import it ({type(e).__name__}: {e})")
+            f"--env-{'module' if env_module else 'id'} {module}: cannot import it "
+            f"({type(e).__name__}: {e})"
+        )
     if not env_module and not hasattr(sys.modules[module], env_id.split(":", 1)[1]):
         raise UsageError(f"--env-id {env_id}: {module} has no {env_id.split(':', 1)[1]!r}")
     if env_module and env_id not in gymnasium.registry:
-        raise UsageError(f"--env-id {env_id} is not registered by {env_module} (it registers "
-                         f"{', '.join(sorted(set(gymnasium.registry) - BUILT_IN)) or 'nothing'})")
+        raise UsageError(
+            f"--env-id {env_id} is not registered by {env_module} (it registers "
+            f"{', '.join(sorted(set(gymnasium.registry) - BUILT_IN)) or 'nothing'})"
+        )
     make = functools.partial(gym_pool.make_user_env, env_id, env_module, kwargs)
     try:
         env = make()
@@ -109,21 +123,26 @@ def check_observation(env_id: str, space, obs, where: str):
     if isinstance(space, gymnasium.spaces.Dict):
         if not isinstance(obs, dict) or set(obs) != set(space.spaces):
             raise UsageError(
-                f"--env-id {env_id}: reset() returned {where} keys {sorted(obs) if isinstance(obs, dict) else type(obs).__name__}"
-                f" where observation_space has {sorted(space.spaces)}")
+                f"--env-id {env_id}: reset() returned {where} keys "
+                f"{sorted(obs) if isinstance(obs, dict) else type(obs).__name__}"
+                f" where observation_space has {sorted(space.spaces)}"
+            )
         for key, sub in space.spaces.items():
             check_observation(env_id, sub, obs[key], f"{where}[{key!r}]")
         return
     shape = np.shape(obs)
     if shape != tuple(space.shape or ()):
-        raise UsageError(f"--env-id {env_id}: reset() returned {where} of shape {shape} where observation_space "
-                         f"says {tuple(space.shape or ())}")
+        raise UsageError(
+            f"--env-id {env_id}: reset() returned {where} of shape {shape} where observation_space "
+            f"says {tuple(space.shape or ())}"
+        )
 
 
 def env_kind(env_id: str) -> str:
     """A task's family, from the envpool module that registers it: 'atari', 'dm_control',
-    'minigrid' (and BabyAI), 'highway', 'gfootball', 'vizdoom', 'mujoco' (Gym MuJoCo, MetaWorld, MyoSuite,
-    Gymnasium-Robotics, MuJoCo Playground) or 'classic' (any other: classic control, Box2D, ...)."""
+    'minigrid' (and BabyAI), 'highway', 'gfootball', 'vizdoom', 'mujoco' (Gym MuJoCo, MetaWorld,
+    MyoSuite, Gymnasium-Robotics, MuJoCo Playground) or 'classic' (any other: classic control,
+    Box2D, ...)."""
     if env_id in USER_ENVS:
         return "gym"
     family = envpool.registration.registry.specs[env_id][0].removeprefix("envpool.")
@@ -132,7 +151,8 @@ def env_kind(env_id: str) -> str:
 
 @functools.lru_cache(maxsize=None)
 def spaces(env_id: str):
-    """(observation space, action space) of a task, gymnasium's, from its spec without starting it."""
+    """(observation space, action space) of a task, gymnasium's, from its spec without starting
+    it."""
     if env_id in USER_ENVS:
         env = USER_ENVS[env_id]()
         env.close()
@@ -169,39 +189,62 @@ def check_task(env_id: str):
     try:
         spec = envpool.make_spec(env_id)
         obs_space, action_space = spaces(env_id)
-    except Exception as e:  # e.g. Procgen without the system Qt 5 runtime: envpool's line gives the install command
-        raise UsageError(f"--env-id {env_id} cannot be made here: {(str(e) or type(e).__name__).splitlines()[0]}")
+    # e.g. Procgen without the system Qt 5 runtime: envpool's line gives the install command
+    except Exception as e:
+        raise UsageError(
+            f"--env-id {env_id} cannot be made here: {(str(e) or type(e).__name__).splitlines()[0]}"
+        )
     if spec.config.max_num_players > 1:
         raise UsageError(
-            f"--env-id {env_id} is a {spec.config.max_num_players}-player task; these scripts train one agent")
+            f"--env-id {env_id} is a {spec.config.max_num_players}-player task; these scripts "
+            f"train one agent"
+        )
     return check_spaces(env_id, obs_space, action_space)
 
 
 def check_spaces(env_id: str, obs_space, action_space):
-    """The observation space, if these scripts can train on its and the action space's kinds (and its mask fits)."""
+    """The observation space, if these scripts can train on its and the action space's kinds (and
+    its mask fits)."""
     kind = type(action_space).__name__
     if kind not in ("Discrete", "Box", "MultiDiscrete"):
-        raise UsageError(f"--env-id {env_id} has {kind} actions; these scripts take Discrete, continuous (float Box) "
-                         "and multi-discrete (integer Box, MultiDiscrete) actions")
+        raise UsageError(
+            f"--env-id {env_id} has {kind} actions; these scripts take Discrete, continuous "
+            f"(float Box) "
+            "and multi-discrete (integer Box, MultiDiscrete) actions"
+        )
     shape, nvec = mask_shape(obs_space), choices(action_space)[1]
-    fits = [] if nvec is None else [tuple(nvec.tolist()), (len(nvec), int(nvec.max()))]  # joint, one row a dimension
+    fits = (
+        [] if nvec is None else [tuple(nvec.tolist()), (len(nvec), int(nvec.max()))]
+    )  # joint, one row a dimension
     fits = [(int(action_space.n),)] if kind == "Discrete" else fits
     if shape is not None and fits and shape not in fits:
         raise UsageError(
-            f"--env-id {env_id}: its observation's {MASK!r} {shape} is no mask of its {action_space} actions "
-            f"(shapes that are: {' or '.join(map(str, fits))}); rename the leaf if it is something else")
-    if shape is not None and fits and space_tree(obs_space)[MASK].dtype.kind not in "biu":  # bool, int, uint
-        raise UsageError(f"--env-id {env_id}: its {MASK!r} {space_tree(obs_space)[MASK]} is not of bools or ints "
-                         "(a mask's); rename the leaf if it is something else")
+            f"--env-id {env_id}: its observation's {MASK!r} {shape} is no mask of its "
+            f"{action_space} actions "
+            f"(shapes that are: {' or '.join(map(str, fits))}); rename the leaf if it is "
+            f"something else"
+        )
+    if (
+        shape is not None and fits and space_tree(obs_space)[MASK].dtype.kind not in "biu"
+    ):  # bool, int, uint
+        raise UsageError(
+            f"--env-id {env_id}: its {MASK!r} {space_tree(obs_space)[MASK]} is not of bools or "
+            f"ints "
+            "(a mask's); rename the leaf if it is something else"
+        )
     for leaf in jax.tree.leaves(space_tree(obs_space)):
         if type(leaf).__name__ not in ("Box", "Discrete", "MultiBinary"):
-            raise UsageError(f"--env-id {env_id} has {type(leaf).__name__} observations; these scripts take Box, "
-                             "Discrete and MultiBinary observations and Dicts of them")
+            raise UsageError(
+                f"--env-id {env_id} has {type(leaf).__name__} observations; these scripts take "
+                f"Box, "
+                "Discrete and MultiBinary observations and Dicts of them"
+            )
     return obs_space
 
 
 def preset_name(env_id: str, presets: dict) -> str:
-    """The `presets` entry of a task: its own (CartPole-v1 -> "CartPole"), else its family's, else classic."""
+    """The `presets` entry of a task: its own (CartPole-v1 -> "CartPole"), else its family's,
+    else classic."""
     name, kind = env_id.rsplit("-v", 1)[0], env_kind(env_id)
     return name if name in presets else kind if kind in presets else "classic"
 
@@ -221,16 +264,34 @@ def make_env(env_id: str, num_envs: int, seed: int, num_threads: int, train: boo
     For training, Atari games end an episode at each life lost and clip rewards to [-1, 1]
     (Mnih et al. 2015); the game score stays available in info["reward"] / info["terminated"].
     """
-    if env_id in USER_ENVS:  # a user's Gymnasium env, in worker processes behind envpool's interface
+    if (
+        env_id in USER_ENVS
+    ):  # a user's Gymnasium env, in worker processes behind envpool's interface
         extra = {"render_mode": kwargs["render_mode"]} if "render_mode" in kwargs else {}
         maker = functools.partial(USER_ENVS[env_id], **extra) if extra else USER_ENVS[env_id]
-        return gym_pool.GymPool(maker, num_envs, kwargs.get("batch_size", num_envs), seed, num_threads
-                                or os.cpu_count() or 1, ENV_TIMEOUTS.get(env_id, 300.0), RUN_STOP[0] if train else None)
+        return gym_pool.GymPool(
+            maker,
+            num_envs,
+            kwargs.get("batch_size", num_envs),
+            seed,
+            num_threads or os.cpu_count() or 1,
+            ENV_TIMEOUTS.get(env_id, 300.0),
+            RUN_STOP[0] if train else None,
+        )
     kind = env_kind(env_id)
-    kwargs.update(dict(episodic_life=train, reward_clip=train, noop_max=30) if kind == "atari" else {})
+    kwargs.update(
+        dict(episodic_life=train, reward_clip=train, noop_max=30) if kind == "atari" else {}
+    )
     kwargs.update(VIZDOOM if kind == "vizdoom" else {})
     num_threads = num_threads or min(os.cpu_count() or 1, num_envs)
-    return envpool.make(env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, num_threads=num_threads, **kwargs)
+    return envpool.make(
+        env_id,
+        env_type="gymnasium",
+        num_envs=num_envs,
+        seed=seed,
+        num_threads=num_threads,
+        **kwargs,
+    )
 
 
 def mask_shape(obs_space):
@@ -241,18 +302,27 @@ def mask_shape(obs_space):
 
 
 def check_legal(args, obs, env_ids, acting, steps, when: str = "of its episode"):
-    """With --action-mask, gym_pool.EnvError (the actor's: exit 1, a checkpoint) naming the first env whose
-    "action_mask" holds values other than 0 and 1, or none legal (a factored mask: in a dimension) where an
-    action is taken (`acting`: not an episode's last observation), and its step (`steps`, counted `when`)."""
+    """With --action-mask, gym_pool.EnvError (the actor's: exit 1, a checkpoint) naming the first
+    env whose "action_mask" holds values other than 0 and 1, or none legal (a factored mask: in a
+    dimension) where an action is taken (`acting`: not an episode's last observation), and its step
+    (`steps`, counted `when`)."""
     if not getattr(args, "action_mask", False) or not isinstance(obs, dict) or MASK not in obs:
         return
-    rows = np.asarray(obs[MASK]).reshape(len(env_ids), len(getattr(policy_space(args.env_id), "nvec", [0])), -1)
+    rows = np.asarray(obs[MASK]).reshape(
+        len(env_ids), len(getattr(policy_space(args.env_id), "nvec", [0])), -1
+    )
     odd = ((rows != 0) & (rows != 1)).any(axis=(1, 2))
     wrong = odd | np.asarray(acting) & ~rows.any(axis=2).all(axis=1)
     if wrong.any():
         i = int(np.flatnonzero(wrong)[0])
-        what = f"values other than 0 and 1 ({np.unique(rows[i]).tolist()})" if odd[i] else "no legal action"
-        raise gym_pool.EnvError(f"env {int(env_ids[i])}'s {MASK!r} has {what} at step {int(steps[i])} {when}")
+        what = (
+            f"values other than 0 and 1 ({np.unique(rows[i]).tolist()})"
+            if odd[i]
+            else "no legal action"
+        )
+        raise gym_pool.EnvError(
+            f"env {int(env_ids[i])}'s {MASK!r} has {what} at step {int(steps[i])} {when}"
+        )
 
 
 def choices(action_space):
@@ -273,12 +343,16 @@ def policy_space(env_id: str):
     observation's "action_mask" is joint, of shape (n_1, ..., n_D) (Minesweeper, Tetris, BinPack),
     Discrete(n_1 x ... x n_D), one categorical over their product, whose index env_action unravels
     (row-major); else MultiDiscrete(n_1, ..., n_D), a factored policy: one categorical a dimension,
-    with a mask of one row per dimension, (D, max n_d) (Connector, Cleaner, RobotWarehouse), or none.
-    Continuous actions of several axes are flattened."""
+    with a mask of one row per dimension, (D, max n_d) (Connector, Cleaner, RobotWarehouse), or
+    none. Continuous actions of several axes are flattened."""
     obs_space, action_space = spaces(env_id)
     nvec = choices(action_space)[1]
-    if nvec is None and len(getattr(action_space, "shape", ())) > 1:  # continuous, flattened (SearchAndRescue's [2, 2])
-        return gymnasium.spaces.Box(action_space.low.ravel(), action_space.high.ravel(), dtype=action_space.dtype)
+    if (
+        nvec is None and len(getattr(action_space, "shape", ())) > 1
+    ):  # continuous, flattened (SearchAndRescue's [2, 2])
+        return gymnasium.spaces.Box(
+            action_space.low.ravel(), action_space.high.ravel(), dtype=action_space.dtype
+        )
     if nvec is None:
         return action_space
     if mask_shape(obs_space) == tuple(nvec):
@@ -286,26 +360,39 @@ def policy_space(env_id: str):
     return gymnasium.spaces.MultiDiscrete(nvec)
 
 
-def make_actor_env(env_id: str, num_envs: int, seed: int, num_threads: int, num_splits: int, deterministic: bool):
+def make_actor_env(
+    env_id: str, num_envs: int, seed: int, num_threads: int, num_splits: int, deterministic: bool
+):
     """An actor thread's training envs in `num_splits` splits (double buffering, Sample Factory
     §3.2): one envpool whose `recv` returns whichever split is stepped first, or with
     `deterministic` a SplitPools, whose splits come in turn."""
     if not deterministic:
-        return make_env(env_id, num_envs, seed, num_threads, train=True, batch_size=num_envs // num_splits)
-    split, threads = num_envs // num_splits, max(1, (num_threads or os.cpu_count() or 1) // num_splits)
-    return SplitPools([make_env(env_id, split, seed + i * split, threads, train=True)
-                       for i in range(num_splits)], split)
+        return make_env(
+            env_id, num_envs, seed, num_threads, train=True, batch_size=num_envs // num_splits
+        )
+    split, threads = (
+        num_envs // num_splits,
+        max(1, (num_threads or os.cpu_count() or 1) // num_splits),
+    )
+    return SplitPools(
+        [make_env(env_id, split, seed + i * split, threads, train=True) for i in range(num_splits)],
+        split,
+    )
 
 
 class SplitPools:
     """Envs in splits of their own pools (env j of pool i is env i x split + j, seeded as in one
     pool), stepped in turn: `recv` waits for pool 0's whole batch, then pool 1's, ..., so which
     envs share a batch, their order in it and the order of batches never depend on timing, while
-    the other pools step (double buffering). envpool's interface otherwise (`send`: one pool's envs)."""
+    the other pools step (double buffering). envpool's interface otherwise (`send`: one pool's
+    envs)."""
 
     def __init__(self, pools: list, split: int):
         self.pools, self.turn, self.split = pools, 0, split
-        self.action_space, self.observation_space = pools[0].action_space, pools[0].observation_space
+        self.action_space, self.observation_space = (
+            pools[0].action_space,
+            pools[0].observation_space,
+        )
 
     def async_reset(self):
         for pool in self.pools:
@@ -314,10 +401,19 @@ class SplitPools:
     def recv(self):
         obs, reward, terminated, truncated, info = self.pools[self.turn].recv()
         order = np.argsort(info["env_id"])  # a pool's own order, not timing's
-        info = {k: v[order] if isinstance(v, np.ndarray) and v.shape[:1] == order.shape else v for k, v in info.items()}
+        info = {
+            k: v[order] if isinstance(v, np.ndarray) and v.shape[:1] == order.shape else v
+            for k, v in info.items()
+        }
         info["env_id"] = info["env_id"] + self.turn * self.split
         self.turn = (self.turn + 1) % len(self.pools)
-        return jax.tree.map(lambda x: x[order], obs), reward[order], terminated[order], truncated[order], info
+        return (
+            jax.tree.map(lambda x: x[order], obs),
+            reward[order],
+            terminated[order],
+            truncated[order],
+            info,
+        )
 
     def send(self, action, env_ids):
         pool = int(env_ids[0]) // self.split
@@ -337,11 +433,14 @@ def env_action(action, action_space):
         return action
     low, nvec = choices(action_space)
     if nvec is None:
-        return action.reshape(len(action), *action_space.shape).clip(action_space.low, action_space.high)
+        return action.reshape(len(action), *action_space.shape).clip(
+            action_space.low, action_space.high
+        )
     if action.ndim == 1:  # an index over the product of the choices
         action = action[:, None] // np.append(np.cumprod(nvec[::-1])[::-1][1:], 1) % nvec
-    return (action.reshape(len(action), *action_space.shape) + low.reshape(action_space.shape)).astype(
-        action_space.dtype)
+    return (
+        action.reshape(len(action), *action_space.shape) + low.reshape(action_space.shape)
+    ).astype(action_space.dtype)
 
 
 def leaf_encoder(space) -> tuple:
@@ -352,8 +451,8 @@ def leaf_encoder(space) -> tuple:
     are [H, W, C] (a tie reads channels-last); either way the conv sees [B, H, W, C]. Images of at
     least 36x36 take the Nature CNN on pixels / 255 ("nature"); smaller grids, the MiniGrid
     literature's small conv on their raw symbolic codes ("grid"; from 7x7 up). A Discrete leaf is
-    one-hot ("onehot", (n, start)). Anything else (float or integer Boxes of any rank, MultiBinary, smaller
-    grids) is flattened to floats, uint8 scaled by 1/255 ("flat", scale).
+    one-hot ("onehot", (n, start)). Anything else (float or integer Boxes of any rank, MultiBinary,
+    smaller grids) is flattened to floats, uint8 scaled by 1/255 ("flat", scale).
     """
     name, shape = type(space).__name__, getattr(space, "shape", ())
     if name == "Discrete":
@@ -386,8 +485,10 @@ class EpisodeStats:
         raw = info.get("reward", rewards)
         if not np.isfinite(raw).all():
             i = int(np.flatnonzero(~np.isfinite(raw))[0])
-            raise gym_pool.EnvError(f"env {int(env_ids[i])} returned a non-finite reward ({raw[i]}) at step "
-                                    f"{int(info['elapsed_step'][i])} of its episode")
+            raise gym_pool.EnvError(
+                f"env {int(env_ids[i])} returned a non-finite reward ({raw[i]}) at step "
+                f"{int(info['elapsed_step'][i])} of its episode"
+            )
         self.returns[env_ids] += raw
         game_over = info.get("terminated", terminated) | truncated
         for i in np.flatnonzero(game_over):

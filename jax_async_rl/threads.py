@@ -27,10 +27,22 @@ class Shared:
     timings and the run's `stop`. Left out (in tests), these are a fresh counter and event and a
     normaliser that passes everything."""
 
-    def __init__(self, params, version, normalizer=None, sampled=None, stop=None, learning=False, keep: int = 2,
-                 published=None):
+    def __init__(
+        self,
+        params,
+        version,
+        normalizer=None,
+        sampled=None,
+        stop=None,
+        learning=False,
+        keep: int = 2,
+        published=None,
+    ):
         self.latest, self.keep = (params, int(version)), keep
-        self.published = {**(published or {}), int(version): params}  # published: older ones a resume carried
+        self.published = {
+            **(published or {}),
+            int(version): params,
+        }  # published: older ones a resume carried
         # The oldest version the run holds at its start (0; a resume's checkpoint, or the oldest it
         # carried): an actor's schedule never names one before it (acting_version's `oldest`).
         self.oldest = min(self.published)
@@ -40,7 +52,9 @@ class Shared:
         self.sampled = np.zeros(1, np.int64) if sampled is None else sampled
         self.stop = stop or threading.Event()
         self.timing = dict.fromkeys(
-            ["env", "inference", "bookkeeping", "device_get", "queue_put", "queue_get", "update"], 0.0)
+            ["env", "inference", "bookkeeping", "device_get", "queue_put", "queue_get", "update"],
+            0.0,
+        )
 
     def publish(self, params, version: int):
         """The learner's parameters after an update, and their version."""
@@ -62,8 +76,10 @@ class Shared:
                     return self.published[version], version
                 if exact and version < min(self.published):
                     raise RuntimeError(
-                        f"the actor's schedule names parameter version {version}, older than every version the "
-                        f"run holds ({min(self.published)}-{self.latest[1]}): it would wait forever")
+                        f"the actor's schedule names parameter version {version}, older than "
+                        f"every version the "
+                        f"run holds ({min(self.published)}-{self.latest[1]}): it would wait forever"
+                    )
                 if not exact and self.latest[1] >= version:
                     return self.latest
                 self.new.wait(0.1)
@@ -119,7 +135,8 @@ class Threads:
         return thread
 
     def run(self, name: str, fn, *args):
-        """Run fn(*args) in this thread (the synchronous loop), an exception recorded as a thread's is."""
+        """Run fn(*args) in this thread (the synchronous loop), an exception recorded as a
+        thread's is."""
         try:
             fn(*args)
         except Stopped:
@@ -145,7 +162,8 @@ def report_errors(errors, ckpt_file: str, global_step: int, env_id: str = "", lo
     """Print the threads' errors: one line for another process gone, a file system error, a
     non-finite loss or an env's fault (named with `env_id`; an env's own traceback above it),
     else the traceback. True if the last good checkpoint must stay (a non-finite state, a disk
-    that failed, a run that lost a process: nothing more is written). `lock`: the run folder's (folders.kept)."""
+    that failed, a run that lost a process: nothing more is written). `lock`: the run folder's
+    (folders.kept)."""
     kept = folders.kept(ckpt_file, lock)
     keep = traced = False
     for where, error, trace in errors:
@@ -153,21 +171,32 @@ def report_errors(errors, ckpt_file: str, global_step: int, env_id: str = "", lo
             if error.details:
                 print(error.details.rstrip(), file=sys.stderr)
             print(
-                f"error in {where}: --env-id {env_id}: {error.line}; stopped at step {global_step}, checkpoint: "
-                f"{ckpt_file}", file=sys.stderr)
+                f"error in {where}: --env-id {env_id}: {error.line}; stopped at step "
+                f"{global_step}, checkpoint: "
+                f"{ckpt_file}",
+                file=sys.stderr,
+            )
             continue
         if devices.peer_failure(error):
             print(f"error in {where}: {devices.describe_dead(error)}; {kept}", file=sys.stderr)
         elif is_file_system_error(error):
-            print(f"error in {where}: {describe_os_error(error)} (step {global_step}); {kept}", file=sys.stderr)
+            print(
+                f"error in {where}: {describe_os_error(error)} (step {global_step}); {kept}",
+                file=sys.stderr,
+            )
         elif isinstance(error, FloatingPointError):
-            print(f"error: {error} (step {global_step}); {kept}. Try a lower --learning-rate or --max-grad-norm.",
-                  file=sys.stderr)
+            print(
+                f"error: {error} (step {global_step}); {kept}. Try a lower --learning-rate or "
+                f"--max-grad-norm.",
+                file=sys.stderr,
+            )
         else:
             print(f"error in {where}:\n{trace}", file=sys.stderr)
             traced = True
             continue
         keep = True
     if traced and not keep:
-        print(f"stopped by an error at step {global_step}; checkpoint: {ckpt_file}", file=sys.stderr)
+        print(
+            f"stopped by an error at step {global_step}; checkpoint: {ckpt_file}", file=sys.stderr
+        )
     return keep

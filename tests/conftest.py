@@ -39,7 +39,9 @@ def cartpole_run(script, tmp_path_factory):
     """A finished tiny CartPole-v1 run of `script`, run as a user runs it (2 evaluation episodes,
     one video): its folder. Shared by the tests that need one; they copy it before changing it."""
     run_dir = tmp_path_factory.mktemp("cartpole_run") / "run"
-    result = run_script(script, cli(script, eval_episodes=2, capture_video=True, run_dir=run_dir), timeout=300)
+    result = run_script(
+        script, cli(script, eval_episodes=2, capture_video=True, run_dir=run_dir), timeout=300
+    )
     assert_ok(result)
     (run_dir.parent / "stderr.txt").write_text(result.stderr)
     return run_dir

@@ -44,9 +44,10 @@ TINY_BATCH = TINY_FLAGS["num_envs"] * TINY_FLAGS["num_steps"]
 #   learning_timesteps: CartPole-v1 budget at default flags within which 20 consecutive episodes
 #                 average >= 475 and the last 20 still average >= 200 (measured, with margin; see
 #                 the comments and test_learns_cartpole)
-#   asynchronous: actor and learner threads (actor_loop, make_update, Shared: tests/test_pipeline.py)
-#   presets:      {env id: flags its preset must give}, typed from the published sources the
-#                 scripts cite (rl-baselines3-zoo's ppo.yml / a2c.yml, CleanRL, TorchBeast)
+#   asynchronous: actor and learner threads (actor_loop, make_update, Shared:
+# tests/test_pipeline.py)   presets:      {env id: flags its preset must give}, typed from the
+# published sources the                 scripts cite (rl-baselines3-zoo's ppo.yml / a2c.yml,
+# CleanRL, TorchBeast)
 PPO_TINY = {"num_minibatches": 2, "update_epochs": 1}
 ASYNC_TINY = {"num_splits": 2, "queue_size": 2}
 ASYNC_TAGS = [
@@ -65,28 +66,63 @@ ASYNC_BAD_INPUTS = {
 PPO_BAD_INPUTS = {
     "minibatches-do-not-divide": (dict(num_minibatches=3), ["--num-minibatches"]),
     # 8 divides 4 envs x 16 steps but not the 4 envs: a minibatch would split an env's sequence
-    "lstm-minibatches-split-envs": (dict(lstm=True, num_minibatches=8), ["--num-minibatches", "--num-envs", "--lstm"]),
+    "lstm-minibatches-split-envs": (
+        dict(lstm=True, num_minibatches=8),
+        ["--num-minibatches", "--num-envs", "--lstm"],
+    ),
 }
 # rl-baselines3-zoo hyperparams/ppo.yml (batch_size 64 -> minibatch counts at 8 envs), CleanRL.
 PPO_PRESETS = {
-    "CartPole-v1": dict(num_steps=32, learning_rate=1e-3, gamma=0.98, gae_lambda=0.8, update_epochs=20, ent_coef=0.0,
-                        anneal_clip=True),
-    "Pendulum-v1": dict(num_steps=1024, learning_rate=1e-3, gamma=0.9, gae_lambda=0.95, update_epochs=10,
-                        norm_obs=False),
-    "LunarLander-v2": dict(num_steps=1024, gamma=0.999, gae_lambda=0.98, update_epochs=4, ent_coef=0.01,
-                           num_minibatches=128),
-    "Acrobot-v1": dict(num_steps=256, gamma=0.99, gae_lambda=0.94, update_epochs=4, norm_obs=True, norm_reward=True),
-    "MountainCar-v0": dict(num_steps=16, gamma=0.99, gae_lambda=0.98, update_epochs=4, norm_obs=True, norm_reward=True),
-    "HalfCheetah-v4": dict(num_steps=256, learning_rate=3e-4, update_epochs=10, norm_obs=True, norm_reward=True),
-    "Pong-v5": dict(num_steps=128, learning_rate=2.5e-4, clip_coef=0.1, ent_coef=0.01, norm_obs=False),
+    "CartPole-v1": dict(
+        num_steps=32,
+        learning_rate=1e-3,
+        gamma=0.98,
+        gae_lambda=0.8,
+        update_epochs=20,
+        ent_coef=0.0,
+        anneal_clip=True,
+    ),
+    "Pendulum-v1": dict(
+        num_steps=1024,
+        learning_rate=1e-3,
+        gamma=0.9,
+        gae_lambda=0.95,
+        update_epochs=10,
+        norm_obs=False,
+    ),
+    "LunarLander-v2": dict(
+        num_steps=1024,
+        gamma=0.999,
+        gae_lambda=0.98,
+        update_epochs=4,
+        ent_coef=0.01,
+        num_minibatches=128,
+    ),
+    "Acrobot-v1": dict(
+        num_steps=256, gamma=0.99, gae_lambda=0.94, update_epochs=4, norm_obs=True, norm_reward=True
+    ),
+    "MountainCar-v0": dict(
+        num_steps=16, gamma=0.99, gae_lambda=0.98, update_epochs=4, norm_obs=True, norm_reward=True
+    ),
+    "HalfCheetah-v4": dict(
+        num_steps=256, learning_rate=3e-4, update_epochs=10, norm_obs=True, norm_reward=True
+    ),
+    "Pong-v5": dict(
+        num_steps=128, learning_rate=2.5e-4, clip_coef=0.1, ent_coef=0.01, norm_obs=False
+    ),
     # No preset of its own: CleanRL's ppo.py defaults.
-    "MountainCarContinuous-v0": dict(num_steps=128, learning_rate=2.5e-4, update_epochs=4, ent_coef=0.01,
-                                     norm_obs=False),
+    "MountainCarContinuous-v0": dict(
+        num_steps=128, learning_rate=2.5e-4, update_epochs=4, ent_coef=0.01, norm_obs=False
+    ),
 }
 # rl-baselines3-zoo hyperparams/a2c.yml, TorchBeast (Atari), Cleanba (MuJoCo).
 IMPALA_PRESETS = {
-    "CartPole-v1": dict(num_steps=5, learning_rate=7e-4, gamma=0.99, entropy_cost=0.0, norm_obs=False),
-    "Pendulum-v1": dict(num_steps=8, learning_rate=7e-4, gamma=0.9, norm_obs=True, norm_reward=True),
+    "CartPole-v1": dict(
+        num_steps=5, learning_rate=7e-4, gamma=0.99, entropy_cost=0.0, norm_obs=False
+    ),
+    "Pendulum-v1": dict(
+        num_steps=8, learning_rate=7e-4, gamma=0.9, norm_obs=True, norm_reward=True
+    ),
     "LunarLander-v2": dict(num_steps=5, learning_rate=8.3e-4, gamma=0.995, entropy_cost=1e-5),
     "Acrobot-v1": dict(num_steps=5, learning_rate=7e-4, norm_obs=True, norm_reward=True),
     "MountainCar-v0": dict(num_steps=5, learning_rate=7e-4, norm_obs=True, norm_reward=True),
@@ -117,7 +153,7 @@ SCRIPT_TABLE = {
             "num-splits-1": dict(num_splits=1),
             "no-vtrace": dict(vtrace=False),
             "lstm": dict(lstm=True),
-            "lstm-num-splits-1": dict(lstm=True, num_splits=1)
+            "lstm-num-splits-1": dict(lstm=True, num_splits=1),
         },
         extra_tags=ASYNC_TAGS,
         # Measured at 150k: seeds 1-20 reached a 20-episode mean >= 475 at 19k-53k steps; all 25
@@ -132,10 +168,7 @@ SCRIPT_TABLE = {
         # first update's parameters overflow float32.
         diverge=dict(learning_rate=1e38, max_grad_norm=1e30),
         bad_inputs=dict(ASYNC_BAD_INPUTS),
-        variants={
-            "num-splits-1": dict(num_splits=1),
-            "lstm": dict(lstm=True)
-        },
+        variants={"num-splits-1": dict(num_splits=1), "lstm": dict(lstm=True)},
         extra_tags=ASYNC_TAGS,
         # The issue's budget. Measured with the classic preset (5-step unrolls, RMSProp 7e-4):
         # seeds 1 and 2 passed at 1M twice each (500 from 200k-300k steps on); at 500k, 3 runs
@@ -144,15 +177,13 @@ SCRIPT_TABLE = {
         asynchronous=True,
         presets=IMPALA_PRESETS,
     ),
-    # APPO with the XLA actor: APPO's flags; its actor is tested against a replay (test_xla_actor.py).
+    # APPO with the XLA actor: APPO's flags; its actor is tested against a replay
+    # (test_xla_actor.py).
     "appo_envpool_xla.py": dict(
         tiny=dict(PPO_TINY, **ASYNC_TINY),
         diverge=dict(learning_rate=1e30, max_grad_norm=1e30, update_epochs=2),
         bad_inputs=dict(PPO_BAD_INPUTS, **ASYNC_BAD_INPUTS),
-        variants={
-            "num-splits-1": dict(num_splits=1),
-            "lstm": dict(lstm=True)
-        },
+        variants={"num-splits-1": dict(num_splits=1), "lstm": dict(lstm=True)},
         extra_tags=ASYNC_TAGS,
         # APPO's budget and criteria (measured with --xla-actor before it became this script).
         learning_timesteps=150_000,
@@ -241,7 +272,9 @@ def start_script(script, argv, log_dir):
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     with open(log_dir / "stdout.txt", "w") as out, open(log_dir / "stderr.txt", "w") as err:
-        return subprocess.Popen([sys.executable, script, *map(str, argv)], cwd=REPO_ROOT, stdout=out, stderr=err)
+        return subprocess.Popen(
+            [sys.executable, script, *map(str, argv)], cwd=REPO_ROOT, stdout=out, stderr=err
+        )
 
 
 def sigterm_when(script, argv, log_dir, ready, timeout):
@@ -263,7 +296,10 @@ def sigterm_when(script, argv, log_dir, ready, timeout):
 
 def describe(result):
     """The tail of a finished run's output, for assertion messages."""
-    return f"exit code {result.returncode}\n--- stdout ---\n{result.stdout[-3000:]}\n--- stderr ---\n{result.stderr[-3000:]}"
+    return (
+        f"exit code {result.returncode}\n--- stdout ---\n{result.stdout[-3000:]}\n--- stderr "
+        f"---\n{result.stderr[-3000:]}"
+    )
 
 
 def assert_ok(result):
@@ -317,7 +353,9 @@ def wait_until(predicate, proc, timeout):
         if predicate():
             return
         if proc.poll() is not None:
-            raise AssertionError(f"the run exited with code {proc.returncode} before the condition held")
+            raise AssertionError(
+                f"the run exited with code {proc.returncode} before the condition held"
+            )
         time.sleep(0.2)
     raise AssertionError(f"condition not reached within {timeout} s")
 
@@ -373,7 +411,11 @@ def write_crafted_run(folder, script, config: dict, script_path=None):
     and recorded script path are whatever its author wrote. Returns the folder."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    payload = {"state": {"global_step": 0, "policy_version": 0}, "config": json.dumps(config), "script": script}
+    payload = {
+        "state": {"global_step": 0, "policy_version": 0},
+        "config": json.dumps(config),
+        "script": script,
+    }
     if script_path is not None:
         payload["script_path"] = str(script_path)
     (folder / CHECKPOINT).write_bytes(flax.serialization.msgpack_serialize(payload))
@@ -421,7 +463,8 @@ def check_run_files(script, run_dir, env_id, min_step):
 
 
 def random_rollout(rng, T=13, B=5, gamma=0.97):
-    """Random rewards and values with episode ends inside the rollout (and on its first/last step)."""
+    """Random rewards and values with episode ends inside the rollout (and on its first/last
+    step)."""
     rewards = rng.normal(size=(T, B)).astype(np.float32)
     values = rng.normal(size=(T, B)).astype(np.float32)
     bootstrap_value = rng.normal(size=B).astype(np.float32)
@@ -453,8 +496,10 @@ def fail_on_call(monkeypatch, cls, method: str, n: int, message: str) -> list:
 def live(pids) -> list:
     """The processes of `pids` that are running (the process table; a zombie is not)."""
     return [
-        pid for pid in pids
-        if Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+        pid
+        for pid in pids
+        if Path(f"/proc/{pid}").exists()
+        and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
     ]
 
 

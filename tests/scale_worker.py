@@ -23,7 +23,8 @@ T, B = 8, 8
 
 
 def global_batch(sync: bool) -> dict:
-    """A fixed rollout of B envs x T steps: CartPole-shaped observations, episode ends, a time limit."""
+    """A fixed rollout of B envs x T steps: CartPole-shaped observations, episode ends, a time
+    limit."""
     rng = np.random.default_rng(0)
     dones = (rng.uniform(size=(T, B)) < 0.1).astype(np.float32)
     rollout = {
@@ -47,30 +48,48 @@ def main(argv):
     launch = {}
     if "--distributed" in rest:
         at = rest.index("--distributed")
-        address, processes, process_id = rest[at + 1:at + 4]
-        launch = dict(distributed=True, coordinator_address=address, num_processes=int(processes),
-                      process_id=int(process_id))
+        address, processes, process_id = rest[at + 1 : at + 4]
+        launch = dict(
+            distributed=True,
+            coordinator_address=address,
+            num_processes=int(processes),
+            process_id=int(process_id),
+        )
         rest = rest[:at]
     module = load_script(script)
     num_processes = launch.get("num_processes", 1)
-    flags = dict(env_id="CartPole-v1", num_envs=B // num_processes, num_steps=T, total_timesteps=100 * T * B, **launch)
+    flags = dict(
+        env_id="CartPole-v1",
+        num_envs=B // num_processes,
+        num_steps=T,
+        total_timesteps=100 * T * B,
+        **launch,
+    )
     if "num_splits" in {f.name for f in dataclasses.fields(module.Args)}:
         flags["num_splits"] = 1
     devices.start_processes(module.Args(**flags))
     results = {}
     for ids in rest:
-        args = module.resolve_args(module.Args(**flags, learner_device_ids=[int(i) for i in ids.split(",")]))
+        args = module.resolve_args(
+            module.Args(**flags, learner_device_ids=[int(i) for i in ids.split(",")])
+        )
         _, mesh = devices.make_mesh(args)
         network, optimizer, continuous, _, state = module.build(args, jax.random.PRNGKey(0))
-        state = dict(state, params=devices.replicated(mesh, state["params"]), opt_state=devices.replicated(
-            mesh, state["opt_state"]))
+        state = dict(
+            state,
+            params=devices.replicated(mesh, state["params"]),
+            opt_state=devices.replicated(mesh, state["opt_state"]),
+        )
         share = B // num_processes
         envs = slice(jax.process_index() * share, (jax.process_index() + 1) * share)
-        local = jax.tree_util.tree_map_with_path(lambda path, x: x[envs] if devices.env_axis(path) == 0 else x[:, envs],
-                                                 global_batch("sync" in script))
+        local = jax.tree_util.tree_map_with_path(
+            lambda path, x: x[envs] if devices.env_axis(path) == 0 else x[:, envs],
+            global_batch("sync" in script),
+        )
         update = module.make_update(network, optimizer, args, continuous, mesh)
-        new_state, diagnostics = update(state, devices.to_learner(mesh, local), jax.random.PRNGKey(1),
-                                        args.total_timesteps)
+        new_state, diagnostics = update(
+            state, devices.to_learner(mesh, local), jax.random.PRNGKey(1), args.total_timesteps
+        )
         assert bool(jax.device_get(diagnostics["finite"]))
         leaves = jax.tree.leaves(jax.device_get(new_state["params"]))
         results[ids] = np.concatenate([np.ravel(x) for x in leaves])

@@ -17,9 +17,16 @@ def test_benchmark_quick_writes_valid_results(tmp_path):
     out = tmp_path / "bench"
     cmd = [
         sys.executable,
-        str(REPO_ROOT / "utils" / "benchmark.py"), "--quick", "--env-id", "CartPole-v1", "--seconds", "1",
-        "--e2e-seconds", "3", "--out",
-        str(out)
+        str(REPO_ROOT / "utils" / "benchmark.py"),
+        "--quick",
+        "--env-id",
+        "CartPole-v1",
+        "--seconds",
+        "1",
+        "--e2e-seconds",
+        "3",
+        "--out",
+        str(out),
     ]
     result = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -38,11 +45,17 @@ def test_benchmark_quick_writes_valid_results(tmp_path):
     assert kinds.count("ceiling") == 2 and kinds.count("sampler") == 5
     ceilings = [r for r in rows if r["kind"] == "ceiling"]
     assert all(r["script"] is None for r in ceilings)
-    samplers = sorted((r for r in rows if r["kind"] == "sampler"), key=lambda r:
-                      (r["xla_actor"], r["lstm"], r["num_splits"]))
-    assert [(r["num_splits"], r["lstm"], r["xla_actor"]) for r in samplers] == [(1, False, False), (2, False, False),
-                                                                                (2, True, False), (1, False, True),
-                                                                                (2, False, True)]
+    samplers = sorted(
+        (r for r in rows if r["kind"] == "sampler"),
+        key=lambda r: (r["xla_actor"], r["lstm"], r["num_splits"]),
+    )
+    assert [(r["num_splits"], r["lstm"], r["xla_actor"]) for r in samplers] == [
+        (1, False, False),
+        (2, False, False),
+        (2, True, False),
+        (1, False, True),
+        (2, False, True),
+    ]
     assert [r["script"] for r in samplers] == ["appo_envpool.py"] * 3 + ["appo_envpool_xla.py"] * 2
     assert all(r["num_threads"] == 1 for r in samplers)
     for r in samplers:  # envpool's thread and the actor on separate cores, where there are two
@@ -68,16 +81,23 @@ def test_benchmark_quick_writes_valid_results(tmp_path):
         assert f"| {script} | 8 | 1 | 64 | {e2e_sps[script]:.0f} |" in table
         assert f"| {e2e_sps[script] / sync:.2f}x |" in table
     xla_ratio = samplers[4]["sps"] / samplers[3]["sps"]
-    assert f"Double buffering with the XLA actor (appo_envpool_xla.py): 2 splits / 1 split = **{xla_ratio:.2f}x**." in table
+    assert (
+        f"Double buffering with the XLA actor (appo_envpool_xla.py): 2 splits / 1 split = "
+        f"**{xla_ratio:.2f}x**." in table
+    )
     lstm_ratio = samplers[2]["sps"] / samplers[1]["sps"]
-    assert f"Recurrent actor: the --lstm sampler / the feed-forward one (2 splits) = **{lstm_ratio:.2f}x**" in table
+    assert (
+        f"Recurrent actor: the --lstm sampler / the feed-forward one (2 splits) = "
+        f"**{lstm_ratio:.2f}x**" in table
+    )
     for png in ["sampler.png", "end_to_end.png"]:
         assert (out / png).stat().st_size > 5000
 
 
 @pytest.fixture
 def bench_module(monkeypatch):
-    """utils/benchmark.py as a module, importable by name (the sampler's spawned process imports it)."""
+    """utils/benchmark.py as a module, importable by name (the sampler's spawned process imports
+    it)."""
     monkeypatch.syspath_prepend(str(REPO_ROOT / "utils"))
     import benchmark
 
@@ -94,7 +114,9 @@ def test_sampler_without_pinning(bench_module):
 def test_sampler_process_failure_is_reported(bench_module):
     """An exception inside the sampler's process reaches the caller with its traceback; no hang."""
     with pytest.raises(RuntimeError, match="sampler process failed(.|\n)*must divide --num-envs"):
-        bench_module.measure_sampler("CartPole-v1", 8, 3, 16, 1.0)  # 3 splits of 8 envs: appo refuses
+        bench_module.measure_sampler(
+            "CartPole-v1", 8, 3, 16, 1.0
+        )  # 3 splits of 8 envs: appo refuses
 
 
 def test_user_env_ceiling_with_processes_and_async_vector_env(bench_module, monkeypatch):
@@ -107,7 +129,10 @@ def test_user_env_ceiling_with_processes_and_async_vector_env(bench_module, monk
     monkeypatch.chdir(REPO_ROOT)
     env_id = "examples.corridor:Corridor"
     tasks.register_user_env(
-        type("Args", (), dict(env_id=env_id, env_module=None, env_kwargs='{"step_seconds": 0.02}'))())
+        type(
+            "Args", (), dict(env_id=env_id, env_module=None, env_kwargs='{"step_seconds": 0.02}')
+        )()
+    )
     one, four = (bench_module.measure_ceiling(env_id, 4, processes, 2.0) for processes in (1, 4))
     async_vector_env = bench_module.measure_ceiling(env_id, 4, 0, 2.0, async_vector_env=True)
     assert four > 2 * one, (one, four)
@@ -118,29 +143,61 @@ def test_user_env_ceiling_with_processes_and_async_vector_env(bench_module, monk
 def test_replay_part_times_both_modes_and_reports_the_ratio(bench_module, tmp_path):
     """--parts replay, tiny: dqn_envpool.py trained asynchronously and --serial; each row has
     its SPS, the replay ratio it held (the CartPole preset's 32), a threshold no 2k-step run
-    reaches (5 rounds past --learning-starts 1000); the report tabulates both and their SPS ratio."""
+    reaches (5 rounds past --learning-starts 1000); the report tabulates both and their SPS
+    ratio."""
     rows = []
     for serial in (False, True):
-        measured = bench_module.measure_replay("dqn_envpool.py", "CartPole-v1", serial, 2048, 475.0, str(tmp_path))
+        measured = bench_module.measure_replay(
+            "dqn_envpool.py", "CartPole-v1", serial, 2048, 475.0, str(tmp_path)
+        )
         assert measured["replay_ratio"] == pytest.approx(32.0) and measured["target_ratio"] == 32.0
-        assert measured["sps"] > 0 and measured["steps_to_threshold"] is None and measured["updates"] == 5
-        assert measured["policy_lag"] == 0 or not serial  # serial: each chunk learned by the parameters that made it
+        assert (
+            measured["sps"] > 0
+            and measured["steps_to_threshold"] is None
+            and measured["updates"] == 5
+        )
+        assert (
+            measured["policy_lag"] == 0 or not serial
+        )  # serial: each chunk learned by the parameters that made it
         rows.append(
-            dict(kind="replay", script="dqn_envpool.py", serial=serial, threshold=475.0, fps=measured["sps"],
-                 **measured))
-    # --replay-script sac_envpool.py: its critic's loss marks the updates; CleanRL's ratio, a batch of 256 a step.
-    sac = bench_module.measure_replay("sac_envpool.py", "Pendulum-v1", True, 5000 + 4 * 32, -200.0, str(tmp_path))
+            dict(
+                kind="replay",
+                script="dqn_envpool.py",
+                serial=serial,
+                threshold=475.0,
+                fps=measured["sps"],
+                **measured,
+            )
+        )
+    # --replay-script sac_envpool.py: its critic's loss marks the updates; CleanRL's ratio, a batch
+    # of 256 a step.
+    sac = bench_module.measure_replay(
+        "sac_envpool.py", "Pendulum-v1", True, 5000 + 4 * 32, -200.0, str(tmp_path)
+    )
     assert sac["replay_ratio"] == pytest.approx(256.0) and sac["updates"] == 4
     # --replay-flags: R2D2 (--lstm) at its preset's ratio, 48 steps of burn-in and sequence a step.
-    r2d2 = bench_module.measure_replay("dqn_envpool.py", "CartPole-v1", False, 1280, 475.0, str(tmp_path),
-                                       ["--lstm", "--learning-starts", "640"])
+    r2d2 = bench_module.measure_replay(
+        "dqn_envpool.py",
+        "CartPole-v1",
+        False,
+        1280,
+        475.0,
+        str(tmp_path),
+        ["--lstm", "--learning-starts", "640"],
+    )
     assert r2d2["replay_ratio"] == pytest.approx(48.0) and r2d2["updates"] == 4
     rows = [dict(row, flags="--lstm") for row in rows]
     machine = dict(cpu_count=2, jax_backend="cpu", processor="x")
-    bench_module.write_report(str(tmp_path), dict(env_id="CartPole-v1", machine=machine, measurements=rows), True)
+    bench_module.write_report(
+        str(tmp_path), dict(env_id="CartPole-v1", machine=machine, measurements=rows), True
+    )
     table = (tmp_path / "results.md").read_text()
-    assert "## Replay (dqn_envpool.py --lstm:" in table and "| async |" in table and "| serial |" in table and table.count(
-        "| not reached |") == 2
+    assert (
+        "## Replay (dqn_envpool.py --lstm:" in table
+        and "| async |" in table
+        and "| serial |" in table
+        and table.count("| not reached |") == 2
+    )
     assert f"Async / serial SPS: **{rows[0]['sps'] / rows[1]['sps']:.2f}x**." in table
 
 
@@ -150,23 +207,48 @@ def test_benchmark_measures_the_deterministic_mode_beside_the_free_running_actor
     out = tmp_path / "bench"
     cmd = [
         sys.executable,
-        str(REPO_ROOT / "utils" / "benchmark.py"), "--quick", "--env-id", "CartPole-v1", "--parts", "end_to_end",
-        "--scripts", "ppo_sync_baseline.py", "appo_envpool.py", "--deterministic", "--e2e-seconds", "3", "--out",
-        str(out)
+        str(REPO_ROOT / "utils" / "benchmark.py"),
+        "--quick",
+        "--env-id",
+        "CartPole-v1",
+        "--parts",
+        "end_to_end",
+        "--scripts",
+        "ppo_sync_baseline.py",
+        "appo_envpool.py",
+        "--deterministic",
+        "--e2e-seconds",
+        "3",
+        "--out",
+        str(out),
     ]
     result = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads((out / "results.json").read_text())["measurements"]
-    assert [(r["script"], r["deterministic"]) for r in rows] == [("ppo_sync_baseline.py", False),
-                                                                 ("appo_envpool.py", False), ("appo_envpool.py", True)]
+    assert [(r["script"], r["deterministic"]) for r in rows] == [
+        ("ppo_sync_baseline.py", False),
+        ("appo_envpool.py", False),
+        ("appo_envpool.py", True),
+    ]
     configs = {
-        det: json.loads((out / "e2e" / f"appo_envpool__8{'__deterministic' * det}" / "config.json").read_text())
+        det: json.loads(
+            (out / "e2e" / f"appo_envpool__8{'__deterministic' * det}" / "config.json").read_text()
+        )
         for det in (False, True)
     }
     assert [configs[det]["deterministic"] for det in (False, True)] == [False, True]
     free, det = rows[1]["sps"], rows[2]["sps"]
-    assert f"| appo_envpool.py --deterministic | 8 | 1 | 64 | {det:.0f} |" in (out / "results.md").read_text()
+    assert (
+        f"| appo_envpool.py --deterministic | 8 | 1 | 64 | {det:.0f} |"
+        in (out / "results.md").read_text()
+    )
     assert f"| {det / free:.2f}x |" in (out / "results.md").read_text()
     assert set(rows[2]["busy"]) <= {
-        "env", "inference", "bookkeeping", "device_get", "queue_put", "queue_get", "update"
+        "env",
+        "inference",
+        "bookkeeping",
+        "device_get",
+        "queue_put",
+        "queue_get",
+        "update",
     }, rows[2]

@@ -13,24 +13,33 @@ import pytest
 from helpers import REPO_ROOT, load_script
 
 SCRIPTS = [
-    "ppo_sync_baseline.py", "appo_envpool.py", "appo_envpool_xla.py", "impala_envpool.py", "dqn_envpool.py",
-    "sac_envpool.py", "td3_envpool.py"
+    "ppo_sync_baseline.py",
+    "appo_envpool.py",
+    "appo_envpool_xla.py",
+    "impala_envpool.py",
+    "dqn_envpool.py",
+    "sac_envpool.py",
+    "td3_envpool.py",
 ]
 TOOLS = {
     "utils/benchmark.py": "Args",
     "utils/evaluate.py": "EvalArgs",
     "utils/launch.py": "LaunchArgs",
-    "utils/plot.py": "PlotArgs"
+    "utils/plot.py": "PlotArgs",
 }
-# The scripts a page is about: a default it states must be theirs (elsewhere: every script's with the flag).
+# The scripts a page is about: a default it states must be theirs (elsewhere: every script's with
+# the flag).
 PAGE_SCRIPTS = {
     "docs/algorithms/ppo.md": SCRIPTS[:3],
     "docs/algorithms/impala.md": ["impala_envpool.py"],
     "docs/algorithms/dqn.md": ["dqn_envpool.py"],
-    "docs/algorithms/sac_td3.md": SCRIPTS[5:]
+    "docs/algorithms/sac_td3.md": SCRIPTS[5:],
 }
-PAGES = sorted([REPO_ROOT / "README.md", REPO_ROOT / "CONTRIBUTING.md", *(REPO_ROOT / "docs").rglob("*.md")])
-# Flags every program has, and other programs' that the docs name (pytest's, tensorboard's, py-spy's).
+PAGES = sorted(
+    [REPO_ROOT / "README.md", REPO_ROOT / "CONTRIBUTING.md", *(REPO_ROOT / "docs").rglob("*.md")]
+)
+# Flags every program has, and other programs' that the docs name (pytest's, tensorboard's,
+# py-spy's).
 OTHER_FLAGS = {"help", "timeout", "dist", "logdir", "gil"}
 
 
@@ -46,12 +55,19 @@ def prose(text: str) -> str:
 def commands(text: str) -> list:
     """The shell lines of a page's code blocks and inline code, continuation lines joined."""
     blocks = re.findall(r"^```[a-z]*\n(.*?)^```", text, flags=re.S | re.M)
-    inline = [" ".join(code.split()) for code in re.findall(r"`([^`]+)`", prose(text)) if "python " in code]
-    return [line.split(" #")[0] for line in "\n".join(blocks).replace("\\\n", " ").splitlines() + inline]
+    inline = [
+        " ".join(code.split())
+        for code in re.findall(r"`([^`]+)`", prose(text))
+        if "python " in code
+    ]
+    return [
+        line.split(" #")[0] for line in "\n".join(blocks).replace("\\\n", " ").splitlines() + inline
+    ]
 
 
 def slug(heading: str) -> str:
-    """GitHub's anchor of a heading: lower case, markup and punctuation dropped, spaces to hyphens."""
+    """GitHub's anchor of a heading: lower case, markup and punctuation dropped, spaces to
+    hyphens."""
     text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).strip().lower()
     text = "".join(c for c in text if c in " -_" or unicodedata.category(c)[0] in "LN")
     return text.replace(" ", "-")
@@ -73,8 +89,14 @@ def defaults(files) -> dict:
     for name in files:
         module = load_script(REPO_ROOT / name)
         for field in dataclasses.fields(getattr(module, TOOLS.get(name, "Args"))):
-            value = field.default if field.default_factory is dataclasses.MISSING else field.default_factory()
-            out.setdefault(field.name.replace("_", "-"), {})[name] = "preset" if value is None else value
+            value = (
+                field.default
+                if field.default_factory is dataclasses.MISSING
+                else field.default_factory()
+            )
+            out.setdefault(field.name.replace("_", "-"), {})[name] = (
+                "preset" if value is None else value
+            )
     return out
 
 
@@ -92,7 +114,9 @@ def test_the_readme_is_read_in_five_minutes():
 @pytest.mark.parametrize("path", PAGES, ids=page_id)
 def test_every_relative_link_and_anchor_resolves(path):
     text = re.sub(r"`[^`\n]*`", "", prose(path.read_text()))
-    targets = re.findall(r"\]\(([^)\s]+)\)", text) + re.findall(r"<(?:img|a) [^>]*(?:src|href)=\"([^\"]+)\"", text)
+    targets = re.findall(r"\]\(([^)\s]+)\)", text) + re.findall(
+        r"<(?:img|a) [^>]*(?:src|href)=\"([^\"]+)\"", text
+    )
     broken = []
     for target in targets:
         if re.match(r"[a-z]+:", target):
@@ -114,7 +138,11 @@ def test_every_flag_and_command_exists_as_written(path, flags_of):
     every = {flag for table in flags_of.values() for flag in table} | OTHER_FLAGS
     every |= {f"no-{flag}" for flag in every}
     spans = [code for code in re.findall(r"`([^`]+)`", prose(text)) if "python " not in code]
-    named = {flag for code in spans for flag in re.findall(r"(?<![\w-])--([a-z][a-z0-9-]*)(?![\w])", code)}
+    named = {
+        flag
+        for code in spans
+        for flag in re.findall(r"(?<![\w-])--([a-z][a-z0-9-]*)(?![\w])", code)
+    }
     assert named <= every, f"{page_id(path)} names flags no script has: {sorted(named - every)}"
     wrong = []
     for line in commands(text):
@@ -124,27 +152,40 @@ def test_every_flag_and_command_exists_as_written(path, flags_of):
                 continue
             own, _, after = rest.partition(" -- ")
             trained = next((t for t in own.split() if t.endswith(".py")), None)
-            checked = [(flags_of[program], own)] + ([(flags_of[trained], after)] if trained in flags_of else [])
-            for flags, tokens in checked:  # after `--`: a script named in words (SCRIPT) is not checked
+            checked = [(flags_of[program], own)] + (
+                [(flags_of[trained], after)] if trained in flags_of else []
+            )
+            for (
+                flags,
+                tokens,
+            ) in checked:  # after `--`: a script named in words (SCRIPT) is not checked
                 known = set(flags) | {f"no-{f}" for f in flags} | OTHER_FLAGS
-                wrong += [(program, t) for t in re.findall(r"(?<!\S)--([a-z][a-z0-9-]*)", tokens) if t not in known]
+                wrong += [
+                    (program, t)
+                    for t in re.findall(r"(?<!\S)--([a-z][a-z0-9-]*)", tokens)
+                    if t not in known
+                ]
     assert not wrong, f"{page_id(path)}: commands with flags their program does not have: {wrong}"
 
 
 @pytest.mark.parametrize("path", PAGES, ids=page_id)
 def test_a_default_the_docs_state_is_the_codes(path):
-    """"`--flag` ... (default VALUE)": VALUE is the flag's default in every script of the page
+    """ "`--flag` ... (default VALUE)": VALUE is the flag's default in every script of the page
     (PAGE_SCRIPTS; elsewhere every script and tool with the flag)."""
     text = prose(path.read_text())
     table = defaults(PAGE_SCRIPTS.get(page_id(path), [*SCRIPTS, *TOOLS]))
     wrong = []
     for flag, value in re.findall(
-            r"`--([a-z0-9-]+)`(?:(?!`--)[^.;]){0,60}?\(default:? `?(\d{1,3}(?:,\d{3})+|[^,;)`\s]+)", text):
+        r"`--([a-z0-9-]+)`(?:(?!`--)[^.;]){0,60}?\(default:? `?(\d{1,3}(?:,\d{3})+|[^,;)`\s]+)",
+        text,
+    ):
         if flag not in table or not re.fullmatch(r"-?[\d,]+(\.\d*)?(e-?\d+)?|True|False", value):
             continue  # a default in words (a path, "the cores") is not checked
         literal = {"True": True, "False": False}.get(value, value.replace(",", ""))
         for name, default in table[flag].items():
-            if str(default) != str(literal) and not (isinstance(default, float) and float(literal) == default):
+            if str(default) != str(literal) and not (
+                isinstance(default, float) and float(literal) == default
+            ):
                 wrong.append(f"--{flag} (default {value}): {name} says {default}")
     assert not wrong, f"{page_id(path)}: {wrong}"
 
@@ -153,8 +194,12 @@ def test_a_default_the_docs_state_is_the_codes(path):
 def test_diff_sizes_are_the_diffs(path):
     """A line that shows `diff A B` and says it "adds N" lines: N is what the diff adds."""
     wrong = []
-    for old, new, count in re.findall(r"diff (\S+\.py) (\S+\.py)\b[^\n]*?\badds (\d[\d,]*)", path.read_text()):
-        result = subprocess.run(["diff", REPO_ROOT / old, REPO_ROOT / new], capture_output=True, text=True)
+    for old, new, count in re.findall(
+        r"diff (\S+\.py) (\S+\.py)\b[^\n]*?\badds (\d[\d,]*)", path.read_text()
+    ):
+        result = subprocess.run(
+            ["diff", REPO_ROOT / old, REPO_ROOT / new], capture_output=True, text=True
+        )
         added = sum(line.startswith(">") for line in result.stdout.splitlines())
         if added != int(count.replace(",", "")):
             wrong.append(f"diff {old} {new} adds {added}, not {count}")
@@ -174,7 +219,11 @@ def test_measured_figures_are_the_results_pages():
     figure = r"-?\d[\d,.]*(?:\.\d+)? ± \d[\d,.]*\d"
     missing = []
     for path in [
-            REPO_ROOT / "README.md", REPO_ROOT / "docs" / "parity.md", *(REPO_ROOT / "docs" / "algorithms").glob("*.md")
+        REPO_ROOT / "README.md",
+        REPO_ROOT / "docs" / "parity.md",
+        *(REPO_ROOT / "docs" / "algorithms").glob("*.md"),
     ]:
-        missing += [(page_id(path), f) for f in re.findall(figure, path.read_text()) if f not in results]
+        missing += [
+            (page_id(path), f) for f in re.findall(figure, path.read_text()) if f not in results
+        ]
     assert not missing, missing

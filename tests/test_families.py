@@ -34,7 +34,8 @@ from jax_async_rl.flags import UsageError
 
 @functools.lru_cache(maxsize=None)
 def evaluate_tool():
-    """utils/evaluate.py as a module, to score checkpoints in this process (no start-up per call)."""
+    """utils/evaluate.py as a module, to score checkpoints in this process (no start-up per
+    call)."""
     sys.path.insert(0, str(REPO_ROOT / "utils"))
     import evaluate
 
@@ -47,7 +48,8 @@ def evaluate_tool():
 
 
 def inputs_seen(network, obs, module_type):
-    """The input of every `module_type` layer while `network` initialises on `obs`, in call order."""
+    """The input of every `module_type` layer while `network` initialises on `obs`, in call
+    order."""
     seen = []
 
     def spy(next_fun, args, kwargs, context):
@@ -65,7 +67,8 @@ def box(shape, dtype=np.float32, high=1.0):
 
 
 def test_both_image_layouts_reach_the_conv_as_bhwc():
-    """(The scripts' networks are the same text: test_scripts.test_the_networks_are_the_same_text_in_every_script.)"""
+    """(The scripts' networks are the same text:
+    test_scripts.test_the_networks_are_the_same_text_in_every_script.)"""
     module = load_script("ppo_sync_baseline.py")
     for kind in ("nature", "grid"):
         chw, hwc = ((3, 72, 96), (72, 96, 3)) if kind == "nature" else ((3, 7, 9), (7, 9, 3))
@@ -82,7 +85,11 @@ def test_both_image_layouts_reach_the_conv_as_bhwc():
         chw_image = np.random.default_rng(1).integers(0, 255, (2, *chw), dtype=np.uint8)
         hwc_image = np.transpose(chw_image, (0, 2, 3, 1))
         seen = [
-            inputs_seen(module.ActorCritic(4, False, tasks.encoders(box(x.shape[1:], np.uint8, 255))), x, nn.Conv)[0]
+            inputs_seen(
+                module.ActorCritic(4, False, tasks.encoders(box(x.shape[1:], np.uint8, 255))),
+                x,
+                nn.Conv,
+            )[0]
             for x in (chw_image, hwc_image)
         ]
         np.testing.assert_allclose(seen[0], seen[1], rtol=1e-6)
@@ -90,16 +97,17 @@ def test_both_image_layouts_reach_the_conv_as_bhwc():
 
 def test_discrete_leaves_are_one_hot_and_a_dict_gives_one_trunk_input():
     ppo = load_script("ppo_sync_baseline.py")
-    space = gymnasium.spaces.Dict({
-        "direction": gymnasium.spaces.Discrete(4),
-        "image": box((7, 7, 3), np.uint8, 255),
-        "mission": box((96,), np.uint8, 255),
-        "mask": gymnasium.spaces.MultiBinary(3),
-        "goal": gymnasium.spaces.Dict({
-            "row": gymnasium.spaces.Discrete(5, start=-1),
-            "xy": box((2, 2))
-        }),  # nested
-    })
+    space = gymnasium.spaces.Dict(
+        {
+            "direction": gymnasium.spaces.Discrete(4),
+            "image": box((7, 7, 3), np.uint8, 255),
+            "mission": box((96,), np.uint8, 255),
+            "mask": gymnasium.spaces.MultiBinary(3),
+            "goal": gymnasium.spaces.Dict(
+                {"row": gymnasium.spaces.Discrete(5, start=-1), "xy": box((2, 2))}
+            ),  # nested
+        }
+    )
     network = ppo.ActorCritic(7, False, tasks.encoders(space))
     obs = tasks.zeros_like_space(space, 2)
     obs["direction"] = np.array([1, 3])
@@ -111,69 +119,43 @@ def test_discrete_leaves_are_one_hot_and_a_dict_gives_one_trunk_input():
     grid_features = 64  # 7x7 -> 6x6 -> pool 3x3 -> 2x2 -> 1x1, 64 channels
     assert first_dense.shape == (2, 4 + (5 + 4) + grid_features + 3 + 96), first_dense.shape
     np.testing.assert_array_equal(first_dense[:, :4], np.eye(4)[[1, 3]])  # direction: one-hot
-    np.testing.assert_array_equal(first_dense[:, 4:9], np.eye(5)[[4, 0]])  # goal/row: one-hot from its start
-    np.testing.assert_array_equal(first_dense[:, 9:13], obs["goal"]["xy"].reshape(2, 4))  # flattened
-    np.testing.assert_array_equal(first_dense[:, 13 + grid_features:16 + grid_features], obs["mask"])  # MultiBinary
+    np.testing.assert_array_equal(
+        first_dense[:, 4:9], np.eye(5)[[4, 0]]
+    )  # goal/row: one-hot from its start
+    np.testing.assert_array_equal(
+        first_dense[:, 9:13], obs["goal"]["xy"].reshape(2, 4)
+    )  # flattened
+    np.testing.assert_array_equal(
+        first_dense[:, 13 + grid_features : 16 + grid_features], obs["mask"]
+    )  # MultiBinary
 
 
 def test_box_observations_keep_the_networks_of_before():
     """A Box image or vector alone gives CleanRL's networks: same parameter names and shapes."""
     ppo = load_script("ppo_sync_baseline.py")
     atari = ppo.ActorCritic(6, False, tasks.encoders(box((4, 84, 84), np.uint8, 255)))
-    shapes = jax.tree.map(np.shape, atari.init(jax.random.PRNGKey(0), np.zeros((1, 4, 84, 84), np.uint8)))["params"]
+    shapes = jax.tree.map(
+        np.shape, atari.init(jax.random.PRNGKey(0), np.zeros((1, 4, 84, 84), np.uint8))
+    )["params"]
     assert shapes == {
-        "Conv_0": {
-            "kernel": (8, 8, 4, 32),
-            "bias": (32,)
-        },
-        "Conv_1": {
-            "kernel": (4, 4, 32, 64),
-            "bias": (64,)
-        },
-        "Conv_2": {
-            "kernel": (3, 3, 64, 64),
-            "bias": (64,)
-        },
-        "Dense_0": {
-            "kernel": (3136, 512),
-            "bias": (512,)
-        },
-        "Dense_1": {
-            "kernel": (512, 6),
-            "bias": (6,)
-        },
-        "Dense_2": {
-            "kernel": (512, 1),
-            "bias": (1,)
-        },
+        "Conv_0": {"kernel": (8, 8, 4, 32), "bias": (32,)},
+        "Conv_1": {"kernel": (4, 4, 32, 64), "bias": (64,)},
+        "Conv_2": {"kernel": (3, 3, 64, 64), "bias": (64,)},
+        "Dense_0": {"kernel": (3136, 512), "bias": (512,)},
+        "Dense_1": {"kernel": (512, 6), "bias": (6,)},
+        "Dense_2": {"kernel": (512, 1), "bias": (1,)},
     }
     vector = ppo.ActorCritic(2, True, tasks.encoders(box((17,))))
-    shapes = jax.tree.map(np.shape, vector.init(jax.random.PRNGKey(0), np.zeros((1, 17), np.float32)))["params"]
+    shapes = jax.tree.map(
+        np.shape, vector.init(jax.random.PRNGKey(0), np.zeros((1, 17), np.float32))
+    )["params"]
     assert shapes == {
-        "Dense_0": {
-            "kernel": (17, 64),
-            "bias": (64,)
-        },
-        "Dense_1": {
-            "kernel": (17, 64),
-            "bias": (64,)
-        },
-        "Dense_2": {
-            "kernel": (64, 64),
-            "bias": (64,)
-        },
-        "Dense_3": {
-            "kernel": (64, 64),
-            "bias": (64,)
-        },
-        "Dense_4": {
-            "kernel": (64, 2),
-            "bias": (2,)
-        },
-        "Dense_5": {
-            "kernel": (64, 1),
-            "bias": (1,)
-        },
+        "Dense_0": {"kernel": (17, 64), "bias": (64,)},
+        "Dense_1": {"kernel": (17, 64), "bias": (64,)},
+        "Dense_2": {"kernel": (64, 64), "bias": (64,)},
+        "Dense_3": {"kernel": (64, 64), "bias": (64,)},
+        "Dense_4": {"kernel": (64, 2), "bias": (2,)},
+        "Dense_5": {"kernel": (64, 1), "bias": (1,)},
         "log_std": (2,),
     }
 
@@ -190,7 +172,9 @@ def test_every_envpool_task_builds_a_network_or_exits_with_one_line(capsys, monk
     pass). The network code is the same text in every script (test_scripts.py checks it), and tasks
     with the same spaces build the same network: one build per distinct network."""
     ids = envpool.list_all_envs()
-    monkeypatch.setattr(envpool, "make_spec", functools.lru_cache(maxsize=None)(envpool.make_spec))  # a spec is fixed
+    monkeypatch.setattr(
+        envpool, "make_spec", functools.lru_cache(maxsize=None)(envpool.make_spec)
+    )  # a spec is fixed
     modules = {script: load_script(script) for script in SCRIPT_TABLE}
     counts, served = {}, {}
     for script, module in modules.items():
@@ -203,7 +187,9 @@ def test_every_envpool_task_builds_a_network_or_exits_with_one_line(capsys, monk
                 message = str(e)
                 assert "\n" not in message and f"--env-id {env_id} " in message, message
                 reason = message.split(f"--env-id {env_id} ", 1)[1]
-                reasons["actions" if " actions (" in reason else reason.split(";")[0].split(":")[0]] += 1
+                reasons[
+                    "actions" if " actions (" in reason else reason.split(";")[0].split(":")[0]
+                ] += 1
         counts[script] = (len(served[script]), dict(reasons))
     assert len({str(c) for c in counts.values()}) == 1, counts  # the scripts serve the same tasks
 
@@ -220,25 +206,53 @@ def test_every_envpool_task_builds_a_network_or_exits_with_one_line(capsys, monk
             # (tests above and the family runs below initialise real ones).
             heads = tuple(map(int, getattr(policy_space, "nvec", ())))
             continuous = not hasattr(policy_space, "n") and not heads
-            action_dim = len(heads) * max(heads) if heads else int(
-                getattr(policy_space, "n", np.prod(policy_space.shape)))
-            network = ppo.ActorCritic(action_dim, continuous, tasks.encoders(obs_space), 0, heads,
-                                      tasks.mask_shape(obs_space) is not None)
+            action_dim = (
+                len(heads) * max(heads)
+                if heads
+                else int(getattr(policy_space, "n", np.prod(policy_space.shape)))
+            )
+            network = ppo.ActorCritic(
+                action_dim,
+                continuous,
+                tasks.encoders(obs_space),
+                0,
+                heads,
+                tasks.mask_shape(obs_space) is not None,
+            )
             policy_step = ppo.make_policy_step(network, continuous)
             obs = tasks.zeros_like_space(obs_space, 2)
             params = jax.eval_shape(network.init, jax.random.PRNGKey(0), obs)
             pi, value, _ = jax.eval_shape(network.apply, params, obs)
-            action, logprob, _, _ = jax.eval_shape(policy_step, params, obs, None, jax.random.PRNGKey(0), np.arange(2),
-                                                   np.zeros(2, np.int32))
-            assert value.shape == logprob.shape == (2,) and action.shape == (2, *policy_space.shape), args.env_id
+            action, logprob, _, _ = jax.eval_shape(
+                policy_step,
+                params,
+                obs,
+                None,
+                jax.random.PRNGKey(0),
+                np.arange(2),
+                np.zeros(2, np.int32),
+            )
+            assert value.shape == logprob.shape == (2,) and action.shape == (
+                2,
+                *policy_space.shape,
+            ), args.env_id
             networks[signature] = args.env_id
     built, reasons = counts["ppo_sync_baseline.py"]
-    jumanji = [args.env_id for args in served["ppo_sync_baseline.py"] if "jumanji" in envpool_module(args.env_id)]
+    jumanji = [
+        args.env_id
+        for args in served["ppo_sync_baseline.py"]
+        if "jumanji" in envpool_module(args.env_id)
+    ]
     with capsys.disabled():
-        print(f"\n{len(ids)} envpool ids: {built} resolve and build a network ({len(networks)} distinct, "
-              f"{len(jumanji)} Jumanji), {len(ids) - built} exit 2: {reasons}")
+        print(
+            f"\n{len(ids)} envpool ids: {built} resolve and build a network ({len(networks)} "
+            f"distinct, "
+            f"{len(jumanji)} Jumanji), {len(ids) - built} exit 2: {reasons}"
+        )
     assert built > 1400, counts
-    assert set(reasons) <= {"is a 2-player task", "is a 3-player task", "cannot be made here"}, reasons
+    assert set(reasons) <= {"is a 2-player task", "is a 3-player task", "cannot be made here"}, (
+        reasons
+    )
     # Every single-agent Jumanji task envpool makes here, multi-discrete ones included (issue 41).
     assert len(jumanji) == len([i for i in ids if "jumanji" in envpool_module(i)]), jumanji
 
@@ -255,20 +269,35 @@ def jumanji_row(env_id: str) -> str:
         samples, dqn = f"a Gaussian over {policy.shape[0]} numbers", "no (continuous)"
     elif hasattr(policy, "nvec"):
         counts = sorted(set(policy.nvec.tolist()))
-        samples = f"{len(policy.nvec)} categoricals of {counts[0] if len(counts) == 1 else ', '.join(map(str, policy.nvec))}"
+        samples = (
+            f"{len(policy.nvec)} categoricals of "
+            f"{counts[0] if len(counts) == 1 else ', '.join(map(str, policy.nvec))}"
+        )
         dqn = "no (factored)"
     else:
-        samples, dqn = f"one categorical of {policy.n}{' (joint)' if not hasattr(actions, 'n') else ''}", "yes"
-    kind = f"`Discrete({actions.n})`" if hasattr(actions,
-                                                 "n") else f"`{type(actions).__name__}{actions.shape}` {actions.dtype}"
+        samples, dqn = (
+            f"one categorical of {policy.n}{' (joint)' if not hasattr(actions, 'n') else ''}",
+            "yes",
+        )
+    kind = (
+        f"`Discrete({actions.n})`"
+        if hasattr(actions, "n")
+        else f"`{type(actions).__name__}{actions.shape}` {actions.dtype}"
+    )
     return f"| `{env_id}` | {kind} | {f'`{mask}`' if mask else 'none'} | {samples} | {dqn} |"
 
 
 def test_the_families_page_says_what_each_jumanji_task_gets():
     """Its table, row by row, is what tasks.policy_space makes of each task's spaces."""
     text = (REPO_ROOT / "docs" / "families.md").read_text()
-    ids = [i for i in envpool.list_all_envs() if "jumanji" in envpool_module(i) and not i.startswith("Jumanji/")]
-    rows = [line for line in text.splitlines() if line.startswith("| `") and line.split("`")[1] in ids]
+    ids = [
+        i
+        for i in envpool.list_all_envs()
+        if "jumanji" in envpool_module(i) and not i.startswith("Jumanji/")
+    ]
+    rows = [
+        line for line in text.splitlines() if line.startswith("| `") and line.split("`")[1] in ids
+    ]
     assert rows == [jumanji_row(env_id) for env_id in sorted(ids)]
 
 
@@ -313,8 +342,12 @@ FAMILY_TINY = {
 # observation (toy text). The other seven families are trees of these kinds; each took the suite
 # 15-20 s a script.
 ACTOR_FAMILIES = ["Atari", "Box2D", "MuJoCo", "dm_control", "MiniGrid", "Jumanji", "toy text"]
-FAMILY_CASES = [(script, family) for script in FAMILY_TINY for family in FAMILIES
-                if script == "ppo_sync_baseline.py" or family in ACTOR_FAMILIES]
+FAMILY_CASES = [
+    (script, family)
+    for script in FAMILY_TINY
+    for family in FAMILIES
+    if script == "ppo_sync_baseline.py" or family in ACTOR_FAMILIES
+]
 
 
 @pytest.mark.timeout(600)
@@ -331,18 +364,24 @@ def test_each_family_trains_and_its_checkpoint_is_scored(script, family, tmp_pat
     out = tmp_path / "eval.json"
     assert evaluate.main(evaluate.EvalArgs(run=str(run_dir), episodes=1, out=str(out))) == 0
     result = json.loads(out.read_text())
-    assert result["episodes"] == 1 and math.isfinite(result["mean"]) and result["env_id"] == env_id, result
+    assert (
+        result["episodes"] == 1 and math.isfinite(result["mean"]) and result["env_id"] == env_id
+    ), result
     resolved = module.resolve_args(module.Args(env_id=env_id))
     if resolved.norm_obs:  # the statistics, of every float leaf, are checkpointed
         norm = checkpoint["state"]["norm"]
         assert float(norm["obs_count"]) > FAMILY_FLAGS["total_timesteps"]
-        assert all(np.any(np.asarray(mean) != 0) for mean in jax.tree.leaves(norm["obs_mean"]))  # moved from 0
+        assert all(
+            np.any(np.asarray(mean) != 0) for mean in jax.tree.leaves(norm["obs_mean"])
+        )  # moved from 0
     if family == "Atari":  # the game score over all lives, unclipped: an integer in [-21, 21]
         assert result["mean"] == int(result["mean"]) and -21 <= result["mean"] <= 21, result
 
 
 @pytest.mark.parametrize("family", [*FAMILIES, "Sudoku-v0"])
-def test_an_env_envpool_cannot_make_is_envpool_s_line_before_anything_starts(family, tmp_path, monkeypatch, capsys):
+def test_an_env_envpool_cannot_make_is_envpool_s_line_before_anything_starts(
+    family, tmp_path, monkeypatch, capsys
+):
     """A task envpool knows but cannot make here (Sudoku-v0: its package lacks the puzzle database;
     one of each family with envpool.make failing as it does): exit 2, envpool's error in one line,
     no run folder and nothing compiled (the run makes one env before anything, once a process)."""
@@ -360,36 +399,62 @@ def test_an_env_envpool_cannot_make_is_envpool_s_line_before_anything_starts(fam
 
         monkeypatch.setattr(envpool, "make", make)
     run_dir, script = tmp_path / "run", "ppo_sync_baseline.py"
-    args = load_script(script).Args(env_id=env_id, run_dir=str(run_dir), **FAMILY_FLAGS, **FAMILY_TINY[script])
+    args = load_script(script).Args(
+        env_id=env_id, run_dir=str(run_dir), **FAMILY_FLAGS, **FAMILY_TINY[script]
+    )
     code, _, err = run_main(script, args, capsys)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1, err
-    assert lines[0].startswith(f"error: --env-id {env_id} cannot be made here: envpool says failed to open "), err
+    assert lines[0].startswith(
+        f"error: --env-id {env_id} cannot be made here: envpool says failed to open "
+    ), err
     assert not run_dir.exists()
 
 
 def test_family_presets():
-    """Each family takes its preset (helpers.FAMILY_PRESETS: the published sources the scripts cite)."""
+    """Each family takes its preset (helpers.FAMILY_PRESETS: the published sources the scripts
+    cite)."""
     expected = {
         "ppo_sync_baseline.py": {
             "CheetahRun-v1": ("dm_control", dict(num_steps=256, learning_rate=3e-4, norm_obs=True)),
-            "MiniGrid-Empty-5x5-v0": ("minigrid",
-                                      dict(num_steps=128, learning_rate=1e-3, num_minibatches=4, ent_coef=0.01)),
+            "MiniGrid-Empty-5x5-v0": (
+                "minigrid",
+                dict(num_steps=128, learning_rate=1e-3, num_minibatches=4, ent_coef=0.01),
+            ),
             "BabyAI-GoToRedBallGrey-v0": ("minigrid", dict(num_steps=128, learning_rate=1e-3)),
-            "MiniGrid-MemoryS7-v0": ("MiniGrid-MemoryS7",
-                                     dict(num_steps=256, learning_rate=2e-4, num_minibatches=8, ent_coef=0.001,
-                                          anneal_clip=False)),
+            "MiniGrid-MemoryS7-v0": (
+                "MiniGrid-MemoryS7",
+                dict(
+                    num_steps=256,
+                    learning_rate=2e-4,
+                    num_minibatches=8,
+                    ent_coef=0.001,
+                    anneal_clip=False,
+                ),
+            ),
             "Highway-v0": ("highway", dict(gamma=0.8, learning_rate=5e-4, update_epochs=10)),
-            "gfootball/academy_empty_goal_close-v1": ("gfootball", dict(num_steps=512, gamma=0.993, clip_coef=0.08)),
-            "CarRacing-v3": ("CarRacing", dict(num_steps=512, learning_rate=1e-4, norm_reward=True, norm_obs=False)),
+            "gfootball/academy_empty_goal_close-v1": (
+                "gfootball",
+                dict(num_steps=512, gamma=0.993, clip_coef=0.08),
+            ),
+            "CarRacing-v3": (
+                "CarRacing",
+                dict(num_steps=512, learning_rate=1e-4, norm_reward=True, norm_obs=False),
+            ),
             "FetchReach-v1": ("mujoco", dict(norm_obs=True)),
             "MetaWorld/Reach-v3": ("mujoco", dict(norm_obs=True)),
             "Taxi-v3": ("classic", dict(num_steps=128, learning_rate=2.5e-4)),
         },
         "impala_envpool.py": {
             "CheetahRun-v1": ("dm_control", dict(num_steps=20, norm_obs=True)),
-            "MiniGrid-Empty-5x5-v0": ("minigrid", dict(num_steps=5, learning_rate=1e-3, entropy_cost=0.01)),
-            "gfootball/academy_empty_goal_close-v1": ("gfootball", dict(num_steps=80, learning_rate=4.8e-4)),
+            "MiniGrid-Empty-5x5-v0": (
+                "minigrid",
+                dict(num_steps=5, learning_rate=1e-3, entropy_cost=0.01),
+            ),
+            "gfootball/academy_empty_goal_close-v1": (
+                "gfootball",
+                dict(num_steps=80, learning_rate=4.8e-4),
+            ),
             "Highway-v0": ("classic", dict(num_steps=5)),
         },
     }
@@ -408,19 +473,32 @@ def test_double_buffering_by_default_for_images_only(script):
     tasks and small grids, where the actor's per-call cost outweighs what a second split hides
     (issue 12); an explicit value wins either way."""
     module = load_script(script)
-    ids = ["Pong-v5", "CarRacing-v3", "CartPole-v1", "HalfCheetah-v4", "CheetahRun-v1", "MiniGrid-Empty-5x5-v0"]
+    ids = [
+        "Pong-v5",
+        "CarRacing-v3",
+        "CartPole-v1",
+        "HalfCheetah-v4",
+        "CheetahRun-v1",
+        "MiniGrid-Empty-5x5-v0",
+    ]
     resolved = [module.resolve_args(module.Args(env_id=env_id)).num_splits for env_id in ids]
     assert resolved == [2, 2, 1, 1, 1, 1]
     assert module.resolve_args(module.Args(env_id="CartPole-v1", num_splits=2)).num_splits == 2
     assert module.resolve_args(module.Args(env_id="Pong-v5", num_splits=1)).num_splits == 1
 
 
-@pytest.mark.parametrize(("script", "actor"), [("appo_envpool.py", ""), ("appo_envpool_xla.py", ", XLA actor")])
+@pytest.mark.parametrize(
+    ("script", "actor"), [("appo_envpool.py", ""), ("appo_envpool_xla.py", ", XLA actor")]
+)
 def test_the_header_line_names_the_split_count_and_the_actor(script, actor, tmp_path, capsys):
     """A user sees the --num-splits a run took by default in its header line, and which actor."""
     module = load_script(script)
-    flags = dict(TINY_FLAGS, **{k: v for k, v in SCRIPT_TABLE[script]["tiny"].items() if k != "num_splits"})
-    assert module.main(module.Args(env_id="CartPole-v1", run_dir=str(tmp_path / "run"), **flags)) == 0
+    flags = dict(
+        TINY_FLAGS, **{k: v for k, v in SCRIPT_TABLE[script]["tiny"].items() if k != "num_splits"}
+    )
+    assert (
+        module.main(module.Args(env_id="CartPole-v1", run_dir=str(tmp_path / "run"), **flags)) == 0
+    )
     header = next(line for line in capsys.readouterr().out.splitlines() if "updates of" in line)
     assert f"{script}: CartPole-v1 (preset CartPole, 1 split{actor}), " in header, header
 
@@ -442,8 +520,13 @@ MINIGRID_BUDGET = 20_000
 @pytest.mark.parametrize("script", ["appo_envpool.py"])
 def test_learns_minigrid_empty(script, tmp_path):
     module = load_script(script)
-    args = module.Args(env_id="MiniGrid-Empty-5x5-v0", seed=1, total_timesteps=MINIGRID_BUDGET,
-                       run_dir=str(tmp_path / "run"), eval_episodes=0)
+    args = module.Args(
+        env_id="MiniGrid-Empty-5x5-v0",
+        seed=1,
+        total_timesteps=MINIGRID_BUDGET,
+        run_dir=str(tmp_path / "run"),
+        eval_episodes=0,
+    )
     assert module.main(args) == 0
     returns = tag_values(read_metrics(tmp_path / "run"), "charts/episodic_return")
     assert len(returns) >= 20 and np.mean(returns[-20:]) >= 0.9, returns[-20:]
@@ -456,8 +539,12 @@ def test_learns_minigrid_empty(script, tmp_path):
 @pytest.mark.timeout(900)
 def test_learns_a_control_suite_task(tmp_path):
     module = load_script("appo_envpool.py")
-    args = module.Args(env_id="CartpoleBalance-v1", total_timesteps=200_000, run_dir=str(tmp_path / "run"),
-                       eval_episodes=0)
+    args = module.Args(
+        env_id="CartpoleBalance-v1",
+        total_timesteps=200_000,
+        run_dir=str(tmp_path / "run"),
+        eval_episodes=0,
+    )
     assert module.main(args) == 0
     returns = tag_values(read_metrics(tmp_path / "run"), "charts/episodic_return")
     assert len(returns) >= 20 and np.mean(returns[-20:]) >= 450, returns[-20:]

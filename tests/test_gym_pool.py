@@ -32,10 +32,9 @@ class Counter(gymnasium.Env):
     def __init__(self, fail_at=None, dict_obs=False):
         self.fail_at, self.dict_obs, self.t, self.length, self.total = fail_at, dict_obs, 0, 5, 0
         if dict_obs:
-            self.observation_space = gymnasium.spaces.Dict({
-                "count": Counter.observation_space,
-                "flag": gymnasium.spaces.Discrete(2)
-            })
+            self.observation_space = gymnasium.spaces.Dict(
+                {"count": Counter.observation_space, "flag": gymnasium.spaces.Discrete(2)}
+            )
 
     def obs(self, action):
         o = np.array([self.t, action], np.float32)
@@ -56,7 +55,6 @@ class Counter(gymnasium.Env):
 
 
 class Make:
-
     def __init__(self, **kwargs):
         self.kwargs = kwargs
 
@@ -85,7 +83,9 @@ def reference(num_envs, seed, steps_actions):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("processes", [1, 4])  # a process a split (its envs in turn), a process an env
+@pytest.mark.parametrize(
+    "processes", [1, 4]
+)  # a process a split (its envs in turn), a process an env
 def test_the_pool_steps_as_envpool_does_with_splits_out_of_order(processes):
     pool = GymPool(Make(), num_envs=4, batch_size=2, seed=10, processes=processes)
     assert len(pool.procs) == max(2, processes)
@@ -112,7 +112,9 @@ def test_the_pool_steps_as_envpool_does_with_splits_out_of_order(processes):
             assert np.array_equal(obs, np.stack([r[0] for r in rows]))
             assert list(reward) == [r[1] for r in rows] and list(term) == [r[2] for r in rows]
             assert list(elapsed) == [r[3] for r in rows]
-        assert any(any(row[2] for row in rows) for rows in ref), "no episode ended: the autoreset is untested"
+        assert any(any(row[2] for row in rows) for rows in ref), (
+            "no episode ended: the autoreset is untested"
+        )
     finally:
         pool.close()
     assert all(proc.poll() is not None for proc in pool.procs)
@@ -139,7 +141,9 @@ def test_an_env_that_raises_is_reported_with_its_id_and_traceback():
         pool.async_reset()
         for _ in range(2):
             pool.recv()
-        with pytest.raises(EnvError, match=r"env 1 raised in its worker (.|\n)*ValueError: injected failure"):
+        with pytest.raises(
+            EnvError, match=r"env 1 raised in its worker (.|\n)*ValueError: injected failure"
+        ):
             for _ in range(5):
                 pool.send([1], [1])
                 pool.recv()
@@ -168,7 +172,11 @@ def test_a_worker_killed_by_the_os_is_reported():
 def pids_in(pid_dir) -> list:
     """The pids Stuck envs wrote (workers and the processes they started), but this process's
     (the pool's probe env, closed at once)."""
-    return [int(p.name) for p in Path(pid_dir).iterdir() if p.name.isdigit() and int(p.name) != os.getpid()]
+    return [
+        int(p.name)
+        for p in Path(pid_dir).iterdir()
+        if p.name.isdigit() and int(p.name) != os.getpid()
+    ]
 
 
 @pytest.mark.timeout(120)
@@ -177,8 +185,15 @@ def test_a_hung_env_is_named_and_close_kills_it_and_what_it_started(tmp_path):
     stop ends the wait (gym_pool.Stopped), --env-timeout names the env and the call; close()
     then leaves no worker, no process an env started, no guard."""
     stop = threading.Event()
-    pool = GymPool(functools.partial(Stuck, str(tmp_path), 2), num_envs=2, batch_size=1, seed=0, processes=2,
-                   timeout=10, stop=stop)
+    pool = GymPool(
+        functools.partial(Stuck, str(tmp_path), 2),
+        num_envs=2,
+        batch_size=1,
+        seed=0,
+        processes=2,
+        timeout=10,
+        stop=stop,
+    )
     try:
         pool.async_reset()
         pool.recv()
@@ -192,7 +207,9 @@ def test_a_hung_env_is_named_and_close_kills_it_and_what_it_started(tmp_path):
         with pytest.raises(Stopped):
             pool.recv()
         stop.clear()
-        with pytest.raises(EnvError, match=r"^env 0 did not answer step\(\) within --env-timeout 10 s"):
+        with pytest.raises(
+            EnvError, match=r"^env 0 did not answer step\(\) within --env-timeout 10 s"
+        ):
             pool.recv()
         pids = pids_in(tmp_path)
         assert len(live(pids)) == 4, pids  # 2 workers, the 2 sleeps their envs started
@@ -226,8 +243,13 @@ def test_no_process_outlives_the_process_that_made_the_pool(end, tmp_path):
     pool: every worker, every process the envs started and the guard are gone within 10 s."""
     pid_dir, ready, go = tmp_path / "pids", tmp_path / "ready", tmp_path / "go"
     pid_dir.mkdir()
-    code = PARENT.format(tests=str(Path(__file__).parent), pid_dir=str(pid_dir), ready=str(ready), go=str(go),
-                         end="time.sleep(1000)" if end == "SIGKILL" else "raise RuntimeError('the run crashed')")
+    code = PARENT.format(
+        tests=str(Path(__file__).parent),
+        pid_dir=str(pid_dir),
+        ready=str(ready),
+        go=str(go),
+        end="time.sleep(1000)" if end == "SIGKILL" else "raise RuntimeError('the run crashed')",
+    )
     parent = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60

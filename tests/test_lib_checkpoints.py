@@ -39,14 +39,16 @@ def small_state():
         "params": {
             "Dense_0": {
                 "kernel": rng.normal(size=(4, 3)).astype(np.float32),
-                "bias": rng.normal(size=3).astype(np.float32)
+                "bias": rng.normal(size=3).astype(np.float32),
             },
-            "log_std": rng.normal(size=2).astype(np.float32)
+            "log_std": rng.normal(size=2).astype(np.float32),
         }
     }
     optimizer = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-3))
     opt_state = optimizer.init(params)
-    _, opt_state = optimizer.update(jax.tree.map(lambda x: np.full_like(x, 0.3), params), opt_state, params)
+    _, opt_state = optimizer.update(
+        jax.tree.map(lambda x: np.full_like(x, 0.3), params), opt_state, params
+    )
     return {"params": params, "opt_state": opt_state, "global_step": 12_345, "policy_version": 67}
 
 
@@ -90,8 +92,14 @@ def test_the_stored_config_names_no_run_folder_so_identical_runs_write_identical
     two, _, _ = saved(tmp_path / "b", run_dir=str(tmp_path / "b" / "run"), resume="elsewhere/run")
     assert two.read_bytes() == one
     assert not {"run_dir", "resume"} & set(checkpoints.read_checkpoint(str(two))["config"])
-    args = checkpoints.resume_args(ToyArgs(resume=str(two.parent), run_dir="kept"), set(), "toy_script.py")[0]
-    assert args.env_id == "HalfCheetah-v4" and args.resume == str(two.parent) and args.run_dir == "kept"
+    args = checkpoints.resume_args(
+        ToyArgs(resume=str(two.parent), run_dir="kept"), set(), "toy_script.py"
+    )[0]
+    assert (
+        args.env_id == "HalfCheetah-v4"
+        and args.resume == str(two.parent)
+        and args.run_dir == "kept"
+    )
 
 
 def test_a_resumed_state_compiles_nothing_that_a_fresh_one_did_not(tmp_path):
@@ -106,7 +114,9 @@ def test_a_resumed_state_compiles_nothing_that_a_fresh_one_did_not(tmp_path):
     with jax.log_compiles(), LogRecords(compiles, "Compiling"):
         state = update(jax.device_put(fresh))
         path = str(tmp_path / CHECKPOINT)
-        checkpoints.save_checkpoint(path, state, ToyArgs(env_id="HalfCheetah-v4"), normalizer, "toy_script.py")
+        checkpoints.save_checkpoint(
+            path, state, ToyArgs(env_id="HalfCheetah-v4"), normalizer, "toy_script.py"
+        )
         template = dict(fresh, **normalizer.state())
         restored = checkpoints.load_checkpoint(checkpoints.read_checkpoint(path), template, path)
         jax.block_until_ready(update(jax.device_put({k: restored[k] for k in fresh})))
@@ -145,25 +155,39 @@ def test_a_crash_during_a_write_keeps_the_previous_file(tmp_path, monkeypatch):
     assert path.read_bytes() == b"good"
 
 
-@pytest.mark.parametrize(("make", "fragment"), [
-    (lambda d: None, "no checkpoint at"),
-    (lambda d: (d / CHECKPOINT).write_bytes(np.random.default_rng(0).bytes(4096)), "not a readable checkpoint"),
-    (lambda d: (d / CHECKPOINT).write_bytes(b""), "not a readable checkpoint"),
-    (lambda d:
-     (d / CHECKPOINT).write_bytes(flax.serialization.msgpack_serialize({"weights": np.zeros(3)})), "no 'state'"),
-    (lambda d: (d / CHECKPOINT).write_bytes(
-        flax.serialization.msgpack_serialize({
-            "state": {},
-            "config": "{}",
-            "script": "../evil.py"
-        })), "not a script's file name"),
-    (lambda d: (d / CHECKPOINT).write_bytes(
-        flax.serialization.msgpack_serialize({
-            "state": {},
-            "config": "[1, 2]",
-            "script": "a.py"
-        })), "no readable config"),
-])
+@pytest.mark.parametrize(
+    ("make", "fragment"),
+    [
+        (lambda d: None, "no checkpoint at"),
+        (
+            lambda d: (d / CHECKPOINT).write_bytes(np.random.default_rng(0).bytes(4096)),
+            "not a readable checkpoint",
+        ),
+        (lambda d: (d / CHECKPOINT).write_bytes(b""), "not a readable checkpoint"),
+        (
+            lambda d: (d / CHECKPOINT).write_bytes(
+                flax.serialization.msgpack_serialize({"weights": np.zeros(3)})
+            ),
+            "no 'state'",
+        ),
+        (
+            lambda d: (d / CHECKPOINT).write_bytes(
+                flax.serialization.msgpack_serialize(
+                    {"state": {}, "config": "{}", "script": "../evil.py"}
+                )
+            ),
+            "not a script's file name",
+        ),
+        (
+            lambda d: (d / CHECKPOINT).write_bytes(
+                flax.serialization.msgpack_serialize(
+                    {"state": {}, "config": "[1, 2]", "script": "a.py"}
+                )
+            ),
+            "no readable config",
+        ),
+    ],
+)
 def test_what_is_not_a_checkpoint_is_one_line(tmp_path, make, fragment):
     make(tmp_path)
     with pytest.raises(UsageError) as error:
@@ -181,25 +205,39 @@ def test_a_truncated_checkpoint_is_one_line(tmp_path):
 def test_resume_takes_the_runs_flags_and_those_given_replace_them(tmp_path):
     path, _, _ = saved(tmp_path, gamma=0.9, num_envs=4)
     script = "/elsewhere/toy_script.py"
-    resumed, payload, changed = checkpoints.resume_args(ToyArgs(resume=str(path.parent), num_envs=16), {"num_envs"},
-                                                        script)
-    assert (resumed.env_id, resumed.gamma, resumed.num_envs, resumed.norm_obs) == ("HalfCheetah-v4", 0.9, 16, True)
+    resumed, payload, changed = checkpoints.resume_args(
+        ToyArgs(resume=str(path.parent), num_envs=16), {"num_envs"}, script
+    )
+    assert (resumed.env_id, resumed.gamma, resumed.num_envs, resumed.norm_obs) == (
+        "HalfCheetah-v4",
+        0.9,
+        16,
+        True,
+    )
     assert changed == {"num_envs": 16} and payload["state"]["global_step"] == 12_345
     # A flag given as None (its preset) keeps the run's value: no way around a fixed flag.
-    resumed, _, changed = checkpoints.resume_args(ToyArgs(resume=str(path), norm_reward=None), {"norm_reward"}, script)
+    resumed, _, changed = checkpoints.resume_args(
+        ToyArgs(resume=str(path), norm_reward=None), {"norm_reward"}, script
+    )
     assert resumed.norm_reward is True and not changed
     # Without `given`, the flags that differ from the defaults count as given (in-process callers).
-    resumed, _, changed = checkpoints.resume_args(ToyArgs(resume=str(path), total_timesteps=99), None, script)
+    resumed, _, changed = checkpoints.resume_args(
+        ToyArgs(resume=str(path), total_timesteps=99), None, script
+    )
     assert changed == {"total_timesteps": 99}
     # The launch flags are never restored: the devices and processes are this machine's.
-    resumed, _, _ = checkpoints.resume_args(ToyArgs(resume=str(path), learner_device_ids=[0, 1]), set(), script)
+    resumed, _, _ = checkpoints.resume_args(
+        ToyArgs(resume=str(path), learner_device_ids=[0, 1]), set(), script
+    )
     assert resumed.learner_device_ids == [0, 1]
 
 
 @pytest.mark.parametrize("change", [dict(env_id="Ant-v4"), dict(norm_obs=False), dict(lstm=True)])
 def test_resume_refuses_a_flag_that_cannot_change_mid_run(tmp_path, change):
     path, _, _ = saved(tmp_path)
-    with pytest.raises(UsageError, match=f"--{next(iter(change)).replace('_', '-')} cannot change mid-run"):
+    with pytest.raises(
+        UsageError, match=f"--{next(iter(change)).replace('_', '-')} cannot change mid-run"
+    ):
         checkpoints.resume_args(ToyArgs(resume=str(path), **change), set(change), "toy_script.py")
 
 
@@ -224,9 +262,14 @@ def test_load_script_imports_a_file_once_and_names_one_that_does_not_import(tmp_
 
 def test_run_identity_reads_config_json_else_the_checkpoint(tmp_path):
     path, _, _ = saved(tmp_path)
-    assert checkpoints.run_identity(str(path.parent)) == {"script": "toy_script", "env_id": "HalfCheetah-v4", "seed": 1}
+    assert checkpoints.run_identity(str(path.parent)) == {
+        "script": "toy_script",
+        "env_id": "HalfCheetah-v4",
+        "seed": 1,
+    }
     (path.parent / "config.json").write_text(
-        json.dumps(dict(dataclasses.asdict(ToyArgs(env_id="Pong-v5")), exp_name="mine")))
+        json.dumps(dict(dataclasses.asdict(ToyArgs(env_id="Pong-v5")), exp_name="mine"))
+    )
     assert checkpoints.run_identity(str(path.parent))["script"] == "mine"
     (path.parent / "config.json").write_text("not json")
     with pytest.raises(UsageError, match="is not a run's config"):

@@ -27,15 +27,21 @@ class Async(Sync):
 
 def test_the_batch_in_words_names_actor_threads_only_where_a_script_has_them():
     assert devices.describe_batch(Sync()) == "1 process x 8 envs x 32 steps = 256 env steps"
-    assert devices.describe_batch(Async()) == "1 process x 2 actor threads x 8 envs x 32 steps = 512 env steps"
+    assert (
+        devices.describe_batch(Async())
+        == "1 process x 2 actor threads x 8 envs x 32 steps = 512 env steps"
+    )
     assert devices.local_envs(Async(num_envs=4)) == devices.global_envs(Async(num_envs=4)) == 8
 
 
-@pytest.mark.parametrize(("args", "fragments"), [
-    (Sync(actor_device_ids=[1]), ["--actor-device-ids 1", "1 cpu devices"]),
-    (Sync(learner_device_ids=[0, 0]), ["--learner-device-ids 0 0", "at most once"]),
-    (Sync(actor_device_ids=[]), ["--actor-device-ids"]),
-])
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (Sync(actor_device_ids=[1]), ["--actor-device-ids 1", "1 cpu devices"]),
+        (Sync(learner_device_ids=[0, 0]), ["--learner-device-ids 0 0", "at most once"]),
+        (Sync(actor_device_ids=[]), ["--actor-device-ids"]),
+    ],
+)
 def test_device_ids_this_process_lacks_are_one_line(args, fragments):
     with pytest.raises(UsageError) as error:
         devices.make_mesh(args)
@@ -45,8 +51,16 @@ def test_device_ids_this_process_lacks_are_one_line(args, fragments):
 
 def test_one_device_is_the_actor_and_a_mesh_of_one_learner():
     actors, mesh = devices.make_mesh(Sync())
-    assert actors == [jax.local_devices()[0]] and mesh.devices.shape == (1,) and mesh.axis_names == ("env",)
-    rollout = {"obs": np.zeros((4, 8, 3)), "bootstrap_obs": np.zeros((8, 3)), "state": (np.zeros((8, 2)),)}
+    assert (
+        actors == [jax.local_devices()[0]]
+        and mesh.devices.shape == (1,)
+        and mesh.axis_names == ("env",)
+    )
+    rollout = {
+        "obs": np.zeros((4, 8, 3)),
+        "bootstrap_obs": np.zeros((8, 3)),
+        "state": (np.zeros((8, 2)),),
+    }
     # One learner device in one process: the host arrays go into the jitted update's call as they
     # are (no device_put of their own: 5x cheaper for a replay round's small batches).
     assert devices.to_learner(mesh, rollout) is rollout
@@ -54,16 +68,15 @@ def test_one_device_is_the_actor_and_a_mesh_of_one_learner():
 
 
 def test_the_env_axis_of_each_leaf():
-    paths = jax.tree_util.tree_flatten_with_path({"obs": 0, "bootstrap_obs": 0, "state": (0, 0), "rewards": 0})[0]
-    assert {
-        jax.tree_util.keystr(p): devices.env_axis(p)
-        for p, _ in paths
-    } == {
+    paths = jax.tree_util.tree_flatten_with_path(
+        {"obs": 0, "bootstrap_obs": 0, "state": (0, 0), "rewards": 0}
+    )[0]
+    assert {jax.tree_util.keystr(p): devices.env_axis(p) for p, _ in paths} == {
         "['bootstrap_obs']": 0,
         "['obs']": 1,
         "['rewards']": 1,
         "['state'][0]": 0,
-        "['state'][1]": 0
+        "['state'][1]": 0,
     }
 
 

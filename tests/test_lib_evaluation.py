@@ -23,7 +23,9 @@ def random_policy(params, obs, core, key, env_ids, steps):
 
 def test_evaluation_plays_whole_games_each_env_its_share_and_records_the_first(tmp_path):
     passthrough = Normalizer(np.zeros(4), 0, False, False, 0.0)
-    scores = evaluation.evaluate(random_policy, None, lambda n: None, Args(), passthrough, 12, str(tmp_path / "videos"))
+    scores = evaluation.evaluate(
+        random_policy, None, lambda n: None, Args(), passthrough, 12, str(tmp_path / "videos")
+    )
     assert len(scores) == 12 and all(1 <= s <= 500 for s in scores)
     assert all(s == int(s) for s in scores)  # CartPole's score is its length
     videos = list((tmp_path / "videos").glob("*.mp4"))
@@ -41,6 +43,14 @@ def test_evaluation_plays_whole_games_each_env_its_share_and_records_the_first(t
 def test_evaluation_stops_at_once_on_a_signal_with_the_scores_so_far(tmp_path):
     passthrough = Normalizer(np.zeros(4), 0, False, False, 0.0)
     received = [15]  # the main thread's received signals: already one
-    scores = evaluation.evaluate(random_policy, None, lambda n: None, Args(), passthrough, 10, str(tmp_path / "videos"),
-                                 signals=received)
+    scores = evaluation.evaluate(
+        random_policy,
+        None,
+        lambda n: None,
+        Args(),
+        passthrough,
+        10,
+        str(tmp_path / "videos"),
+        signals=received,
+    )
     assert scores == [] and not (tmp_path / "videos").exists()

@@ -37,7 +37,11 @@ WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 
 def one_error_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.strip() and not line.startswith(("note:", "warning:"))]
+    lines = [
+        line
+        for line in err.splitlines()
+        if line.strip() and not line.startswith(("note:", "warning:"))
+    ]
     assert len(lines) == 1 and lines[0].startswith("error"), err
     assert "Traceback" not in err, err
     return lines[0]
@@ -55,7 +59,12 @@ def read_only(folder, monkeypatch, error=errno.EROFS):
     def refuse(path):
         raise OSError(error, os.strerror(error), str(path))
 
-    real_open, real_os_open, real_makedirs, real_replace = builtins.open, os.open, os.makedirs, os.replace
+    real_open, real_os_open, real_makedirs, real_replace = (
+        builtins.open,
+        os.open,
+        os.makedirs,
+        os.replace,
+    )
 
     def fake_open(path, mode="r", *a, **k):
         if inside(path) and any(c in mode for c in "wax+"):
@@ -90,12 +99,16 @@ def test_two_runs_on_one_folder_at_once(tmp_path, capsys):
     """Run A trains in --run-dir D; run B, started on D meanwhile, exits 2 with a line naming A's
     pid, and writes nothing there: D holds A's records alone, in one event file."""
     run_dir = tmp_path / "same_dir"
-    proc = start_script(HOST, cli(HOST, run_dir=run_dir, total_timesteps=400 * TINY_BATCH), tmp_path / "a")
+    proc = start_script(
+        HOST, cli(HOST, run_dir=run_dir, total_timesteps=400 * TINY_BATCH), tmp_path / "a"
+    )
     try:
         wait_until(lambda: (run_dir / "config.json").exists(), proc, 120)
         code, _, err = run_main(HOST, cli(HOST, run_dir=run_dir), capsys)
         assert code == 2 and f"pid {proc.pid}" in one_error_line(err) and "in use" in err, err
-        code, _, err = run_main(HOST, ["--resume", run_dir, "--total-timesteps", 800 * TINY_BATCH], capsys)
+        code, _, err = run_main(
+            HOST, ["--resume", run_dir, "--total-timesteps", 800 * TINY_BATCH], capsys
+        )
         assert code == 2 and f"pid {proc.pid}" in one_error_line(err), err
         assert proc.wait(timeout=240) == 0, (tmp_path / "a" / "stderr.txt").read_text()
     finally:
@@ -105,7 +118,9 @@ def test_two_runs_on_one_folder_at_once(tmp_path, capsys):
     assert steps == sorted(steps) and len(steps) == len(set(steps)), steps
 
 
-def test_a_read_only_folder_for_training_resume_and_evaluation(host_run_copy, tmp_path, monkeypatch, capsys):
+def test_a_read_only_folder_for_training_resume_and_evaluation(
+    host_run_copy, tmp_path, monkeypatch, capsys
+):
     """--run-dir on a read-only folder, and --resume of a read-only run: one line naming the path
     and the OS error, exit 1, nothing changed. utils/evaluate.py prints the score, then says that
     it could not write it."""
@@ -114,9 +129,17 @@ def test_a_read_only_folder_for_training_resume_and_evaluation(host_run_copy, tm
     before = file_contents(host_run_copy)
     with read_only(tmp_path, monkeypatch):
         code, _, err = run_main(HOST, cli(HOST, run_dir=empty), capsys)
-        assert code == 1 and "Read-only file system" in one_error_line(err) and str(empty) in err, err
-        code, _, err = run_main(HOST, ["--resume", host_run_copy, "--total-timesteps", 10 ** 6], capsys)
-        assert code == 1 and "Read-only file system" in one_error_line(err) and str(host_run_copy) in err, err
+        assert code == 1 and "Read-only file system" in one_error_line(err) and str(empty) in err, (
+            err
+        )
+        code, _, err = run_main(
+            HOST, ["--resume", host_run_copy, "--total-timesteps", 10**6], capsys
+        )
+        assert (
+            code == 1
+            and "Read-only file system" in one_error_line(err)
+            and str(host_run_copy) in err
+        ), err
         evaluate = load_script(Path(__file__).parent.parent / "utils" / "evaluate.py")
         code = evaluate.main(evaluate.EvalArgs(run=str(host_run_copy), episodes=2))
         out, err = capsys.readouterr()
@@ -130,7 +153,9 @@ def no_space(*args):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
-def test_a_full_disk_stops_with_one_line_and_the_last_checkpoint_resumes(tmp_path, monkeypatch, capsys):
+def test_a_full_disk_stops_with_one_line_and_the_last_checkpoint_resumes(
+    tmp_path, monkeypatch, capsys
+):
     """ENOSPC from fsync in the second checkpoint's write: exit 1, one line naming the file, the
     first checkpoint intact (no .tmp left), and the run resumes from it once space is back."""
     run_dir = tmp_path / "run"
@@ -146,8 +171,11 @@ def test_a_full_disk_stops_with_one_line_and_the_last_checkpoint_resumes(tmp_pat
 
     with monkeypatch.context() as m:
         m.setattr(checkpoints, "write_atomically", full_after_one)
-        code, _, err = run_main(HOST, cli(HOST, run_dir=run_dir, total_timesteps=4 * TINY_BATCH, save_interval=1),
-                                capsys)
+        code, _, err = run_main(
+            HOST,
+            cli(HOST, run_dir=run_dir, total_timesteps=4 * TINY_BATCH, save_interval=1),
+            capsys,
+        )
     line = one_error_line(err)
     assert code == 1 and "No space left on device" in line and f"{CHECKPOINT}.tmp" in line, err
     assert "the last good checkpoint is kept" in line, err
@@ -162,7 +190,9 @@ def test_a_run_folder_moved_mid_run_is_where_the_message_says(tmp_path):
     """The run folder renamed while the run trains: the next checkpoint cannot be written (exit
     1), and the line says where the last good checkpoint is: in the folder's new place."""
     run_dir, moved = tmp_path / "run", tmp_path / "moved"
-    proc = start_script(HOST, cli(HOST, run_dir=run_dir, total_timesteps=10 ** 6, save_interval=5), tmp_path / "logs")
+    proc = start_script(
+        HOST, cli(HOST, run_dir=run_dir, total_timesteps=10**6, save_interval=5), tmp_path / "logs"
+    )
     try:
         wait_until(lambda: (run_dir / CHECKPOINT).exists(), proc, 200)
         os.rename(run_dir, moved)
@@ -171,7 +201,11 @@ def test_a_run_folder_moved_mid_run_is_where_the_message_says(tmp_path):
         if proc.poll() is None:
             proc.kill()
     line = one_error_line((tmp_path / "logs" / "stderr.txt").read_text())
-    assert code == 1 and f"the last good checkpoint is kept: {moved / CHECKPOINT} (the run folder was moved" in line, line
+    assert (
+        code == 1
+        and f"the last good checkpoint is kept: {moved / CHECKPOINT} (the run folder was moved"
+        in line
+    ), line
     assert int(read_checkpoint(moved)["state"]["global_step"]) > 0
 
 
@@ -181,8 +215,9 @@ def small_disk(tmp_path):
     root; elsewhere the test is skipped, and test_lib_logs fakes the full disk in the logger)."""
     folder = tmp_path / "disk"
     folder.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs",
-                       str(folder)], capture_output=True).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(folder)], capture_output=True
+    ).returncode:
         pytest.skip("mounting a small tmpfs needs root")
     yield folder
     subprocess.run(["umount", "-l", str(folder)], capture_output=True)
@@ -193,9 +228,13 @@ def test_a_full_disk_while_logging_is_one_line(small_disk):
     """The run's disk fills with its logs (no checkpoint due): one line naming the file and the
     OS error, exit 1, nothing after it (no traceback of TensorBoard's writer, at close or exit)."""
     run_dir = small_disk / "run"
-    result = run_script(HOST, cli(HOST, run_dir=run_dir, total_timesteps=10 ** 6, save_interval=0), timeout=280)
+    result = run_script(
+        HOST, cli(HOST, run_dir=run_dir, total_timesteps=10**6, save_interval=0), timeout=280
+    )
     line = one_error_line(result.stderr)
-    assert result.returncode == 1 and "No space left on device" in line and str(run_dir) in line, result.stderr
+    assert result.returncode == 1 and "No space left on device" in line and str(run_dir) in line, (
+        result.stderr
+    )
 
 
 def test_a_full_disk_in_the_writer_itself_keeps_the_old_file(tmp_path, monkeypatch):
@@ -216,8 +255,10 @@ def test_every_thread_error_is_reported(tmp_path, capsys):
     traceback of the second, and the checkpoint kept (nothing more is written)."""
     from jax_async_rl import threads
 
-    errors = [("the learner", OSError(errno.ENOSPC, "No space left on device", "x.tmp"), "trace 1"),
-              ("the actor thread", RuntimeError("a bug"), "Traceback: RuntimeError: a bug")]
+    errors = [
+        ("the learner", OSError(errno.ENOSPC, "No space left on device", "x.tmp"), "trace 1"),
+        ("the actor thread", RuntimeError("a bug"), "Traceback: RuntimeError: a bug"),
+    ]
     assert threads.report_errors(errors, str(tmp_path / CHECKPOINT), 64) is True
     err = capsys.readouterr().err
     assert "error in the learner: No space left on device: x.tmp (step 64)" in err
@@ -231,16 +272,31 @@ def test_a_kill_during_the_first_checkpoint_write(host_run_copy, complete, capsy
     ckpt = host_run_copy / CHECKPOINT
     data = ckpt.read_bytes()
     ckpt.unlink()
-    (host_run_copy / f"{CHECKPOINT}.tmp").write_bytes(data if complete else data[:len(data) // 2])
-    step = int(checkpoints.read_checkpoint(str(host_run_copy /
-                                               f"{CHECKPOINT}.tmp"))["state"]["global_step"]) if complete else 0
-    code, _, err = run_main(HOST, ["--resume", host_run_copy, "--total-timesteps", step + 2 * TINY_BATCH], capsys)
+    (host_run_copy / f"{CHECKPOINT}.tmp").write_bytes(data if complete else data[: len(data) // 2])
+    step = (
+        int(
+            checkpoints.read_checkpoint(str(host_run_copy / f"{CHECKPOINT}.tmp"))["state"][
+                "global_step"
+            ]
+        )
+        if complete
+        else 0
+    )
+    code, _, err = run_main(
+        HOST, ["--resume", host_run_copy, "--total-timesteps", step + 2 * TINY_BATCH], capsys
+    )
     if complete:
-        assert code == 0 and "complete checkpoint.msgpack.tmp" in err and "resuming from it" in err, err
-        assert (host_run_copy / CHECKPOINT).exists() and not (host_run_copy / f"{CHECKPOINT}.tmp").exists()
+        assert (
+            code == 0 and "complete checkpoint.msgpack.tmp" in err and "resuming from it" in err
+        ), err
+        assert (host_run_copy / CHECKPOINT).exists() and not (
+            host_run_copy / f"{CHECKPOINT}.tmp"
+        ).exists()
         assert int(read_checkpoint(host_run_copy)["state"]["global_step"]) == step + 2 * TINY_BATCH
     else:
-        assert code == 2 and "incomplete write" in one_error_line(err) and f"{CHECKPOINT}.tmp" in err, err
+        assert (
+            code == 2 and "incomplete write" in one_error_line(err) and f"{CHECKPOINT}.tmp" in err
+        ), err
 
 
 @pytest.mark.parametrize("content", ["garbage {", "", "[1, 2, 3]", None])
@@ -253,7 +309,7 @@ def test_a_damaged_config_is_an_error_that_names_it(host_run_copy, content, caps
     else:
         config.write_text(content)
     before = file_contents(host_run_copy)
-    code, _, err = run_main(HOST, ["--resume", host_run_copy, "--total-timesteps", 10 ** 6], capsys)
+    code, _, err = run_main(HOST, ["--resume", host_run_copy, "--total-timesteps", 10**6], capsys)
     assert code == 2 and str(config) in one_error_line(err), err
     assert file_contents(host_run_copy) == before
 
@@ -271,7 +327,11 @@ def test_every_game_is_its_own_tensorboard_point(tmp_path):
     own (the sync script reports a rollout's games together, the hardest case)."""
     host_run = tmp_path / "run"
     assert run_main(HOST, cli(HOST, run_dir=host_run, total_timesteps=20 * TINY_BATCH)) == 0
-    games = [(r["step"], r["value"]) for r in read_metrics(host_run) if r["tag"] == "charts/episodic_return"]
+    games = [
+        (r["step"], r["value"])
+        for r in read_metrics(host_run)
+        if r["tag"] == "charts/episodic_return"
+    ]
     steps = [step for step, _ in games]
     assert len(games) > 10 and len(set(steps)) == len(steps) and steps == sorted(steps)
     points = scalar_events(host_run, "charts/episodic_return")
@@ -292,11 +352,22 @@ def test_nothing_past_the_checkpoint_survives_a_resume(host_run_copy, capsys):
     with open(host_run_copy / "metrics.jsonl", "a") as f:
         for s in stale:
             writer.add_scalar("charts/episodic_return", 999.0, s)
-            f.write(json.dumps({"step": s, "wall_time": 0.0, "tag": "charts/episodic_return", "value": 999.0}) + "\n")
+            f.write(
+                json.dumps(
+                    {"step": s, "wall_time": 0.0, "tag": "charts/episodic_return", "value": 999.0}
+                )
+                + "\n"
+            )
     writer.close()
-    code, _, err = run_main(HOST, ["--resume", host_run_copy, "--total-timesteps", step + 3 * TINY_BATCH], capsys)
+    code, _, err = run_main(
+        HOST, ["--resume", host_run_copy, "--total-timesteps", step + 3 * TINY_BATCH], capsys
+    )
     assert code == 0 and "2 records past step" in err, err
-    games = [(r["step"], r["value"]) for r in read_metrics(host_run_copy) if r["tag"] == "charts/episodic_return"]
+    games = [
+        (r["step"], r["value"])
+        for r in read_metrics(host_run_copy)
+        if r["tag"] == "charts/episodic_return"
+    ]
     assert 999.0 not in [v for _, v in games]
     steps = [s for s, _ in games]
     assert steps == sorted(steps) and len(set(steps)) == len(steps) and max(steps) > step
@@ -306,22 +377,39 @@ def test_nothing_past_the_checkpoint_survives_a_resume(host_run_copy, capsys):
 
 def test_warnings_for_flags_that_cripple_a_run(tmp_path, capsys):
     """--num-steps under 4 gets one warning line, and so does a --max-policy-lag that masks most
-    of an update's transitions (81% went unnoticed, in async/stale_fraction only); the runs train."""
-    code, _, err = run_main(HOST, cli(HOST, run_dir=tmp_path / "r", num_steps=2, total_timesteps=8 * 4 * 2), capsys)
+    of an update's transitions (81% went unnoticed, in async/stale_fraction only); the runs
+    train."""
+    code, _, err = run_main(
+        HOST, cli(HOST, run_dir=tmp_path / "r", num_steps=2, total_timesteps=8 * 4 * 2), capsys
+    )
     assert code == 0 and "warning: --num-steps 2" in err, err
     appo = "appo_envpool.py"
     code, _, err = run_main(
         appo,
-        cli(appo, run_dir=tmp_path / "a", max_policy_lag=0, total_timesteps=12 * TINY_BATCH, num_splits=1,
-            log_frequency=1), capsys)
+        cli(
+            appo,
+            run_dir=tmp_path / "a",
+            max_policy_lag=0,
+            total_timesteps=12 * TINY_BATCH,
+            num_splits=1,
+            log_frequency=1,
+        ),
+        capsys,
+    )
     warnings = [line for line in err.splitlines() if line.startswith("warning:")]
-    # How stale the data is depends on the two threads' pace: the line comes iff an update masked most.
+    # How stale the data is depends on the two threads' pace: the line comes iff an update masked
+    # most.
     stale = [r["value"] for r in read_metrics(tmp_path / "a") if r["tag"] == "async/stale_fraction"]
     assert code == 0 and len(stale) == 12 and len(warnings) == (max(stale) > 0.5), (stale, err)
     assert all("--max-policy-lag 0" in line for line in warnings), err
     line = runs.stale_warning({"async/stale_fraction": 0.81}, argparse.Namespace(max_policy_lag=3))
     assert line.startswith("warning: 81% ") and "--max-policy-lag 3" in line
-    assert runs.stale_warning({"async/stale_fraction": 0.5}, None) is None and runs.stale_warning({}, None) is None
+    assert (
+        runs.stale_warning({"async/stale_fraction": 0.5}, None) is None
+        and runs.stale_warning({}, None) is None
+    )
     shutil.rmtree(tmp_path / "a")
-    code, _, err = run_main(appo, cli(appo, run_dir=tmp_path / "b", total_timesteps=12 * TINY_BATCH), capsys)
+    code, _, err = run_main(
+        appo, cli(appo, run_dir=tmp_path / "b", total_timesteps=12 * TINY_BATCH), capsys
+    )
     assert code == 0 and "warning" not in err, err

@@ -39,15 +39,24 @@ def test_a_checkpoint_records_the_journal_up_to_its_update(tmp_path):
     (which cuts the journal back to the checkpoint's updates)."""
     record = kept(tmp_path)
     data = (tmp_path / journal.JOURNAL).read_bytes()
-    assert record == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "shape": str(list(SHAPE))}
-    with open(tmp_path / journal.JOURNAL, "ab") as f:  # a run stopped after an update's rollout, before its checkpoint
+    assert record == {
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "bytes": len(data),
+        "shape": str(list(SHAPE)),
+    }
+    with open(
+        tmp_path / journal.JOURNAL, "ab"
+    ) as f:  # a run stopped after an update's rollout, before its checkpoint
         f.write(ACTIONS[0].tobytes())
     resumed = journal.Journal(str(tmp_path), np.zeros(SHAPE, np.int64))
     np.testing.assert_array_equal(resumed.read(2, record, gymnasium.spaces.Discrete(4)), ACTIONS)
     assert (tmp_path / journal.JOURNAL).read_bytes() == data  # cut back to the checkpoint's
     resumed.append(ACTIONS[1])
     resumed.sync()
-    assert resumed.digest(3)["sha256"] == hashlib.sha256((tmp_path / journal.JOURNAL).read_bytes()).hexdigest()
+    assert (
+        resumed.digest(3)["sha256"]
+        == hashlib.sha256((tmp_path / journal.JOURNAL).read_bytes()).hexdigest()
+    )
     assert resumed.digest(2) == record  # more appended than the checkpoint learned from
     resumed.close()
 
@@ -70,9 +79,17 @@ def damage(path, how, elsewhere):
         os.mkfifo(path)
 
 
-@pytest.mark.parametrize("how, fragment", [("random bytes", "sha256 differs"), ("inverted", "sha256 differs"),
-                                           ("truncated", "fewer than"), ("missing", "missing"),
-                                           ("a link", "not a regular file"), ("a FIFO", "not a regular file")])
+@pytest.mark.parametrize(
+    "how, fragment",
+    [
+        ("random bytes", "sha256 differs"),
+        ("inverted", "sha256 differs"),
+        ("truncated", "fewer than"),
+        ("missing", "missing"),
+        ("a link", "not a regular file"),
+        ("a FIFO", "not a regular file"),
+    ],
+)
 def test_a_journal_that_is_not_the_checkpoints_is_refused(tmp_path, how, fragment):
     """Refused in one UsageError that names the file and --no-deterministic; never cut; a link's
     target untouched."""
@@ -84,10 +101,14 @@ def test_a_journal_that_is_not_the_checkpoints_is_refused(tmp_path, how, fragmen
     before = path.read_bytes() if path.is_file() and not path.is_symlink() else None
     target = elsewhere.read_bytes() if how == "a link" else None
     with pytest.raises(UsageError, match=fragment) as e:
-        journal.verify(str(run_dir), {"journal": record}, 2, SHAPE, np.int64, gymnasium.spaces.Discrete(4))
+        journal.verify(
+            str(run_dir), {"journal": record}, 2, SHAPE, np.int64, gymnasium.spaces.Discrete(4)
+        )
     assert "--no-deterministic" in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(UsageError, match=fragment):
-        journal.Journal(str(run_dir), np.zeros(SHAPE, np.int64)).read(2, record)  # Keeper's read: never cut
+        journal.Journal(str(run_dir), np.zeros(SHAPE, np.int64)).read(
+            2, record
+        )  # Keeper's read: never cut
     if before is not None:
         assert path.read_bytes() == before
     if target is not None:
@@ -99,18 +120,30 @@ def test_a_journal_of_another_shape_is_refused_though_its_bytes_match(tmp_path):
     shape refuses it; a record from before shapes were kept checks the size alone."""
     record = kept(tmp_path)
     with pytest.raises(UsageError, match=r"other --num-envs or --num-steps .*\[3, 2\].*\[2, 3\]"):
-        journal.verify(str(tmp_path), {"journal": record}, 2, SHAPE[::-1], np.int64, gymnasium.spaces.Discrete(4))
+        journal.verify(
+            str(tmp_path),
+            {"journal": record},
+            2,
+            SHAPE[::-1],
+            np.int64,
+            gymnasium.spaces.Discrete(4),
+        )
     older = {k: v for k, v in record.items() if k != "shape"}
-    journal.verify(str(tmp_path), {"journal": older}, 2, SHAPE[::-1], np.int64, gymnasium.spaces.Discrete(4))
+    journal.verify(
+        str(tmp_path), {"journal": older}, 2, SHAPE[::-1], np.int64, gymnasium.spaces.Discrete(4)
+    )
 
 
-@pytest.mark.parametrize("space, bad", [
-    (gymnasium.spaces.Discrete(3), 3),
-    (gymnasium.spaces.Discrete(3), -1),
-    (gymnasium.spaces.MultiDiscrete([4, 2]), [0, 2]),
-    (gymnasium.spaces.Box(-1, 1, (2,), np.float32), [0.0, np.nan]),
-    (gymnasium.spaces.Box(-1, 1, (2,), np.float32), [np.inf, 0.0]),
-])
+@pytest.mark.parametrize(
+    "space, bad",
+    [
+        (gymnasium.spaces.Discrete(3), 3),
+        (gymnasium.spaces.Discrete(3), -1),
+        (gymnasium.spaces.MultiDiscrete([4, 2]), [0, 2]),
+        (gymnasium.spaces.Box(-1, 1, (2,), np.float32), [0.0, np.nan]),
+        (gymnasium.spaces.Box(-1, 1, (2,), np.float32), [np.inf, 0.0]),
+    ],
+)
 def test_every_replayed_action_is_in_the_action_space(tmp_path, space, bad, capsys):
     """A checkpoint from before journals were recorded (no digest): a note, then each action is
     checked against the action space (discrete in [0, n), multi-discrete per nvec, continuous
@@ -137,8 +170,10 @@ def test_a_run_writes_no_file_through_a_link_in_its_folder(tmp_path):
     elsewhere.write_bytes(b"someone else's file\n")
     for name in (f"{checkpoints.CONFIG}.tmp", f"{CHECKPOINT}.tmp", f"{checkpoints.METRICS}.tmp"):
         (run_dir / name).symlink_to(elsewhere)
-        checkpoints.write_atomically(str(run_dir / name[:-len(".tmp")]), b"the run's\n")
-        assert (run_dir / name[:-len(".tmp")]).read_bytes() == b"the run's\n" and not (run_dir / name).exists()
+        checkpoints.write_atomically(str(run_dir / name[: -len(".tmp")]), b"the run's\n")
+        assert (run_dir / name[: -len(".tmp")]).read_bytes() == b"the run's\n" and not (
+            run_dir / name
+        ).exists()
     (run_dir / folders.LOCK).symlink_to(elsewhere)
     with pytest.raises(OSError):
         folders.claim(str(run_dir))
@@ -153,8 +188,11 @@ def test_a_run_writes_no_file_through_a_link_in_its_folder(tmp_path):
     with pytest.raises(OSError):
         Logger(str(run_dir), None)
     assert elsewhere.read_bytes() == b"someone else's file\n"
-    for name, fragment in ((folders.LOCK, "symbolic link"), (journal.JOURNAL, "symbolic link"), (checkpoints.METRICS,
-                                                                                                 "hard link")):
+    for name, fragment in (
+        (folders.LOCK, "symbolic link"),
+        (journal.JOURNAL, "symbolic link"),
+        (checkpoints.METRICS, "hard link"),
+    ):
         with pytest.raises(UsageError, match=fragment):
             folders.check_files(str(run_dir))
         (run_dir / name).unlink()
@@ -184,21 +222,33 @@ def tiny_run(tmp_path_factory):
 
 def files(folder):
     """{name: bytes} of the regular files in `folder`, and the names of its links."""
-    return {name: None if (folder / name).is_symlink() else (folder / name).read_bytes() for name in os.listdir(folder)}
+    return {
+        name: None if (folder / name).is_symlink() else (folder / name).read_bytes()
+        for name in os.listdir(folder)
+    }
 
 
-LINKED = [journal.JOURNAL, f"{CHECKPOINT}.tmp", folders.LOCK, checkpoints.METRICS, f"{checkpoints.CONFIG}.tmp"]
+LINKED = [
+    journal.JOURNAL,
+    f"{CHECKPOINT}.tmp",
+    folders.LOCK,
+    checkpoints.METRICS,
+    f"{checkpoints.CONFIG}.tmp",
+]
 
 
 def forge(run_dir, change):
-    """The checkpoint of `run_dir` rewritten with `change(payload)` applied (a forged or damaged file)."""
+    """The checkpoint of `run_dir` rewritten with `change(payload)` applied (a forged or damaged
+    file)."""
     path = run_dir / CHECKPOINT
     payload = flax.serialization.msgpack_restore(path.read_bytes())
     change(payload)
     path.write_bytes(flax.serialization.msgpack_serialize(payload))
 
 
-def illegal_without_carry(run_dir):  # a checkpoint as if from before carries, and actions no policy takes
+def illegal_without_carry(
+    run_dir,
+):  # a checkpoint as if from before carries, and actions no policy takes
     forge(run_dir, lambda payload: payload.pop("carry"))
     actions = np.fromfile(run_dir / journal.JOURNAL, np.int64)
     actions[5] = 7  # CartPole: Discrete(2)
@@ -207,39 +257,63 @@ def illegal_without_carry(run_dir):  # a checkpoint as if from before carries, a
 
 FORGED = {  # how: (damage, the error line's fragment)
     "carry removed, an action of 7": (illegal_without_carry, "outside Discrete(2)"),
-    "carry a string": (lambda d: forge(d, lambda p: p.update(carry="garbage")), "carries a 'carry'"),
-    "acting not parameters": (lambda d: forge(d, lambda p: p["carry"].update(acting={"1": {"x": np.zeros(3)}})),
-                              "carries a 'acting'"),
-    "journal size a string": (lambda d: forge(d, lambda p: p["carry"]["journal"].update(bytes="32768")),
-                              "carries a 'journal'"),
-    "global_step a string": (lambda d: forge(d, lambda p: p["state"].update(global_step="abc")),
-                             "global_step of 'abc', not a count"),
-    "policy_version negative": (lambda d: forge(d, lambda p: p["state"].update(policy_version=np.int64(-3))),
-                                "policy_version of -3, not a count"),
+    "carry a string": (
+        lambda d: forge(d, lambda p: p.update(carry="garbage")),
+        "carries a 'carry'",
+    ),
+    "acting not parameters": (
+        lambda d: forge(d, lambda p: p["carry"].update(acting={"1": {"x": np.zeros(3)}})),
+        "carries a 'acting'",
+    ),
+    "journal size a string": (
+        lambda d: forge(d, lambda p: p["carry"]["journal"].update(bytes="32768")),
+        "carries a 'journal'",
+    ),
+    "global_step a string": (
+        lambda d: forge(d, lambda p: p["state"].update(global_step="abc")),
+        "global_step of 'abc', not a count",
+    ),
+    "policy_version negative": (
+        lambda d: forge(d, lambda p: p["state"].update(policy_version=np.int64(-3))),
+        "policy_version of -3, not a count",
+    ),
 }
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("how", [
-    "random bytes", "truncated", "missing", *(f"link {name}" for name in LINKED), *FORGED, "--num-envs 8 --num-steps 8"
-])
-def test_a_resume_from_a_damaged_folder_is_one_line_and_writes_nothing(tiny_run, tmp_path, capsys, how):
+@pytest.mark.parametrize(
+    "how",
+    [
+        "random bytes",
+        "truncated",
+        "missing",
+        *(f"link {name}" for name in LINKED),
+        *FORGED,
+        "--num-envs 8 --num-steps 8",
+    ],
+)
+def test_a_resume_from_a_damaged_folder_is_one_line_and_writes_nothing(
+    tiny_run, tmp_path, capsys, how
+):
     """The journal damaged, or a run file a link to a file elsewhere: --resume is refused in one
     line, exit 2, before anything is written (config.json, its files, the link's target: byte for
-    byte as they were). With --no-deterministic a damaged journal is left alone and the run goes on."""
+    byte as they were). With --no-deterministic a damaged journal is left alone and the run goes
+    on."""
     run_dir, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
     shutil.copytree(tiny_run, run_dir)
     elsewhere.write_bytes(b"someone else's file\n")
     flags, fragment = [], "symbolic link" if how.startswith("link ") else "--no-deterministic"
     if how.startswith("link "):
-        path = run_dir / how[len("link "):]
+        path = run_dir / how[len("link ") :]
         if path.exists():
             path.unlink()
         path.symlink_to(elsewhere)
     elif how in FORGED:
         FORGED[how][0](run_dir)
         fragment = FORGED[how][1]
-    elif how.startswith("--"):  # the same bytes an update as the run's 4 envs x 16 steps, in another shape
+    elif how.startswith(
+        "--"
+    ):  # the same bytes an update as the run's 4 envs x 16 steps, in another shape
         flags, fragment = how.split(), "other --num-envs or --num-steps"
     else:
         damage(run_dir / journal.JOURNAL, how, elsewhere)
@@ -251,24 +325,35 @@ def test_a_resume_from_a_damaged_folder_is_one_line_and_writes_nothing(tiny_run,
     assert files(run_dir) == before  # no resume recorded, no event file, the metrics not cut
     assert elsewhere.read_bytes() == b"someone else's file\n"
     if how == "random bytes":
-        code, _, err = run_main(SCRIPT, ["--resume", run_dir, "--total-timesteps", 192, "--no-deterministic"], capsys)
+        code, _, err = run_main(
+            SCRIPT, ["--resume", run_dir, "--total-timesteps", 192, "--no-deterministic"], capsys
+        )
         assert code == 0, err
-        assert int(checkpoints.read_checkpoint(str(run_dir / CHECKPOINT))["state"]["global_step"]) == 192
+        assert (
+            int(checkpoints.read_checkpoint(str(run_dir / CHECKPOINT))["state"]["global_step"])
+            == 192
+        )
         assert (run_dir / journal.JOURNAL).read_bytes() == before[journal.JOURNAL]
 
 
 @pytest.mark.timeout(300)
 def test_a_resume_into_another_run_dir_takes_the_journal_with_it(tiny_run, tmp_path, capsys):
     """--resume A --run-dir B --deterministic: B's journal starts as a copy of A's, checked, and the
-    run goes on as A resumed in place does (the same parameters, bit for bit); A is left as it was."""
+    run goes on as A resumed in place does (the same parameters, bit for bit); A is left as it
+    was."""
     here, there = tmp_path / "here", tmp_path / "there"
     shutil.copytree(tiny_run, here)
     before = files(here)
-    code, _, err = run_main(SCRIPT, ["--resume", here, "--run-dir", there, "--total-timesteps", 192], capsys)
+    code, _, err = run_main(
+        SCRIPT, ["--resume", here, "--run-dir", there, "--total-timesteps", 192], capsys
+    )
     assert code == 0, err
     assert files(here) == before
     assert run_main(SCRIPT, ["--resume", here, "--total-timesteps", 192], capsys)[0] == 0
     assert (there / journal.JOURNAL).read_bytes() == (here / journal.JOURNAL).read_bytes()
     a, b = (checkpoints.read_checkpoint(str(d / CHECKPOINT)) for d in (here, there))
-    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a["state"]), jax.tree.leaves(b["state"])))
+    assert all(
+        np.array_equal(x, y)
+        for x, y in zip(jax.tree.leaves(a["state"]), jax.tree.leaves(b["state"]))
+    )
     assert a["carry"]["journal"] == b["carry"]["journal"]

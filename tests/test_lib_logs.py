@@ -33,7 +33,9 @@ def test_the_logger_from_several_threads_writes_whole_records_to_both_files(tmp_
     logger.close()  # closing twice is harmless
     logger.log(1, {"after/close": 1.0})  # and logging after close does nothing
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert len(records) == 4 * 200 * 2 and all(set(r) == {"step", "wall_time", "tag", "value"} for r in records)
+    assert len(records) == 4 * 200 * 2 and all(
+        set(r) == {"step", "wall_time", "tag", "value"} for r in records
+    )
     for t in range(4):
         steps = [r["step"] for r in records if r["tag"] == f"t{t}/a"]
         assert steps == [1000 * t + i for i in range(200)]
@@ -70,8 +72,9 @@ def test_a_full_disk_is_one_error_naming_the_file_and_nothing_after(full, tmp_pa
     assert error.value.filename == (logger.path if full == "jsonl" else logger.events_path)
     logger.log(3, {"a": 3.0})
     logger.close()
-    assert [json.loads(line)["step"]
-            for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == ([1] if full == "jsonl" else [1, 2])
+    assert [
+        json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    ] == ([1] if full == "jsonl" else [1, 2])
 
 
 def test_a_metrics_file_deleted_mid_run_is_recreated_with_a_warning(tmp_path, capsys):
@@ -83,9 +86,14 @@ def test_a_metrics_file_deleted_mid_run_is_recreated_with_a_warning(tmp_path, ca
     logger.log(2, {"a": 2.0})
     logger.log(3, {"a": 3.0})
     logger.close()
-    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [2, 3]
+    assert [
+        json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    ] == [2, 3]
     err = capsys.readouterr().err
-    assert err.count("warning:") == 1 and "metrics.jsonl was deleted mid-run; recreated from step 2 on" in err, err
+    assert (
+        err.count("warning:") == 1
+        and "metrics.jsonl was deleted mid-run; recreated from step 2 on" in err
+    ), err
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(tmp_path))
@@ -107,13 +115,18 @@ def test_the_progress_line():
     update ends, and SPS over the time since the compile."""
     counts, clock = [0, 0], [1000.0]
     progress = Progress(10_000, lambda: tuple(counts), interval=3600, clock=lambda: clock[0])
-    assert progress.line().endswith("SPS     n/a  return(last 20) n/a  ETA n/a (compiling the first update)")
+    assert progress.line().endswith(
+        "SPS     n/a  return(last 20) n/a  ETA n/a (compiling the first update)"
+    )
     counts[:] = [1000, 500]
     clock[0] += 10
     progress.updated(500)
     progress.returns.extend([10.0, 20.0])
     line = progress.line()
-    assert line.startswith("step       1000 sampled        500 learned of 10000") and "SPS     n/a" in line
+    assert (
+        line.startswith("step       1000 sampled        500 learned of 10000")
+        and "SPS     n/a" in line
+    )
     assert "return(last 20) 15.0" in line and line.endswith("ETA n/a")
     clock[0] += 10
     counts[:] = [2000, 1000]
@@ -133,29 +146,48 @@ def test_the_eta_counts_the_phases_left():
     (the learning pace is unknown: it read 0:00:00 at step 5,088); while the learner compiles,
     "compiling" and no SPS (it read 0:00:01 while SAC compiled); then the learning pace alone."""
     clock, steps = [0.0], [0]
-    progress = Progress(12_000, lambda: (steps[0], steps[0]), interval=3600, clock=lambda: clock[0], start=False,
-                        learning_from=5_000)
-    assert progress.line().endswith("SPS     n/a  return(last 20) n/a  ETA n/a (compiling; learning starts at step "
-                                    "5000)")
+    progress = Progress(
+        12_000,
+        lambda: (steps[0], steps[0]),
+        interval=3600,
+        clock=lambda: clock[0],
+        start=False,
+        learning_from=5_000,
+    )
+    assert progress.line().endswith(
+        "SPS     n/a  return(last 20) n/a  ETA n/a (compiling; learning starts at step 5000)"
+    )
     while steps[0] + 64 <= 5_000:
         clock[0] += 0.1
         steps[0] += 64
         progress.updated(steps[0])
         if steps[0] == 2_560:
             line = progress.line()
-            assert "SPS     640" in line and line.endswith("ETA n/a (learning starts at step 5000 in 0:00:03)"), line
+            assert "SPS     640" in line and line.endswith(
+                "ETA n/a (learning starts at step 5000 in 0:00:03)"
+            ), line
     assert steps[0] == 4_992
     clock[0] += 10
-    assert progress.line().endswith("SPS     n/a  return(last 20) n/a  ETA n/a (compiling the first update)")
+    assert progress.line().endswith(
+        "SPS     n/a  return(last 20) n/a  ETA n/a (compiling the first update)"
+    )
     for seconds in (10, 1, 1, 1):
         clock[0] += seconds
         steps[0] += 64
         progress.updated(steps[0])
-    assert steps[0] == 5_248 and progress.line().endswith("ETA 0:01:45")  # 6,752 steps left at 64 a second
+    assert steps[0] == 5_248 and progress.line().endswith(
+        "ETA 0:01:45"
+    )  # 6,752 steps left at 64 a second
     progress.close()
 
-    never = Progress(12_000, lambda: (steps[0], steps[0]), interval=3600, clock=lambda: clock[0], start=False,
-                     learning_from=25_000)  # a budget that ends before learning would start: filling is the run
+    never = Progress(
+        12_000,
+        lambda: (steps[0], steps[0]),
+        interval=3600,
+        clock=lambda: clock[0],
+        start=False,
+        learning_from=25_000,
+    )  # a budget that ends before learning would start: filling is the run
     assert never.line().endswith("ETA n/a (compiling)")
     for steps[0] in (64, 128, 192):
         clock[0] += 0.1
@@ -169,8 +201,13 @@ def test_the_eta_is_steady_on_a_steady_run(seconds_per_update):
     a line every 5 s: between consecutive lines the ETA moves by less than 20% of its value
     beyond the 5 s that passed (the issue's Pong run flipped by 2x)."""
     clock, learned, batch = [0.0], [0], 512
-    progress = Progress(10_000_000, lambda: (learned[0], learned[0]), interval=3600, clock=lambda: clock[0],
-                        start=False)
+    progress = Progress(
+        10_000_000,
+        lambda: (learned[0], learned[0]),
+        interval=3600,
+        clock=lambda: clock[0],
+        start=False,
+    )
     next_update, etas = 30.0, []  # the first update ends after 30 s of compiling
     for line in range(1, 400):
         while next_update <= line * 5.0:

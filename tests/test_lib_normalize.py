@@ -17,7 +17,7 @@ def pooled(x, prior_weight=1e-4):
     """Mean and variance of the samples x [N, ...] pooled with a prior of mean 0 and variance 1."""
     total = prior_weight + len(x)
     mean = x.sum(0) / total
-    var = (prior_weight * (1.0 + mean ** 2) + ((x - mean) ** 2).sum(0)) / total
+    var = (prior_weight * (1.0 + mean**2) + ((x - mean) ** 2).sum(0)) / total
     return mean, var
 
 
@@ -57,7 +57,9 @@ def test_normalizer_matches_plain_statistics():
 def test_normalizer_off_passes_through():
     norm = Normalizer(np.zeros(3), 2, False, False, 0.99)
     obs, reward = np.ones((2, 3)), np.array([1.0, 2.0])
-    assert norm.observe(obs) is obs and norm.reward(reward, np.zeros(2, bool), np.arange(2)) is reward
+    assert (
+        norm.observe(obs) is obs and norm.reward(reward, np.zeros(2, bool), np.arange(2)) is reward
+    )
     assert norm.state() == {}
 
 
@@ -65,14 +67,17 @@ def test_normalizer_of_a_dict_matches_plain_statistics():
     """Running statistics per float leaf of a nested dict equal numpy's over all batches seen;
     integer and bool leaves pass through untouched."""
     rng = np.random.default_rng(0)
-    batches = [{
-        "a": rng.normal(3, 2, (4, 3)),
-        "b": {
-            "c": rng.normal(-1, 5, (4,)).astype(np.float32),
-            "d": rng.integers(0, 9, (4, 2)),
-            "e": rng.random((4, 2)) > 0.5
+    batches = [
+        {
+            "a": rng.normal(3, 2, (4, 3)),
+            "b": {
+                "c": rng.normal(-1, 5, (4,)).astype(np.float32),
+                "d": rng.integers(0, 9, (4, 2)),
+                "e": rng.random((4, 2)) > 0.5,
+            },
         }
-    } for _ in range(3)]
+        for _ in range(3)
+    ]
     norm = Normalizer(jax.tree.map(lambda x: x[0], batches[0]), 4, True, False, 0.99)
     for batch in batches:
         out = norm.observe(batch)
@@ -100,8 +105,9 @@ def test_combined_moments_equal_the_moments_of_all_samples_in_numpy_and_jax():
     for key in ("x", "y"):
         np.testing.assert_allclose(mean[key], both[key].mean(0), rtol=1e-12)
         np.testing.assert_allclose(var[key], both[key].var(0), rtol=1e-12)
-    merged = jax.jit(lambda a, b: normalize.combined(normalize.moments(a), normalize.moments(b)))(jax.tree.map(
-        jnp.float32, a), jax.tree.map(jnp.float32, b))
+    merged = jax.jit(lambda a, b: normalize.combined(normalize.moments(a), normalize.moments(b)))(
+        jax.tree.map(jnp.float32, a), jax.tree.map(jnp.float32, b)
+    )
     for got, want in zip(jax.tree.leaves(merged[:2]), jax.tree.leaves((mean, var))):
         np.testing.assert_allclose(got, want, rtol=1e-5)
 
@@ -109,14 +115,20 @@ def test_combined_moments_equal_the_moments_of_all_samples_in_numpy_and_jax():
 def test_the_scaling_is_the_same_in_numpy_and_jax():
     rng = np.random.default_rng(2)
     x, m, v = rng.normal(0, 30, (6, 4)), rng.normal(size=4), rng.random(4) + 0.1
-    np.testing.assert_allclose(normalize.scaled_obs(jnp.float32(x), m, v, jnp), normalize.scaled_obs(x, m, v, np),
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        normalize.scaled_obs(jnp.float32(x), m, v, jnp),
+        normalize.scaled_obs(x, m, v, np),
+        rtol=1e-5,
+    )
     assert normalize.scaled_obs(x, m, v, np).max() == 10.0
     ints = np.arange(4)
     assert normalize.scaled_obs(ints, 0.0, 1.0, np) is ints
     r = rng.normal(0, 50, 8)
-    np.testing.assert_allclose(normalize.scaled_reward(jnp.float32(r), 4.0, jnp), normalize.scaled_reward(r, 4.0, np),
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        normalize.scaled_reward(jnp.float32(r), 4.0, jnp),
+        normalize.scaled_reward(r, 4.0, np),
+        rtol=1e-5,
+    )
 
 
 def test_merge_adds_statistics_gathered_elsewhere_and_snapshot_reads_both():
@@ -141,5 +153,7 @@ def test_the_statistics_travel_with_a_checkpoint():
     state = jax.tree.map(np.copy, norm.state())
     fresh = Normalizer(np.zeros(3), 2, True, True, 0.99)
     fresh.load(dict(state))
-    for saved, loaded in zip((*norm.obs_stats, *norm.return_stats), (*fresh.obs_stats, *fresh.return_stats)):
+    for saved, loaded in zip(
+        (*norm.obs_stats, *norm.return_stats), (*fresh.obs_stats, *fresh.return_stats)
+    ):
         np.testing.assert_array_equal(np.asarray(loaded), np.asarray(saved))

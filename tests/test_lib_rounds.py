@@ -13,8 +13,24 @@ from jax_async_rl import rounds
 
 SCRIPT = "dqn_envpool.py"
 TINY = [
-    "--env-id", "CartPole-v1", "--num-envs", "4", "--num-steps", "16", "--learning-starts", "64", "--buffer-size",
-    "1000", "--batch-size", "32", "--replay-ratio", "2.0", "--eval-episodes", "0", "--log-frequency", "1"
+    "--env-id",
+    "CartPole-v1",
+    "--num-envs",
+    "4",
+    "--num-steps",
+    "16",
+    "--learning-starts",
+    "64",
+    "--buffer-size",
+    "1000",
+    "--batch-size",
+    "32",
+    "--replay-ratio",
+    "2.0",
+    "--eval-episodes",
+    "0",
+    "--log-frequency",
+    "1",
 ]
 
 
@@ -24,11 +40,24 @@ def test_a_thread_error_stops_the_run_within_seconds(where, serial, tmp_path, ca
     """The actor's 4th chunk, or the learner's 4th round, raises: the run exits 1 within seconds
     with the traceback, naming the thread."""
     cls = rounds.Collector if where == "actor" else rounds.Learner
-    failed_at = fail_on_call(monkeypatch, cls, "collect" if where == "actor" else "round", 4, f"injected {where} fault")
-    code, _, err = run_main(SCRIPT, [
-        *TINY, "--run-dir", tmp_path / "r", "--total-timesteps", 64 * 1000, *(["--serial"] if serial else [])
-    ], capsys)
-    assert code == 1 and f"RuntimeError: injected {where} fault" in err and "in faulty" in err, err[-3000:]
+    failed_at = fail_on_call(
+        monkeypatch, cls, "collect" if where == "actor" else "round", 4, f"injected {where} fault"
+    )
+    code, _, err = run_main(
+        SCRIPT,
+        [
+            *TINY,
+            "--run-dir",
+            tmp_path / "r",
+            "--total-timesteps",
+            64 * 1000,
+            *(["--serial"] if serial else []),
+        ],
+        capsys,
+    )
+    assert code == 1 and f"RuntimeError: injected {where} fault" in err and "in faulty" in err, err[
+        -3000:
+    ]
     assert f"error in the {'training loop' if serial else where} thread" in err
     assert time.monotonic() - failed_at[0] < 20
 
@@ -41,12 +70,28 @@ def test_a_signal_stops_a_long_round_within_seconds_with_a_checkpoint(serial, tm
     10 s, exit 143, with the first round's checkpoint."""
     run = tmp_path / "r"
     argv = [
-        *TINY, "--run-dir", run, "--total-timesteps", 64 * 50, "--batch-size", "256", "--replay-ratio", "32000",
-        *(["--serial"] if serial else [])
+        *TINY,
+        "--run-dir",
+        run,
+        "--total-timesteps",
+        64 * 50,
+        "--batch-size",
+        "256",
+        "--replay-ratio",
+        "32000",
+        *(["--serial"] if serial else []),
     ]
-    code, seconds, err = sigterm_when(SCRIPT, argv, tmp_path / "logs",
-                                      lambda: count_complete_lines(run / "metrics.jsonl", '"replay/fill"') >= 1, 240)
-    assert code == 128 + signal.SIGTERM and seconds < 10 and "Traceback" not in err, (seconds, err[-3000:])
+    code, seconds, err = sigterm_when(
+        SCRIPT,
+        argv,
+        tmp_path / "logs",
+        lambda: count_complete_lines(run / "metrics.jsonl", '"replay/fill"') >= 1,
+        240,
+    )
+    assert code == 128 + signal.SIGTERM and seconds < 10 and "Traceback" not in err, (
+        seconds,
+        err[-3000:],
+    )
     assert int(read_checkpoint(run)["state"]["global_step"]) == 64
 
 
@@ -57,10 +102,28 @@ def test_a_signal_stops_a_run_whose_env_never_answers(serial, tmp_path):
     with its checkpoint, in either mode."""
     run = tmp_path / "r"
     argv = [
-        *TINY, "--env-id", "tests.user_envs:Faulty", "--env-kwargs", '{"at": 20, "how": "hang"}', "--run-dir", run,
-        "--total-timesteps", 64 * 50, "--num-threads", "2", *(["--serial"] if serial else [])
+        *TINY,
+        "--env-id",
+        "tests.user_envs:Faulty",
+        "--env-kwargs",
+        '{"at": 20, "how": "hang"}',
+        "--run-dir",
+        run,
+        "--total-timesteps",
+        64 * 50,
+        "--num-threads",
+        "2",
+        *(["--serial"] if serial else []),
     ]
-    code, seconds, err = sigterm_when(SCRIPT, argv, tmp_path / "logs",
-                                      lambda: count_complete_lines(run / "metrics.jsonl", '"replay/fill"') >= 1, 240)
-    assert code == 128 + signal.SIGTERM and seconds < 10 and "Traceback" not in err, (seconds, err[-3000:])
+    code, seconds, err = sigterm_when(
+        SCRIPT,
+        argv,
+        tmp_path / "logs",
+        lambda: count_complete_lines(run / "metrics.jsonl", '"replay/fill"') >= 1,
+        240,
+    )
+    assert code == 128 + signal.SIGTERM and seconds < 10 and "Traceback" not in err, (
+        seconds,
+        err[-3000:],
+    )
     assert int(read_checkpoint(run)["state"]["global_step"]) == 64

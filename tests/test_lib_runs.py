@@ -44,7 +44,10 @@ from helpers import (
 from jax_async_rl import folders
 
 HOST = LIBRARY_HOST
-COLD = ["--compile-cache", ""]  # a cold start: an update cached by an earlier Pong run loads in seconds
+COLD = [
+    "--compile-cache",
+    "",
+]  # a cold start: an update cached by an earlier Pong run loads in seconds
 
 
 def corrupt_random(run, tmp_path):
@@ -57,7 +60,7 @@ def corrupt_random(run, tmp_path):
 def corrupt_truncated(run, tmp_path):
     data = (run / CHECKPOINT).read_bytes()
     path = tmp_path / CHECKPOINT
-    path.write_bytes(data[:len(data) // 2])
+    path.write_bytes(data[: len(data) // 2])
     return path
 
 
@@ -70,28 +73,52 @@ BAD_INPUTS = {
     "zero-log-frequency": (dict(log_frequency=0), ["--log-frequency"], None),
     "nan-coefficient": (dict(ent_coef="nan"), ["--ent-coef", "finite"], None),
     "infinite-learning-rate": (dict(learning_rate="inf"), ["--learning-rate", "finite"], None),
-    "budget-under-one-update": (dict(total_timesteps=10), ["--total-timesteps 10", "one update"], None),
+    "budget-under-one-update": (
+        dict(total_timesteps=10),
+        ["--total-timesteps 10", "one update"],
+        None,
+    ),
     "resume-missing": (dict(), ["--resume"], lambda run, tmp: tmp / "no_such_run"),
     "resume-random-bytes": (dict(), ["--resume"], corrupt_random),
     "resume-truncated": (dict(), ["--resume"], corrupt_truncated),
-    "resume-other-env": (dict(env_id="Acrobot-v1"), ["--resume", "CartPole-v1"], lambda run, tmp: run),
-    "resume-with-lstm": (dict(lstm=True), ["--resume", "--lstm", "cannot change"], lambda run, tmp: run),
+    "resume-other-env": (
+        dict(env_id="Acrobot-v1"),
+        ["--resume", "CartPole-v1"],
+        lambda run, tmp: run,
+    ),
+    "resume-with-lstm": (
+        dict(lstm=True),
+        ["--resume", "--lstm", "cannot change"],
+        lambda run, tmp: run,
+    ),
     "zero-lstm-size": (dict(lstm=True, lstm_size=0), ["--lstm-size"], None),
-    "unusable-compile-cache": (dict(compile_cache="/proc/no_such_folder"), ["--compile-cache"], None),
-    "norm-obs-on-images": (dict(env_id="Pong-v5", norm_obs="True"), ["--norm-obs", "float observations",
-                                                                     "Pong-v5"], None),
+    "unusable-compile-cache": (
+        dict(compile_cache="/proc/no_such_folder"),
+        ["--compile-cache"],
+        None,
+    ),
+    "norm-obs-on-images": (
+        dict(env_id="Pong-v5", norm_obs="True"),
+        ["--norm-obs", "float observations", "Pong-v5"],
+        None,
+    ),
     "unknown-flag": (dict(num_env=4), ["--num-env", "did you mean --num-envs"], None),
     "track-without-wandb": (dict(track=True), ["--track", "pip install"], None),
     "retired-flag": (dict(xla_actor=True), ["--xla-actor", "appo_envpool_xla.py"], None),
     # A checkpoint's config takes the command line's checks, and the line names the file and the key
-    "resume-config-wrong-type": (dict(), [
-        f"--resume {{tmp}}/crafted/{CHECKPOINT}: its config has learning_rate "
-        '"abc": must be a number'
-    ], lambda run, tmp: crafted(tmp, learning_rate="abc")),
-    "resume-config-out-of-range": (dict(), [
-        f"--resume {{tmp}}/crafted/{CHECKPOINT}: its config has gamma 1.5: "
-        "must be in [0, 1]"
-    ], lambda run, tmp: crafted(tmp, gamma=1.5)),
+    "resume-config-wrong-type": (
+        dict(),
+        [
+            f"--resume {{tmp}}/crafted/{CHECKPOINT}: its config has learning_rate "
+            '"abc": must be a number'
+        ],
+        lambda run, tmp: crafted(tmp, learning_rate="abc"),
+    ),
+    "resume-config-out-of-range": (
+        dict(),
+        [f"--resume {{tmp}}/crafted/{CHECKPOINT}: its config has gamma 1.5: must be in [0, 1]"],
+        lambda run, tmp: crafted(tmp, gamma=1.5),
+    ),
 }
 
 
@@ -102,7 +129,8 @@ def crafted(tmp, **config):
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
 def test_bad_input_is_one_line_before_anything_starts(case, host_run, tmp_path, capsys):
-    """Exit code 2, one `error:` line naming the flag, no run folder made, a resumed run untouched."""
+    """Exit code 2, one `error:` line naming the flag, no run folder made, a resumed run
+    untouched."""
     if case == "track-without-wandb" and importlib.util.find_spec("wandb") is not None:
         pytest.skip("wandb is installed")
     flags, fragments, make_resume = BAD_INPUTS[case]
@@ -128,7 +156,9 @@ def test_bad_input_is_one_line_before_anything_starts(case, host_run, tmp_path, 
 def test_a_bad_flag_from_the_command_line_is_exit_2_with_one_line(tmp_path):
     """The exit code and the single line as a user's shell sees them."""
     out_dir = tmp_path / "out"
-    assert_usage_error(run_script(HOST, cli(HOST, num_envs=0, run_dir=out_dir), timeout=120), "--num-envs")
+    assert_usage_error(
+        run_script(HOST, cli(HOST, num_envs=0, run_dir=out_dir), timeout=120), "--num-envs"
+    )
     assert not out_dir.exists()
 
 
@@ -141,12 +171,16 @@ def test_resuming_a_crafted_folder_runs_no_code(route, tmp_path, monkeypatch, ca
     marker = tmp_path / "marker"
     monkeypatch.chdir(tmp_path)  # the working directory's modules are importable (user_maker)
     if route == "env-id":
-        config, allow = dict(env_id="os:system",
-                             env_kwargs=json.dumps({"command": f"touch {marker}"})), ["--trust-env-module"]
+        config, allow = (
+            dict(env_id="os:system", env_kwargs=json.dumps({"command": f"touch {marker}"})),
+            ["--trust-env-module"],
+        )
     else:
         (tmp_path / "planted_env_module.py").write_text(marker_code(marker))
-        config, allow = dict(env_id="Planted-v0",
-                             env_module="planted_env_module"), ["--env-module", "planted_env_module"]
+        config, allow = (
+            dict(env_id="Planted-v0", env_module="planted_env_module"),
+            ["--env-module", "planted_env_module"],
+        )
     # A file grants no trust
     run = write_crafted_run(tmp_path / "shared_run", HOST, dict(config, trust_env_module=True))
     code, _, err = run_main(HOST, ["--resume", run], capsys)
@@ -155,17 +189,27 @@ def test_resuming_a_crafted_folder_runs_no_code(route, tmp_path, monkeypatch, ca
     assert ("'os'" if route == "env-id" else "'planted_env_module'") in lines[0], lines[0]
     assert not marker.exists(), "opening a run folder ran its code"
     code, _, err = run_main(HOST, ["--resume", run, *allow], capsys)
-    assert code == 2 and marker.exists(), err  # it ran, then the env was refused as no gymnasium.Env
+    assert code == 2 and marker.exists(), (
+        err
+    )  # it ran, then the env was refused as no gymnasium.Env
 
 
 def test_log_frequency(tmp_path):
     """--log-frequency 3 over 7 updates: the update scalars come after the first update, updates 3
     and 6, and the last; episode returns are logged whatever the frequency."""
     run_dir = tmp_path / "run"
-    assert run_main(HOST, cli(HOST, total_timesteps=7 * TINY_BATCH, log_frequency=3, run_dir=run_dir)) == 0
+    assert (
+        run_main(HOST, cli(HOST, total_timesteps=7 * TINY_BATCH, log_frequency=3, run_dir=run_dir))
+        == 0
+    )
     records = read_metrics(run_dir)
     for tag in UPDATE_TAGS + ["charts/SPS", "charts/learning_rate", "timing/update_seconds"]:
-        assert tag_steps(records, tag) == [TINY_BATCH, 3 * TINY_BATCH, 6 * TINY_BATCH, 7 * TINY_BATCH], tag
+        assert tag_steps(records, tag) == [
+            TINY_BATCH,
+            3 * TINY_BATCH,
+            6 * TINY_BATCH,
+            7 * TINY_BATCH,
+        ], tag
     assert len(tag_values(records, "charts/episodic_return")) >= 7 * TINY_BATCH // 100
     assert all(math.isfinite(r["value"]) for r in records)
 
@@ -206,7 +250,9 @@ def test_runs_started_in_the_same_second_get_their_own_folders(tmp_path, monkeyp
     assert (folder, created) == (names[0], False)
 
 
-def test_the_run_name_says_which_variant_and_a_partial_update_is_said(tmp_path, monkeypatch, capsys):
+def test_the_run_name_says_which_variant_and_a_partial_update_is_said(
+    tmp_path, monkeypatch, capsys
+):
     """Without --exp-name, the folder and the header name the variant the flags make (the
     script's Args.NAMED: here `--lstm`; an async and a --serial run, TD3 and DDPG, got the same
     name); a budget that is not a whole number of updates is one line saying what will train (it
@@ -217,7 +263,9 @@ def test_the_run_name_says_which_variant_and_a_partial_update_is_said(tmp_path, 
     assert code == 0, err
     (folder,) = (tmp_path / "runs").iterdir()
     assert folder.name.startswith("CartPole-v1__ppo_sync_baseline__lstm__1__"), folder.name
-    assert f"{HOST} (ppo_sync_baseline__lstm): CartPole-v1 (preset CartPole), 3 updates of " in out, out
+    assert (
+        f"{HOST} (ppo_sync_baseline__lstm): CartPole-v1 (preset CartPole), 3 updates of " in out
+    ), out
     assert err.splitlines() == [
         f"note: --total-timesteps {3 * TINY_BATCH + 10} is not a whole number of updates of 1 "
         f"process x 4 envs x 16 steps = {TINY_BATCH} env steps: 3 updates will train, to step "
@@ -242,16 +290,25 @@ def test_resume_continues_the_run(host_run_copy, capsys):
 
     total = saved_step + 3 * TINY_BATCH
     assert run_main(HOST, ["--resume", run, "--total-timesteps", total, "--eval-episodes", 0]) == 0
-    assert int(
-        read_checkpoint(run)["state"]["global_step"]) == total, "the resumed run did not train exactly the steps left"
+    assert int(read_checkpoint(run)["state"]["global_step"]) == total, (
+        "the resumed run did not train exactly the steps left"
+    )
     config = json.loads((run / "config.json").read_text())
-    assert {k: v for k, v in config.items() if k != "resumes"} == original, "config.json lost the original flags"
+    assert {k: v for k, v in config.items() if k != "resumes"} == original, (
+        "config.json lost the original flags"
+    )
     assert config["resumes"][0]["changed"] == {"total_timesteps": total, "eval_episodes": 0}
     assert config["resumes"][0]["step"] == saved_step
     assert max(tag_steps(read_metrics(run), "losses/policy_loss")) == total
 
     total_8 = total + 2 * 8 * TINY_FLAGS["num_steps"]
-    assert run_main(HOST, ["--resume", run, "--total-timesteps", total_8, "--num-envs", 8, "--eval-episodes", 0]) == 0
+    assert (
+        run_main(
+            HOST,
+            ["--resume", run, "--total-timesteps", total_8, "--num-envs", 8, "--eval-episodes", 0],
+        )
+        == 0
+    )
     assert int(read_checkpoint(run)["state"]["global_step"]) == total_8
     resumes = json.loads((run / "config.json").read_text())["resumes"]
     assert len(resumes) == 2 and resumes[1]["changed"]["num_envs"] == 8
@@ -265,7 +322,9 @@ def test_a_run_trained_without_deterministic_does_not_become_so_on_resume(host_r
     resume); the other way, --no-deterministic, is the way out of a damaged journal."""
     run = host_run_copy
     before = file_contents(run)
-    code, out, err = run_main(HOST, ["--resume", run, "--deterministic", "--total-timesteps", 10 * TINY_BATCH], capsys)
+    code, out, err = run_main(
+        HOST, ["--resume", run, "--deterministic", "--total-timesteps", 10 * TINY_BATCH], capsys
+    )
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and "without --deterministic" in lines[0], err
     assert str(run) in lines[0] and file_contents(run) == before
@@ -276,10 +335,16 @@ def test_tensorboard_reads_the_events(host_run):
     reader gives the same values as metrics.jsonl."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    tensorboard = shutil.which("tensorboard", path=str(Path(sys.executable).parent)) or shutil.which("tensorboard")
+    tensorboard = shutil.which(
+        "tensorboard", path=str(Path(sys.executable).parent)
+    ) or shutil.which("tensorboard")
     assert tensorboard, "no tensorboard command next to this Python"
-    result = subprocess.run([tensorboard, "--inspect", "--logdir", str(host_run)], capture_output=True, text=True,
-                            timeout=100)
+    result = subprocess.run(
+        [tensorboard, "--inspect", "--logdir", str(host_run)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     assert result.returncode == 0, result.stderr
     for tag in UPDATE_TAGS + ["charts/episodic_return", "eval/episodic_return"]:
         assert tag in result.stdout, (tag, result.stdout)
@@ -289,8 +354,9 @@ def test_tensorboard_reads_the_events(host_run):
     for tag in UPDATE_TAGS:
         got = [(e.step, e.value) for e in events.Scalars(tag)]
         want = [(r["step"], r["value"]) for r in records if r["tag"] == tag]
-        assert len(got) == len(want) and all(a[0] == b[0] and a[1] == pytest.approx(b[1], rel=1e-6)
-                                             for a, b in zip(got, want))
+        assert len(got) == len(want) and all(
+            a[0] == b[0] and a[1] == pytest.approx(b[1], rel=1e-6) for a, b in zip(got, want)
+        )
 
 
 @pytest.mark.timeout(300)
@@ -311,8 +377,10 @@ def test_compile_cache_keeps_the_update(tmp_path, monkeypatch):
     monkeypatch.setenv("JAX_LOG_COMPILES", "1")
     result = run_script(HOST, ["--resume", tmp_path / "run", "--total-timesteps", 10 * TINY_BATCH])
     assert_ok(result)
-    assert "cache hit for 'jit_update'" in result.stderr and "cache miss for 'jit_update'" not in result.stderr, \
-        result.stderr[-3000:]
+    assert (
+        "cache hit for 'jit_update'" in result.stderr
+        and "cache miss for 'jit_update'" not in result.stderr
+    ), result.stderr[-3000:]
     assert sorted(path.name for path in cache.iterdir()) == entries
 
 
@@ -329,9 +397,13 @@ def test_ctrl_c_during_start_up(tmp_path):
     time.sleep(1)
     returncode, stop_seconds, stderr = interrupt(proc, signal.SIGINT, logs)
     assert returncode == 128 + signal.SIGINT, stderr
-    assert stderr.strip().splitlines() == [f"stopped by signal {int(signal.SIGINT)} during start-up: nothing to save"]
+    assert stderr.strip().splitlines() == [
+        f"stopped by signal {int(signal.SIGINT)} during start-up: nothing to save"
+    ]
     assert stop_seconds < 10
-    assert not (tmp_path / "run").exists(), "a new run interrupted before its first update left its folder"
+    assert not (tmp_path / "run").exists(), (
+        "a new run interrupted before its first update left its folder"
+    )
 
     folder = tmp_path / "runs"
     (folder / "another_run").mkdir(parents=True)
@@ -358,8 +430,9 @@ def test_sigterm_during_evaluation(tmp_path):
         time.sleep(1)  # from its first line into the evaluation loop
         return True
 
-    returncode, stop_seconds, stderr = sigterm_when(HOST, cli(HOST, eval_episodes=100_000, run_dir=run_dir), logs,
-                                                    in_evaluation, 240)
+    returncode, stop_seconds, stderr = sigterm_when(
+        HOST, cli(HOST, eval_episodes=100_000, run_dir=run_dir), logs, in_evaluation, 240
+    )
     assert returncode == 128 + signal.SIGTERM, f"exit code {returncode}\n{stderr[-3000:]}"
     assert "evaluation stopped by signal" in stderr and "Traceback" not in stderr, stderr
     assert stop_seconds < 10
@@ -370,5 +443,7 @@ def test_sigterm_during_evaluation(tmp_path):
 def test_a_run_in_this_process_leaves_its_signal_handlers_as_it_found_them(tmp_path):
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     assert run_main(HOST, cli(HOST, run_dir=tmp_path / "run")) == 0
-    assert run_main(HOST, cli(HOST, num_envs=0, run_dir=tmp_path / "bad")) == 2  # also after a usage error
+    assert (
+        run_main(HOST, cli(HOST, num_envs=0, run_dir=tmp_path / "bad")) == 2
+    )  # also after a usage error
     assert {s: signal.getsignal(s) for s in handlers} == handlers

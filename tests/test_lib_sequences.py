@@ -31,7 +31,10 @@ class RecurrentStandIn:
         c, h = (np.where(first[:, None], np.float32(0.0), m[env_ids]) for m in self.memory)
         e, n = np.asarray(obs, np.int64).T
         for i in range(len(e)):
-            self.held[(e[i], n[i])], self.first[(e[i], n[i])] = (c[i].copy(), h[i].copy()), bool(first[i])
+            self.held[(e[i], n[i])], self.first[(e[i], n[i])] = (
+                (c[i].copy(), h[i].copy()),
+                bool(first[i]),
+            )
         new_c = 0.5 * c + n[:, None]
         self.memory[0][env_ids], self.memory[1][env_ids] = new_c, new_c + e[:, None]
         return code(e, n), (c, h)
@@ -47,10 +50,12 @@ class RoundArgs:
 def reference_sequences(envs, count, rows, length, period, stack=1):
     """{(env, first row)} of the whole sequences a ring of `rows` rows an env keeps: starting on a
     multiple of `period`, all `length` rows written, the first one's stack not overwritten."""
-    return {(e, s)
-            for e in range(envs.num_envs)
-            for s in range(0,
-                           int(count[e]) - length + 1, period) if s >= count[e] - rows + stack - 1}
+    return {
+        (e, s)
+        for e in range(envs.num_envs)
+        for s in range(0, int(count[e]) - length + 1, period)
+        if s >= count[e] - rows + stack - 1
+    }
 
 
 @pytest.mark.parametrize("period, length", [(4, 9), (5, 5), (6, 3)])
@@ -62,27 +67,46 @@ def test_sampled_sequences_are_what_the_actor_saw_and_held(period, length):
     terminations, truncations, and the state the actor acted from at its first row; the state at
     an episode's first row is zeros (the previous episode never carries over)."""
     num_envs, rows, rng = 2 * SPLIT_SIZE, 24, np.random.default_rng(period)
-    envs = ScriptedEnvPool(num_envs, SPLIT_SIZE, EPISODE_LENGTHS[:num_envs], TRUNCATING, seed=period)
+    envs = ScriptedEnvPool(
+        num_envs, SPLIT_SIZE, EPISODE_LENGTHS[:num_envs], TRUNCATING, seed=period
+    )
     act = RecurrentStandIn(num_envs)
-    collector = rounds.Collector(envs, act, RoundArgs(num_envs, 2, 7), 0, threads.Shared(None, 0), 0, recurrent=True)
+    collector = rounds.Collector(
+        envs, act, RoundArgs(num_envs, 2, 7), 0, threads.Shared(None, 0), 0, recurrent=True
+    )
     state_example = (np.zeros((1, H), np.float32),) * 2
     replays = [
-        SequenceReplay(rows * num_envs, num_envs, np.zeros((1, 2), np.float32), np.zeros(1, np.int64), state_example,
-                       length, period, alpha=alpha) for alpha in (0.0, 0.9)
+        SequenceReplay(
+            rows * num_envs,
+            num_envs,
+            np.zeros((1, 2), np.float32),
+            np.zeros(1, np.int64),
+            state_example,
+            length,
+            period,
+            alpha=alpha,
+        )
+        for alpha in (0.0, 0.9)
     ]
     starts_at_zero = 0
     for _ in range(14):
         chunk = collector.collect(None, 0)
         for replay in replays:
             replay.add(*chunk["rows"])
-        expected = reference_sequences(envs, replays[0].count, rows // period * period, length, period)
+        expected = reference_sequences(
+            envs, replays[0].count, rows // period * period, length, period
+        )
         for replay in replays:
             live = np.flatnonzero(replay.live)
             assert set(zip(*reversed([a.tolist() for a in replay.row_of(live)]))) == expected
             if not expected:  # the first chunk is shorter than a sequence
                 continue
             batch = replay.sample(20, rng, beta=0.5, num_batches=5)
-            assert batch["obs"].shape == (5, 20, length, 2) and batch["memory"][0].shape == (5, 20, H)
+            assert batch["obs"].shape == (5, 20, length, 2) and batch["memory"][0].shape == (
+                5,
+                20,
+                H,
+            )
             for b, i in np.ndindex(5, 20):
                 e, s = (int(v) for v in batch["obs"][b, i, 0])
                 assert (e, s) in expected
@@ -90,8 +114,13 @@ def test_sampled_sequences_are_what_the_actor_saw_and_held(period, length):
                     obs, reward, terminated, truncated = envs.returned[e][s + k]
                     np.testing.assert_array_equal(batch["obs"][b, i, k], obs)
                     assert batch["action"][b, i, k] == envs.received[e][s + k] == code(e, s + k)
-                    assert batch["reward"][b, i, k] == (0.0 if np.isnan(reward) else np.float32(reward))
-                    assert (batch["terminated"][b, i, k], batch["truncated"][b, i, k]) == (terminated, truncated)
+                    assert batch["reward"][b, i, k] == (
+                        0.0 if np.isnan(reward) else np.float32(reward)
+                    )
+                    assert (batch["terminated"][b, i, k], batch["truncated"][b, i, k]) == (
+                        terminated,
+                        truncated,
+                    )
                 for got, held in zip(batch["memory"], act.held[(e, s)]):
                     np.testing.assert_array_equal(got[b, i], held)
                 starts_at_zero += act.first[(e, s)] and s > 0
@@ -108,15 +137,30 @@ def test_prioritised_sequences_in_proportion_and_renewed_at_the_largest_priority
     weights (N P)^-beta normalised by the batch's largest, priorities of overwritten sequences
     dropped, a new sequence at the largest priority so far."""
     num_envs, rows, length, period, alpha, beta = 2, 40, 6, 4, 0.9, 0.6
-    replay = SequenceReplay(rows * num_envs, num_envs, np.zeros((1, 1), np.float32), np.zeros(1, np.int64), (np.zeros(
-        (1, H), np.float32),), length, period, alpha=alpha)
+    replay = SequenceReplay(
+        rows * num_envs,
+        num_envs,
+        np.zeros((1, 1), np.float32),
+        np.zeros(1, np.int64),
+        (np.zeros((1, H), np.float32),),
+        length,
+        period,
+        alpha=alpha,
+    )
 
     def add(steps):
         for _ in range(steps):
             t = replay.count[0]
-            replay.add(np.arange(num_envs), np.full((num_envs, 1), t, np.float32), np.zeros(num_envs, np.int64),
-                       np.zeros(num_envs), np.zeros(num_envs, bool), np.zeros(num_envs, bool), np.full(num_envs, t),
-                       (np.zeros((num_envs, H), np.float32),))
+            replay.add(
+                np.arange(num_envs),
+                np.full((num_envs, 1), t, np.float32),
+                np.zeros(num_envs, np.int64),
+                np.zeros(num_envs),
+                np.zeros(num_envs, bool),
+                np.zeros(num_envs, bool),
+                np.full(num_envs, t),
+                (np.zeros((num_envs, H), np.float32),),
+            )
 
     add(rows)
     live = np.flatnonzero(replay.live)
@@ -138,7 +182,7 @@ def test_prioritised_sequences_in_proportion_and_renewed_at_the_largest_priority
     assert replay.tree.get(live[:num_envs]).sum() == 0 and not replay.live[live[:num_envs]].any()
     renewed = np.flatnonzero(replay.live & ~np.isin(np.arange(len(replay.live)), live))
     assert len(renewed) == num_envs
-    np.testing.assert_allclose(replay.tree.get(renewed), replay.max_priority ** alpha)
+    np.testing.assert_allclose(replay.tree.get(renewed), replay.max_priority**alpha)
     assert replay.max_priority == pytest.approx(priorities.max() + replay.eps)
 
 
@@ -151,12 +195,26 @@ def test_atari_bytes_per_stored_step():
 
     obs_space, action_space = tasks.spaces("Pong-v5")
     rows, num_envs = 400, 4
-    replay = SequenceReplay(rows * num_envs, num_envs, tasks.zeros_like_space(obs_space, 1),
-                            np.zeros(1, action_space.dtype), (np.zeros((1, 512), np.float32),) * 2, 125, 40,
-                            frame_stack=4)
+    replay = SequenceReplay(
+        rows * num_envs,
+        num_envs,
+        tasks.zeros_like_space(obs_space, 1),
+        np.zeros(1, action_space.dtype),
+        (np.zeros((1, 512), np.float32),) * 2,
+        125,
+        40,
+        frame_stack=4,
+    )
     arrays = [
-        replay.obs, replay.action, replay.reward, replay.terminated, replay.truncated, replay.back, replay.begin,
-        replay.live, *replay.state
+        replay.obs,
+        replay.action,
+        replay.reward,
+        replay.terminated,
+        replay.truncated,
+        replay.back,
+        replay.begin,
+        replay.live,
+        *replay.state,
     ]
     per_step = sum(a.nbytes for a in arrays) / (rows * num_envs)
     assert per_step == pytest.approx(84 * 84 + 8 + 4 + 1 + 1 + 1 + 2 * 512 * 4 / 40 + (8 + 1) / 40)

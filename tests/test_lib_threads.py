@@ -39,9 +39,13 @@ def test_an_exception_in_a_thread_is_recorded_and_stops_the_others():
     lifetime.start("learner", fails)
     waiter.join(timeout=5)
     assert not waiter.is_alive() and ran == ["stopped"]
-    (name, error, trace), = lifetime.errors
+    ((name, error, trace),) = lifetime.errors
     assert name == "the learner thread" and isinstance(error, ValueError)
-    assert "Traceback (most recent call last)" in trace and "in fails" in trace and "ValueError: injected" in trace
+    assert (
+        "Traceback (most recent call last)" in trace
+        and "in fails" in trace
+        and "ValueError: injected" in trace
+    )
 
 
 def test_run_in_this_thread_records_like_a_thread():
@@ -64,7 +68,9 @@ def test_join_has_one_deadline_and_closes_only_what_ended_threads_own():
     lifetime = threads.Threads()
     release = threading.Event()
     stuck, ended = Owned(), Owned()
-    lifetime.start("stuck", release.wait, 30, owns=stuck)  # ignores stop, as a thread inside an XLA call
+    lifetime.start(
+        "stuck", release.wait, 30, owns=stuck
+    )  # ignores stop, as a thread inside an XLA call
     lifetime.start("polite", lifetime.stop.wait, owns=ended)
     start = time.monotonic()
     lifetime.join(0.5)
@@ -88,7 +94,10 @@ def test_an_actor_gets_the_newest_parameters_once_its_version_is_out():
     threading.Timer(0.2, stopping.stop.set).start()
     assert stopping.acting(1, exact=False) is None
     start = time.monotonic()
-    assert threads.Shared(params="p", version=0).acting(5, exact=False) == ("p", 0) and time.monotonic() - start < 0.05
+    assert (
+        threads.Shared(params="p", version=0).acting(5, exact=False) == ("p", 0)
+        and time.monotonic() - start < 0.05
+    )
 
 
 def test_an_exact_actor_gets_exactly_its_version_while_it_is_kept():
@@ -97,7 +106,10 @@ def test_an_exact_actor_gets_exactly_its_version_while_it_is_kept():
     shared = threads.Shared(params="p10", version=10, learning=True, keep=3)
     for v in (11, 12):
         shared.publish(f"p{v}", v)
-    assert shared.acting(10, exact=True) == ("p10", 10) and shared.acting(11, exact=True) == ("p11", 11)
+    assert shared.acting(10, exact=True) == ("p10", 10) and shared.acting(11, exact=True) == (
+        "p11",
+        11,
+    )
     start = time.monotonic()
     threading.Timer(0.3, lambda: shared.publish("p13", 13)).start()
     assert shared.acting(13, exact=True) == ("p13", 13) and time.monotonic() - start >= 0.25
@@ -112,7 +124,9 @@ def test_an_exact_actor_asking_for_a_version_that_will_never_come_is_an_error_no
     shared = threads.Shared(params="p10", version=10, learning=True, keep=3, published={9: "p9"})
     assert shared.oldest == 9 and shared.acting(9, exact=True) == ("p9", 9)
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match="version 8, older than every version the run holds .9-10."):
+    with pytest.raises(
+        RuntimeError, match="version 8, older than every version the run holds .9-10."
+    ):
         shared.acting(8, exact=True)
     assert time.monotonic() - start < 0.05
     assert threads.Shared(params="p0", version=0).oldest == 0

@@ -10,13 +10,24 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import PYTHON_ACTOR_SCRIPTS, assert_ok, cli, load_script, read_metrics, run_main, run_script, tag_values
+from helpers import (
+    PYTHON_ACTOR_SCRIPTS,
+    assert_ok,
+    cli,
+    load_script,
+    read_metrics,
+    run_main,
+    run_script,
+    tag_values,
+)
 from jax_async_rl import evaluation, tasks, threads
 from jax_async_rl.normalize import Normalizer
 from test_pipeline import EPISODE_LENGTHS, NUM_STEPS, SPLIT_SIZE, TRUNCATING, ScriptedEnvPool, drain
 
 LSTM_SIZE = 8
-ENCODERS = (("flat", 0.05),)  # observations [e, n] (env, count): scaled into a range a tanh cell uses
+ENCODERS = (
+    ("flat", 0.05),
+)  # observations [e, n] (env, count): scaled into a range a tanh cell uses
 
 
 class RecordingPolicy:
@@ -35,7 +46,9 @@ class RecordingPolicy:
 
 def lstm_network(module, num_actions=3):
     network = module.ActorCritic(num_actions, False, ENCODERS, LSTM_SIZE)
-    params = network.init(jax.random.PRNGKey(0), np.zeros((1, 2), np.float32), module.zero_core(LSTM_SIZE, 1))
+    params = network.init(
+        jax.random.PRNGKey(0), np.zeros((1, 2), np.float32), module.zero_core(LSTM_SIZE, 1)
+    )
     # Larger recurrent weights than the initialisation's: the state then carries more of the past,
     # and a wrong state (or a missed reset) changes the outputs well beyond the tolerance.
     params = jax.tree.map(lambda x: x * 3.0, params)
@@ -61,7 +74,9 @@ def test_learner_unroll_reproduces_the_actor(script, num_splits):
     module = load_script(script)
     network, params = lstm_network(module)
     num_envs = num_splits * SPLIT_SIZE
-    envs = ScriptedEnvPool(num_envs, SPLIT_SIZE, EPISODE_LENGTHS[:num_envs], TRUNCATING, seed=num_splits)
+    envs = ScriptedEnvPool(
+        num_envs, SPLIT_SIZE, EPISODE_LENGTHS[:num_envs], TRUNCATING, seed=num_splits
+    )
     envs.action_space = gymnasium.spaces.Discrete(3)
     shared = threads.Shared(params, 0)
     args = dataclasses.replace(
@@ -74,7 +89,9 @@ def test_learner_unroll_reproduces_the_actor(script, num_splits):
     )
     policy = RecordingPolicy(module.make_policy_step(network, continuous=False))
     rollout_queue, num_rollouts, T = module.queue.Queue(), 5, NUM_STEPS
-    module.actor_loop(envs, policy, shared, rollout_queue, jax.random.PRNGKey(0), args, num_rollouts)
+    module.actor_loop(
+        envs, policy, shared, rollout_queue, jax.random.PRNGKey(0), args, num_rollouts
+    )
     assert not envs.errors, envs.errors
     rollouts = drain(rollout_queue)
     assert len(rollouts) == num_rollouts
@@ -83,25 +100,36 @@ def test_learner_unroll_reproduces_the_actor(script, num_splits):
     resets_inside = 0
     for k, rollout in enumerate(rollouts):
         logprobs, _, values, bootstrap_value = jax.device_get(
-            jax.jit(module.rollout_forward, static_argnums=(0, 3))(network, params, rollout, False))
+            jax.jit(module.rollout_forward, static_argnums=(0, 3))(network, params, rollout, False)
+        )
         for e in range(num_envs):
             for t in range(T):
                 n, where = k * T + t, f"rollout {k}, row {t}, env {e}"
                 assert tuple(rollout["obs"][t, e]) == (e, n), where
                 assert rollout["first"][t, e] == first_flags(envs, e, n), where
                 resets_inside += t > 0 and first_flags(envs, e, n)
-                np.testing.assert_allclose(logprobs[t, e], rollout["logprobs"][t, e], atol=1e-5, err_msg=where)
-                np.testing.assert_allclose(values[t, e], policy.values[(e, n)], atol=1e-5, err_msg=where)
-            np.testing.assert_allclose(bootstrap_value[e], policy.values[(e, (k + 1) * T)], atol=1e-5,
-                                       err_msg=f"{k}, {e}")
+                np.testing.assert_allclose(
+                    logprobs[t, e], rollout["logprobs"][t, e], atol=1e-5, err_msg=where
+                )
+                np.testing.assert_allclose(
+                    values[t, e], policy.values[(e, n)], atol=1e-5, err_msg=where
+                )
+            np.testing.assert_allclose(
+                bootstrap_value[e], policy.values[(e, (k + 1) * T)], atol=1e-5, err_msg=f"{k}, {e}"
+            )
     assert resets_inside > 5  # episodes started mid-rollout, not only at rollout boundaries
 
     # The check can fail: ignoring the recorded state, or the resets, changes the outputs.
     rollout = rollouts[-1]
-    for wrong in (dict(rollout, state=jax.tree.map(np.zeros_like, rollout["state"])),
-                  dict(rollout, first=np.zeros_like(rollout["first"]))):
+    for wrong in (
+        dict(rollout, state=jax.tree.map(np.zeros_like, rollout["state"])),
+        dict(rollout, first=np.zeros_like(rollout["first"])),
+    ):
         _, _, values, _ = module.rollout_forward(network, params, wrong, False)
-        expected = [[policy.values[(e, (num_rollouts - 1) * T + t)] for e in range(num_envs)] for t in range(T)]
+        expected = [
+            [policy.values[(e, (num_rollouts - 1) * T + t)] for e in range(num_envs)]
+            for t in range(T)
+        ]
         assert np.abs(np.asarray(values) - np.array(expected)).max() > 1e-3
 
 
@@ -111,9 +139,13 @@ def test_sync_rollouts_unroll_to_the_actors_numbers():
     rollout after rollout: the learner's unroll gives the stored log-probabilities and values."""
     ppo = load_script("ppo_sync_baseline.py")
     network = ppo.ActorCritic(2, False, (("flat", 1.0),), LSTM_SIZE)
-    params = network.init(jax.random.PRNGKey(1), np.zeros((1, 4), np.float32), ppo.zero_core(LSTM_SIZE, 1))
+    params = network.init(
+        jax.random.PRNGKey(1), np.zeros((1, 4), np.float32), ppo.zero_core(LSTM_SIZE, 1)
+    )
     params = jax.tree.map(lambda x: x * 3.0, params)
-    args = dataclasses.replace(ppo.Args(env_id="CartPole-v1"), num_envs=4, num_steps=16, lstm=True, lstm_size=LSTM_SIZE)
+    args = dataclasses.replace(
+        ppo.Args(env_id="CartPole-v1"), num_envs=4, num_steps=16, lstm=True, lstm_size=LSTM_SIZE
+    )
     envs = tasks.make_env("CartPole-v1", 4, 0, 1, train=True)
     normalizer = Normalizer(np.zeros(4), 4, False, False, 0.99)
     obs, dones, core = envs.reset()[0], np.zeros(4, bool), ppo.zero_core(LSTM_SIZE, 4)
@@ -122,15 +154,33 @@ def test_sync_rollouts_unroll_to_the_actors_numbers():
     forward = jax.jit(ppo.rollout_forward, static_argnums=(0, 3))
     previous = None
     for k in range(6):
-        rollout, obs, dones, core = ppo.collect_rollout(envs, policy_step, params, obs, dones, core, key,
-                                                        k * args.num_steps, stats, normalizer, args, timing)
-        logprobs, _, values, bootstrap_value = jax.device_get(forward(network, params, rollout, False))
+        rollout, obs, dones, core = ppo.collect_rollout(
+            envs,
+            policy_step,
+            params,
+            obs,
+            dones,
+            core,
+            key,
+            k * args.num_steps,
+            stats,
+            normalizer,
+            args,
+            timing,
+        )
+        logprobs, _, values, bootstrap_value = jax.device_get(
+            forward(network, params, rollout, False)
+        )
         np.testing.assert_allclose(logprobs, rollout["logprobs"], atol=1e-5, err_msg=f"rollout {k}")
         np.testing.assert_allclose(values, rollout["values"], atol=1e-5, err_msg=f"rollout {k}")
         if previous is not None:  # the value after the last step is the next rollout's first
-            np.testing.assert_allclose(previous, rollout["values"][0], atol=1e-5, err_msg=f"rollout {k}")
+            np.testing.assert_allclose(
+                previous, rollout["values"][0], atol=1e-5, err_msg=f"rollout {k}"
+            )
         previous = bootstrap_value
-        np.testing.assert_array_equal(rollout["first"][1:], 1.0 - rollout["valid"][:-1])  # after a reset step
+        np.testing.assert_array_equal(
+            rollout["first"][1:], 1.0 - rollout["valid"][:-1]
+        )  # after a reset step
         starts += int(rollout["first"][1:].sum())
     envs.close()
     assert starts > 4  # episodes ended inside rollouts
@@ -141,15 +191,14 @@ def test_recurrent_minibatches_are_whole_env_sequences_with_their_states():
     T, B, M = 6, 8, 4
     rng = np.random.default_rng(0)
     data = {
-        "obs": {
-            "a": rng.normal(size=(T, B, 3)),
-            "b": rng.integers(0, 9, (T, B))
-        },
+        "obs": {"a": rng.normal(size=(T, B, 3)), "b": rng.integers(0, 9, (T, B))},
         "valid": rng.random((T, B)),
         "first": rng.random((T, B)) < 0.2,
         "state": (rng.normal(size=(B, 5)), rng.normal(size=(B, 5))),
     }
-    data = jax.tree.map(lambda x: x.astype(np.float32) if x.dtype == np.float64 else x, data)  # as JAX holds them
+    data = jax.tree.map(
+        lambda x: x.astype(np.float32) if x.dtype == np.float64 else x, data
+    )  # as JAX holds them
     mbs = jax.device_get(ppo.minibatches(jax.random.PRNGKey(3), data, M))
     assert mbs["valid"].shape == (M, T, B // M) and mbs["obs"]["a"].shape == (M, T, B // M, 3)
     assert mbs["state"][0].shape == (M, B // M, 5)
@@ -160,7 +209,11 @@ def test_recurrent_minibatches_are_whole_env_sequences_with_their_states():
             b = int(np.flatnonzero((data["state"][0] == mbs["state"][0][m, j]).all(1))[0])
             seen.append(b)
             np.testing.assert_array_equal(mbs["state"][1][m, j], data["state"][1][b])
-            for name, x in [("valid", data["valid"]), ("first", data["first"]), ("b", data["obs"]["b"])]:
+            for name, x in [
+                ("valid", data["valid"]),
+                ("first", data["first"]),
+                ("b", data["obs"]["b"]),
+            ]:
                 y = mbs["obs"]["b"] if name == "b" else mbs[name]
                 np.testing.assert_array_equal(y[m, :, j], x[:, b], err_msg=name)
             np.testing.assert_array_equal(mbs["obs"]["a"][m, :, j], data["obs"]["a"][:, b])
@@ -173,8 +226,20 @@ def test_lstm_run_saves_resumes_and_evaluates(script, tmp_path):
     """A tiny --lstm run with a video; --resume continues it with the LSTM (the flag read from the
     checkpoint); utils/evaluate.py scores the checkpoint with no --lstm flag of its own."""
     run_dir = tmp_path / "run"
-    assert run_main(script, cli(script, run_dir=run_dir, lstm=True, lstm_size=16, eval_episodes=2,
-                                capture_video=True)) == 0
+    assert (
+        run_main(
+            script,
+            cli(
+                script,
+                run_dir=run_dir,
+                lstm=True,
+                lstm_size=16,
+                eval_episodes=2,
+                capture_video=True,
+            ),
+        )
+        == 0
+    )
     assert len(list((run_dir / "videos").glob("*.mp4"))) == 1
     config = json.loads((run_dir / "config.json").read_text())
     assert config["lstm"] is True and config["lstm_size"] == 16
@@ -190,7 +255,9 @@ def test_lstm_run_saves_resumes_and_evaluates(script, tmp_path):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("env_id", "episodes"), [("CartPole-v1", 6), ("Breakout-v5", 1)])
-def test_evaluation_starts_from_zeros_and_resets_where_episodes_start(env_id, episodes, monkeypatch):
+def test_evaluation_starts_from_zeros_and_resets_where_episodes_start(
+    env_id, episodes, monkeypatch
+):
     """The library's evaluate() gives every env a zero state at the start and `first` exactly
     after an episode's end (envpool's reset step), as the actors do; on Atari also after each life
     lost, where training's episodic life ends an episode."""
@@ -204,14 +271,16 @@ def test_evaluation_starts_from_zeros_and_resets_where_episodes_start(env_id, ep
 
         @staticmethod
         def apply(params, obs, core):
-            jax.debug.callback(lambda s, f: seen.append((np.asarray(s).copy(), np.asarray(f).copy())), core[0][1],
-                               core[1])
+            jax.debug.callback(
+                lambda s, f: seen.append((np.asarray(s).copy(), np.asarray(f).copy())),
+                core[0][1],
+                core[1],
+            )
             return network.apply(params, obs, core)
 
     make_env = tasks.make_env
 
     class Recorded:
-
         def __init__(self, envs):
             self.envs, self.lives = envs, None
 
@@ -232,8 +301,14 @@ def test_evaluation_starts_from_zeros_and_resets_where_episodes_start(env_id, ep
 
     monkeypatch.setattr(evaluation, "make_env", lambda *a, **k: Recorded(make_env(*a, **k)))
     policy = appo.make_policy_step(Probe, continuous, values=False)
-    scores = evaluation.evaluate(policy, state["params"], lambda n: appo.zero_core(network.lstm_size, n), args,
-                                 normalizer, episodes)
+    scores = evaluation.evaluate(
+        policy,
+        state["params"],
+        lambda n: appo.zero_core(network.lstm_size, n),
+        args,
+        normalizer,
+        episodes,
+    )
     assert len(scores) == episodes
     assert not seen[0][0].any() and seen[0][1].all()  # zeros, every env starting
     # Call t acts on the observation of step t - 1; envpool's step after an episode's end (the
@@ -241,7 +316,9 @@ def test_evaluation_starts_from_zeros_and_resets_where_episodes_start(env_id, ep
     assert not seen[1][1].any()
     for t in range(2, len(seen)):
         np.testing.assert_array_equal(seen[t][1], ends[t - 2], err_msg=f"call {t}")
-    assert sum(e.sum() for e in ends[:-2]) >= 3  # episodes (or lives) ended where the check above looks
+    assert (
+        sum(e.sum() for e in ends[:-2]) >= 3
+    )  # episodes (or lives) ended where the check above looks
 
 
 @pytest.mark.timeout(300)
@@ -250,10 +327,14 @@ def test_lstm_with_box_actions_and_a_preset_of_many_minibatches(tmp_path):
     sequences), and Gaussian actions [T, B, A] go through the recurrent update."""
     appo = load_script("appo_envpool.py")
     assert appo.resolve_args(appo.Args(env_id="HalfCheetah-v4", lstm=True)).num_minibatches == 8
-    assert appo.resolve_args(appo.Args(env_id="HalfCheetah-v4")).num_minibatches == 32  # unchanged without
+    assert (
+        appo.resolve_args(appo.Args(env_id="HalfCheetah-v4")).num_minibatches == 32
+    )  # unchanged without
     run_dir = tmp_path / "run"
     flags = dict(run_dir=run_dir, lstm=True, num_minibatches=None, update_epochs=None)
-    assert run_main("appo_envpool.py", cli("appo_envpool.py", env_id="HalfCheetah-v4", **flags)) == 0
+    assert (
+        run_main("appo_envpool.py", cli("appo_envpool.py", env_id="HalfCheetah-v4", **flags)) == 0
+    )
     config = json.loads((run_dir / "config.json").read_text())
     assert config["num_minibatches"] == 4 and config["update_epochs"] == 10
     assert len(tag_values(read_metrics(run_dir), "losses/loss")) == 2
@@ -296,9 +377,9 @@ class HideVelocities:
 
 # The CartPole preset (rl-baselines3-zoo's PPO, which its recurrentppo.yml also uses for
 # CartPoleNoVel-v1: 8 envs x 32 steps, 20 epochs, lambda 0.8), with that file's LSTM of 64 units,
-# measured over 200k steps. APPO runs V-trace at the preset's lambda (rlax's lambda_). With lambda 1 (the
-# paper's V-trace, which APPO used before) it did not learn this task in 200k steps, nor did the
-# sync baseline with lambda 1 (best 20-episode mean 206, seed 1), which is why this test used to
+# measured over 200k steps. APPO runs V-trace at the preset's lambda (rlax's lambda_). With lambda 1
+# (the paper's V-trace, which APPO used before) it did not learn this task in 200k steps, nor did
+# the sync baseline with lambda 1 (best 20-episode mean 206, seed 1), which is why this test used to
 # run APPO with --no-vtrace; with 0.8 both learn it. The default 128 units learn it too, more
 # slowly (sync seed 2: 325 at 200k, 400 at 300k). Measured on a quiet 2-core machine (best
 # 20-episode mean, wall time): --lstm, sync 500 / 500 (seeds 1, 2; 37 s), APPO --no-vtrace 500 /
@@ -314,15 +395,19 @@ MEMORY_FLAGS = {"ppo_sync_baseline.py": dict(lstm_size=64), "appo_envpool.py": d
 # with the sync baseline.
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("script_name, lstm", [("ppo_sync_baseline.py", True), ("appo_envpool.py", True),
-                                               ("ppo_sync_baseline.py", False)])
+@pytest.mark.parametrize(
+    "script_name, lstm",
+    [("ppo_sync_baseline.py", True), ("appo_envpool.py", True), ("ppo_sync_baseline.py", False)],
+)
 def test_lstm_learns_cartpole_without_velocities(script_name, lstm, tmp_path, monkeypatch):
     """With --lstm some 20 consecutive episodes average at least 400 within the budget; the
     feed-forward policy on the same task and budget stays below 150 (CartPole with velocities:
     500)."""
     module = load_script(script_name)
     make_env = tasks.make_env
-    monkeypatch.setattr(tasks, "make_env", lambda *args, **kwargs: HideVelocities(make_env(*args, **kwargs)))
+    monkeypatch.setattr(
+        tasks, "make_env", lambda *args, **kwargs: HideVelocities(make_env(*args, **kwargs))
+    )
     run_dir = tmp_path / "run"
     args = dataclasses.replace(
         module.Args(),
@@ -337,11 +422,15 @@ def test_lstm_learns_cartpole_without_velocities(script_name, lstm, tmp_path, mo
     assert module.main(args) == 0
     returns = tag_values(read_metrics(run_dir), "charts/episodic_return")
     windows = np.convolve(returns, np.ones(20) / 20, "valid")
-    curve = json.dumps([round(float(w)) for w in windows[::max(1, len(windows) // 40)]])
+    curve = json.dumps([round(float(w)) for w in windows[:: max(1, len(windows) // 40)]])
     if lstm:
-        assert windows.max() >= 400, f"best 20-episode mean {windows.max():.1f}; means along the run: {curve}"
+        assert windows.max() >= 400, (
+            f"best 20-episode mean {windows.max():.1f}; means along the run: {curve}"
+        )
     else:
-        assert windows.max() < 150, f"feed-forward reached {windows.max():.1f}; means along the run: {curve}"
+        assert windows.max() < 150, (
+            f"feed-forward reached {windows.max():.1f}; means along the run: {curve}"
+        )
 
 
 # APPO --lstm on CartPole-v1 at default flags (V-trace, the CartPole preset, 128 units), 500k
@@ -364,10 +453,18 @@ APPO_LSTM_BUDGET = 300_000
 @pytest.mark.timeout(900)
 def test_appo_lstm_learns_cartpole_and_stays(tmp_path):
     module = load_script("appo_envpool.py")
-    args = module.Args(env_id="CartPole-v1", seed=1, lstm=True, total_timesteps=APPO_LSTM_BUDGET, eval_episodes=0,
-                       deterministic=True, actor_lag=1, run_dir=str(tmp_path / "run"))
+    args = module.Args(
+        env_id="CartPole-v1",
+        seed=1,
+        lstm=True,
+        total_timesteps=APPO_LSTM_BUDGET,
+        eval_episodes=0,
+        deterministic=True,
+        actor_lag=1,
+        run_dir=str(tmp_path / "run"),
+    )
     assert module.main(args) == 0
     returns = tag_values(read_metrics(tmp_path / "run"), "charts/episodic_return")
     windows = np.convolve(returns, np.ones(20) / 20, "valid")
-    curve = json.dumps([round(float(w)) for w in windows[::max(1, len(windows) // 40)]])
+    curve = json.dumps([round(float(w)) for w in windows[:: max(1, len(windows) // 40)]])
     assert windows[-1] >= 475, f"last 20: {windows[-1]:.1f}; along the run: {curve}"

@@ -18,7 +18,9 @@ impala = load_script("impala_envpool.py")
 # ---------------------------------------------------------------------------------------------
 
 
-def vtrace_by_definition(log_rhos, discounts, rewards, values, bootstrap_value, rho_bar, c_bar, pg_rho_bar, lam=1.0):
+def vtrace_by_definition(
+    log_rhos, discounts, rewards, values, bootstrap_value, rho_bar, c_bar, pg_rho_bar, lam=1.0
+):
     """Eq. 1 as the paper writes it, in float64, with per-step discounts in place of gamma^k:
 
         v_s = V(x_s) + sum_{t=s}^{T-1} (prod_{k=s}^{t-1} discount_k c_k) rho_t delta_t,
@@ -28,7 +30,9 @@ def vtrace_by_definition(log_rhos, discounts, rewards, values, bootstrap_value, 
     with lam (rlax's lambda_): c_k = lam min(c_bar, pi/mu), and the advantage's v_{s+1} is
     lam v_{s+1} + (1 - lam) V(x_{s+1}).
     """
-    log_rhos, discounts, rewards, values = (np.asarray(x, np.float64) for x in (log_rhos, discounts, rewards, values))
+    log_rhos, discounts, rewards, values = (
+        np.asarray(x, np.float64) for x in (log_rhos, discounts, rewards, values)
+    )
     bootstrap_value = np.asarray(bootstrap_value, np.float64)
     T, B = rewards.shape
     ratios = np.exp(log_rhos)
@@ -46,7 +50,9 @@ def vtrace_by_definition(log_rhos, discounts, rewards, values, bootstrap_value, 
                 total += weight * min(rho_bar, ratios[t, b]) * delta
             vs[s, b] = values[s, b] + total
     following = lam * vs[1:] + (1 - lam) * all_values[1:]
-    weights = 1.0 if pg_rho_bar is None else np.minimum(pg_rho_bar, ratios)  # None: no rho (APPO's PPO loss)
+    weights = (
+        1.0 if pg_rho_bar is None else np.minimum(pg_rho_bar, ratios)
+    )  # None: no rho (APPO's PPO loss)
     pg_advantages = weights * (rewards + discounts * following - values)
     return vs[:T], pg_advantages
 
@@ -61,7 +67,14 @@ def off_policy_rollout(seed):
 
 
 # (rho_bar, c_bar, pg_rho_bar)
-THRESHOLDS = [(1.0, 1.0, 1.0), (0.5, 0.5, 0.5), (2.0, 2.0, 2.0), (1.0, 0.5, 1.0), (2.0, 1.0, 1.5), (0.5, 2.0, 1.0)]
+THRESHOLDS = [
+    (1.0, 1.0, 1.0),
+    (0.5, 0.5, 0.5),
+    (2.0, 2.0, 2.0),
+    (1.0, 0.5, 1.0),
+    (2.0, 1.0, 1.5),
+    (0.5, 2.0, 1.0),
+]
 
 
 @pytest.mark.parametrize("thresholds", THRESHOLDS, ids=lambda t: "rho{}-c{}-pg{}".format(*t))
@@ -123,8 +136,12 @@ def test_vtrace_on_policy_is_discounted_return(seed):
     """With pi = mu and thresholds 1, v_s is the n-step (lambda = 1) return bootstrapped from the
     last value, cut at episode ends, and the pg advantage is that return minus V(x_s)."""
     _, discounts, rewards, values, bootstrap_value = off_policy_rollout(seed)
-    vs, pg_advantages = appo.vtrace(np.zeros_like(rewards), discounts, rewards, values, bootstrap_value)
-    returns = discounted_returns(rewards.astype(np.float64), discounts.astype(np.float64), bootstrap_value)
+    vs, pg_advantages = appo.vtrace(
+        np.zeros_like(rewards), discounts, rewards, values, bootstrap_value
+    )
+    returns = discounted_returns(
+        rewards.astype(np.float64), discounts.astype(np.float64), bootstrap_value
+    )
     np.testing.assert_allclose(np.asarray(vs), returns, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(pg_advantages), returns - values, rtol=1e-5, atol=1e-5)
 
@@ -136,11 +153,14 @@ def test_vtrace_with_lambda_matches_the_sum(thresholds):
     want_vs, want_pg = vtrace_by_definition(*inputs, *thresholds, lam=0.8)
     np.testing.assert_allclose(np.asarray(vs), want_vs, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(pg_advantages), want_pg, rtol=1e-5, atol=1e-5)
-    assert np.abs(want_vs - vtrace_by_definition(*inputs, *thresholds)[0]).max() > 1e-2  # lambda matters
+    assert (
+        np.abs(want_vs - vtrace_by_definition(*inputs, *thresholds)[0]).max() > 1e-2
+    )  # lambda matters
 
 
 def gae_by_definition(rewards, discounts, values, bootstrap_value, lam):
-    """GAE (Schulman et al. 2016, eq. 16) as a sum, float64: A_s = sum_t (prod_{k<t} discount_k lam) delta_t."""
+    """GAE (Schulman et al. 2016, eq. 16) as a sum, float64: A_s = sum_t (prod_{k<t} discount_k
+    lam) delta_t."""
     rewards, discounts, values = (np.asarray(x, np.float64) for x in (rewards, discounts, values))
     all_values = np.concatenate([values, np.asarray(bootstrap_value, np.float64)[None]])
     deltas = rewards + discounts * all_values[1:] - all_values[:-1]
@@ -159,7 +179,9 @@ def test_vtrace_on_policy_with_lambda_is_gae(lam):
     """pi = mu: V-trace(lambda) gives sync PPO's targets, GAE(lambda) advantages and returns
     GAE + V, so that APPO with no lag learns from what the sync baseline learns from."""
     _, discounts, rewards, values, bootstrap_value = off_policy_rollout(5)
-    vs, pg_advantages = appo.vtrace(np.zeros_like(rewards), discounts, rewards, values, bootstrap_value, lambda_=lam)
+    vs, pg_advantages = appo.vtrace(
+        np.zeros_like(rewards), discounts, rewards, values, bootstrap_value, lambda_=lam
+    )
     gae = gae_by_definition(rewards, discounts, values, bootstrap_value, lam)
     np.testing.assert_allclose(np.asarray(pg_advantages), gae, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(vs), gae + values, rtol=1e-5, atol=1e-5)
@@ -302,7 +324,13 @@ def test_impala_optimizer_state_has_one_structure_for_any_momentum():
     """--rmsprop-momentum may change on resume: the optimiser state's structure must not."""
     params = {"w": np.zeros((3, 2), np.float32)}
     structures = {
-        str(jax.tree.structure(impala.make_optimizer(impala.Args(rmsprop_momentum=m, max_grad_norm=40.0)).init(params)))
+        str(
+            jax.tree.structure(
+                impala.make_optimizer(impala.Args(rmsprop_momentum=m, max_grad_norm=40.0)).init(
+                    params
+                )
+            )
+        )
         for m in (0.0, 0.9)
     }
     assert len(structures) == 1, structures

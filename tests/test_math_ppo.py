@@ -17,10 +17,13 @@ ppo = load_script("ppo_sync_baseline.py")
 
 
 def gae_by_definition(rewards, values, bootstrap_value, discounts, gae_lambda):
-    """Eq. 16 written as the sum it is, in float64: A_t = sum_l (prod_{k<l} lambda d_{t+k}) delta_{t+l}."""
+    """Eq. 16 written as the sum it is, in float64: A_t = sum_l (prod_{k<l} lambda d_{t+k})
+    delta_{t+l}."""
     rewards, values, discounts = (np.asarray(x, np.float64) for x in (rewards, values, discounts))
     T, B = rewards.shape
-    next_values = np.concatenate([values[1:], np.asarray(bootstrap_value, np.float64)[None]], axis=0)
+    next_values = np.concatenate(
+        [values[1:], np.asarray(bootstrap_value, np.float64)[None]], axis=0
+    )
     deltas = rewards + discounts * next_values - values
     advantages = np.zeros((T, B))
     for b in range(B):
@@ -51,11 +54,13 @@ def test_compute_gae_lambda_one_is_discounted_return_minus_value():
     bootstrap_value = np.array([10.0, 20.0], np.float32)
     dones = np.array([[0.0, 0.0], [0.0, 1.0], [0.0, 0.0]], np.float32)  # env 1 ends after step 1
     discounts = gamma * (1.0 - dones)
-    returns = np.array([
-        [1 + 0.9 * 2 + 0.81 * 3 + 0.729 * 10, 1 + 0.9 * 0],
-        [2 + 0.9 * 3 + 0.81 * 10, 0.0],
-        [3 + 0.9 * 10, 5 + 0.9 * 20],
-    ])
+    returns = np.array(
+        [
+            [1 + 0.9 * 2 + 0.81 * 3 + 0.729 * 10, 1 + 0.9 * 0],
+            [2 + 0.9 * 3 + 0.81 * 10, 0.0],
+            [3 + 0.9 * 10, 5 + 0.9 * 20],
+        ]
+    )
     got = np.asarray(ppo.compute_gae(rewards, values, bootstrap_value, discounts, 1.0))
     np.testing.assert_allclose(got + values, returns, rtol=1e-6)
 
@@ -87,7 +92,8 @@ ENT_COEF = 0.01
 
 
 def ppo_case():
-    """Hand-made transitions: (ratio, advantage) chosen for each side of the clip; the last is masked."""
+    """Hand-made transitions: (ratio, advantage) chosen for each side of the clip; the last is
+    masked."""
     ratios = np.array([1.5, 0.5, 0.9, 1.5, 0.5, 3.0])
     advantages = np.array([1.0, -1.0, 2.0, -1.0, 1.0, 100.0])
     mask = np.array([1.0, 1.0, 1.0, 1.0, 1.0, 0.0])
@@ -142,7 +148,9 @@ def test_ppo_loss_hand_computed():
     assert float(diagnostics["entropy"]) == pytest.approx(entropy, rel=1e-5)
     assert float(diagnostics["approx_kl"]) == pytest.approx(approx_kl, rel=1e-4)
     assert float(diagnostics["clipfrac"]) == pytest.approx(4 / 5)
-    assert float(loss) == pytest.approx(policy_loss + VF_COEF * value_loss - ENT_COEF * entropy, rel=1e-5)
+    assert float(loss) == pytest.approx(
+        policy_loss + VF_COEF * value_loss - ENT_COEF * entropy, rel=1e-5
+    )
 
 
 def test_ppo_loss_gradients_clip_and_mask():
@@ -186,7 +194,9 @@ def test_ppo_loss_normalises_advantages_over_the_valid_transitions():
     want_loss, want = call_ppo_loss(dict(case, advantages=jnp.asarray(normalised, jnp.float32)))
     assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)
     assert float(diagnostics["policy_loss"]) == pytest.approx(float(want["policy_loss"]), rel=1e-5)
-    assert float(loss) != pytest.approx(float(call_ppo_loss(case)[0]), rel=1e-3)  # it did change the loss
+    assert float(loss) != pytest.approx(
+        float(call_ppo_loss(case)[0]), rel=1e-3
+    )  # it did change the loss
 
 
 def test_ppo_loss_all_masked_is_finite():
@@ -212,7 +222,9 @@ def test_log_prob_entropy_categorical():
     shifted = np.exp(x - x.max(axis=1, keepdims=True))
     probs = shifted / shifted.sum(axis=1, keepdims=True)
     want_logprob = np.log(probs[np.arange(6), actions])
-    want_entropy = -np.sum(np.where(probs > 0, probs * np.log(np.where(probs > 0, probs, 1.0)), 0.0), axis=1)
+    want_entropy = -np.sum(
+        np.where(probs > 0, probs * np.log(np.where(probs > 0, probs, 1.0)), 0.0), axis=1
+    )
     np.testing.assert_allclose(np.asarray(logprob), want_logprob, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(entropy), want_entropy, rtol=1e-5, atol=1e-5)
     # Uniform logits: log(1/A) and entropy log(A).
@@ -228,12 +240,14 @@ def test_log_prob_entropy_diagonal_gaussian():
     log_std = rng.normal(scale=0.5, size=(B, A))
     actions = rng.normal(size=(B, A)) * 2.0
     pi = np.concatenate([mean, log_std], axis=-1).astype(np.float32)
-    logprob, entropy = ppo.log_prob_entropy(jnp.asarray(pi), jnp.asarray(actions, jnp.float32), True)
+    logprob, entropy = ppo.log_prob_entropy(
+        jnp.asarray(pi), jnp.asarray(actions, jnp.float32), True
+    )
     assert logprob.shape == entropy.shape == (B,)
     sigma = np.exp(log_std)
-    density = np.exp(-((actions - mean) ** 2) / (2 * sigma ** 2)) / (sigma * math.sqrt(2 * math.pi))
+    density = np.exp(-((actions - mean) ** 2) / (2 * sigma**2)) / (sigma * math.sqrt(2 * math.pi))
     want_logprob = np.log(np.prod(density, axis=-1))
-    want_entropy = np.sum(0.5 * np.log(2 * math.pi * math.e * sigma ** 2), axis=-1)
+    want_entropy = np.sum(0.5 * np.log(2 * math.pi * math.e * sigma**2), axis=-1)
     np.testing.assert_allclose(np.asarray(logprob), want_logprob, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(entropy), want_entropy, rtol=1e-5, atol=1e-5)
     # Standard normal in A dimensions at its mean: -A/2 log(2 pi).
@@ -246,8 +260,14 @@ def test_sample_action_distribution():
     """Samples follow the distribution that log_prob_entropy scores (fixed key: deterministic)."""
     key_c, key_g = jax.random.split(jax.random.PRNGKey(0))
     logits = jnp.log(jnp.array([[0.1, 0.6, 0.3]]))
-    samples = np.asarray(ppo.sample_action(jnp.repeat(logits, 20_000, axis=0), jax.random.split(key_c, 20_000), False))
-    np.testing.assert_allclose(np.bincount(samples, minlength=3) / samples.size, [0.1, 0.6, 0.3], atol=0.02)
+    samples = np.asarray(
+        ppo.sample_action(
+            jnp.repeat(logits, 20_000, axis=0), jax.random.split(key_c, 20_000), False
+        )
+    )
+    np.testing.assert_allclose(
+        np.bincount(samples, minlength=3) / samples.size, [0.1, 0.6, 0.3], atol=0.02
+    )
     pi = jnp.repeat(jnp.array([[1.0, -2.0, math.log(0.5), math.log(2.0)]]), 20_000, axis=0)
     samples = np.asarray(ppo.sample_action(pi, jax.random.split(key_g, 20_000), True))
     assert samples.shape == (20_000, 2)

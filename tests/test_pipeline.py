@@ -66,7 +66,9 @@ class ScriptedEnvPool:
         self.elapsed = np.zeros(num_envs, np.int64)
         self.ended = np.zeros(num_envs, bool)  # the last observation returned ended its episode
         self.in_flight = set()
-        self.returned = [[] for _ in range(num_envs)]  # per env: (obs, reward, terminated, truncated)
+        self.returned = [
+            [] for _ in range(num_envs)
+        ]  # per env: (obs, reward, terminated, truncated)
         self.received = [[] for _ in range(num_envs)]  # per env: actions, in order
         self.errors = []
         self.closed = False
@@ -79,7 +81,7 @@ class ScriptedEnvPool:
         if len(ready) < self.batch_size:
             self.errors.append(f"recv() with only {len(ready)} envs in flight")
             raise RuntimeError(self.errors[-1])
-        env_ids = self.rng.permutation(ready)[:self.batch_size]
+        env_ids = self.rng.permutation(ready)[: self.batch_size]
         obs = np.zeros((self.batch_size, 2), np.float32)
         reward = np.zeros(self.batch_size, np.float32)
         terminated = np.zeros(self.batch_size, bool)
@@ -96,10 +98,15 @@ class ScriptedEnvPool:
             self.ended[e] = terminated[i] or truncated[i]
             obs[i] = [e, n]
             reward[i] = 0.5 + code(e, n) if self.elapsed[e] > 0 else np.nan
-            self.returned[e].append((obs[i].copy(), float(reward[i]), bool(terminated[i]), bool(truncated[i])))
+            self.returned[e].append(
+                (obs[i].copy(), float(reward[i]), bool(terminated[i]), bool(truncated[i]))
+            )
             self.count[e] += 1
             self.in_flight.remove(e)
-        info = {"env_id": env_ids.astype(np.int32), "elapsed_step": self.elapsed[env_ids].astype(np.int32)}
+        info = {
+            "env_id": env_ids.astype(np.int32),
+            "elapsed_step": self.elapsed[env_ids].astype(np.int32),
+        }
         return obs, reward, terminated, truncated, info
 
     def send(self, actions, env_ids):
@@ -145,7 +152,20 @@ class ScriptedPolicy:
 
 # (num_envs of each split, rollout length); episode lengths and truncation per env
 SPLIT_SIZE, NUM_STEPS = 3, 5
-EPISODE_LENGTHS = [4, 2, 6, 1, 9, 3, 5, 4, 7, 2, 10, 3]  # 4 + the reset step = NUM_STEPS: ends on a boundary
+EPISODE_LENGTHS = [
+    4,
+    2,
+    6,
+    1,
+    9,
+    3,
+    5,
+    4,
+    7,
+    2,
+    10,
+    3,
+]  # 4 + the reset step = NUM_STEPS: ends on a boundary
 TRUNCATING = {1, 4, 7, 10}
 
 
@@ -155,8 +175,12 @@ def make_pipeline(module, num_splits, queue_size=0, seed=0):
     envs = ScriptedEnvPool(num_envs, SPLIT_SIZE, EPISODE_LENGTHS[:num_envs], TRUNCATING, seed)
     shared = threads.Shared(0, 0)
     policy = ScriptedPolicy(shared)
-    args = dataclasses.replace(module.Args(env_id="CartPole-v1"), num_envs=num_envs, num_steps=NUM_STEPS,
-                               num_splits=num_splits)
+    args = dataclasses.replace(
+        module.Args(env_id="CartPole-v1"),
+        num_envs=num_envs,
+        num_steps=NUM_STEPS,
+        num_splits=num_splits,
+    )
     return envs, policy, shared, args, queue.Queue(maxsize=queue_size)
 
 
@@ -167,7 +191,15 @@ def check_rollouts(rollouts, envs, policy):
     T, B = NUM_STEPS, envs.num_envs
     for k, rollout in enumerate(rollouts):
         assert rollout["obs"].shape == (T, B, 2) and rollout["bootstrap_obs"].shape == (B, 2)
-        for name in ["actions", "logprobs", "rewards", "dones", "truncated", "valid", "policy_version"]:
+        for name in [
+            "actions",
+            "logprobs",
+            "rewards",
+            "dones",
+            "truncated",
+            "valid",
+            "policy_version",
+        ]:
             assert rollout[name].shape == (T, B), name
         for e in range(B):
             for t in range(T):
@@ -189,7 +221,9 @@ def check_rollouts(rollouts, envs, policy):
                 assert rollout["valid"][t, e] == float(not (term or trunc)), where
                 assert rollout["policy_version"][t, e] == policy.version_at[(e, n)], where
             next_obs = envs.returned[e][(k + 1) * T][0]
-            np.testing.assert_array_equal(rollout["bootstrap_obs"][e], next_obs, err_msg=f"rollout {k}, env {e}")
+            np.testing.assert_array_equal(
+                rollout["bootstrap_obs"][e], next_obs, err_msg=f"rollout {k}, env {e}"
+            )
         if k + 1 < len(rollouts):
             np.testing.assert_array_equal(rollout["bootstrap_obs"], rollouts[k + 1]["obs"][0])
     # Independently of the recording: episodes end where each env's length puts them.
@@ -220,7 +254,9 @@ def test_actor_loop_trajectory_integrity(script, num_splits):
     module = load_script(script)
     envs, policy, shared, args, rollout_queue = make_pipeline(module, num_splits, seed=num_splits)
     num_rollouts = 6
-    module.actor_loop(envs, policy, shared, rollout_queue, jax.random.PRNGKey(0), args, num_rollouts)
+    module.actor_loop(
+        envs, policy, shared, rollout_queue, jax.random.PRNGKey(0), args, num_rollouts
+    )
     rollouts = drain(rollout_queue)
     assert len(rollouts) == num_rollouts
     check_rollouts(rollouts, envs, policy)
@@ -230,7 +266,7 @@ def test_actor_loop_trajectory_integrity(script, num_splits):
     # Each rollout carries the games that ended in it: each an env's episode length; the env
     # steps sampled (the run's counter) are every action sent.
     lengths = [length for rollout in rollouts for _, _, length in rollout["host"]["games"]]
-    assert lengths and set(lengths) <= set(EPISODE_LENGTHS[:envs.num_envs])
+    assert lengths and set(lengths) <= set(EPISODE_LENGTHS[: envs.num_envs])
     assert int(shared.sampled.sum()) == sum(len(actions) for actions in envs.received)
 
 
@@ -254,20 +290,33 @@ def test_full_queue_blocks_the_actor_and_loses_nothing(script):
     rollout_queue = CountingQueue(maxsize=1)
     num_rollouts = 5
     lifetime = threads.Threads(shared.stop)
-    actor = lifetime.start("actor", module.actor_loop, envs, policy, shared, rollout_queue, jax.random.PRNGKey(0), args,
-                           num_rollouts)
+    actor = lifetime.start(
+        "actor",
+        module.actor_loop,
+        envs,
+        policy,
+        shared,
+        rollout_queue,
+        jax.random.PRNGKey(0),
+        args,
+        num_rollouts,
+    )
     try:
         # The consumer does not read: the actor fills the queue, completes one more rollout, blocks.
         deadline = time.monotonic() + 60
         while not (rollout_queue.puts == 1 and (envs.count.min() - 1) // NUM_STEPS >= 2):
-            assert time.monotonic() < deadline, f"actor did not block: {rollout_queue.puts} puts, {envs.count}"
+            assert time.monotonic() < deadline, (
+                f"actor did not block: {rollout_queue.puts} puts, {envs.count}"
+            )
             assert actor.is_alive(), lifetime.errors
             time.sleep(0.01)
         blocked_at = time.monotonic()
         counts = envs.count.copy()
         waited_before = shared.timing["queue_put"]
         time.sleep(1.0)
-        assert np.array_equal(envs.count, counts), "the actor kept stepping the envs with a full queue"
+        assert np.array_equal(envs.count, counts), (
+            "the actor kept stepping the envs with a full queue"
+        )
         assert rollout_queue.puts == 1 and rollout_queue.qsize() == 1
         # queue_size in the queue + exactly one complete rollout in hand, none beyond.
         assert (envs.count.min() - 1) // NUM_STEPS == 2
@@ -301,8 +350,17 @@ def test_actor_loop_stops_on_stop_event_while_blocked(script):
     envs, policy, shared, args, _ = make_pipeline(module, num_splits=2)
     rollout_queue = queue.Queue(maxsize=1)
     lifetime = threads.Threads(shared.stop)
-    actor = lifetime.start("actor", module.actor_loop, envs, policy, shared, rollout_queue, jax.random.PRNGKey(0), args,
-                           10)
+    actor = lifetime.start(
+        "actor",
+        module.actor_loop,
+        envs,
+        policy,
+        shared,
+        rollout_queue,
+        jax.random.PRNGKey(0),
+        args,
+        10,
+    )
     deadline = time.monotonic() + 30
     while not rollout_queue.full():
         assert time.monotonic() < deadline and actor.is_alive(), lifetime.errors
@@ -351,7 +409,9 @@ STAMPS = np.array(
     np.int32,
 )
 VALID = np.ones(STAMPS.shape, np.float32)
-VALID[2, 1] = VALID[4, 3] = VALID[1, 2] = 0.0  # steps after an episode end: stale ones and a fresh one
+VALID[2, 1] = VALID[4, 3] = VALID[1, 2] = (
+    0.0  # steps after an episode end: stale ones and a fresh one
+)
 STALE = LEARNER_VERSION - STAMPS > MAX_LAG
 
 
@@ -380,7 +440,13 @@ def learner_args(module, **flags):
     T, B = STAMPS.shape
     args = dataclasses.replace(
         module.Args(env_id="CartPole-v1"),
-        **dict(tiny_flags(module.__name__ + ".py"), num_envs=B, num_steps=T, num_splits=1, total_timesteps=100 * T * B),
+        **dict(
+            tiny_flags(module.__name__ + ".py"),
+            num_envs=B,
+            num_steps=T,
+            num_splits=1,
+            total_timesteps=100 * T * B,
+        ),
         max_policy_lag=MAX_LAG,
         **flags,
     )
@@ -393,12 +459,17 @@ def learner(module, **flags):
     network = TinyActorCritic(3)
     params = network.init(jax.random.PRNGKey(0), np.zeros((1, 3), np.float32))
     optimizer = module.make_optimizer(args)
-    state = {"params": params, "opt_state": optimizer.init(params), "global_step": 0, "policy_version": LEARNER_VERSION}
+    state = {
+        "params": params,
+        "opt_state": optimizer.init(params),
+        "global_step": 0,
+        "policy_version": LEARNER_VERSION,
+    }
     return module.make_update(network, optimizer, args, False), state
 
 
 def updated_params(update, state, rollout):
-    new_state, diagnostics = update(state, rollout, jax.random.PRNGKey(1), 10 ** 6)
+    new_state, diagnostics = update(state, rollout, jax.random.PRNGKey(1), 10**6)
     return np.concatenate([np.ravel(x) for x in jax.tree.leaves(new_state["params"])]), diagnostics
 
 
@@ -414,33 +485,45 @@ def test_the_update_measures_pi_against_mu_before_it_moves(script):
     T, B = STAMPS.shape
     network = TinyActorCritic(3)
     logits, _, _ = network.apply(state["params"], rollout["obs"].reshape(T * B, 3))
-    pi = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), rollout["actions"].reshape(-1, 1), 1).reshape(T, B)
+    pi = np.take_along_axis(
+        np.asarray(jax.nn.log_softmax(logits)), rollout["actions"].reshape(-1, 1), 1
+    ).reshape(T, B)
     _, same = updated_params(update, state, dict(rollout, logprobs=pi))
     assert float(same["async/start_clipfrac"]) == 0 and abs(float(same["async/start_kl"])) < 1e-6
-    _, apart = updated_params(update, state, dict(rollout, logprobs=pi + np.log(1.5).astype(np.float32)))
+    _, apart = updated_params(
+        update, state, dict(rollout, logprobs=pi + np.log(1.5).astype(np.float32))
+    )
     assert float(apart["async/start_clipfrac"]) == 1 and float(apart["async/rho_clipfrac"]) == 0
     assert float(apart["async/start_kl"]) == pytest.approx(2 / 3 - 1 - np.log(2 / 3), rel=1e-4)
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("script", ["ppo_sync_baseline.py", "appo_envpool.py", "appo_envpool_xla.py"])
+@pytest.mark.parametrize(
+    "script", ["ppo_sync_baseline.py", "appo_envpool.py", "appo_envpool_xla.py"]
+)
 def test_the_clip_anneals_with_the_budget(script):
     """--anneal-clip (the CartPole preset's): the clip epsilon is clip_coef x (1 - step / budget),
     and the loss clips at it: with pi/mu = 1/1.15 everywhere (|r - 1| = 0.13), one epoch of one
     minibatch measures no clipped transition at the start (0.2) and all of them half-way (0.1).
     The scheduled clip is logged; without the flag it is neither logged nor annealed."""
     module = load_script(script)
-    asynchronous = {"max_policy_lag": 100, "num_splits": 1} if hasattr(module.Args, "max_policy_lag") else {}
+    asynchronous = (
+        {"max_policy_lag": 100, "num_splits": 1} if hasattr(module.Args, "max_policy_lag") else {}
+    )
     args = module.resolve_args(
         dataclasses.replace(
-            module.Args(env_id="CartPole-v1"), **{
-                **tiny_flags(script), "num_envs": 5,
+            module.Args(env_id="CartPole-v1"),
+            **{
+                **tiny_flags(script),
+                "num_envs": 5,
                 "num_steps": 6,
                 "total_timesteps": 3000,
                 "update_epochs": 1,
                 "num_minibatches": 1,
-                **asynchronous
-            }))
+                **asynchronous,
+            },
+        )
+    )
     assert args.anneal_clip and args.clip_coef == 0.2  # the preset
     network = TinyActorCritic(3)
     params = network.init(jax.random.PRNGKey(0), np.zeros((1, 3), np.float32))
@@ -448,17 +531,30 @@ def test_the_clip_anneals_with_the_budget(script):
     rollout = synthetic_rollout(0)
     T, B = STAMPS.shape
     logits, values, _ = network.apply(params, rollout["obs"].reshape(T * B, 3))
-    pi = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), rollout["actions"].reshape(-1, 1), 1).reshape(T, B)
-    rollout = dict(rollout, logprobs=pi + np.log(1.15).astype(np.float32), values=np.asarray(values).reshape(T, B),
-                   policy_version=np.full((T, B), LEARNER_VERSION, np.int32))
-    for flag, step, clip, clipfrac in [(True, 0, 0.2, 0.0), (True, 1000, 0.2 * 2 / 3, 0.0), (True, 1500, 0.1, 1.0),
-                                       (True, 3000, 0.0, 1.0), (False, 1500, None, 0.0)]:
-        update = module.make_update(network, optimizer, dataclasses.replace(args, anneal_clip=flag), False)
+    pi = np.take_along_axis(
+        np.asarray(jax.nn.log_softmax(logits)), rollout["actions"].reshape(-1, 1), 1
+    ).reshape(T, B)
+    rollout = dict(
+        rollout,
+        logprobs=pi + np.log(1.15).astype(np.float32),
+        values=np.asarray(values).reshape(T, B),
+        policy_version=np.full((T, B), LEARNER_VERSION, np.int32),
+    )
+    for flag, step, clip, clipfrac in [
+        (True, 0, 0.2, 0.0),
+        (True, 1000, 0.2 * 2 / 3, 0.0),
+        (True, 1500, 0.1, 1.0),
+        (True, 3000, 0.0, 1.0),
+        (False, 1500, None, 0.0),
+    ]:
+        update = module.make_update(
+            network, optimizer, dataclasses.replace(args, anneal_clip=flag), False
+        )
         state = {
             "params": params,
             "opt_state": optimizer.init(params),
             "global_step": step,
-            "policy_version": LEARNER_VERSION
+            "policy_version": LEARNER_VERSION,
         }
         _, diagnostics = update(state, rollout, jax.random.PRNGKey(1), 3000)
         assert float(diagnostics["clipfrac"]) == clipfrac, (flag, step)
@@ -474,18 +570,30 @@ def test_appo_advantages_carry_one_importance_weight(script):
     V-trace's rho, since PPO's ratio pi / mu weights each sample already (IMPALA's gradient,
     eq. 4, has one rho; both would give rho^2 where pi < mu)."""
     from test_math_async import vtrace_by_definition
+
     module = load_script(script)
     _, state = learner(module)
     args = learner_args(module)
     network = TinyActorCritic(3)
     rollout = synthetic_rollout(2)
-    logprobs, _, values, bootstrap_value = module.rollout_forward(network, state["params"], rollout, False)
-    shift = np.where(np.arange(STAMPS.size).reshape(STAMPS.shape) % 2, np.log(1.5), np.log(0.5)).astype(np.float32)
+    logprobs, _, values, bootstrap_value = module.rollout_forward(
+        network, state["params"], rollout, False
+    )
+    shift = np.where(
+        np.arange(STAMPS.size).reshape(STAMPS.shape) % 2, np.log(1.5), np.log(0.5)
+    ).astype(np.float32)
     rollout["logprobs"] = np.asarray(logprobs) - shift  # log rho = shift
     advantages, returns, _, _ = module.targets(network, state, rollout, args, False, args.clip_coef)
-    rewards = module.time_limit_bootstrap(rollout["rewards"], values, bootstrap_value, rollout["truncated"], args.gamma)
-    inputs = (shift, args.gamma * (1.0 - rollout["dones"]), np.asarray(rewards), np.asarray(values),
-              np.asarray(bootstrap_value))
+    rewards = module.time_limit_bootstrap(
+        rollout["rewards"], values, bootstrap_value, rollout["truncated"], args.gamma
+    )
+    inputs = (
+        shift,
+        args.gamma * (1.0 - rollout["dones"]),
+        np.asarray(rewards),
+        np.asarray(values),
+        np.asarray(bootstrap_value),
+    )
     want_vs, want_advantages = vtrace_by_definition(*inputs, 1.0, 1.0, None, lam=args.gae_lambda)
     np.testing.assert_allclose(np.asarray(returns), want_vs, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(np.asarray(advantages), want_advantages, rtol=1e-4, atol=1e-5)
@@ -494,14 +602,21 @@ def test_appo_advantages_carry_one_importance_weight(script):
 
 
 # Every asynchronous script, and the GAE path of those that can turn V-trace off.
-LEARNER_CASES = [(name, {}) for name in ASYNC_SCRIPTS] + [(name, {
-    "vtrace": False
-}) for name in ASYNC_SCRIPTS if "vtrace" in load_script(name).Args.__dataclass_fields__]
+LEARNER_CASES = [(name, {}) for name in ASYNC_SCRIPTS] + [
+    (name, {"vtrace": False})
+    for name in ASYNC_SCRIPTS
+    if "vtrace" in load_script(name).Args.__dataclass_fields__
+]
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("script", "flags"), LEARNER_CASES, ids=lambda x: x
-                         if isinstance(x, str) else ",".join(f"{k}={v}" for k, v in x.items()) or "defaults")
+@pytest.mark.parametrize(
+    ("script", "flags"),
+    LEARNER_CASES,
+    ids=lambda x: (
+        x if isinstance(x, str) else ",".join(f"{k}={v}" for k, v in x.items()) or "defaults"
+    ),
+)
 def test_update_masks_stale_transitions(script, flags):
     module = load_script(script)
     update, state = learner(module, **flags)
@@ -518,7 +633,7 @@ def test_update_masks_stale_transitions(script, flags):
     assert float(diagnostics["async/policy_lag_mean"]) == pytest.approx(want_mean, rel=1e-6)
     assert float(diagnostics["async/policy_lag_max"]) == lag.max()
     assert float(diagnostics["async/stale_fraction"]) == pytest.approx(want_stale, rel=1e-6)
-    new_state = update(state, rollout, jax.random.PRNGKey(1), 10 ** 6)[0]
+    new_state = update(state, rollout, jax.random.PRNGKey(1), 10**6)[0]
     assert int(new_state["policy_version"]) == LEARNER_VERSION + 1
     assert not np.allclose(params, before), "the update did not change the parameters"
 
@@ -530,11 +645,15 @@ def test_update_masks_stale_transitions(script, flags):
         changed[name] = np.where(stale, other[name], rollout[name])
         assert not np.array_equal(changed[name], rollout[name]), name
     changed["dones"] = np.where(STALE, 1.0 - rollout["dones"], rollout["dones"]).astype(np.float32)
-    changed["truncated"] = np.where(STALE, changed["dones"], rollout["truncated"]).astype(np.float32)
+    changed["truncated"] = np.where(STALE, changed["dones"], rollout["truncated"]).astype(
+        np.float32
+    )
     params_stale_changed, diagnostics_stale = updated_params(update, state, changed)
     np.testing.assert_allclose(params_stale_changed, params, rtol=0, atol=1e-7)
     for name in ["async/policy_lag_mean", "async/policy_lag_max", "async/stale_fraction", "loss"]:
-        assert float(diagnostics_stale[name]) == pytest.approx(float(diagnostics[name]), rel=1e-6), name
+        assert float(diagnostics_stale[name]) == pytest.approx(
+            float(diagnostics[name]), rel=1e-6
+        ), name
 
     # ... while changing one fresh transition's reward does change them.
     t, b = 3, 0
@@ -651,14 +770,28 @@ def check_fault_exit(script, where, tmp_path, actor_fault_call, first_update_sec
     fault_at = float(fault_lines[0].split()[1])
     assert start < fault_at < ended
     if first_update_seconds:  # the fault came while the learner was inside its long call
-        long_at = [float(line.split()[1]) for line in result.stderr.splitlines() if line.startswith("LONG_CALL_AT ")]
-        assert long_at and long_at[0] <= fault_at < long_at[0] + first_update_seconds, describe(result)
-    assert ended - fault_at < 20, f"exited {ended - fault_at:.1f} s after the fault\n{describe(result)}"
+        long_at = [
+            float(line.split()[1])
+            for line in result.stderr.splitlines()
+            if line.startswith("LONG_CALL_AT ")
+        ]
+        assert long_at and long_at[0] <= fault_at < long_at[0] + first_update_seconds, describe(
+            result
+        )
+    assert ended - fault_at < 20, (
+        f"exited {ended - fault_at:.1f} s after the fault\n{describe(result)}"
+    )
     message = f"injected {where} fault"
     assert f"RuntimeError: {message}" in result.stderr, describe(result)
     assert "Traceback (most recent call last)" in result.stderr, describe(result)
     # The original traceback: the frame that raised is in it.
-    frame = "update" if where == "learner" else "collect" if script == "appo_envpool_xla.py" else "policy_step"
+    frame = (
+        "update"
+        if where == "learner"
+        else "collect"
+        if script == "appo_envpool_xla.py"
+        else "policy_step"
+    )
     assert f"in faulty_{frame}" in result.stderr, describe(result)
 
 
@@ -685,15 +818,26 @@ def test_actor_lag_one_keeps_the_data_one_update_old(script, tmp_path, monkeypat
     monkeypatch.setattr(module, "make_update", slow_update)
     lags, means = {}, {}
     for lag_one in (False, True):
-        flags = dict(tiny_flags(script), env_id="CartPole-v1", num_splits=1, queue_size=2,
-                     actor_lag=1 if lag_one else None, total_timesteps=10 * TINY_BATCH, run_dir=str(tmp_path /
-                                                                                                    str(lag_one)))
+        flags = dict(
+            tiny_flags(script),
+            env_id="CartPole-v1",
+            num_splits=1,
+            queue_size=2,
+            actor_lag=1 if lag_one else None,
+            total_timesteps=10 * TINY_BATCH,
+            run_dir=str(tmp_path / str(lag_one)),
+        )
         assert module.main(dataclasses.replace(module.Args(), **flags)) == 0
         records = read_metrics(tmp_path / str(lag_one))
-        lags[lag_one], means[lag_one] = (tag_values(records, f"async/policy_lag_{x}") for x in ("max", "mean"))
+        lags[lag_one], means[lag_one] = (
+            tag_values(records, f"async/policy_lag_{x}") for x in ("max", "mean")
+        )
     row_zero = script == "appo_envpool_xla.py"
     assert len(lags[True]) == 10 and max(lags[True]) <= 1 + row_zero and max(lags[False]) >= 3, lags
-    assert max(means[True]) <= 1 + row_zero / TINY_FLAGS["num_steps"] + 0.03 and max(means[False]) >= 2.5, means
+    assert (
+        max(means[True]) <= 1 + row_zero / TINY_FLAGS["num_steps"] + 0.03
+        and max(means[False]) >= 2.5
+    ), means
 
 
 @pytest.mark.timeout(200)
@@ -713,8 +857,14 @@ def test_actor_fault_while_learner_is_in_a_long_call(script, tmp_path):
     the update, which takes that long for the Atari CNN on a busy CPU). At --actor-lag 2 the actor
     collects 3 rollouts on the first parameters, so each script's actor is acting during the call
     (at lag 1 the XLA actor's 3rd rollout, and free-running IMPALA's 2nd, wait for the call's end)."""
-    check_fault_exit(script, "actor", tmp_path, actor_fault_call=ACTOR_FAULT_CALL.get(script, 40),
-                     first_update_seconds=20, extra=dict(actor_lag=2))
+    check_fault_exit(
+        script,
+        "actor",
+        tmp_path,
+        actor_fault_call=ACTOR_FAULT_CALL.get(script, 40),
+        first_update_seconds=20,
+        extra=dict(actor_lag=2),
+    )
 
 
 @pytest.mark.timeout(300)
@@ -732,6 +882,8 @@ def test_main_leaves_no_thread_behind(script, tmp_path):
             signal.signal(signum, handler)
     left = [t for t in threading.enumerate() if t not in before and t.is_alive()]
     assert not left, f"threads started by main still alive after it returned: {left}"
-    non_daemon = [t for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()]
+    non_daemon = [
+        t for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()
+    ]
     assert not non_daemon, non_daemon
     assert tag_values(read_metrics(tmp_path / "run"), "losses/policy_loss")

@@ -51,14 +51,25 @@ def free_port() -> int:
 def start_processes(script, argv, tmp_path, count=2, extra=None):
     """`count` processes of `script argv --distributed ...` on this machine (process i with
     `extra[i]` flags too); their logs in tmp_path/p{i}.out and .err. The list of Popen."""
-    launch = ["--distributed", "--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", str(count)]
+    launch = [
+        "--distributed",
+        "--coordinator-address",
+        f"127.0.0.1:{free_port()}",
+        "--num-processes",
+        str(count),
+    ]
     procs = []
     for i in range(count):
         out, err = open(tmp_path / f"p{i}.out", "w"), open(tmp_path / f"p{i}.err", "w")
         own = (extra or {}).get(i, [])
         procs.append(
-            subprocess.Popen([sys.executable, script, *map(str, argv), *own, *launch, "--process-id",
-                              str(i)], cwd=REPO_ROOT, stdout=out, stderr=err))
+            subprocess.Popen(
+                [sys.executable, script, *map(str, argv), *own, *launch, "--process-id", str(i)],
+                cwd=REPO_ROOT,
+                stdout=out,
+                stderr=err,
+            )
+        )
     return procs
 
 
@@ -73,13 +84,17 @@ def finish_processes(procs, tmp_path, timeout):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    return [(p.returncode, (tmp_path / f"p{i}.out").read_text(), (tmp_path / f"p{i}.err").read_text())
-            for i, p in enumerate(procs)]
+    return [
+        (p.returncode, (tmp_path / f"p{i}.out").read_text(), (tmp_path / f"p{i}.err").read_text())
+        for i, p in enumerate(procs)
+    ]
 
 
 def describe_all(results):
-    return "\n".join(f"=== process {i}: exit {code}\n{out[-2000:]}\n--- stderr ---\n{err[-3000:]}"
-                     for i, (code, out, err) in enumerate(results))
+    return "\n".join(
+        f"=== process {i}: exit {code}\n{out[-2000:]}\n--- stderr ---\n{err[-3000:]}"
+        for i, (code, out, err) in enumerate(results)
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,24 +119,36 @@ def test_update_matches_one_device(script, tmp_path, devices):
     worker = str(REPO_ROOT / "tests" / "scale_worker.py")
     devices(4)
     one = tmp_path / "one.npz"
-    result = subprocess.run([sys.executable, worker, script, one, "0", "0,1", "0,1,2,3"], cwd=REPO_ROOT / "tests",
-                            capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        [sys.executable, worker, script, one, "0", "0,1", "0,1,2,3"],
+        cwd=REPO_ROOT / "tests",
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, describe(result)
     params = dict(np.load(one))
     if script == "ppo_sync_baseline.py":
         devices(2)
         two, address = tmp_path / "two.npz", f"127.0.0.1:{free_port()}"
         procs = [
-            subprocess.Popen([sys.executable, worker, script, two, "0,1", "--distributed", address, "2",
-                              str(i)], cwd=REPO_ROOT / "tests", stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True) for i in range(2)
+            subprocess.Popen(
+                [sys.executable, worker, script, two, "0,1", "--distributed", address, "2", str(i)],
+                cwd=REPO_ROOT / "tests",
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for i in range(2)
         ]
         outputs = [p.communicate(timeout=240) for p in procs]
         assert all(p.returncode == 0 for p in procs), outputs
         params["2 processes x 0,1"] = np.load(two)["0,1"]
     assert len(params) == (4 if script == "ppo_sync_baseline.py" else 3), list(params)
     for ids, values in params.items():
-        np.testing.assert_allclose(values, params["0"], rtol=RTOL, atol=ATOL, err_msg=f"learner devices {ids}")
+        np.testing.assert_allclose(
+            values, params["0"], rtol=RTOL, atol=ATOL, err_msg=f"learner devices {ids}"
+        )
 
 
 SPLIT_PROGRAM = r"""
@@ -165,9 +192,19 @@ def test_the_update_is_split_over_the_learner_devices(script, devices):
     result = run_script("-c", [program], timeout=240)
     assert result.returncode == 0, describe(result)
     for lstm in (False, True):
-        line = next(line for line in result.stdout.splitlines() if line.startswith("LSTM " if lstm else "FF "))
-        rows, reduces = json.loads(line.split(" ROWS ")[1].split(" ALL-REDUCES ")[0]), int(line.split()[-1])
-        assert (52 if lstm and "impala" in script else 48) in rows and not {96, 104} & set(rows), (lstm, rows)
+        line = next(
+            line
+            for line in result.stdout.splitlines()
+            if line.startswith("LSTM " if lstm else "FF ")
+        )
+        rows, reduces = (
+            json.loads(line.split(" ROWS ")[1].split(" ALL-REDUCES ")[0]),
+            int(line.split()[-1]),
+        )
+        assert (52 if lstm and "impala" in script else 48) in rows and not {96, 104} & set(rows), (
+            lstm,
+            rows,
+        )
         assert reduces > 0, line
 
 
@@ -183,7 +220,8 @@ def test_the_update_compiles_once(script, learners, tmp_path, devices, monkeypat
     monkeypatch.setenv("JAX_LOG_COMPILES", "1")
     argv = [
         *cli(script, run_dir=tmp_path / "run", total_timesteps=4 * TINY_BATCH, compile_cache=""),
-        "--learner-device-ids", *learners
+        "--learner-device-ids",
+        *learners,
     ]
     result = run_script(script, argv, timeout=240)
     assert result.returncode == 0, describe(result)
@@ -195,18 +233,46 @@ def test_the_update_compiles_once(script, learners, tmp_path, devices, monkeypat
 # ---------------------------------------------------------------------------------------------
 
 BAD_FLAGS = {
-    "learner-id-out-of-range": (["--learner-device-ids", "4"], ["--learner-device-ids 4", "4 cpu devices"]),
-    "learner-id-twice": (["--learner-device-ids", "1", "1"], ["--learner-device-ids 1 1", "at most once"]),
-    "actor-id-out-of-range": (["--actor-device-ids", "-1"], ["--actor-device-ids -1", "4 cpu devices"]),
-    "batch-over-learners": (["--num-envs", "6", "--learner-device-ids", "0", "1", "2",
-                             "3"], ["6 envs", "4 learner devices"]),
-    "processes-without-distributed": (["--num-processes", "2"], ["--num-processes", "--distributed"]),
-    "processes-without-coordinator": (["--distributed", "--num-processes", "2", "--process-id",
-                                       "0"], ["--coordinator-address"]),
-    "distributed-without-a-cluster": (["--distributed"], ["--distributed", "--coordinator-address"]),
-    "process-id-out-of-range": ([
-        "--distributed", "--coordinator-address", "127.0.0.1:1", "--num-processes", "2", "--process-id", "2"
-    ], ["--process-id 2"]),
+    "learner-id-out-of-range": (
+        ["--learner-device-ids", "4"],
+        ["--learner-device-ids 4", "4 cpu devices"],
+    ),
+    "learner-id-twice": (
+        ["--learner-device-ids", "1", "1"],
+        ["--learner-device-ids 1 1", "at most once"],
+    ),
+    "actor-id-out-of-range": (
+        ["--actor-device-ids", "-1"],
+        ["--actor-device-ids -1", "4 cpu devices"],
+    ),
+    "batch-over-learners": (
+        ["--num-envs", "6", "--learner-device-ids", "0", "1", "2", "3"],
+        ["6 envs", "4 learner devices"],
+    ),
+    "processes-without-distributed": (
+        ["--num-processes", "2"],
+        ["--num-processes", "--distributed"],
+    ),
+    "processes-without-coordinator": (
+        ["--distributed", "--num-processes", "2", "--process-id", "0"],
+        ["--coordinator-address"],
+    ),
+    "distributed-without-a-cluster": (
+        ["--distributed"],
+        ["--distributed", "--coordinator-address"],
+    ),
+    "process-id-out-of-range": (
+        [
+            "--distributed",
+            "--coordinator-address",
+            "127.0.0.1:1",
+            "--num-processes",
+            "2",
+            "--process-id",
+            "2",
+        ],
+        ["--process-id 2"],
+    ),
 }
 
 
@@ -233,11 +299,15 @@ def test_a_bad_flag_in_one_process_stops_all(case, tmp_path, devices):
         (run_dir / CHECKPOINT).write_bytes(b"")
     else:
         extra = {1: ["--seed", "2"]}
-    procs = start_processes("appo_envpool.py", cli("appo_envpool.py", run_dir=run_dir), tmp_path, extra=extra)
+    procs = start_processes(
+        "appo_envpool.py", cli("appo_envpool.py", run_dir=run_dir), tmp_path, extra=extra
+    )
     results = finish_processes(procs, tmp_path, timeout=150)
     assert [code for code, _, _ in results] == [2, 2], describe_all(results)
     lines = [[line for line in err.splitlines() if line.strip()] for _, _, err in results]
-    assert all(len(line) == 1 and line[0].startswith("error: ") for line in lines), describe_all(results)
+    assert all(len(line) == 1 and line[0].startswith("error: ") for line in lines), describe_all(
+        results
+    )
     if case == "run-dir-holds-a-run":
         assert "already holds a run" in lines[0][0] and "another process" in lines[1][0], lines
     else:
@@ -254,17 +324,32 @@ def test_bad_actor_flags_exit_2(script, tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("script_name", ["appo_envpool.py", "appo_envpool_xla.py"])  # the two actors
+@pytest.mark.parametrize(
+    "script_name", ["appo_envpool.py", "appo_envpool_xla.py"]
+)  # the two actors
 def test_config_records_the_global_batch(script_name, tmp_path, devices):
     """2 actor devices x 2 threads x 4 envs, the learner on 2 devices: a tiny run finishes, and
     config.json names the global batch; every update learned 4 rollouts' steps."""
     devices(4)
     argv = cli(script_name, run_dir=tmp_path / "run", total_timesteps=512)
-    argv += ["--actor-device-ids", "2", "3", "--num-actor-threads", "2", "--learner-device-ids", "0", "1"]
+    argv += [
+        "--actor-device-ids",
+        "2",
+        "3",
+        "--num-actor-threads",
+        "2",
+        "--learner-device-ids",
+        "0",
+        "1",
+    ]
     assert_ok(run_script(script_name, argv, timeout=240))
     config = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert config["global_batch"] == "1 process x 4 actor threads x 4 envs x 16 steps = 256 env steps"
-    steps = sorted({r["step"] for r in read_metrics(tmp_path / "run") if r["tag"].startswith("losses/")})
+    assert (
+        config["global_batch"] == "1 process x 4 actor threads x 4 envs x 16 steps = 256 env steps"
+    )
+    steps = sorted(
+        {r["step"] for r in read_metrics(tmp_path / "run") if r["tag"].startswith("losses/")}
+    )
     assert steps == [256, 512]
 
 
@@ -275,14 +360,25 @@ def test_a_user_env_on_2_processes_of_2_learner_devices(tmp_path, devices):
     processes' games and updates of the global batch."""
     devices(2)
     run_dir = tmp_path / "run"
-    argv = cli("appo_envpool.py", env_id="examples.corridor:Corridor", run_dir=run_dir, total_timesteps=1024,
-               num_splits=2) + ["--learner-device-ids", "0", "1"]
-    results = finish_processes(start_processes("appo_envpool.py", argv, tmp_path), tmp_path, timeout=300)
+    argv = cli(
+        "appo_envpool.py",
+        env_id="examples.corridor:Corridor",
+        run_dir=run_dir,
+        total_timesteps=1024,
+        num_splits=2,
+    ) + ["--learner-device-ids", "0", "1"]
+    results = finish_processes(
+        start_processes("appo_envpool.py", argv, tmp_path), tmp_path, timeout=300
+    )
     assert [code for code, _, _ in results] == [0, 0], describe_all(results)
     config = json.loads((run_dir / "config.json").read_text())
-    assert config["global_batch"] == "2 processes x 1 actor thread x 4 envs x 16 steps = 128 env steps", config
+    assert (
+        config["global_batch"] == "2 processes x 1 actor thread x 4 envs x 16 steps = 128 env steps"
+    ), config
     records = read_metrics(run_dir)
-    assert sorted({r["step"] for r in records if r["tag"].startswith("losses/")}) == list(range(128, 1025, 128))
+    assert sorted({r["step"] for r in records if r["tag"].startswith("losses/")}) == list(
+        range(128, 1025, 128)
+    )
     # Corridor (length 4) games last 5 steps or more: 2 x 4 envs play about 1024 / 5 of them at most.
     lengths = tag_values(records, "charts/episodic_length")
     assert 0.8 * 1024 - 8 * 60 < sum(lengths) <= 1024, sum(lengths)
@@ -309,8 +405,10 @@ ON_2_DEVICES = {"appo_envpool.py": 150_000}
 
 def assert_learned(returns, what):
     windows = np.convolve(returns, np.ones(20) / 20, "valid")
-    curve = json.dumps([round(float(w)) for w in windows[::max(1, len(windows) // 40)]])
-    assert windows.max() >= 475, f"{what}: best 20-episode mean {windows.max():.1f}; along the run: {curve}"
+    curve = json.dumps([round(float(w)) for w in windows[:: max(1, len(windows) // 40)]])
+    assert windows.max() >= 475, (
+        f"{what}: best 20-episode mean {windows.max():.1f}; along the run: {curve}"
+    )
 
 
 @pytest.mark.slow
@@ -320,11 +418,24 @@ def test_learns_cartpole_on_2_learner_devices(script_name, tmp_path, devices):
     """The learner on 2 devices; APPO with 2 actor threads, each with its own 8 envs."""
     devices(4)
     argv = [
-        "--env-id", "CartPole-v1", "--eval-episodes", 0, "--run-dir", tmp_path / "run", "--total-timesteps",
-        ON_2_DEVICES[script_name], "--learner-device-ids", 0, 1, "--num-actor-threads", 2
+        "--env-id",
+        "CartPole-v1",
+        "--eval-episodes",
+        0,
+        "--run-dir",
+        tmp_path / "run",
+        "--total-timesteps",
+        ON_2_DEVICES[script_name],
+        "--learner-device-ids",
+        0,
+        1,
+        "--num-actor-threads",
+        2,
     ]
     assert_ok(run_script(script_name, argv, timeout=550))
-    assert_learned(tag_values(read_metrics(tmp_path / "run"), "charts/episodic_return"), script_name)
+    assert_learned(
+        tag_values(read_metrics(tmp_path / "run"), "charts/episodic_return"), script_name
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -361,12 +472,17 @@ def test_sigterm_to_one_process_stops_both_with_a_checkpoint(script_name, tmp_pa
     (tmp_path / "first").mkdir()
     for i in range(2):
         (tmp_path / f"p{i}.out").rename(tmp_path / "first" / f"p{i}.out")
-    resumed = start_processes(script_name, ["--resume", run_dir, "--total-timesteps", step + 2 * batch], tmp_path)
+    resumed = start_processes(
+        script_name, ["--resume", run_dir, "--total-timesteps", step + 2 * batch], tmp_path
+    )
     results = finish_processes(resumed, tmp_path, timeout=200)
     assert [code for code, _, _ in results] == [0, 0], describe_all(results)
     config = json.loads((run_dir / "config.json").read_text())
     assert [r["step"] for r in config["resumes"]] == [step]
-    assert max(r["step"] for r in read_metrics(run_dir) if r["tag"].startswith("losses/")) == step + 2 * batch
+    assert (
+        max(r["step"] for r in read_metrics(run_dir) if r["tag"].startswith("losses/"))
+        == step + 2 * batch
+    )
 
 
 @pytest.mark.timeout(300)
@@ -376,7 +492,11 @@ def test_sigkill_of_one_process_stops_the_other(tmp_path, devices):
     it, SIGABRT, after 21 s), and the last checkpoint readable."""
     devices(1)
     run_dir = tmp_path / "run"
-    argv = [*cli("appo_envpool.py", run_dir=run_dir, total_timesteps=10_000_000), "--save-interval", 1]
+    argv = [
+        *cli("appo_envpool.py", run_dir=run_dir, total_timesteps=10_000_000),
+        "--save-interval",
+        1,
+    ]
     procs = start_processes("appo_envpool.py", argv, tmp_path)
     try:
         wait_until(first_update(run_dir), procs[0], 240)
@@ -442,13 +562,20 @@ def test_fault_in_one_actor_thread_of_2_stops_the_run(script_name, tmp_path):
     """Actor thread 1 of 2 raises at its 50th inference call (the XLA actor: its 3rd rollout
     call): the run exits non-zero within the join deadline, with that thread's traceback, and
     leaves no thread behind (the process ends)."""
-    program = FAULT_PROGRAM.format(tests_dir=str(REPO_ROOT / "tests"), script=script_name,
-                                   run_dir=str(tmp_path / "run"), thread="actor 1", launch={})
+    program = FAULT_PROGRAM.format(
+        tests_dir=str(REPO_ROOT / "tests"),
+        script=script_name,
+        run_dir=str(tmp_path / "run"),
+        thread="actor 1",
+        launch={},
+    )
     result = run_script("-c", [program], timeout=150)
     assert result.returncode == 1, describe(result)
     assert "error in the actor 1 thread:" in result.stderr, describe(result)
     assert "RuntimeError: injected fault in actor 1" in result.stderr, describe(result)
-    assert f"in faulty_{'collect' if 'xla' in script_name else 'policy_step'}" in result.stderr, describe(result)
+    assert f"in faulty_{'collect' if 'xla' in script_name else 'policy_step'}" in result.stderr, (
+        describe(result)
+    )
 
 
 @pytest.mark.timeout(300)
@@ -460,10 +587,17 @@ def test_an_error_in_one_process_stops_the_other(tmp_path, devices):
     procs = []
     for i in range(2):
         launch = dict(distributed=True, coordinator_address=address, num_processes=2, process_id=i)
-        program = FAULT_PROGRAM.format(tests_dir=str(REPO_ROOT / "tests"), script="appo_envpool.py",
-                                       run_dir=str(tmp_path / "run"), thread="actor" if i else "none", launch=launch)
+        program = FAULT_PROGRAM.format(
+            tests_dir=str(REPO_ROOT / "tests"),
+            script="appo_envpool.py",
+            run_dir=str(tmp_path / "run"),
+            thread="actor" if i else "none",
+            launch=launch,
+        )
         out, err = open(tmp_path / f"p{i}.out", "w"), open(tmp_path / f"p{i}.err", "w")
-        procs.append(subprocess.Popen([sys.executable, "-c", program], cwd=REPO_ROOT, stdout=out, stderr=err))
+        procs.append(
+            subprocess.Popen([sys.executable, "-c", program], cwd=REPO_ROOT, stdout=out, stderr=err)
+        )
     results = finish_processes(procs, tmp_path, timeout=240)
     assert [code for code, _, _ in results] == [1, 1], describe_all(results)
     assert "RuntimeError: injected fault in actor" in results[1][2], describe_all(results)

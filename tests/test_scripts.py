@@ -46,61 +46,136 @@ from helpers import (
 # The files side by side: sizes and diffs (the redesign's targets)
 # ---------------------------------------------------------------------------------------------
 
-# The sync baseline's 650 became 665 with legal actions and multi-discrete actions (issue 41: 628 -> 664 lines);
-# the formatter (yapf at 120 columns, pyproject.toml) then split the lines that packed past 120: 677 -> 693.
-# APPO's 900 holds again once its resume start-up moved to jax_async_rl/journal.py (919 -> 891).
+# Each script's lines as `ruff format` lays them out at 100 columns (pyproject.toml), with a margin
+# of about a tenth: a guard against bloat, not a target. Measured on the formatted code, where a
+# call that does not fit takes one argument a line (issue 46: 1,041-1,433 lines for the PPO family,
+# 539-1,136 for the replay family once their loops are on the page).
 LINE_BUDGET = {
-    "ppo_sync_baseline.py": 700,
-    "appo_envpool.py": 900,
-    "impala_envpool.py": 850,
-    "appo_envpool_xla.py": 1050,
-    "dqn_envpool.py": 900,
-    "sac_envpool.py": 900,
-    "td3_envpool.py": 900
+    "ppo_sync_baseline.py": 1150,
+    "appo_envpool.py": 1300,
+    "impala_envpool.py": 1000,
+    "appo_envpool_xla.py": 1550,
+    "dqn_envpool.py": 1300,
+    "sac_envpool.py": 750,
+    "td3_envpool.py": 700,
 }
 # Lines that `diff A B` adds (`grep -c '^>'`): what B changes, and only that.
-ADDED_LINES = [("ppo_sync_baseline.py", "appo_envpool.py", 350), ("appo_envpool.py", "impala_envpool.py", 100),
-               ("appo_envpool.py", "appo_envpool_xla.py", 250), ("sac_envpool.py", "td3_envpool.py", 150)]
-LIBRARY_MODULE_BUDGET = 400
+ADDED_LINES = [
+    ("ppo_sync_baseline.py", "appo_envpool.py", 350),
+    ("appo_envpool.py", "impala_envpool.py", 130),
+    ("appo_envpool.py", "appo_envpool_xla.py", 380),
+    ("sac_envpool.py", "td3_envpool.py", 130),
+]
+# A guard against a module that grows into two: the largest, runs.py, holds about 580 lines.
+LIBRARY_MODULE_BUDGET = 650
+# The anchors' density (CleanRL's dqn_jax.py and td3_continuous_action_jax.py, Cleanba's
+# cleanba_ppo.py: 41-45 characters a code line): a line holds one step of the algorithm.
+MEAN_CODE_LINE = 52
+WIDTH = 100  # the formatter's (pyproject.toml); comments and docstrings fold there too
 
 
 def added_lines(old, new) -> int:
-    result = subprocess.run(["diff", REPO_ROOT / old, REPO_ROOT / new], capture_output=True, text=True)
+    result = subprocess.run(
+        ["diff", REPO_ROOT / old, REPO_ROOT / new], capture_output=True, text=True
+    )
     return sum(line.startswith(">") for line in result.stdout.splitlines())
 
 
-def long_functions(path, limit=60) -> list:
-    """(name, lines) of every function (nested ones too) longer than `limit` lines, decorators included."""
-    tree = ast.parse(path.read_text())
-    return [(node.name, node.end_lineno - node.lineno + 1 + len(node.decorator_list)) for node in ast.walk(tree)
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 +
-            len(node.decorator_list) > limit]
+def code_lines(path) -> list:
+    """The non-blank lines of code of a file: comments and docstrings aside."""
+    text = path.read_text()
+    docstrings = set()
+    for node in ast.walk(ast.parse(text)):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
+            value = body[0].value
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                docstrings.update(range(body[0].lineno, body[0].end_lineno + 1))
+    lines = text.splitlines()
+    return [
+        line
+        for number, line in enumerate(lines, 1)
+        if line.strip() and not line.strip().startswith("#") and number not in docstrings
+    ]
+
+
+def packed(path) -> list:
+    """What was packed to fit a line cap: a walrus, or more than three names assigned a tuple of
+    values at once (unpacking a call's result, as `envs.recv()`, is the API's shape, not packing)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.NamedExpr):
+            found.append((node.lineno, "walrus"))
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Tuple):
+            if any(isinstance(t, ast.Tuple) and len(t.elts) > 3 for t in node.targets):
+                found.append((node.lineno, "tuple"))
+    return sorted(found)
+
+
+CODE = sorted(LINE_BUDGET) + sorted(
+    str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / "jax_async_rl").glob("*.py")
+)
+
+
+def test_every_file_reads_at_the_anchors_density():
+    """Scripts and library: at most MEAN_CODE_LINE characters a code line on average, no line
+    past WIDTH columns but a string that no formatter can break (at most 30 in all), nothing
+    packed to meet a cap."""
+    wide = []
+    for name in CODE:
+        path = REPO_ROOT / name
+        code = code_lines(path)
+        if code:
+            mean = sum(len(line) for line in code) / len(code)
+            assert mean <= MEAN_CODE_LINE, f"{name}: {mean:.1f} characters a code line"
+        wide += [
+            f"{name}:{i}"
+            for i, line in enumerate(path.read_text().splitlines(), 1)
+            if len(line) > WIDTH
+        ]
+        assert not packed(path), (name, packed(path))
+    assert len(wide) <= 30, wide
+
+
+def test_the_layout_checks_see_packing(tmp_path):
+    path = tmp_path / "packed.py"
+    path.write_text(
+        'def f(t):\n    """A docstring, not code."""\n    # a comment\n\n'
+        "    t['env'] += (now := time.perf_counter()) - start\n"
+        "    a, b, c, d = 1, 2, 3, 4\n    w, x, y, z = g()\n"
+    )
+    assert [len(line) for line in code_lines(path)] == [9, 52, 27, 20]
+    assert packed(path) == [(5, "walrus"), (6, "tuple")]
 
 
 def test_scripts_are_lean_and_their_diffs_show_the_idea():
     """Users copy one script and read the diffs: each holds its algorithm within its line budget,
-    no function is over 60 lines, and `diff` adds no more than its bound. A script imports the run
-    library, never a sibling script nor utils/."""
+    and `diff` adds no more than its bound. A script imports the run library, never a sibling
+    script nor utils/."""
     local = re.compile(
-        r"^\s*(from|import) +(utils|common|ppo_sync_baseline|appo_envpool|impala_envpool|appo_envpool_xla)\b", re.M)
+        r"^\s*(from|import) +(utils|common|ppo_sync_baseline|appo_envpool|impala_envpool|appo_envpool_xla)\b",
+        re.M,
+    )
     for name, budget in LINE_BUDGET.items():
         text = (REPO_ROOT / name).read_text()
         lines = text.splitlines()
         assert len(lines) <= budget, f"{name}: {len(lines)} lines, budget {budget}"
         assert not local.search(text), (name, local.findall(text))
-        assert not long_functions(REPO_ROOT / name), (name, long_functions(REPO_ROOT / name))
-        main = [n for n in ast.walk(ast.parse("\n".join(lines))) if isinstance(n, ast.FunctionDef) and n.name == "main"]
-        assert main[0].end_lineno - main[0].lineno + 1 <= 60, name
     for old, new, bound in ADDED_LINES:
-        assert added_lines(old, new) <= bound, f"diff {old} {new} adds {added_lines(old, new)} lines, bound {bound}"
+        assert added_lines(old, new) <= bound, (
+            f"diff {old} {new} adds {added_lines(old, new)} lines, bound {bound}"
+        )
 
 
 def test_the_run_library_is_small_modules_that_import_no_script():
     for path in sorted((REPO_ROOT / "jax_async_rl").glob("*.py")):
         text = path.read_text()
-        assert len(text.splitlines()) <= LIBRARY_MODULE_BUDGET, f"{path.name}: {len(text.splitlines())} lines"
-        assert not re.search(r"^\s*(from|import) +(utils|ppo_sync_baseline|\w*_envpool\w*)\b", text, re.M), path.name
-        assert not long_functions(path), (path.name, long_functions(path))
+        assert len(text.splitlines()) <= LIBRARY_MODULE_BUDGET, (
+            f"{path.name}: {len(text.splitlines())} lines"
+        )
+        assert not re.search(
+            r"^\s*(from|import) +(utils|ppo_sync_baseline|\w*_envpool\w*)\b", text, re.M
+        ), path.name
 
 
 def test_no_library_modules_import_each_other():
@@ -110,12 +185,20 @@ def test_no_library_modules_import_each_other():
     imports = {name: set() for name in modules}
     for name, path in modules.items():
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("jax_async_rl"):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module
+                and node.module.startswith("jax_async_rl")
+            ):
                 tail = node.module.split(".")[1:] or [alias.name for alias in node.names]
                 imports[name] |= {t for t in tail if t in modules}
             elif isinstance(node, ast.Import):
-                imports[name] |= {a.name.split(".")[1] for a in node.names if a.name.startswith("jax_async_rl.")}
-    assert imports["runs"] and imports["threads"], "the walk found no imports: the test reads nothing"
+                imports[name] |= {
+                    a.name.split(".")[1] for a in node.names if a.name.startswith("jax_async_rl.")
+                }
+    assert imports["runs"] and imports["threads"], (
+        "the walk found no imports: the test reads nothing"
+    )
 
     def below(name, seen):  # every module `name` reaches through its imports
         for other in imports[name] - seen:
@@ -126,33 +209,77 @@ def test_no_library_modules_import_each_other():
     assert not [name for name in modules if name in below(name, set())]
 
 
-# What is the same algorithm in several scripts is the same text, so that a fix to one is a fix to all
-# (the networks are what people edit; tests/test_families.py builds every task's network with one).
+# What is the same algorithm in several scripts is the same text, so that a fix to one is a fix to
+# all (the networks are what people edit; tests/test_families.py builds every task's network with
+# one).
 SAME_TEXT = [
-    (list(SCRIPT_TABLE), [
-        "LSTMCore", "zero_core", "ActorCritic", "sample_action", "log_prob_entropy", "masked_logits", "legal_actions",
-        "make_policy_step", "learning_rate_at", "linear_decay", "masked_mean", "rollout_forward", "build"
-    ]),
-    ([
-        "appo_envpool.py", "impala_envpool.py", "appo_envpool_xla.py", "dqn_envpool.py", "sac_envpool.py",
-        "td3_envpool.py"
-    ], ["acting_version"]),  # the actors' schedule: what decides the data
+    (
+        list(SCRIPT_TABLE),
+        [
+            "LSTMCore",
+            "zero_core",
+            "ActorCritic",
+            "sample_action",
+            "log_prob_entropy",
+            "masked_logits",
+            "legal_actions",
+            "make_policy_step",
+            "learning_rate_at",
+            "linear_decay",
+            "masked_mean",
+            "rollout_forward",
+            "build",
+        ],
+    ),
+    (
+        [
+            "appo_envpool.py",
+            "impala_envpool.py",
+            "appo_envpool_xla.py",
+            "dqn_envpool.py",
+            "sac_envpool.py",
+            "td3_envpool.py",
+        ],
+        ["acting_version"],
+    ),  # the actors' schedule: what decides the data
     (["appo_envpool.py", "impala_envpool.py", "appo_envpool_xla.py"], ["vtrace", "learner_loop"]),
     # The Python actor
-    (["appo_envpool.py", "impala_envpool.py"], ["actor_loop", "main"]),  # its storage: jax_async_rl.trajectories
+    (
+        ["appo_envpool.py", "impala_envpool.py"],
+        ["actor_loop", "main"],
+    ),  # its storage: jax_async_rl.trajectories
     (
         ["ppo_sync_baseline.py", "appo_envpool.py", "appo_envpool_xla.py"],  # PPO
-        ["ppo_loss", "compute_gae", "time_limit_bootstrap", "minibatches", "make_optimizer", "clip_coef_at",
-         "PRESETS"]),
-    (["appo_envpool.py", "appo_envpool_xla.py"], ["targets", "make_update", "resolve_args"]),  # APPO
-    (["dqn_envpool.py", "sac_envpool.py", "td3_envpool.py"], ["encode"]),  # replay (its rounds: jax_async_rl.rounds)
-    (["sac_envpool.py",
-      "td3_envpool.py"], ["Critic", "critics", "make_act", "make_learn", "resolve_args", "make_replay"]),
+        [
+            "ppo_loss",
+            "compute_gae",
+            "time_limit_bootstrap",
+            "minibatches",
+            "make_optimizer",
+            "clip_coef_at",
+            "PRESETS",
+        ],
+    ),
+    (
+        ["appo_envpool.py", "appo_envpool_xla.py"],
+        ["targets", "make_update", "resolve_args"],
+    ),  # APPO
+    (
+        ["dqn_envpool.py", "sac_envpool.py", "td3_envpool.py"],
+        ["encode"],
+    ),  # replay (its rounds: jax_async_rl.rounds)
+    (
+        ["sac_envpool.py", "td3_envpool.py"],
+        ["Critic", "critics", "make_act", "make_learn", "resolve_args", "make_replay"],
+    ),
 ]
 
 
-@pytest.mark.parametrize(("scripts", "parts"), SAME_TEXT,
-                         ids=["all", "schedule", "asynchronous", "python-actor", "ppo", "appo", "replay", "qpg"])
+@pytest.mark.parametrize(
+    ("scripts", "parts"),
+    SAME_TEXT,
+    ids=["all", "schedule", "asynchronous", "python-actor", "ppo", "appo", "replay", "qpg"],
+)
 def test_what_is_the_same_algorithm_is_the_same_text(scripts, parts):
     import inspect
 
@@ -184,7 +311,9 @@ def test_smoke_cartpole_eval_and_video(script, cartpole_run):
     assert config["exp_name"] == script[:-3]  # the default: the script's file name
 
 
-SMOKE_VARIANTS = [(name, variant) for name, row in SCRIPT_TABLE.items() for variant in row["variants"]]
+SMOKE_VARIANTS = [
+    (name, variant) for name, row in SCRIPT_TABLE.items() for variant in row["variants"]
+]
 
 
 @pytest.mark.timeout(600)
@@ -216,7 +345,8 @@ def test_sigterm_writes_checkpoint_and_resume_continues(script, tmp_path, capsys
     whole = tmp_path / "whole"
     assert run_main(script, cli(script, total_timesteps=total, run_dir=whole)) == 0
     run_dir = tmp_path / "run"
-    # --log-frequency 1000: the update scalars come at the first update and the last of the budget only.
+    # --log-frequency 1000: the update scalars come at the first update and the last of the budget
+    # only.
     flags = dict(total_timesteps=total, save_interval=1, log_frequency=1000, run_dir=run_dir)
     returncode, stop_seconds, stderr = sigterm_when(
         script,
@@ -236,23 +366,38 @@ def test_sigterm_writes_checkpoint_and_resume_continues(script, tmp_path, capsys
     logged_steps = tag_steps(records, "losses/policy_loss")
     # The checkpoint holds the newest state, the step the stop names.
     assert logged_steps == [TINY_BATCH] and 2 * TINY_BATCH <= saved_step < total, logged_steps
-    assert f"stopped by signal {int(signal.SIGTERM)} at step {saved_step};" in stderr, stderr[-3000:]
-    for tag in ["charts/SPS", "charts/learning_rate", *SCRIPT_TABLE[script]["extra_tags"]]:  # the whole schedule
+    assert f"stopped by signal {int(signal.SIGTERM)} at step {saved_step};" in stderr, stderr[
+        -3000:
+    ]
+    for tag in [
+        "charts/SPS",
+        "charts/learning_rate",
+        *SCRIPT_TABLE[script]["extra_tags"],
+    ]:  # the whole schedule
         assert tag_steps(records, tag) == logged_steps, tag
     assert saved_version > 0
 
     code, out, err = run_main(script, ["--resume", run_dir, "--log-frequency", 1], capsys)
     assert code == 0, err
-    assert f"resumed at step {saved_step}: {(total - saved_step) // TINY_BATCH} updates of " in out, out
-    new_records = read_metrics(run_dir)[len(records):]
+    assert (
+        f"resumed at step {saved_step}: {(total - saved_step) // TINY_BATCH} updates of " in out
+    ), out
+    new_records = read_metrics(run_dir)[len(records) :]
     assert new_records and min(r["step"] for r in new_records) > saved_step
     final = read_checkpoint(run_dir)["state"]
     assert int(final["global_step"]) == total and int(final["policy_version"]) > saved_version
-    expected = {r["step"]: r["value"] for r in read_metrics(whole) if r["tag"] == "charts/learning_rate"}
+    expected = {
+        r["step"]: r["value"] for r in read_metrics(whole) if r["tag"] == "charts/learning_rate"
+    }
     assert sorted(expected) == [TINY_BATCH * (i + 1) for i in range(60)]  # --log-frequency 1
     assert min(expected.values()) < 0.02 * max(expected.values())  # it did anneal to ~0
-    resumed = [(r["step"], r["value"]) for r in read_metrics(run_dir) if r["tag"] == "charts/learning_rate"]
-    assert [step for step, _ in resumed] == [TINY_BATCH, *range(saved_step + TINY_BATCH, total + 1, TINY_BATCH)]
+    resumed = [
+        (r["step"], r["value"]) for r in read_metrics(run_dir) if r["tag"] == "charts/learning_rate"
+    ]
+    assert [step for step, _ in resumed] == [
+        TINY_BATCH,
+        *range(saved_step + TINY_BATCH, total + 1, TINY_BATCH),
+    ]
     for step, value in resumed:
         assert value == pytest.approx(expected[step], rel=1e-6, abs=1e-12), step
 
@@ -266,8 +411,12 @@ def test_non_finite_loss_exits_1_and_keeps_checkpoint(script, cartpole_run, tmp_
     checkpoint = run_dir / CHECKPOINT
     good_bytes = checkpoint.read_bytes()
     saved_step = int(read_checkpoint(checkpoint)["state"]["global_step"])
-    flags = dict(SCRIPT_TABLE[script]["diverge"], save_interval=1, total_timesteps=saved_step + 10 * TINY_BATCH,
-                 resume=run_dir)
+    flags = dict(
+        SCRIPT_TABLE[script]["diverge"],
+        save_interval=1,
+        total_timesteps=saved_step + 10 * TINY_BATCH,
+        resume=run_dir,
+    )
     code, _, err = run_main(script, cli(script, **flags), capsys)
     assert code == 1 and "non-finite" in err and "Traceback" not in err, err
     assert "the last good checkpoint is kept" in err, err
@@ -290,9 +439,16 @@ def test_presets_per_task_and_help(script):
         args = module.resolve_args(module.Args(env_id=env_id))
         got = {name: getattr(args, name) for name in expected}
         assert got == expected, env_id
-    assert module.resolve_args(module.Args(env_id="Pendulum-v1", gamma=0.5)).gamma == 0.5  # an explicit flag wins
-    result = subprocess.run([sys.executable, script, "--help"], cwd=REPO_ROOT, capture_output=True, text=True,
-                            timeout=60)
+    assert (
+        module.resolve_args(module.Args(env_id="Pendulum-v1", gamma=0.5)).gamma == 0.5
+    )  # an explicit flag wins
+    result = subprocess.run(
+        [sys.executable, script, "--help"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     assert max(len(line) for line in result.stdout.splitlines()) <= 100
     presets = " ".join(result.stdout.split("presets:")[1].split("flags:")[0].split())
@@ -302,8 +458,12 @@ def test_presets_per_task_and_help(script):
     preset_flags = {k for values in module.PRESETS.values() for k in values}
     assert preset_flags <= set(options), preset_flags - set(options)
     for flag in preset_flags:
-        assert options[flag].endswith("(default: preset)") and "(default: None)" not in options[flag], options[flag]
-    figures = [text for text in options.values() if re.search(r"\d(\.\d+)?x\b|\d[\d,]* SPS|\d%", text)]
+        assert (
+            options[flag].endswith("(default: preset)") and "(default: None)" not in options[flag]
+        ), options[flag]
+    figures = [
+        text for text in options.values() if re.search(r"\d(\.\d+)?x\b|\d[\d,]* SPS|\d%", text)
+    ]
     assert not figures, f"flag help quotes figures, which belong in docs/results.md: {figures}"
 
 
@@ -316,17 +476,26 @@ def test_help_prints_before_the_libraries_import(script):
     module = load_script(script)
     heavy = {"jax", "jaxlib", "flax", "optax", "numpy", "envpool", "tensorboardX"}
     probe = (
-        "import runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
-        f"finally:\n    print('imported', sorted({heavy!r} & {{m.split('.')[0] for m in sys.modules}}), file=sys.stderr)\n"
+        "import runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path(sys.argv[0], "
+        "run_name='__main__')\n"
+        f"finally:\n    print('imported', sorted({heavy!r} & {{m.split('.')[0] for m in "
+        f"sys.modules}}), file=sys.stderr)\n"
     )
-    result = subprocess.run([sys.executable, "-c", probe, script, "--help"], cwd=REPO_ROOT, capture_output=True,
-                            text=True, timeout=100)
+    result = subprocess.run(
+        [sys.executable, "-c", probe, script, "--help"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout == help_text(script, module.Args, module.PRESETS)
     assert result.stderr.splitlines()[-1] == "imported []", result.stderr
 
 
-SCRIPT_BAD_INPUTS = [(name, case) for name, row in SCRIPT_TABLE.items() for case in row["bad_inputs"]]
+SCRIPT_BAD_INPUTS = [
+    (name, case) for name, row in SCRIPT_TABLE.items() for case in row["bad_inputs"]
+]
 
 
 @pytest.mark.parametrize(("script_name", "case"), SCRIPT_BAD_INPUTS)
@@ -356,8 +525,11 @@ def test_ctrl_c_while_importing(script, tmp_path):
     """Ctrl-C while Python imports JAX, envpool and the rest (the first second): the process ends
     at once, by the signal (the shell's 130), with no traceback and without training on."""
     logs = tmp_path / "logs"
-    proc = start_script(script,
-                        ["--env-id", "CartPole-v1", "--total-timesteps", 10 ** 7, "--run-dir", tmp_path / "run"], logs)
+    proc = start_script(
+        script,
+        ["--env-id", "CartPole-v1", "--total-timesteps", 10**7, "--run-dir", tmp_path / "run"],
+        logs,
+    )
     time.sleep(1.0)
     returncode, stop_seconds, stderr = interrupt(proc, signal.SIGINT, logs)
     assert returncode in (-signal.SIGINT, 128 + signal.SIGINT), stderr
@@ -366,20 +538,26 @@ def test_ctrl_c_while_importing(script, tmp_path):
 
 
 # APPO, whose Pong update (4 epochs x 4 minibatches, unrolled on CPU) compiles for minutes while the
-# actor samples. (The sync baseline compiles in its main thread: test_lib_runs.test_ctrl_c_during_start_up.)
+# actor samples. (The sync baseline compiles in its main thread:
+# test_lib_runs.test_ctrl_c_during_start_up.)
 @pytest.mark.timeout(300)
 def test_progress_lines_while_the_update_compiles(tmp_path):
     """Pong at default flags: a progress line every 5 s from the first rollout on, while XLA
-    compiles the first update; Ctrl-C then exits 130 within seconds: no traceback, nothing to save."""
+    compiles the first update; Ctrl-C then exits 130 within seconds: no traceback, nothing to
+    save."""
     script_name = "appo_envpool.py"
     logs, run_dir = tmp_path / "logs", tmp_path / "run"
-    proc = start_script(script_name, ["--env-id", "Pong-v5", "--run-dir", run_dir, "--compile-cache", ""], logs)
-    progress = re.compile(r"^step +(\d+) sampled +0 learned of 10000000 .*ETA n/a \(compiling the first update\)$")
+    proc = start_script(
+        script_name, ["--env-id", "Pong-v5", "--run-dir", run_dir, "--compile-cache", ""], logs
+    )
+    progress = re.compile(
+        r"^step +(\d+) sampled +0 learned of 10000000 .*ETA n/a \(compiling the first update\)$"
+    )
     seen = []  # (time a progress line appeared, env steps sampled)
 
     def watch():
         lines = (logs / "stdout.txt").read_text().split("\n")[:-1]
-        for line in lines[len(seen) + 2:]:  # after the backend and header lines
+        for line in lines[len(seen) + 2 :]:  # after the backend and header lines
             match = progress.match(line)
             assert match, f"not a progress line: {line!r}"
             seen.append((time.monotonic(), int(match[1])))
@@ -388,17 +566,25 @@ def test_progress_lines_while_the_update_compiles(tmp_path):
     try:
         wait_until(watch, proc, 240)  # the first rollout is under way
         header = (logs / "stdout.txt").read_text().split("\n")[1]
-        assert f"{script_name}: Pong-v5 (preset atari, 2 splits), " in header, header  # images: double buffering
+        assert f"{script_name}: Pong-v5 (preset atari, 2 splits), " in header, (
+            header
+        )  # images: double buffering
         sampling = time.monotonic()
         wait_until(lambda: watch() and len([t for t, _ in seen if t > sampling]) >= 2, proc, 20)
     finally:
         if proc.poll() is not None or count_complete_lines(run_dir / "metrics.jsonl", '"losses/'):
             proc.kill()
     times = [t for t, _ in seen]
-    assert max(b - a for a, b in zip(times, times[1:])) < 8, f"seconds between progress lines: {times}"
+    assert max(b - a for a, b in zip(times, times[1:])) < 8, (
+        f"seconds between progress lines: {times}"
+    )
     first_line = (logs / "stdout.txt").read_text().splitlines()[0]
-    assert first_line.startswith(f"jax {jax.__version__} on cpu: cpu:0"), first_line  # backend and devices
-    assert count_complete_lines(run_dir / "metrics.jsonl", '"losses/') == 0, "the first update finished first"
+    assert first_line.startswith(f"jax {jax.__version__} on cpu: cpu:0"), (
+        first_line
+    )  # backend and devices
+    assert count_complete_lines(run_dir / "metrics.jsonl", '"losses/') == 0, (
+        "the first update finished first"
+    )
     returncode, stop_seconds, stderr = interrupt(proc, signal.SIGINT, logs)
     assert returncode == 128 + signal.SIGINT, stderr
     assert "Traceback" not in stderr and "during start-up" in stderr, stderr
@@ -443,20 +629,28 @@ def test_learns_halfcheetah_with_normalisation(script_name, tmp_path):
     assert_ok(run_script(script_name, argv, timeout=850))
     returns = tag_values(read_metrics(run_dir), "charts/episodic_return")
     windows = np.convolve(returns, np.ones(20) / 20, "valid")
-    curve = json.dumps([round(float(w)) for w in windows[::max(1, len(windows) // 40)]])
-    assert windows.max() > 1000, f"best 20-episode mean {windows.max():.1f}; means along the run: {curve}"
-    assert np.mean(returns[-20:]) > 500, f"last 20 episodes: {returns[-20:]}; means along the run: {curve}"
+    curve = json.dumps([round(float(w)) for w in windows[:: max(1, len(windows) // 40)]])
+    assert windows.max() > 1000, (
+        f"best 20-episode mean {windows.max():.1f}; means along the run: {curve}"
+    )
+    assert np.mean(returns[-20:]) > 500, (
+        f"last 20 episodes: {returns[-20:]}; means along the run: {curve}"
+    )
 
 
 # Seeds 1 and 2 of the sync baseline and APPO (whose runs are not repeatable: thread timing decides
 # which policy version acts); seed 1 of the XLA actor's script (APPO's learner, tested against a
 # replay in test_xla_actor.py) and of IMPALA (its 1M steps are the suite's longest CartPole run;
 # its parity runs, seeds 1-3, reached 475 at 103k +- 21k steps: docs/results.md).
-# Known to fail at times before the CartPole preset annealed its clip (--anneal-clip, rl-baselines3-zoo's
-# lin_0.2): a run could stick near 110-130 for 100k steps (sync seed 5 from 100k on, deterministically;
-# one APPO seed-2 run in the suite). With it, seeds 1-5 of sync and APPO all end at 500 (docs/parity.md).
-CARTPOLE_SEEDS = [(name, seed) for name in SCRIPT_TABLE
-                  for seed in ([1] if name in ("appo_envpool_xla.py", "impala_envpool.py") else [1, 2])]
+# Known to fail at times before the CartPole preset annealed its clip (--anneal-clip,
+# rl-baselines3-zoo's lin_0.2): a run could stick near 110-130 for 100k steps (sync seed 5 from 100k
+# on, deterministically; one APPO seed-2 run in the suite). With it, seeds 1-5 of sync and APPO all
+# end at 500 (docs/parity.md).
+CARTPOLE_SEEDS = [
+    (name, seed)
+    for name in SCRIPT_TABLE
+    for seed in ([1] if name in ("appo_envpool_xla.py", "impala_envpool.py") else [1, 2])
+]
 
 
 @pytest.mark.slow
@@ -483,10 +677,15 @@ def test_learns_cartpole(script_name, seed, tmp_path):
     assert len(returns) >= 20
     # Reaches the threshold within the budget: some 20 consecutive episodes average >= 475.
     windows = np.convolve(returns, np.ones(20) / 20, "valid")
-    curve = json.dumps([round(float(w)) for w in windows[::max(1, len(windows) // 40)]])
-    assert windows.max() >= 475, f"best 20-episode mean {windows.max():.1f}; means along the run: {curve}"
+    curve = json.dumps([round(float(w)) for w in windows[:: max(1, len(windows) // 40)]])
+    assert windows.max() >= 475, (
+        f"best 20-episode mean {windows.max():.1f}; means along the run: {curve}"
+    )
     # And has not fallen back towards a random policy (~22) at the end. Not ">= 475 at the end":
     # the asynchronous scripts' runs differ run to run (which policy version acts depends on thread
     # timing), and after converging, 2 of 20 APPO runs at 150k had a transient dip (the 20-episode
-    # mean down to 130 and 218 for 10k-20k steps, then back to 500); one such dip ended a CI run at 388.
-    assert np.mean(returns[-20:]) >= 200, f"last 20 episodes: {returns[-20:]}; means along the run: {curve}"
+    # mean down to 130 and 218 for 10k-20k steps, then back to 500); one such dip ended a CI run at
+    # 388.
+    assert np.mean(returns[-20:]) >= 200, (
+        f"last 20 episodes: {returns[-20:]}; means along the run: {curve}"
+    )

@@ -19,7 +19,7 @@ class Faulty(gymnasium.Env):
     observation_space = gymnasium.spaces.Box(-1.0, 1.0, (2,), np.float32)
     action_space = gymnasium.spaces.Discrete(2)
 
-    def __init__(self, pid_dir: str = "", at: int = 10 ** 9, how: str = "raise"):
+    def __init__(self, pid_dir: str = "", at: int = 10**9, how: str = "raise"):
         self.at, self.how, self.steps, self.t, self.pid_dir = at, how, 0, 0, pid_dir
         if pid_dir:
             Path(pid_dir, str(os.getpid())).touch()
@@ -50,12 +50,16 @@ class Stuck(gymnasium.Env):
     observation_space = gymnasium.spaces.Box(-1.0, 1.0, (2,), np.float32)
     action_space = gymnasium.spaces.Discrete(2)
 
-    def __init__(self, pid_dir: str = "", at: int = 10 ** 9):
+    def __init__(self, pid_dir: str = "", at: int = 10**9):
         self.at, self.steps, self.pid_dir = at, 0, pid_dir
         self.child = subprocess.Popen(["sleep", "1000"])
         Path(pid_dir, str(self.child.pid)).touch()
-        script = os.path.basename(getattr(sys.modules.get("__mp_main__"), "__file__", None) or "")  # spawn's re-import
-        Path(pid_dir, str(os.getpid())).write_text(" ".join(["jax"] * ("jax" in sys.modules) + [script] * bool(script)))
+        script = os.path.basename(
+            getattr(sys.modules.get("__mp_main__"), "__file__", None) or ""
+        )  # spawn's re-import
+        Path(pid_dir, str(os.getpid())).write_text(
+            " ".join(["jax"] * ("jax" in sys.modules) + [script] * bool(script))
+        )
 
     def reset(self, seed=None, options=None):
         return np.zeros(2, np.float32), {}
@@ -64,7 +68,7 @@ class Stuck(gymnasium.Env):
         self.steps += 1
         if self.steps >= self.at:
             Path(self.pid_dir, "hung").touch()
-            time.sleep(10 ** 6)
+            time.sleep(10**6)
         return np.zeros(2, np.float32), 1.0, self.steps % 5 == 0, False, {}
 
     def close(self):
@@ -103,15 +107,18 @@ class Bad(gymnasium.Env):
 
 
 def dict_env(length: int = 3):
-    """A function that returns an env (the other form of module:callable), with Dict observations."""
+    """A function that returns an env (the other form of module:callable), with Dict
+    observations."""
     return DictEnv(length)
 
 
 class DictEnv(gymnasium.Env):
-    observation_space = gymnasium.spaces.Dict({
-        "position": gymnasium.spaces.Box(0.0, 10.0, (1,), np.float32),
-        "goal": gymnasium.spaces.Discrete(2)
-    })
+    observation_space = gymnasium.spaces.Dict(
+        {
+            "position": gymnasium.spaces.Box(0.0, 10.0, (1,), np.float32),
+            "goal": gymnasium.spaces.Discrete(2),
+        }
+    )
     action_space = gymnasium.spaces.Box(-1.0, 1.0, (1,), np.float32)
 
     def __init__(self, length):
@@ -153,10 +160,17 @@ class Chain(gymnasium.Env):
 
     def step(self, action):
         self.t += 1
-        self.position = min(self.position + 1, self.cells - 1) if action == 1 else max(self.position - 1, 0)
+        self.position = (
+            min(self.position + 1, self.cells - 1) if action == 1 else max(self.position - 1, 0)
+        )
         done = self.position == self.cells - 1
-        return np.eye(self.cells,
-                      dtype=np.float32)[self.position], float(done), done, self.t >= self.limit and not done, {}
+        return (
+            np.eye(self.cells, dtype=np.float32)[self.position],
+            float(done),
+            done,
+            self.t >= self.limit and not done,
+            {},
+        )
 
 
 class LegalMoves(gymnasium.Env):
@@ -166,18 +180,35 @@ class LegalMoves(gymnasium.Env):
     that takes one fails). Games of `length` steps. Observations: the target, the mask (MultiBinary,
     as Jumanji's int8). A policy that knows the mask but not the target scores length / legal."""
 
-    def __init__(self, actions: int = 8, legal: int = 3, length: int = 16, penalty: float = -1.0, strict: bool = False):
-        self.actions, self.legal, self.length, self.penalty, self.strict = actions, legal, length, penalty, strict
+    def __init__(
+        self,
+        actions: int = 8,
+        legal: int = 3,
+        length: int = 16,
+        penalty: float = -1.0,
+        strict: bool = False,
+    ):
+        self.actions, self.legal, self.length, self.penalty, self.strict = (
+            actions,
+            legal,
+            length,
+            penalty,
+            strict,
+        )
         self.action_space = gymnasium.spaces.Discrete(actions)
-        self.observation_space = gymnasium.spaces.Dict({
-            "target": gymnasium.spaces.Discrete(actions),
-            "action_mask": gymnasium.spaces.MultiBinary(actions)
-        })
+        self.observation_space = gymnasium.spaces.Dict(
+            {
+                "target": gymnasium.spaces.Discrete(actions),
+                "action_mask": gymnasium.spaces.MultiBinary(actions),
+            }
+        )
         self.t = 0
 
     def draw(self):
         self.target = int(self.np_random.integers(self.actions))
-        others = self.np_random.permutation(np.delete(np.arange(self.actions), self.target))[:self.legal - 1]
+        others = self.np_random.permutation(np.delete(np.arange(self.actions), self.target))[
+            : self.legal - 1
+        ]
         self.mask = np.zeros(self.actions, np.int8)
         self.mask[[self.target, *others]] = 1
         return {"target": self.target, "action_mask": self.mask.copy()}
@@ -191,7 +222,9 @@ class LegalMoves(gymnasium.Env):
         self.t += 1
         if not self.mask[action]:
             if self.strict:
-                raise ValueError(f"illegal action {action}: legal {np.flatnonzero(self.mask).tolist()}")
+                raise ValueError(
+                    f"illegal action {action}: legal {np.flatnonzero(self.mask).tolist()}"
+                )
             return self.draw(), self.penalty, True, False, {}
         reward = float(action == self.target)
         return self.draw(), reward, False, self.t >= self.length, {}
@@ -202,10 +235,12 @@ class FloatMask(LegalMoves):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.observation_space = gymnasium.spaces.Dict({
-            "target": gymnasium.spaces.Discrete(self.actions),
-            "action_mask": gymnasium.spaces.Box(0.0, 1.0, (self.actions,), np.float32)
-        })
+        self.observation_space = gymnasium.spaces.Dict(
+            {
+                "target": gymnasium.spaces.Discrete(self.actions),
+                "action_mask": gymnasium.spaces.Box(0.0, 1.0, (self.actions,), np.float32),
+            }
+        )
 
     def draw(self):
         return dict(super().draw(), action_mask=self.mask.astype(np.float32))

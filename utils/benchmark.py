@@ -25,10 +25,13 @@ SPS counts agent steps; FPS counts environment frames (agent steps x frame skip)
 Usage: python utils/benchmark.py [--quick] [--env-id Pong-v5]
        python utils/benchmark.py --env-id CartPole-v1 --parts scaling     (the scaling sweep alone)
        python utils/benchmark.py --env-id CartPole-v1 --parts replay      (DQN, async vs serial)
-       python utils/benchmark.py --env-id HalfCheetah-v4 --parts replay --replay-script sac_envpool.py \
+       python utils/benchmark.py --env-id HalfCheetah-v4 --parts replay --replay-script
+       sac_envpool.py \
            --replay-budget 300000 --replay-threshold 3000                  (SAC, async vs serial)
-       python utils/benchmark.py --env-id examples.corridor:Corridor --env-kwargs '{"length": 8}' --parts replay \
-           --replay-flags=--lstm --replay-budget 60000 --replay-threshold 0.5  (R2D2, async vs serial)
+       python utils/benchmark.py --env-id examples.corridor:Corridor --env-kwargs '{"length": 8}'
+       --parts replay \
+           --replay-flags=--lstm --replay-budget 60000 --replay-threshold 0.5  (R2D2, async vs
+           serial)
 """
 
 import dataclasses
@@ -56,7 +59,8 @@ from jax_async_rl.checkpoints import METRICS
 from jax_async_rl.flags import UsageError, run_tool
 
 ROOT = str(Path(__file__).resolve().parent.parent)
-# The training scripts, in the repository root; the first is the baseline the others are compared with.
+# The training scripts, in the repository root; the first is the baseline the others are compared
+# with.
 SCRIPTS = ("ppo_sync_baseline.py", "appo_envpool.py", "impala_envpool.py", "appo_envpool_xla.py")
 XLA_SCRIPT = "appo_envpool_xla.py"
 REPLAY_SCRIPTS = ("dqn_envpool.py", "sac_envpool.py", "td3_envpool.py")
@@ -81,7 +85,8 @@ class Args:
     """about 5 minutes instead of about 20: shorter measurements, a smaller sweep"""
     num_envs: int = 64
     """environments for the ceiling and sampler measurements (2 splits of 32, as Cleanba's Atari
-    runs: a large batch spreads each inference call's fixed cost; see docs/results.md for 8 to 64)"""
+    runs: a large batch spreads each inference call's fixed cost; see docs/results.md for 8 to
+    64)"""
     num_steps: int = 64
     """rollout length for the sampler and for every end-to-end run (matching flags)"""
     pin: bool = True
@@ -94,13 +99,15 @@ class Args:
     seconds: Optional[float] = None
     """length of each ceiling/sampler measurement in seconds (default 15; with --quick 5)"""
     e2e_seconds: Optional[float] = None
-    """seconds each end-to-end run trains after its first update (compilation excluded; default 60; --quick 25)"""
+    """seconds each end-to-end run trains after its first update (compilation excluded; default
+    60; --quick 25)"""
     scripts: tuple[str, ...] = SCRIPTS
     """training scripts of the end-to-end part (empty: skip it)"""
     parts: tuple[str, ...] = ("ceiling", "sampler", "end_to_end")
     """which measurements to run, of ceiling, sampler, end_to_end, replay and scaling"""
     replay_script: str = "dqn_envpool.py"
-    """replay: the replay-family script measured: dqn_envpool.py, sac_envpool.py or td3_envpool.py"""
+    """replay: the replay-family script measured: dqn_envpool.py, sac_envpool.py or
+    td3_envpool.py"""
     replay_budget: int = 60_000
     """replay: env steps each --replay-script run trains (async, then --serial)"""
     replay_threshold: float = 475.0
@@ -110,12 +117,14 @@ class Args:
     scaling_learners: tuple[int, ...] = (1, 2, 4)
     """scaling: learner device counts (--learner-device-ids 0 .. n-1)"""
     scaling_actor_threads: tuple[int, ...] = (1, 2)
-    """scaling: --num-actor-threads values (each thread with --num-envs 8 of its own, on device 0)"""
+    """scaling: --num-actor-threads values (each thread with --num-envs 8 of its own, on device
+    0)"""
     deterministic: bool = False
-    """end_to_end: also run each asynchronous script with --deterministic (IMPALA at --actor-lag 1, the
-    XLA actor with one split, as the mode needs), each beside its free-running row"""
+    """end_to_end: also run each asynchronous script with --deterministic (IMPALA at --actor-lag 1,
+    the XLA actor with one split, as the mode needs), each beside its free-running row"""
     xla_actor: bool = True
-    """also measure appo_envpool_xla.py's sampler (1 and 2 splits), and end to end when --scripts names it"""
+    """also measure appo_envpool_xla.py's sampler (1 and 2 splits), and end to end when --scripts
+    names it"""
     out: Optional[str] = None
     """output folder (default: runs/benchmark__<timestamp>)"""
 
@@ -154,8 +163,9 @@ def measure_ceiling(env_id, num_envs, num_threads, seconds, async_vector_env=Fal
     if async_vector_env:
         import gymnasium
 
-        envs = gymnasium.vector.AsyncVectorEnv([tasks.USER_ENVS[env_id]] * num_envs, shared_memory=True,
-                                               context="spawn")
+        envs = gymnasium.vector.AsyncVectorEnv(
+            [tasks.USER_ENVS[env_id]] * num_envs, shared_memory=True, context="spawn"
+        )
     else:
         envs = tasks.make_env(env_id, num_envs, 1, num_threads, train=True)
     space = envs.single_action_space if async_vector_env else envs.action_space
@@ -166,7 +176,9 @@ def measure_ceiling(env_id, num_envs, num_threads, seconds, async_vector_env=Fal
         if hasattr(space, "n"):
             action = rng.integers(0, space.n, num_envs)
         else:
-            action = rng.uniform(space.low, space.high, (num_envs, *space.shape)).astype(space.dtype)
+            action = rng.uniform(space.low, space.high, (num_envs, *space.shape)).astype(
+                space.dtype
+            )
         envs.step(action)
         steps += num_envs
     sps = steps / (time.perf_counter() - start)
@@ -192,7 +204,17 @@ def core_layout():
     return (cores[0], cores[1:]) if len(cores) > 1 else None
 
 
-def measure_sampler(env_id, num_envs, num_splits, num_steps, seconds, pin=True, lstm=False, xla=False, user=(None, "")):
+def measure_sampler(
+    env_id,
+    num_envs,
+    num_splits,
+    num_steps,
+    seconds,
+    pin=True,
+    lstm=False,
+    xla=False,
+    user=(None, ""),
+):
     """Sampler throughput, measured in a fresh process (pinning and XLA flags must not leak into
     this one or its later runs): (agent steps per second, busy fraction per stage, layout)."""
     import multiprocessing
@@ -200,19 +222,25 @@ def measure_sampler(env_id, num_envs, num_splits, num_steps, seconds, pin=True, 
     layout = core_layout() if pin else None
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    child = ctx.Process(target=sampler_process, args=(env_id, num_envs, num_splits, num_steps, seconds, layout, results,
-                                                      lstm, xla, user),
-                        daemon=False)  # not daemonic: a user env's worker processes are its children
+    child = ctx.Process(
+        target=sampler_process,
+        args=(env_id, num_envs, num_splits, num_steps, seconds, layout, results, lstm, xla, user),
+        daemon=False,
+    )  # not daemonic: a user env's worker processes are its children
     child.start()
     deadline = time.monotonic() + seconds + 300
     try:
         while True:  # wait for the result, but not on a child that died (a crash in C++ code)
             try:
-                outcome, value = results.get(timeout=1.0 if child.is_alive() and time.monotonic() < deadline else 5.0)
+                outcome, value = results.get(
+                    timeout=1.0 if child.is_alive() and time.monotonic() < deadline else 5.0
+                )
                 break
             except queue.Empty:
                 if not child.is_alive() or time.monotonic() >= deadline:
-                    raise RuntimeError(f"the sampler process gave no result (exit code {child.exitcode})") from None
+                    raise RuntimeError(
+                        f"the sampler process gave no result (exit code {child.exitcode})"
+                    ) from None
     finally:
         child.join(timeout=30)
         if child.is_alive():
@@ -222,40 +250,83 @@ def measure_sampler(env_id, num_envs, num_splits, num_steps, seconds, pin=True, 
     sps, busy, threads_on_env_core = value
     if not layout:
         return sps, busy, None
-    return sps, busy, {"env_core": layout[0], "actor_cores": layout[1], "threads_on_env_core": threads_on_env_core}
+    return (
+        sps,
+        busy,
+        {
+            "env_core": layout[0],
+            "actor_cores": layout[1],
+            "threads_on_env_core": threads_on_env_core,
+        },
+    )
 
 
-def sampler_process(env_id, num_envs, num_splits, num_steps, seconds, layout, results, lstm, xla, user):
+def sampler_process(
+    env_id, num_envs, num_splits, num_steps, seconds, layout, results, lstm, xla, user
+):
     """Child process of measure_sampler: pin, then run the actor loop; report through `results`."""
     try:
         if layout:
-            os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {SAMPLER_XLA_FLAGS}".strip()
-            os.sched_setaffinity(0, layout[1])  # this thread and every thread it starts, not envpool's
+            os.environ["XLA_FLAGS"] = (
+                f"{os.environ.get('XLA_FLAGS', '')} {SAMPLER_XLA_FLAGS}".strip()
+            )
+            os.sched_setaffinity(
+                0, layout[1]
+            )  # this thread and every thread it starts, not envpool's
         appo = load_script(XLA_SCRIPT if xla else "appo_envpool.py")
         env_core = layout[0] if layout else None
-        results.put(("ok", run_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds, env_core, lstm, user)))
+        results.put(
+            (
+                "ok",
+                run_sampler(
+                    appo, env_id, num_envs, num_splits, num_steps, seconds, env_core, lstm, user
+                ),
+            )
+        )
     except BaseException:
         results.put(("error", traceback.format_exc()))
 
 
-# The actor's stages (threads.Shared.timing; appo_envpool_xla.py counts its whole call as env): waiting in recv(), dispatching inference, the
-# rollout bookkeeping, waiting for the actions (device_get), and waiting on a full queue.
+# The actor's stages (threads.Shared.timing; appo_envpool_xla.py counts its whole call as env):
+# waiting in recv(), dispatching inference, the rollout bookkeeping, waiting for the actions
+# (device_get), and waiting on a full queue.
 ACTOR_STAGES = ["env", "inference", "bookkeeping", "device_get", "queue_put"]
 
 
-def run_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds, env_core=None, lstm=False, user=(None, "")):
+def run_sampler(
+    appo,
+    env_id,
+    num_envs,
+    num_splits,
+    num_steps,
+    seconds,
+    env_core=None,
+    lstm=False,
+    user=(None, ""),
+):
     """Agent steps per second of `appo`'s actor_loop (appo_envpool.py's or appo_envpool_xla.py's;
     jitted policy, with an LSTM if `lstm`; one env thread, pinned to `env_core` if given), with a
     consumer that drops rollouts: sampling alone, no learning.
-    Returns (SPS, busy fraction of each actor stage (ACTOR_STAGES), threads found pinned to env_core)."""
+    Returns (SPS, busy fraction of each actor stage (ACTOR_STAGES), threads found pinned to
+    env_core)."""
     import jax
 
     args = appo.resolve_args(
-        appo.Args(env_id=env_id, num_envs=num_envs, num_splits=num_splits, num_steps=num_steps, num_threads=1,
-                  lstm=lstm, env_module=user[0], env_kwargs=user[1])  # a user's env: registered in this process too
+        appo.Args(
+            env_id=env_id,
+            num_envs=num_envs,
+            num_splits=num_splits,
+            num_steps=num_steps,
+            num_threads=1,
+            lstm=lstm,
+            env_module=user[0],
+            env_kwargs=user[1],
+        )  # a user's env: registered in this process too
     )
     pin = {} if env_core is None else {"thread_affinity_offset": env_core}
-    envs = tasks.make_env(env_id, num_envs, 1, 1, train=True, batch_size=num_envs // num_splits, **pin)
+    envs = tasks.make_env(
+        env_id, num_envs, 1, 1, train=True, batch_size=num_envs // num_splits, **pin
+    )
     threads_on_env_core = None  # threads allowed on env_core only: 1 (envpool's) if the pin held
     if env_core is not None and os.path.isdir("/proc/self/task"):
         threads_on_env_core = 0
@@ -267,19 +338,35 @@ def run_sampler(appo, env_id, num_envs, num_splits, num_steps, seconds, env_core
     network, _, continuous, _, state = appo.build(args, jax.random.PRNGKey(0))
     params, split_size = state["params"], num_envs // num_splits
     policy_step = appo.make_policy_step(network, continuous, values=False)  # as the actor uses it
-    warm = tasks.zeros_like_space(tasks.spaces(env_id)[0], split_size), appo.zero_core(network.lstm_size, split_size)
+    warm = (
+        tasks.zeros_like_space(tasks.spaces(env_id)[0], split_size),
+        appo.zero_core(network.lstm_size, split_size),
+    )
     ids = np.arange(split_size)  # env ids and steps: each env's draws are keyed by both
     # Compile outside the clock
-    jax.block_until_ready(policy_step(params, *warm, jax.random.PRNGKey(0), ids, np.zeros_like(ids)))
+    jax.block_until_ready(
+        policy_step(params, *warm, jax.random.PRNGKey(0), ids, np.zeros_like(ids))
+    )
     shared = threads.Shared(params, 0)
     rollouts, actors = queue.Queue(maxsize=2), threads.Threads(shared.stop)
-    actor = actors.start("actor", appo.actor_loop, envs, policy_step, shared, rollouts, jax.random.PRNGKey(1), args,
-                         10 ** 9)
+    actor = actors.start(
+        "actor",
+        appo.actor_loop,
+        envs,
+        policy_step,
+        shared,
+        rollouts,
+        jax.random.PRNGKey(1),
+        args,
+        10**9,
+    )
     # Count whole rollouts between the first arrival and the last: steps / time between arrivals
     # has no partial rollout at either end (a rollout can take a second or more).
     arrivals = []  # (time, cumulative stage timings) at each rollout's arrival
     deadline = time.perf_counter() + seconds + 60  # generous: the first rollout may be slow
-    while time.perf_counter() < deadline and not (arrivals and arrivals[-1][0] - arrivals[0][0] >= seconds):
+    while time.perf_counter() < deadline and not (
+        arrivals and arrivals[-1][0] - arrivals[0][0] >= seconds
+    ):
         try:
             rollouts.get(timeout=0.5)
         except queue.Empty:
@@ -312,7 +399,9 @@ def logged_update(metrics_file) -> bool:
         return False
 
 
-def measure_end_to_end(script, env_id, num_envs, num_steps, seconds, out_dir, extra=(), env=None, name=""):
+def measure_end_to_end(
+    script, env_id, num_envs, num_steps, seconds, out_dir, extra=(), env=None, name=""
+):
     """Run `script` (with `extra` flags, environment `env`) until its first update is logged
     (start-up and compilation, however long a busy machine makes them), then `seconds` more; stop
     it with SIGINT, and read its throughput from metrics.jsonl between its first and last update
@@ -328,7 +417,7 @@ def measure_end_to_end(script, env_id, num_envs, num_steps, seconds, out_dir, ex
         "--num-steps",
         str(num_steps),
         "--total-timesteps",
-        str(10 ** 9),
+        str(10**9),
         "--eval-episodes",
         "0",
         "--save-interval",
@@ -342,9 +431,13 @@ def measure_end_to_end(script, env_id, num_envs, num_steps, seconds, out_dir, ex
     if script != "impala_envpool.py" and num_envs * num_steps % 4:
         cmd += ["--num-minibatches", "1"]
     shutil.rmtree(run_dir, ignore_errors=True)  # a previous benchmark's, in the same --out
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+    )
     metrics_file = os.path.join(run_dir, METRICS)
-    deadline = time.time() + 900  # the first update: minutes for the Atari CNN's compile on a busy CPU
+    deadline = (
+        time.time() + 900
+    )  # the first update: minutes for the Atari CNN's compile on a busy CPU
     while time.time() < deadline and proc.poll() is None and not logged_update(metrics_file):
         time.sleep(0.5)
     try:
@@ -368,46 +461,73 @@ def measure_end_to_end(script, env_id, num_envs, num_steps, seconds, out_dir, ex
     sps = (last["step"] - first["step"]) / wall
     timing = {}  # cumulative seconds per stage at the first and the last update
     for r in read_metrics(metrics_file):
-        if r["tag"].startswith("timing/") and r["tag"].endswith("_seconds") and r["step"] in (first["step"],
-                                                                                              last["step"]):
-            timing.setdefault(r["tag"][len("timing/"):-len("_seconds")], []).append(r["value"])
+        if (
+            r["tag"].startswith("timing/")
+            and r["tag"].endswith("_seconds")
+            and r["step"] in (first["step"], last["step"])
+        ):
+            timing.setdefault(r["tag"][len("timing/") : -len("_seconds")], []).append(r["value"])
     busy = {stage: round((v[-1] - v[0]) / wall, 3) for stage, v in timing.items()}
     return sps, busy, len(updates), busy.get("update", 0.0) * wall / (len(updates) - 1)
 
 
 def measure_replay(script, env_id, serial: bool, budget: int, threshold: float, out_dir, flags=()):
-    """A replay-family script at its defaults, asynchronous or --serial, trained for `budget` env steps:
-    SPS between its first and last update, env steps and seconds (from the first update) to the
-    first 20-episode mean at `threshold` (None: not reached), the replay ratio it logged last and
-    its mean policy lag (rounds between the parameters a chunk was collected with and the update).
-    `flags`: more of the script's flags."""
+    """A replay-family script at its defaults, asynchronous or --serial, trained for `budget` env
+    steps: SPS between its first and last update, env steps and seconds (from the first update) to
+    the first 20-episode mean at `threshold` (None: not reached), the replay ratio it logged last
+    and its mean policy lag (rounds between the parameters a chunk was collected with and the
+    update). `flags`: more of the script's flags."""
     run_dir = os.path.join(out_dir, "replay", "serial" if serial else "async")
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [
         sys.executable,
-        os.path.join(ROOT, script), "--env-id", env_id, "--total-timesteps",
-        str(budget), "--eval-episodes", "0", "--save-interval", "0", "--log-frequency", "1", "--run-dir", run_dir,
-        *(["--serial"] if serial else []), *flags
+        os.path.join(ROOT, script),
+        "--env-id",
+        env_id,
+        "--total-timesteps",
+        str(budget),
+        "--eval-episodes",
+        "0",
+        "--save-interval",
+        "0",
+        "--log-frequency",
+        "1",
+        "--run-dir",
+        run_dir,
+        *(["--serial"] if serial else []),
+        *flags,
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.run(
+        cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{script} exited with code {proc.returncode}:\n{proc.stderr[-2000:]}")
     records = read_metrics(os.path.join(run_dir, METRICS))
-    updates = [r for r in records if r["tag"] in ("losses/loss", "losses/qf_loss")]  # DQN's, SAC's and TD3's
+    updates = [
+        r for r in records if r["tag"] in ("losses/loss", "losses/qf_loss")
+    ]  # DQN's, SAC's and TD3's
     if len(updates) < 2:
         return None
     first, last = updates[0], updates[-1]
     games = [r for r in records if r["tag"] == "charts/episodic_return"]
-    means = np.convolve([r["value"] for r in games], np.ones(20) / 20, "valid") if len(games) >= 20 else []
+    means = (
+        np.convolve([r["value"] for r in games], np.ones(20) / 20, "valid")
+        if len(games) >= 20
+        else []
+    )
     hit = next((games[i + 19] for i, m in enumerate(means) if m >= threshold), None)
     values = lambda tag: [r["value"] for r in records if r["tag"] == tag]
     config = json.loads(open(os.path.join(run_dir, "config.json")).read())
-    return dict(sps=(last["step"] - first["step"]) / (last["wall_time"] - first["wall_time"]),
-                steps_to_threshold=hit["step"] if hit else None,
-                seconds_to_threshold=hit["wall_time"] - first["wall_time"] if hit else None, best_mean=float(
-                    max(means, default=float("nan"))),
-                replay_ratio=values("replay/ratio")[-1], target_ratio=config["replay_ratio"], policy_lag=float(
-                    np.mean(values("async/policy_lag_mean"))), updates=len(updates))
+    return dict(
+        sps=(last["step"] - first["step"]) / (last["wall_time"] - first["wall_time"]),
+        steps_to_threshold=hit["step"] if hit else None,
+        seconds_to_threshold=hit["wall_time"] - first["wall_time"] if hit else None,
+        best_mean=float(max(means, default=float("nan"))),
+        replay_ratio=values("replay/ratio")[-1],
+        target_ratio=config["replay_ratio"],
+        policy_lag=float(np.mean(values("async/policy_lag_mean"))),
+        updates=len(updates),
+    )
 
 
 def measure_scaling(env_id, num_steps, seconds, out_dir, learners, threads):
@@ -417,10 +537,26 @@ def measure_scaling(env_id, num_steps, seconds, out_dir, learners, threads):
 
     env = dict(os.environ)
     if jax.default_backend() == "cpu":
-        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
-    extra = ["--learner-device-ids", *map(str, range(learners)), "--num-actor-threads", str(threads)]
-    return measure_end_to_end("appo_envpool.py", env_id, 8, num_steps, seconds, out_dir, extra, env,
-                              name=f"__learners{learners}__threads{threads}")
+        env["XLA_FLAGS"] = (
+            f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
+        )
+    extra = [
+        "--learner-device-ids",
+        *map(str, range(learners)),
+        "--num-actor-threads",
+        str(threads),
+    ]
+    return measure_end_to_end(
+        "appo_envpool.py",
+        env_id,
+        8,
+        num_steps,
+        seconds,
+        out_dir,
+        extra,
+        env,
+        name=f"__learners{learners}__threads{threads}",
+    )
 
 
 def write_report(out_dir, results, quick):
@@ -431,61 +567,97 @@ def write_report(out_dir, results, quick):
     import matplotlib.pyplot as plt
 
     machine = results["machine"]
-    hardware = f"{machine['cpu_count']} CPU cores, JAX on {machine['jax_backend']} ({machine['processor']})"
+    hardware = (
+        f"{machine['cpu_count']} CPU cores, JAX on {machine['jax_backend']} "
+        f"({machine['processor']})"
+    )
     rows = results["measurements"]
-    lines = [f"# Benchmark: {results['env_id']}{' (--quick)' if quick else ''}", "", f"Hardware: {hardware}."]
+    lines = [
+        f"# Benchmark: {results['env_id']}{' (--quick)' if quick else ''}",
+        "",
+        f"Hardware: {hardware}.",
+    ]
     if any(r["kind"] in ("ceiling", "sampler") for r in rows):
         lines += [
-            "", "## Ceiling and sampler", "",
-            "| kind | num_envs | num_splits | env threads | SPS | FPS | of ceiling | actor µs per env step: "
-            "total (env wait, dispatch, bookkeeping, device_get, queue) |", "|---|---|---|---|---|---|---|---|"
+            "",
+            "## Ceiling and sampler",
+            "",
+            "| kind | num_envs | num_splits | env threads | SPS | FPS | of ceiling | actor µs per "
+            "env step: "
+            "total (env wait, dispatch, bookkeeping, device_get, queue) |",
+            "|---|---|---|---|---|---|---|---|",
         ]
     for r in rows:
         if r["kind"] in ("ceiling", "sampler"):
-            frac = f"{r['fraction_of_ceiling']:.0%}" if r.get("fraction_of_ceiling") is not None else ""
+            frac = (
+                f"{r['fraction_of_ceiling']:.0%}"
+                if r.get("fraction_of_ceiling") is not None
+                else ""
+            )
             us = ""
             if r["kind"] == "sampler":  # a stage's busy fraction x wall time / steps
                 per_step = [r["busy"].get(k, 0.0) * 1e6 / r["sps"] for k in ACTOR_STAGES]
                 us = f"{1e6 / r['sps']:.1f} ({', '.join(f'{x:.1f}' for x in per_step)})"
             lines.append(
                 f"| {r['kind']}{' --lstm' * r.get('lstm', False)}{' (XLA actor)' * r.get('xla_actor', False)} | {r['num_envs']} | {r['num_splits'] or ''} | {r['num_threads']} | {r['sps']:.0f} | "
-                f"{r['fps']:.0f} | {frac} | {us} |")
+                f"{r['fps']:.0f} | {frac} | {us} |"
+            )
     samplers = {
         r["num_splits"]: r
-        for r in rows if r["kind"] == "sampler" and not r.get("lstm") and not r.get("xla_actor")
+        for r in rows
+        if r["kind"] == "sampler" and not r.get("lstm") and not r.get("xla_actor")
     }
     xla = {r["num_splits"]: r for r in rows if r["kind"] == "sampler" and r.get("xla_actor")}
     lstm = [r for r in rows if r["kind"] == "sampler" and r.get("lstm")]
     if 1 in samplers and 2 in samplers:
-        lines += ["", f"Double buffering: 2 splits / 1 split = **{samplers[2]['sps'] / samplers[1]['sps']:.2f}x**."]
+        lines += [
+            "",
+            f"Double buffering: 2 splits / 1 split = "
+            f"**{samplers[2]['sps'] / samplers[1]['sps']:.2f}x**.",
+        ]
     if 1 in xla and 2 in xla:
         lines += [
             "",
-            f"Double buffering with the XLA actor ({XLA_SCRIPT}): 2 splits / 1 split = **{xla[2]['sps'] / xla[1]['sps']:.2f}x**."
+            f"Double buffering with the XLA actor ({XLA_SCRIPT}): 2 splits / 1 split = "
+            f"**{xla[2]['sps'] / xla[1]['sps']:.2f}x**.",
         ]
         if 1 in samplers and 2 in samplers:
-            lines[-1] += (f" The XLA actor / the Python actor: {xla[1]['sps'] / samplers[1]['sps']:.2f}x at 1 split, "
-                          f"{xla[2]['sps'] / samplers[2]['sps']:.2f}x at 2 splits.")
+            lines[-1] += (
+                f" The XLA actor / the Python actor: {xla[1]['sps'] / samplers[1]['sps']:.2f}x at "
+                f"1 split, "
+                f"{xla[2]['sps'] / samplers[2]['sps']:.2f}x at 2 splits."
+            )
     if lstm and 2 in samplers:
         lines += [
-            "", f"Recurrent actor: the --lstm sampler / the feed-forward one (2 splits) = "
-            f"**{lstm[0]['sps'] / samplers[2]['sps']:.2f}x**."
+            "",
+            f"Recurrent actor: the --lstm sampler / the feed-forward one (2 splits) = "
+            f"**{lstm[0]['sps'] / samplers[2]['sps']:.2f}x**.",
         ]
     if 1 in samplers and 2 in samplers:
         cores = samplers[2].get("cores")
         if cores:
             lines += [
-                "", f"Sampler layout: envpool's thread pinned to core {cores['env_core']}; the actor thread and "
-                f"XLA (single-threaded) on cores {cores['actor_cores']}."
+                "",
+                f"Sampler layout: envpool's thread pinned to core {cores['env_core']}; the actor "
+                f"thread and "
+                f"XLA (single-threaded) on cores {cores['actor_cores']}.",
             ]
         else:
-            lines += ["", "Sampler layout: not pinned (--no-pin, one core, or no sched_setaffinity on this OS)."]
+            lines += [
+                "",
+                "Sampler layout: not pinned (--no-pin, one core, or no sched_setaffinity on this "
+                "OS).",
+            ]
     e2e = [r for r in rows if r["kind"] == "end_to_end"]
     if e2e:
         lines += [
-            "", "## End to end (training)", "",
-            "| script | num_envs | num_splits | num_steps | SPS | FPS | of sync | of free-running | updates | "
-            "busy fraction of wall time per stage |", "|---|---|---|---|---|---|---|---|---|---|"
+            "",
+            "## End to end (training)",
+            "",
+            "| script | num_envs | num_splits | num_steps | SPS | FPS | of sync | of free-running "
+            "| updates | "
+            "busy fraction of wall time per stage |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         sync = {r["num_envs"]: r["sps"] for r in e2e if r["script"] == SCRIPTS[0]}
         free = {(r["script"], r["num_envs"]): r["sps"] for r in e2e if not r.get("deterministic")}
@@ -493,53 +665,84 @@ def write_report(out_dir, results, quick):
             busy = ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["busy"].items()))
             ratio = f"{r['sps'] / sync[r['num_envs']]:.2f}x" if r["num_envs"] in sync else ""
             own = (r["script"], r["num_envs"])
-            of_free = f"{r['sps'] / free[own]:.2f}x" if r.get("deterministic") and own in free else ""
+            of_free = (
+                f"{r['sps'] / free[own]:.2f}x" if r.get("deterministic") and own in free else ""
+            )
             name = r["script"] + " --deterministic" * bool(r.get("deterministic"))
             lines.append(
-                f"| {name} | {r['num_envs']} | {r.get('num_splits') or ''} | {r['num_steps']} | {r['sps']:.0f} | "
-                f"{r['fps']:.0f} | {ratio} | {of_free} | {r['updates']} | {busy} |")
+                f"| {name} | {r['num_envs']} | {r.get('num_splits') or ''} | {r['num_steps']} | "
+                f"{r['sps']:.0f} | "
+                f"{r['fps']:.0f} | {ratio} | {of_free} | {r['updates']} | {busy} |"
+            )
     replay = [r for r in rows if r["kind"] == "replay"]
     if replay:
         flags = f" {replay[0]['flags']}" if replay[0].get("flags") else ""
         lines += [
-            "", f"## Replay ({replay[0]['script']}{flags}: asynchronous vs --serial, the same replay ratio)", "",
-            f"| mode | SPS | steps to a 20-episode mean of {replay[0]['threshold']:g} | seconds to it | best mean | "
-            "replay ratio achieved (set) | policy lag | rounds |", "|---|---|---|---|---|---|---|---|"
+            "",
+            f"## Replay ({replay[0]['script']}{flags}: asynchronous vs --serial, the same replay "
+            f"ratio)",
+            "",
+            f"| mode | SPS | steps to a 20-episode mean of {replay[0]['threshold']:g} | seconds "
+            f"to it | best mean | "
+            "replay ratio achieved (set) | policy lag | rounds |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for r in replay:
             reached = r["steps_to_threshold"] is not None
-            steps, seconds = (r["steps_to_threshold"],
-                              f"{r['seconds_to_threshold']:.1f}") if reached else ("not reached", "")
+            steps, seconds = (
+                (r["steps_to_threshold"], f"{r['seconds_to_threshold']:.1f}")
+                if reached
+                else ("not reached", "")
+            )
             lines.append(
-                f"| {'serial' if r['serial'] else 'async'} | {r['sps']:.0f} | {steps} | {seconds} | "
-                f"{r['best_mean']:.1f} | {r['replay_ratio']:.2f} ({r['target_ratio']:g}) | {r['policy_lag']:.2f} | "
-                f"{r['updates']} |")
+                f"| {'serial' if r['serial'] else 'async'} | {r['sps']:.0f} | {steps} | {seconds} "
+                f"| "
+                f"{r['best_mean']:.1f} | {r['replay_ratio']:.2f} ({r['target_ratio']:g}) | "
+                f"{r['policy_lag']:.2f} | "
+                f"{r['updates']} |"
+            )
         modes = {r["serial"]: r for r in replay}
         if len(modes) == 2:
-            lines += ["", f"Async / serial SPS: **{modes[False]['sps'] / modes[True]['sps']:.2f}x**."]
+            lines += [
+                "",
+                f"Async / serial SPS: **{modes[False]['sps'] / modes[True]['sps']:.2f}x**.",
+            ]
     scaling = [r for r in rows if r["kind"] == "scaling"]
     if scaling:
         lines += [
-            "", "## Scaling (appo_envpool.py)", "",
-            "| learner devices | actor threads | global batch | SPS | update ms per global batch | updates |",
-            "|---|---|---|---|---|---|"
+            "",
+            "## Scaling (appo_envpool.py)",
+            "",
+            "| learner devices | actor threads | global batch | SPS | update ms per global batch "
+            "| updates |",
+            "|---|---|---|---|---|---|",
         ]
         for r in scaling:
-            lines.append(f"| {r['learner_devices']} | {r['actor_threads']} | {r['num_envs']} x {r['num_steps']} | "
-                         f"{r['sps']:.0f} | {1000 * r['update_seconds']:.1f} | {r['updates']} |")
+            lines.append(
+                f"| {r['learner_devices']} | {r['actor_threads']} | {r['num_envs']} x "
+                f"{r['num_steps']} | "
+                f"{r['sps']:.0f} | {1000 * r['update_seconds']:.1f} | {r['updates']} |"
+            )
         if machine["jax_backend"] == "cpu":
             lines += [
-                "", f"On this CPU the learner devices are {machine['cpu_count']} cores split 4 ways "
-                "(XLA_FLAGS): these figures show the cost of sharding and threads, not a speed-up."
+                "",
+                f"On this CPU the learner devices are {machine['cpu_count']} cores split 4 ways "
+                "(XLA_FLAGS): these figures show the cost of sharding and threads, not a speed-up.",
             ]
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     bars = [(f"ceiling\n{r['num_threads']} thr", r["fps"]) for r in rows if r["kind"] == "ceiling"]
-    bars += [(
-        f"sampler{' lstm' * r['lstm']}{' xla' * r.get('xla_actor', False)}\n{r['num_splits']} split{'s' * (r['num_splits'] > 1)}",
-        r["fps"]) for r in rows if r["kind"] == "sampler"]
+    bars += [
+        (
+            f"sampler{' lstm' * r['lstm']}{' xla' * r.get('xla_actor', False)}\n{r['num_splits']} "
+            f"split{'s' * (r['num_splits'] > 1)}",
+            r["fps"],
+        )
+        for r in rows
+        if r["kind"] == "sampler"
+    ]
     ax.bar([b[0] for b in bars], [b[1] for b in bars], color="tab:blue")
     ax.set_ylabel("FPS (frames / s)")
     ax.set_title(f"{results['env_id']}: sampling throughput\n{hardware}", fontsize=9)
@@ -549,9 +752,17 @@ def write_report(out_dir, results, quick):
     if e2e:
         fig, ax = plt.subplots(figsize=(6, 4))
         for script, det in sorted({(r["script"], bool(r.get("deterministic"))) for r in e2e}):
-            points = sorted((r["num_envs"], r["fps"]) for r in e2e
-                            if r["script"] == script and bool(r.get("deterministic")) == det)
-            ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=script + " --deterministic" * det)
+            points = sorted(
+                (r["num_envs"], r["fps"])
+                for r in e2e
+                if r["script"] == script and bool(r.get("deterministic")) == det
+            )
+            ax.plot(
+                [p[0] for p in points],
+                [p[1] for p in points],
+                "o-",
+                label=script + " --deterministic" * det,
+            )
         ax.set_xlabel("num_envs")
         ax.set_ylabel("training FPS (frames / s)")
         ax.set_xscale("log", base=2)
@@ -583,7 +794,9 @@ def main(args: Args) -> int:
     if unknown:
         raise UsageError(f"--scripts: unknown {unknown}; choose from {list(SCRIPTS)}")
     if args.replay_script not in REPLAY_SCRIPTS:
-        raise UsageError(f"--replay-script {args.replay_script!r}: choose from {', '.join(REPLAY_SCRIPTS)}")
+        raise UsageError(
+            f"--replay-script {args.replay_script!r}: choose from {', '.join(REPLAY_SCRIPTS)}"
+        )
     seconds = args.seconds or (5.0 if args.quick else 15.0)
     e2e_seconds = args.e2e_seconds or (25.0 if args.quick else 60.0)
     sweep = args.sweep_num_envs or ((8,) if args.quick else (4, 8, 16))
@@ -599,25 +812,41 @@ def main(args: Args) -> int:
         "frame_skip": skip,
         "config": dataclasses.asdict(args),
         "machine": machine_info(),
-        "measurements": []
+        "measurements": [],
     }
     jobs = [("ceiling", t) for t in args.ceiling_threads] * ("ceiling" in args.parts)
     jobs += [("ceiling", "AsyncVectorEnv")] * ("ceiling" in args.parts and user)
-    jobs += [("sampler", (1, False, False)), ("sampler", (2, False, False)),
-             ("sampler", (2, True, False))] * ("sampler" in args.parts)
-    jobs += [("sampler", (1, False, True)),
-             ("sampler", (2, False, True))] * ("sampler" in args.parts and args.xla_actor)
+    jobs += [
+        ("sampler", (1, False, False)),
+        ("sampler", (2, False, False)),
+        ("sampler", (2, True, False)),
+    ] * ("sampler" in args.parts)
+    jobs += [("sampler", (1, False, True)), ("sampler", (2, False, True))] * (
+        "sampler" in args.parts and args.xla_actor
+    )
     scripts = [s for s in args.scripts if args.xla_actor or s != XLA_SCRIPT]
     modes = (False, True) if args.deterministic else (False,)
-    jobs += [("end_to_end", (script, n, det)) for n in sweep for script in scripts
-             for det in modes if not det or script != SCRIPTS[0]] * ("end_to_end" in args.parts)
+    jobs += [
+        ("end_to_end", (script, n, det))
+        for n in sweep
+        for script in scripts
+        for det in modes
+        if not det or script != SCRIPTS[0]
+    ] * ("end_to_end" in args.parts)
     jobs += [("replay", serial) for serial in (False, True)] * ("replay" in args.parts)
     devices = len(jax.devices()) if jax.default_backend() != "cpu" else 4
-    jobs += [("scaling", (n, t)) for n in args.scaling_learners if n <= devices
-             for t in args.scaling_actor_threads] * ("scaling" in args.parts)
+    jobs += [
+        ("scaling", (n, t))
+        for n in args.scaling_learners
+        if n <= devices
+        for t in args.scaling_actor_threads
+    ] * ("scaling" in args.parts)
     start = time.time()
     for i, (kind, param) in enumerate(jobs):
-        print(f"[{i + 1}/{len(jobs)}] {kind} {param}  ({time.time() - start:.0f}s elapsed)", flush=True)
+        print(
+            f"[{i + 1}/{len(jobs)}] {kind} {param}  ({time.time() - start:.0f}s elapsed)",
+            flush=True,
+        )
         row = {
             "kind": kind,
             "script": None,
@@ -627,63 +856,138 @@ def main(args: Args) -> int:
             "num_threads": None,
             "num_steps": None,
             "lstm": False,
-            "xla_actor": False
+            "xla_actor": False,
         }
         if kind == "ceiling" and param == "AsyncVectorEnv":
-            row.update(num_threads=f"{args.num_envs} (AsyncVectorEnv)", sps=measure_ceiling(
-                args.env_id, args.num_envs, 0, seconds, True))
+            row.update(
+                num_threads=f"{args.num_envs} (AsyncVectorEnv)",
+                sps=measure_ceiling(args.env_id, args.num_envs, 0, seconds, True),
+            )
         elif kind == "ceiling":
             threads = param or min(os.cpu_count() or 1, args.num_envs)
-            row.update(num_threads=threads, sps=measure_ceiling(args.env_id, args.num_envs, threads, seconds))
+            row.update(
+                num_threads=threads,
+                sps=measure_ceiling(args.env_id, args.num_envs, threads, seconds),
+            )
         elif kind == "replay":
             flags = [
                 *(["--env-module", args.env_module] if args.env_module else []),
-                *(["--env-kwargs", args.env_kwargs] if args.env_kwargs else []), *shlex.split(args.replay_flags)
+                *(["--env-kwargs", args.env_kwargs] if args.env_kwargs else []),
+                *shlex.split(args.replay_flags),
             ]
-            measured = measure_replay(args.replay_script, args.env_id, param, args.replay_budget, args.replay_threshold,
-                                      out_dir, flags)
+            measured = measure_replay(
+                args.replay_script,
+                args.env_id,
+                param,
+                args.replay_budget,
+                args.replay_threshold,
+                out_dir,
+                flags,
+            )
             if measured is None:
-                print(f"    {args.replay_script} made fewer than 2 updates in --replay-budget {args.replay_budget}",
-                      flush=True)
+                print(
+                    f"    {args.replay_script} made fewer than 2 updates in --replay-budget "
+                    f"{args.replay_budget}",
+                    flush=True,
+                )
                 continue
-            row.update(script=args.replay_script, serial=param, num_envs=None, threshold=args.replay_threshold,
-                       flags=args.replay_flags, **measured)
+            row.update(
+                script=args.replay_script,
+                serial=param,
+                num_envs=None,
+                threshold=args.replay_threshold,
+                flags=args.replay_flags,
+                **measured,
+            )
         elif kind == "sampler":
             num_splits, lstm, xla = param
-            sps, busy, layout = measure_sampler(args.env_id, args.num_envs, num_splits, args.num_steps, seconds,
-                                                args.pin, lstm, xla, (args.env_module, args.env_kwargs))
-            ceiling = [r["sps"] for r in results["measurements"] if r["kind"] == "ceiling" and r["num_threads"] == 1]
-            row.update(script=XLA_SCRIPT if xla else "appo_envpool.py", num_splits=num_splits, lstm=lstm, xla_actor=xla,
-                       num_threads=1, num_steps=args.num_steps, sps=sps, busy={
-                           k: round(v, 3)
-                           for k, v in busy.items()
-                       }, cores=layout, fraction_of_ceiling=sps / ceiling[0] if ceiling else None)
+            sps, busy, layout = measure_sampler(
+                args.env_id,
+                args.num_envs,
+                num_splits,
+                args.num_steps,
+                seconds,
+                args.pin,
+                lstm,
+                xla,
+                (args.env_module, args.env_kwargs),
+            )
+            ceiling = [
+                r["sps"]
+                for r in results["measurements"]
+                if r["kind"] == "ceiling" and r["num_threads"] == 1
+            ]
+            row.update(
+                script=XLA_SCRIPT if xla else "appo_envpool.py",
+                num_splits=num_splits,
+                lstm=lstm,
+                xla_actor=xla,
+                num_threads=1,
+                num_steps=args.num_steps,
+                sps=sps,
+                busy={k: round(v, 3) for k, v in busy.items()},
+                cores=layout,
+                fraction_of_ceiling=sps / ceiling[0] if ceiling else None,
+            )
         else:
-            script, num_envs, det = param if kind == "end_to_end" else ("appo_envpool.py", 8 * param[1], False)
+            script, num_envs, det = (
+                param if kind == "end_to_end" else ("appo_envpool.py", 8 * param[1], False)
+            )
             if kind == "end_to_end":
                 flags = [
                     *(["--env-module", args.env_module] if args.env_module else []),
                     *(["--env-kwargs", args.env_kwargs] if args.env_kwargs else []),
                     *(["--deterministic"] if det else []),
                     *(["--actor-lag", "1"] if det and script == "impala_envpool.py" else []),
-                    *(["--num-splits", "1"] if det and script == XLA_SCRIPT else [])
+                    *(["--num-splits", "1"] if det and script == XLA_SCRIPT else []),
                 ]
-                measured = measure_end_to_end(script, args.env_id, num_envs, args.num_steps, e2e_seconds, out_dir,
-                                              flags, name="__deterministic" * det)
+                measured = measure_end_to_end(
+                    script,
+                    args.env_id,
+                    num_envs,
+                    args.num_steps,
+                    e2e_seconds,
+                    out_dir,
+                    flags,
+                    name="__deterministic" * det,
+                )
             else:
-                measured = measure_scaling(args.env_id, args.num_steps, e2e_seconds, out_dir, *param)
+                measured = measure_scaling(
+                    args.env_id, args.num_steps, e2e_seconds, out_dir, *param
+                )
             if measured is None:
                 print(
-                    f"    {script} finished fewer than 2 updates in {e2e_seconds:.0f}s after its first; raise --e2e-seconds",
-                    flush=True)
+                    f"    {script} finished fewer than 2 updates in {e2e_seconds:.0f}s after its "
+                    f"first; raise --e2e-seconds",
+                    flush=True,
+                )
                 continue
             sps, busy, updates, update_seconds = measured
-            splits = None if script == SCRIPTS[0] else 1 if det and script == XLA_SCRIPT else appo.resolve_args(
-                # The default
-                appo.Args(env_id=args.env_id, env_module=args.env_module, env_kwargs=args.env_kwargs)).num_splits
-            row.update(script=script, deterministic=det, num_envs=num_envs, num_splits=splits,
-                       xla_actor=script == XLA_SCRIPT, num_threads=min(os.cpu_count() or 1, num_envs),
-                       num_steps=args.num_steps, sps=sps, busy=busy, updates=updates, update_seconds=update_seconds)
+            splits = (
+                None
+                if script == SCRIPTS[0]
+                else 1
+                if det and script == XLA_SCRIPT
+                else appo.resolve_args(
+                    # The default
+                    appo.Args(
+                        env_id=args.env_id, env_module=args.env_module, env_kwargs=args.env_kwargs
+                    )
+                ).num_splits
+            )
+            row.update(
+                script=script,
+                deterministic=det,
+                num_envs=num_envs,
+                num_splits=splits,
+                xla_actor=script == XLA_SCRIPT,
+                num_threads=min(os.cpu_count() or 1, num_envs),
+                num_steps=args.num_steps,
+                sps=sps,
+                busy=busy,
+                updates=updates,
+                update_seconds=update_seconds,
+            )
             if kind == "scaling":
                 row.update(learner_devices=param[0], actor_threads=param[1])
         row["fps"] = row["sps"] * skip

@@ -5,9 +5,10 @@ copy of one, renamed and edited). A checkpoint is data, and may come from anyone
 imports the repository's script of that name, or the file `--script` names (a copy of yours),
 never a file the checkpoint points to or one found next to it, and makes a user's Gymnasium env
 (`--env-id module:callable`, `--env-module`) only with `--trust-env-module`. It rebuilds the
-script's `Args` from the stored config, builds the network, normaliser and state template with the script's `build`,
-restores them, and plays with the script's own policy (`make_policy_step`) through the run
-library's evaluation: game scores (unclipped rewards over all lives), as at the end of training.
+script's `Args` from the stored config, builds the network, normaliser and state template with the
+script's `build`, restores them, and plays with the script's own policy (`make_policy_step`) through
+the run library's evaluation: game scores (unclipped rewards over all lives), as at the end of
+training.
 
 It plays the run's own evaluation policy, as at the end of training, and says which: actions
 sampled from the policy (the PPO family; `--greedy`: the most likely action instead), ε-greedy
@@ -39,7 +40,8 @@ from jax_async_rl.flags import UsageError, describe_os_error, run_tool, stored_f
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # What a training script offers that this tool calls (the scripts' shared interface): the policy
-# from make_policy_step and zero_core (the PPO family), or from evaluation_player (the replay family).
+# from make_policy_step and zero_core (the PPO family), or from evaluation_player (the replay
+# family).
 INTERFACE = ("Args", "resolve_args", "build")
 POLICY_INTERFACES = (("make_policy_step", "zero_core"), ("evaluation_player",))
 # Flags that earlier versions of the scripts had and that do not matter for playing.
@@ -60,11 +62,17 @@ class EvalArgs:
     deterministic policy)"""
     video: bool = False
     """record an mp4 of the first episode under {run}/videos/evaluate__{timestamp}/"""
-    seed: Annotated[Optional[int], tyro.conf.arg(help_behavior_hint="(default: the run's seed)")] = None
+    seed: Annotated[
+        Optional[int], tyro.conf.arg(help_behavior_hint="(default: the run's seed)")
+    ] = None
     """seed of the evaluation (the script plays with seed + 10000)"""
-    out: Annotated[Optional[str], tyro.conf.arg(help_behavior_hint="(default: {run}/eval.json)")] = None
+    out: Annotated[
+        Optional[str], tyro.conf.arg(help_behavior_hint="(default: {run}/eval.json)")
+    ] = None
     """JSON file for the result"""
-    script: Annotated[Optional[str], tyro.conf.arg(help_behavior_hint="(default: the repository's of its name)")] = None
+    script: Annotated[
+        Optional[str], tyro.conf.arg(help_behavior_hint="(default: the repository's of its name)")
+    ] = None
     """the training script to evaluate with (your copy of one); by default the repository's script
     of the name the checkpoint records"""
     trust_env_module: bool = False
@@ -84,8 +92,11 @@ def find_script(payload: dict, path: str, override: Optional[str]) -> Path:
     if (REPO_ROOT / name).is_file():  # read_checkpoint: a file name, no folder
         return REPO_ROOT / name
     where = f" (recorded at {recorded})" if isinstance(recorded, str) else ""
-    raise UsageError(f"{path} was written by {name}{where}, which is not a script of this repository; evaluate.py "
-                     "imports only those, or the file --script names: pass --script PATH if you trust it")
+    raise UsageError(
+        f"{path} was written by {name}{where}, which is not a script of this repository; "
+        f"evaluate.py "
+        "imports only those, or the file --script names: pass --script PATH if you trust it"
+    )
 
 
 def load_training_script(script: Path):
@@ -95,7 +106,9 @@ def load_training_script(script: Path):
     if not any(all(hasattr(module, name) for name in names) for names in POLICY_INTERFACES):
         missing += [name for name in POLICY_INTERFACES[0] if not hasattr(module, name)]
     if missing:
-        raise UsageError(f"{script} does not follow the training scripts' interface (no {', '.join(missing)})")
+        raise UsageError(
+            f"{script} does not follow the training scripts' interface (no {', '.join(missing)})"
+        )
     return module
 
 
@@ -106,22 +119,32 @@ def rebuild_args(module, config: dict, path: str):
     unknown = sorted(set(config) - fields)
     if unknown:
         raise UsageError(
-            f"{path}: its config has fields that {module.__name__}.py's Args lacks ({', '.join(unknown)}); "
-            "it was written by another version of the script")
-    config = stored_flags(module.Args, config, path)  # of the types and in the ranges its Args declares
+            f"{path}: its config has fields that {module.__name__}.py's Args lacks "
+            f"({', '.join(unknown)}); "
+            "it was written by another version of the script"
+        )
+    config = stored_flags(
+        module.Args, config, path
+    )  # of the types and in the ranges its Args declares
     # Written before normalisation existed: nothing was normalised (not today's preset).
     config = {
-        **{
-            k: False
-            for k in ("norm_obs", "norm_reward") if k in fields
-        },
-        **config, "track": False,
-        "resume": None
+        **{k: False for k in ("norm_obs", "norm_reward") if k in fields},
+        **config,
+        "track": False,
+        "resume": None,
     }
     # Evaluation plays with one actor in one process and learns nothing: the training run's
     # processes, devices and minibatch split (checked against them) need not fit here.
-    launch = dict(distributed=False, coordinator_address="", num_processes=0, process_id=-1, actor_device_ids=[0],
-                  learner_device_ids=[0], num_actor_threads=1, num_minibatches=1)
+    launch = dict(
+        distributed=False,
+        coordinator_address="",
+        num_processes=0,
+        process_id=-1,
+        actor_device_ids=[0],
+        learner_device_ids=[0],
+        num_actor_threads=1,
+        num_minibatches=1,
+    )
     config.update({k: v for k, v in launch.items() if k in fields})
     try:
         return module.resolve_args(dataclasses.replace(module.Args(), **config))
@@ -151,12 +174,22 @@ def player(module, args, built, greedy: bool):
     plays it at the end of training; `greedy` (the PPO family): the most likely action."""
     if hasattr(module, "evaluation_player"):  # the replay family: its evaluation policy is its own
         policy, initial_core = module.evaluation_player(args, built)
-        words = f"the run's own evaluation policy, {getattr(module, 'EVAL_POLICY', 'its evaluation_player')}"
-        return policy, initial_core, words + (" (--greedy changes nothing for it)" if greedy else "")
+        words = (
+            f"the run's own evaluation policy, "
+            f"{getattr(module, 'EVAL_POLICY', 'its evaluation_player')}"
+        )
+        return (
+            policy,
+            initial_core,
+            words + (" (--greedy changes nothing for it)" if greedy else ""),
+        )
     network, continuous = built[0], built[2]
     policy = module.make_policy_step(network, continuous, values=False, greedy=greedy)
-    words = ("the most likely action (the mean for continuous actions; the run's own evaluation samples)"
-             if greedy else "the run's own evaluation policy, actions sampled from it")
+    words = (
+        "the most likely action (the mean for continuous actions; the run's own evaluation samples)"
+        if greedy
+        else "the run's own evaluation policy, actions sampled from it"
+    )
     return policy, functools.partial(module.zero_core, network.lstm_size), words
 
 
@@ -165,9 +198,13 @@ def main(cli: EvalArgs) -> int:
     if cli.episodes <= 0:
         raise UsageError(f"--episodes must be positive, got {cli.episodes}")
     if not os.path.exists(cli.run):
-        raise UsageError(f"{cli.run} does not exist; pass a run folder (runs/<run>/) or its {CHECKPOINT}")
+        raise UsageError(
+            f"{cli.run} does not exist; pass a run folder (runs/<run>/) or its {CHECKPOINT}"
+        )
     path = checkpoints.checkpoint_path(cli.run)
-    folders.check_files(os.path.dirname(os.path.abspath(path)))  # writes eval.json and videos/ there: no link
+    folders.check_files(
+        os.path.dirname(os.path.abspath(path))
+    )  # writes eval.json and videos/ there: no link
     payload = checkpoints.read_checkpoint(path)
     if not cli.trust_env_module:
         checkpoints.check_trusted(payload["config"], [], path, "pass --trust-env-module")
@@ -179,13 +216,27 @@ def main(cli: EvalArgs) -> int:
     global_step = int(payload["state"].get("global_step", 0))
 
     run_dir = os.path.dirname(os.path.abspath(path))
-    video_dir = os.path.join(run_dir, "videos", f"evaluate__{int(time.time())}") if cli.video else None
+    video_dir = (
+        os.path.join(run_dir, "videos", f"evaluate__{int(time.time())}") if cli.video else None
+    )
     policy, initial_core, words = player(module, args, built, cli.greedy)
-    own = f"; the run's own evaluation played {args.eval_episodes} at the end of training" if args.eval_episodes else ""
-    print(f"{Path(module.__file__).name}: {args.env_id}, step {global_step}: {cli.episodes} episodes with {words}{own}")
-    scores = evaluation.evaluate(policy, params, initial_core, args, normalizer, cli.episodes, video_dir)
-    videos = sorted(os.path.join(video_dir, f)
-                    for f in os.listdir(video_dir)) if video_dir and os.path.isdir(video_dir) else []
+    own = (
+        f"; the run's own evaluation played {args.eval_episodes} at the end of training"
+        if args.eval_episodes
+        else ""
+    )
+    print(
+        f"{Path(module.__file__).name}: {args.env_id}, step {global_step}: {cli.episodes} "
+        f"episodes with {words}{own}"
+    )
+    scores = evaluation.evaluate(
+        policy, params, initial_core, args, normalizer, cli.episodes, video_dir
+    )
+    videos = (
+        sorted(os.path.join(video_dir, f) for f in os.listdir(video_dir))
+        if video_dir and os.path.isdir(video_dir)
+        else []
+    )
     result = {
         "episodes": len(scores),
         "mean": float(np.mean(scores)),
@@ -201,7 +252,10 @@ def main(cli: EvalArgs) -> int:
         "videos": videos,
     }
     out = cli.out or os.path.join(run_dir, "eval.json")
-    print(f"return over {len(scores)} episodes: {result['mean']:.2f} +- {result['std']:.2f}", flush=True)
+    print(
+        f"return over {len(scores)} episodes: {result['mean']:.2f} +- {result['std']:.2f}",
+        flush=True,
+    )
     for video in videos:
         print(f"video: {video}")
     try:
@@ -210,7 +264,9 @@ def main(cli: EvalArgs) -> int:
     except OSError as e:
         print(
             f"error: the result was not written ({describe_os_error(e)}); the score is above; "
-            "pass --out FILE to keep it", file=sys.stderr)
+            "pass --out FILE to keep it",
+            file=sys.stderr,
+        )
         return 1
     print(f"-> {out}")
     return 0

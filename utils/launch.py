@@ -71,11 +71,17 @@ def check_names(args: LaunchArgs):
     folder and SLURM's job name (a plain name), --out is in an #SBATCH line (sbatch reads a
     backslash as an escape), and a grid value is in a folder's name (no control character)."""
     if not re.fullmatch(r"[A-Za-z0-9._+=,-]+", args.name) or args.name in (".", ".."):
-        raise UsageError(f"--name {args.name!r}: a sweep's name is a folder name: letters, digits and . _ - + = , only")
+        raise UsageError(
+            f"--name {args.name!r}: a sweep's name is a folder name: letters, digits and . _ - + "
+            f"= , only"
+        )
     for what, text in [("--out", args.out), *(("--grid", entry) for entry in args.grid)]:
         if any(ord(c) < 32 or ord(c) == 127 for c in text) or what == "--out" and "\\" in text:
-            raise UsageError(f"{what} {text!r} holds a control character{' or a backslash' * (what == '--out')}; "
-                             "pass plain text")
+            raise UsageError(
+                f"{what} {text!r} holds a control "
+                f"character{' or a backslash' * (what == '--out')}; "
+                "pass plain text"
+            )
 
 
 # A grid's flag and value name each run's folder and are words of the SLURM script: no path
@@ -85,20 +91,28 @@ GRID_WORD = re.compile(r"[A-Za-z0-9._+:@%=-]+")
 
 def parse_grid(grid: list) -> list:
     """["lr=1,2", ...] -> [("lr", ["1", "2"]), ...]; UsageError for a malformed entry, a flag or
-    value of other characters than GRID_WORD's, or a value or a flag named twice (two runs of one folder)."""
+    value of other characters than GRID_WORD's, or a value or a flag named twice (two runs of one
+    folder)."""
     axes = []
     for entry in grid:
         flag, _, values = entry.partition("=")
         flag, values = flag.removeprefix("--"), values.split(",")
         if not flag or not all(values):
-            raise UsageError(f"--grid {entry}: expected FLAG=V1,V2,... (e.g. learning-rate=1e-4,3e-4)")
+            raise UsageError(
+                f"--grid {entry}: expected FLAG=V1,V2,... (e.g. learning-rate=1e-4,3e-4)"
+            )
         for word in [flag, *values]:
             if not GRID_WORD.fullmatch(word) or word in (".", ".."):
-                raise UsageError(f"--grid {entry}: {word!r} names the runs' folders and goes into the SLURM script: "
-                                 "letters, digits and . _ - + : @ % = only (pass other values after --)")
+                raise UsageError(
+                    f"--grid {entry}: {word!r} names the runs' folders and goes into the SLURM "
+                    f"script: "
+                    "letters, digits and . _ - + : @ % = only (pass other values after --)"
+                )
         twice = [v for i, v in enumerate(values) if v in values[:i]]
         if twice:
-            raise UsageError(f"--grid {entry}: {twice[0]} is named twice (its runs would write one folder)")
+            raise UsageError(
+                f"--grid {entry}: {twice[0]} is named twice (its runs would write one folder)"
+            )
         axes.append((flag, values))
     if len({flag for flag, _ in axes}) < len(axes):
         raise UsageError("--grid names a flag twice")
@@ -118,7 +132,9 @@ def check_values(script: str, axes: list):
                 flags.check_names(tokens, args_class)
                 flags.check_bounds(flags.parse(args_class, tokens))
             except UsageError as e:
-                raise UsageError(f"--grid {flag}={value}: {os.path.basename(script)} would refuse it ({e})") from None
+                raise UsageError(
+                    f"--grid {flag}={value}: {os.path.basename(script)} would refuse it ({e})"
+                ) from None
 
 
 def flag_tokens(flag: str, value: str) -> list:
@@ -133,24 +149,43 @@ def plan(args: LaunchArgs, common: list) -> list:
     """The sweep's runs: {"name", "config", "flags", "seed", "dir"}, configurations x seeds."""
     axes = parse_grid(args.grid)
     for flag in ("seed", "run-dir", "exp-name", "resume"):
-        if any(token.split("=")[0] == f"--{flag}" for token in common) or flag in {f for f, _ in axes}:
+        if any(token.split("=")[0] == f"--{flag}" for token in common) or flag in {
+            f for f, _ in axes
+        }:
             raise UsageError(f"--{flag} is the launcher's to set for each run; leave it out")
     sweep_dir = Path(args.out) / args.name
     runs = []
     for values in itertools.product(*[v for _, v in axes]) if axes else [()]:
         config = "__".join(f"{flag}={value}" for (flag, _), value in zip(axes, values)) or "default"
-        flags = [token for (flag, _), value in zip(axes, values) for token in flag_tokens(flag, value)]
+        flags = [
+            token for (flag, _), value in zip(axes, values) for token in flag_tokens(flag, value)
+        ]
         for seed in args.seeds:
             name = f"{config}__seed{seed}"
-            runs.append({"name": name, "config": config, "flags": flags, "seed": seed, "dir": str(sweep_dir / name)})
+            runs.append(
+                {
+                    "name": name,
+                    "config": config,
+                    "flags": flags,
+                    "seed": seed,
+                    "dir": str(sweep_dir / name),
+                }
+            )
     return runs
 
 
 def new_run(script: str, run: dict, common: list, exp_name: str) -> list:
     """A run's command line as a new run: the common flags, its own, its seed and folder."""
     return [
-        script, *common, *run["flags"], "--seed",
-        str(run["seed"]), "--run-dir", run["dir"], "--exp-name", f"{exp_name}__{run['config']}"
+        script,
+        *common,
+        *run["flags"],
+        "--seed",
+        str(run["seed"]),
+        "--run-dir",
+        run["dir"],
+        "--exp-name",
+        f"{exp_name}__{run['config']}",
     ]
 
 
@@ -161,7 +196,7 @@ def env_flags(common: list) -> list:
     for i, token in enumerate(common):
         name = token.split("=")[0]
         if name in ("--env-id", "--env-module"):
-            out += [token] if "=" in token else common[i:i + 2]
+            out += [token] if "=" in token else common[i : i + 2]
     return out
 
 
@@ -174,7 +209,11 @@ def command(script: str, run: dict, common: list, exp_name: str, log) -> list:
         return [sys.executable, script, "--resume", run["dir"], *env_flags(common)]
     if os.path.exists(os.path.join(run["dir"], CONFIG)) and not folders.held(run["dir"]):
         folders.remove_new(run["dir"], {LOG})
-        print(f"launch.py: the attempt before saved no checkpoint; starting {run['name']} afresh", file=log, flush=True)
+        print(
+            f"launch.py: the attempt before saved no checkpoint; starting {run['name']} afresh",
+            file=log,
+            flush=True,
+        )
     return [sys.executable, *new_run(script, run, common, exp_name)]
 
 
@@ -198,14 +237,23 @@ def slurm_script(args: LaunchArgs, runs: list, common: list) -> str:
     that no quoting keeps on one line."""
     output = shlex.quote(f"{Path(args.out) / args.name}/slurm_%a.out")
     lines = [
-        "#!/bin/bash", f"#SBATCH --job-name={shlex.quote(args.name)}", f"#SBATCH --array=0-{len(runs) - 1}",
-        f"#SBATCH --output={output}", "", "case $SLURM_ARRAY_TASK_ID in"
+        "#!/bin/bash",
+        f"#SBATCH --job-name={shlex.quote(args.name)}",
+        f"#SBATCH --array=0-{len(runs) - 1}",
+        f"#SBATCH --output={output}",
+        "",
+        "case $SLURM_ARRAY_TASK_ID in",
     ]
     for i, run in enumerate(runs):
         new = " ".join(shlex.quote(token) for token in new_run(args.script, run, common, args.name))
-        resume = " ".join(shlex.quote(token) for token in [args.script, "--resume", run["dir"], *env_flags(common)])
-        lines.append(f"  {i}) if [ -f {shlex.quote(run['dir'])}/{CHECKPOINT} ]; then python {resume}; "
-                     f"else python {new}; fi ;;")
+        resume = " ".join(
+            shlex.quote(token)
+            for token in [args.script, "--resume", run["dir"], *env_flags(common)]
+        )
+        lines.append(
+            f"  {i}) if [ -f {shlex.quote(run['dir'])}/{CHECKPOINT} ]; then python {resume}; "
+            f"else python {new}; fi ;;"
+        )
     return "\n".join([*lines, "esac", ""])
 
 
@@ -236,19 +284,40 @@ def launch(args: LaunchArgs, common: list, runs: list, sweep_dir: Path) -> int:
     previous = {}
     if (sweep_dir / SWEEP).exists():
         before = json.loads((sweep_dir / SWEEP).read_text())
-        if before.get("common") != common or Path(before.get("script", "")).name != Path(args.script).name:
-            raise UsageError(f"{sweep_dir} ran {before.get('script')} with {shlex.join(before.get('common', []))}: "
-                             "a sweep's runs share the script and flags after --; give new ones a new --name")
+        if (
+            before.get("common") != common
+            or Path(before.get("script", "")).name != Path(args.script).name
+        ):
+            raise UsageError(
+                f"{sweep_dir} ran {before.get('script')} with "
+                f"{shlex.join(before.get('common', []))}: "
+                "a sweep's runs share the script and flags after --; give new ones a new --name"
+            )
         previous = {r["name"]: r for r in before.get("runs", [])}
     for run in runs:
-        run.update(state="done" if previous.get(run["name"], {}).get("state") == "done" else "queued", exit_code=None)
+        run.update(
+            state="done" if previous.get(run["name"], {}).get("state") == "done" else "queued",
+            exit_code=None,
+        )
         run["log"] = str(Path(run["dir"]) / LOG)
     for run in previous.values():
-        if orphan(run):  # a run of a launcher that died: it got SIGTERM with its death and is stopping
-            print(f"waiting for {run['name']} (pid {run['pid']}), left by a launcher that died, to stop", flush=True)
+        if orphan(
+            run
+        ):  # a run of a launcher that died: it got SIGTERM with its death and is stopping
+            print(
+                f"waiting for {run['name']} (pid {run['pid']}), left by a launcher that died, to "
+                f"stop",
+                flush=True,
+            )
             while orphan(run):
                 time.sleep(0.2)
-    record = {"script": args.script, "grid": args.grid, "seeds": args.seeds, "common": common, "runs": runs}
+    record = {
+        "script": args.script,
+        "grid": args.grid,
+        "seeds": args.seeds,
+        "common": common,
+        "runs": runs,
+    }
     return run_queue(args, record, sweep_dir, common)
 
 
@@ -280,22 +349,30 @@ def tie_to(launcher: int):
 def run_queue(args: LaunchArgs, record: dict, sweep_dir: Path, common: list) -> int:
     """Start runs `--parallel` at a time until none is queued; a progress line every 5 s."""
     runs, procs, stop, started = record["runs"], {}, [], time.time()
-    handlers = {s: signal.signal(s, lambda signum, frame: stop.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    handlers = {
+        s: signal.signal(s, lambda signum, frame: stop.append(signum))
+        for s in (signal.SIGINT, signal.SIGTERM)
+    }
     durations, last_line, signalled, tie = [], 0.0, set(), tie_to(os.getpid())
     try:
         while True:
             if stop:
                 for i, proc in procs.items():
-                    if i not in signalled:  # once: a second signal would end a run during its clean-up
+                    if (
+                        i not in signalled
+                    ):  # once: a second signal would end a run during its clean-up
                         signalled.add(i)
                         proc.send_signal(signal.SIGTERM)  # each run writes its checkpoint
             for i, proc in list(procs.items()):
                 if proc.poll() is not None:
                     run = runs[i]
                     run["exit_code"] = proc.returncode
-                    # Stopped: 128 + signal, or killed by a signal (< 0) after this launcher sent it SIGTERM.
+                    # Stopped: 128 + signal, or killed by a signal (< 0) after this launcher sent it
+                    # SIGTERM.
                     stopped = proc.returncode > 128 or (proc.returncode < 0 and i in signalled)
-                    run["state"] = "done" if proc.returncode == 0 else "stopped" if stopped else "failed"
+                    run["state"] = (
+                        "done" if proc.returncode == 0 else "stopped" if stopped else "failed"
+                    )
                     durations.append(time.time() - run.pop("start"))
                     run.pop("pid")
                     del procs[i]
@@ -304,15 +381,25 @@ def run_queue(args: LaunchArgs, record: dict, sweep_dir: Path, common: list) -> 
                 i = queued.pop(0)
                 os.makedirs(runs[i]["dir"], exist_ok=True)
                 with open(runs[i]["log"], "a") as log:
-                    procs[i] = subprocess.Popen(command(args.script, runs[i], common, args.name, log), stdout=log,
-                                                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=tie)
+                    procs[i] = subprocess.Popen(
+                        command(args.script, runs[i], common, args.name, log),
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                        preexec_fn=tie,
+                    )
                 runs[i].update(state="running", start=time.time(), pid=procs[i].pid)
-            save(sweep_dir, {**record, "runs": [{k: v for k, v in r.items() if k != "start"} for r in runs]})
+            save(
+                sweep_dir,
+                {**record, "runs": [{k: v for k, v in r.items() if k != "start"} for r in runs]},
+            )
             if not procs and (stop or not queued):
                 break
             if time.time() - last_line > 5:
                 last_line = time.time()
-                print(progress_line(runs, durations, args.parallel, time.time() - started), flush=True)
+                print(
+                    progress_line(runs, durations, args.parallel, time.time() - started), flush=True
+                )
             time.sleep(0.2)
     finally:
         stop_all(procs.values())
@@ -336,11 +423,15 @@ def stop_all(procs):
 
 
 def progress_line(runs: list, durations: list, parallel: int, elapsed: float) -> str:
-    count = {s: sum(r["state"] == s for r in runs) for s in ("done", "running", "queued", "failed", "stopped")}
+    count = {
+        s: sum(r["state"] == s for r in runs)
+        for s in ("done", "running", "queued", "failed", "stopped")
+    }
     stopped = f", {count['stopped']} stopped" if count["stopped"] else ""
     return (
         f"sweep: {count['done']} done, {count['running']} running, {count['queued']} queued, "
-        f"{count['failed']} failed{stopped}  ({elapsed:.0f} s)  ETA {sweep_eta(runs, durations, parallel, time.time())}"
+        f"{count['failed']} failed{stopped}  ({elapsed:.0f} s)  ETA "
+        f"{sweep_eta(runs, durations, parallel, time.time())}"
     )
 
 
@@ -348,13 +439,17 @@ def sweep_eta(runs: list, durations: list, parallel: int, now: float) -> str:
     """The time left: each running run's own ETA (its last progress line), a queued run the mean
     time a run took (or, before any ended, the running runs' elapsed + ETA), the runs placed
     `parallel` at a time as the queue places them."""
-    running = [(now - run["start"], run_eta(run["log"])) for run in runs if run["state"] == "running"]
+    running = [
+        (now - run["start"], run_eta(run["log"])) for run in runs if run["state"] == "running"
+    ]
     guesses = durations or [elapsed + left for elapsed, left in running if left is not None]
     if not guesses:
         return "n/a (no run has an ETA yet)"
     typical = sum(guesses) / len(guesses)
-    slots = sorted([left if left is not None else max(typical - elapsed, 0.0)
-                    for elapsed, left in running] + [0.0] * max(parallel - len(running), 0))
+    slots = sorted(
+        [left if left is not None else max(typical - elapsed, 0.0) for elapsed, left in running]
+        + [0.0] * max(parallel - len(running), 0)
+    )
     for _ in range(sum(run["state"] == "queued" for run in runs)):
         slots[0] += typical
         slots.sort()
@@ -366,7 +461,9 @@ def run_eta(log: str):
     try:
         with open(log, "rb") as f:
             f.seek(max(os.fstat(f.fileno()).st_size - 4096, 0))
-            lines = [line for line in f.read().decode(errors="replace").splitlines() if " ETA " in line]
+            lines = [
+                line for line in f.read().decode(errors="replace").splitlines() if " ETA " in line
+            ]
     except OSError:
         return None
     match = re.search(r" ETA (\d+):(\d\d):(\d\d)$", lines[-1].rstrip()) if lines else None
@@ -377,7 +474,9 @@ def summary(runs: list, stop: list) -> int:
     failed = [r for r in runs if r["state"] == "failed"]
     print(progress_line(runs, [], 1, 0).split("  (")[0])
     for run in failed:
-        print(f"failed: {run['name']} (exit {run['exit_code']}); log: {run['log']}", file=sys.stderr)
+        print(
+            f"failed: {run['name']} (exit {run['exit_code']}); log: {run['log']}", file=sys.stderr
+        )
     if stop:
         print(f"stopped by signal {stop[0]}: run the same command again to resume", file=sys.stderr)
         return 128 + stop[0]
@@ -387,4 +486,4 @@ def summary(runs: list, stop: list) -> int:
 if __name__ == "__main__":
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
-    run_tool(lambda args: main(args, argv[split + 1:]), LaunchArgs, argv[:split])
+    run_tool(lambda args: main(args, argv[split + 1 :]), LaunchArgs, argv[:split])

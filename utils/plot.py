@@ -45,9 +45,22 @@ RETURN_TAG = "charts/episodic_return"
 FIRST_UPDATE_TAG = "charts/SPS"  # logged at every run's first update
 # config.json entries that are no part of a run's configuration: the seed, and where and how it is
 # recorded (a group's runs differ in these); the batch in words follows from the flags.
-NOT_CONFIGURATION = ("seed", "run_dir", "resume", "resumes", "save_interval", "log_frequency", "eval_episodes",
-                     "capture_video", "track", "wandb_project", "compile_cache", "global_batch", "process_id",
-                     "coordinator_address")
+NOT_CONFIGURATION = (
+    "seed",
+    "run_dir",
+    "resume",
+    "resumes",
+    "save_interval",
+    "log_frequency",
+    "eval_episodes",
+    "capture_video",
+    "track",
+    "wandb_project",
+    "compile_cache",
+    "global_batch",
+    "process_id",
+    "coordinator_address",
+)
 
 
 @dataclass
@@ -56,7 +69,9 @@ class PlotArgs:
 
     runs: Annotated[tyro.conf.Positional[list[str]], tyro.conf.arg(metavar="RUN_DIR...")]
     """run folders (holding metrics.jsonl), or parent folders whose subfolders are runs"""
-    out: Annotated[Optional[str], tyro.conf.arg(help_behavior_hint="(default: runs/plots__{timestamp})")] = None
+    out: Annotated[
+        Optional[str], tyro.conf.arg(help_behavior_hint="(default: runs/plots__{timestamp})")
+    ] = None
     """output folder for the PNGs and summary.md"""
     window: int = 20
     """smoothing: each point is the mean return of the last this many episodes of the seed"""
@@ -76,7 +91,8 @@ class NoEpisodes(UsageError):
 
 
 class BadConfig(UsageError):
-    """A run folder whose config.json is not a run's record (not JSON, or an entry of a wrong type)."""
+    """A run folder whose config.json is not a run's record (not JSON, or an entry of a wrong
+    type)."""
 
 
 class BadMetrics(UsageError):
@@ -98,29 +114,40 @@ class Run:
     seconds: np.ndarray  # [N] training seconds (training_seconds) at which each episode ended
     returns: np.ndarray  # [N] game scores, in the order logged
     last_step: int  # the largest step of any record
-    config: dict  # the flags that make its configuration (NOT_CONFIGURATION left out), each resume's changes in
+    # the flags that make its configuration (NOT_CONFIGURATION left out), each resume's changes in
+    config: dict
     resumed_at: list  # the training seconds at which each resume started
 
 
 def find_runs(paths: list[str]) -> list[tuple[str, bool]]:
-    """(run folder, named explicitly): each path that holds metrics.jsonl, else its subfolders that do."""
+    """(run folder, named explicitly): each path that holds metrics.jsonl, else its subfolders
+    that do."""
     folders = []
     for path in paths:
         if not os.path.isdir(path):
-            raise UsageError(f"{path} is not a folder; pass run folders or a folder of runs (e.g. runs/)")
+            raise UsageError(
+                f"{path} is not a folder; pass run folders or a folder of runs (e.g. runs/)"
+            )
         if os.path.isfile(os.path.join(path, METRICS)):
             folders.append((path, True))
             continue
         children = sorted(
-            os.path.join(path, name) for name in os.listdir(path) if os.path.isfile(os.path.join(path, name, METRICS)))
+            os.path.join(path, name)
+            for name in os.listdir(path)
+            if os.path.isfile(os.path.join(path, name, METRICS))
+        )
         if not children:
-            raise UsageError(f"no {METRICS} in {path} nor in its subfolders; pass run folders or a folder of runs")
+            raise UsageError(
+                f"no {METRICS} in {path} nor in its subfolders; pass run folders or a folder of "
+                f"runs"
+            )
         folders += [(child, False) for child in children]
     return folders
 
 
 def read_run(folder: str) -> Run:
-    """A run's episodic returns with their steps and times. A last line still being written is skipped."""
+    """A run's episodic returns with their steps and times. A last line still being written is
+    skipped."""
     with open(os.path.join(folder, METRICS)) as f:
         lines = f.read().split("\n")
     steps, times, returns, updates, records, last_step, not_finite = [], [], [], [], [], 0, 0
@@ -144,20 +171,38 @@ def read_run(folder: str) -> Run:
             returns.append(value)
         not_finite += tag == RETURN_TAG and not math.isfinite(value)
     if not returns and not_finite:
-        raise BadMetrics(f"{folder}/{METRICS}: every {RETURN_TAG} ({not_finite}) is NaN or infinite, no return to plot")
+        raise BadMetrics(
+            f"{folder}/{METRICS}: every {RETURN_TAG} ({not_finite}) is NaN or infinite, no return "
+            f"to plot"
+        )
     if not returns:
-        raise NoEpisodes(f"{folder}/{METRICS} has no {RETURN_TAG} yet: no episode has finished; train longer")
+        raise NoEpisodes(
+            f"{folder}/{METRICS} has no {RETURN_TAG} yet: no episode has finished; train longer"
+        )
     config = read_config(folder)  # checked first: run_identity would take any value as a str
     identity = run_identity(folder)
     resumes = [float(r["wall_time"]) for r in config.get("resumes", []) if "wall_time" in r]
-    seconds, resumed_at = training_seconds(np.array(times), np.array(records), np.array(updates), resumes)
-    return Run(folder, identity["script"], identity["env_id"], identity["seed"], np.array(steps, np.float64), seconds,
-               np.array(returns), last_step, configuration(config), resumed_at)
+    seconds, resumed_at = training_seconds(
+        np.array(times), np.array(records), np.array(updates), resumes
+    )
+    return Run(
+        folder,
+        identity["script"],
+        identity["env_id"],
+        identity["seed"],
+        np.array(steps, np.float64),
+        seconds,
+        np.array(returns),
+        last_step,
+        configuration(config),
+        resumed_at,
+    )
 
 
 def parse_record(line: str) -> tuple:
     """(step, wall_time, tag, value) of a metrics.jsonl line; ValueError (and json's errors) unless
-    it is a record a run writes: a step and a wall_time that are finite numbers (a value may be NaN)."""
+    it is a record a run writes: a step and a wall_time that are finite numbers (a value may be
+    NaN)."""
     record = json.loads(line)
     step, wall_time = record["step"], float(record["wall_time"])
     for key, number in (("step", step), ("wall_time", wall_time)):
@@ -179,29 +224,39 @@ def read_config(folder: str) -> dict:
     except (ValueError, UnicodeDecodeError) as e:
         raise BadConfig(f"{path} is not JSON ({type(e).__name__})")
     if not isinstance(config, dict):
-        raise BadConfig(f"{path} is not a run's config: a JSON {type(config).__name__}, not an object")
+        raise BadConfig(
+            f"{path} is not a run's config: a JSON {type(config).__name__}, not an object"
+        )
     strings = [("env_id", config.get("env_id")), ("exp_name", config.get("exp_name"))]
     for key, value in strings:
         if not isinstance(value, str) or not value.strip():
-            raise BadConfig(f"{path}: \"{key}\" is {value!r:.80}, not a non-empty string")
+            raise BadConfig(f'{path}: "{key}" is {value!r:.80}, not a non-empty string')
     seed = config.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise BadConfig(f"{path}: \"seed\" is {seed!r:.80}, not an integer")
+        raise BadConfig(f'{path}: "seed" is {seed!r:.80}, not an integer')
     resumes = config.get("resumes", [])
     if not isinstance(resumes, list):
-        raise BadConfig(f"{path}: \"resumes\" is {resumes!r:.80}, not a list")
+        raise BadConfig(f'{path}: "resumes" is {resumes!r:.80}, not a list')
     for i, resume in enumerate(resumes):
         wall_time = resume.get("wall_time", 0.0) if isinstance(resume, dict) else None
-        if isinstance(wall_time, bool) or not isinstance(wall_time, (int, float)) or not math.isfinite(wall_time):
-            raise BadConfig(f"{path}: \"resumes\"[{i}] is not a resume's record with a finite \"wall_time\"")
+        if (
+            isinstance(wall_time, bool)
+            or not isinstance(wall_time, (int, float))
+            or not math.isfinite(wall_time)
+        ):
+            raise BadConfig(
+                f'{path}: "resumes"[{i}] is not a resume\'s record with a finite "wall_time"'
+            )
         if not isinstance(resume.get("changed", {}), dict):
-            raise BadConfig(f"{path}: \"resumes\"[{i}][\"changed\"] is {resume['changed']!r:.80}, not an object")
+            raise BadConfig(
+                f'{path}: "resumes"[{i}]["changed"] is {resume["changed"]!r:.80}, not an object'
+            )
     return config
 
 
 def configuration(config: dict) -> dict:
-    """The flags that make a run's configuration: config.json's, each resume's changes applied, those
-    in NOT_CONFIGURATION left out."""
+    """The flags that make a run's configuration: config.json's, each resume's changes applied,
+    those in NOT_CONFIGURATION left out."""
     flags = dict(config)
     for resume in config.get("resumes", []):  # read_config checked them
         flags.update(resume.get("changed", {}))
@@ -233,7 +288,8 @@ def training_seconds(times: np.ndarray, records: np.ndarray, updates: np.ndarray
 def read_runs(paths: list[str]) -> list[Run]:
     """The runs under `paths`. A run found inside a parent folder that has no episode yet (one
     just started, or one that crashed early) or a config.json or metrics.jsonl line plot cannot read
-    (BadConfig, BadMetrics) is skipped with a warning, and the others are plotted; one named is an error."""
+    (BadConfig, BadMetrics) is skipped with a warning, and the others are plotted; one named is an
+    error."""
     runs, unreadable = [], False
     for folder, explicit in find_runs(paths):
         try:
@@ -244,9 +300,13 @@ def read_runs(paths: list[str]) -> list[Run]:
             print(f"warning: skipped {folder}: {e}", file=sys.stderr)
             unreadable = unreadable or not isinstance(e, NoEpisodes)
     if not runs and unreadable:
-        raise UsageError(f"no run under {', '.join(paths)} to plot: each was skipped, as the warnings above say")
+        raise UsageError(
+            f"no run under {', '.join(paths)} to plot: each was skipped, as the warnings above say"
+        )
     if not runs:
-        raise UsageError(f"no run under {', '.join(paths)} has a {RETURN_TAG} yet: no episode has finished")
+        raise UsageError(
+            f"no run under {', '.join(paths)} has a {RETURN_TAG} yet: no episode has finished"
+        )
     return runs
 
 
@@ -276,7 +336,9 @@ def draw(ax, grid, ys, band: str, label: str):
     """Mean over the seeds that have data at each point, with a band (+- std or min-max) only
     where every seed has data. Returns (mean, low, high, where the band is drawn)."""
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns where curves do not overlap
+        warnings.simplefilter(
+            "ignore", RuntimeWarning
+        )  # all-NaN columns where curves do not overlap
         mean = np.nanmean(ys, axis=0)
         if band == "std":
             low, high = mean - np.nanstd(ys, axis=0), mean + np.nanstd(ys, axis=0)
@@ -285,13 +347,21 @@ def draw(ax, grid, ys, band: str, label: str):
     everyone = ~np.isnan(ys).any(axis=0)
     # Solid where every seed has data; dashed where some have ended (a mean of fewer seeds than
     # the label counts: seeds end at different steps, and a resumed or longer run goes on).
-    (line,) = ax.plot(grid, np.where(everyone, mean, np.nan), label=label, marker="o" if len(grid) == 1 else None)
+    (line,) = ax.plot(
+        grid, np.where(everyone, mean, np.nan), label=label, marker="o" if len(grid) == 1 else None
+    )
     fewer = ~everyone & ~np.isnan(mean)
     if fewer.any():
-        edge = fewer | np.convolve(fewer, [1, 1, 1], "same").astype(bool) & everyone  # joined to the solid part
-        ax.plot(grid, np.where(edge, mean, np.nan), color=line.get_color(), linestyle="--", alpha=0.7)
+        edge = (
+            fewer | np.convolve(fewer, [1, 1, 1], "same").astype(bool) & everyone
+        )  # joined to the solid part
+        ax.plot(
+            grid, np.where(edge, mean, np.nan), color=line.get_color(), linestyle="--", alpha=0.7
+        )
     if len(ys) > 1:
-        ax.fill_between(grid, low, high, where=everyone, color=line.get_color(), alpha=0.2, linewidth=0)
+        ax.fill_between(
+            grid, low, high, where=everyone, color=line.get_color(), alpha=0.2, linewidth=0
+        )
     return mean, low, high, everyone if len(ys) > 1 else np.zeros(len(grid), bool)
 
 
@@ -302,8 +372,13 @@ def plot_env(env_id: str, groups: dict, args: PlotArgs, out_dir: str) -> str:
     for label, runs in sorted(groups.items()):
         label = f"{label} ({len(runs)} seed{'s' if len(runs) > 1 else ''})"
         for ax, axis in ((ax_steps, "steps"), (ax_time, "seconds")):
-            orders = [np.argsort(getattr(run, axis), kind="stable") for run in runs]  # resumed runs may step back
-            curves = [(getattr(run, axis)[o], smooth(run.returns[o], args.window)) for run, o in zip(runs, orders)]
+            orders = [
+                np.argsort(getattr(run, axis), kind="stable") for run in runs
+            ]  # resumed runs may step back
+            curves = [
+                (getattr(run, axis)[o], smooth(run.returns[o], args.window))
+                for run, o in zip(runs, orders)
+            ]
             grid, ys = resample(curves, args.points)
             draw(ax, grid, ys, args.band, label)
         colour = ax_time.get_lines()[-1].get_color()
@@ -311,8 +386,10 @@ def plot_env(env_id: str, groups: dict, args: PlotArgs, out_dir: str) -> str:
             ax_time.axvline(x, color=colour, linestyle=":", linewidth=1)
     spread = "std" if args.band == "std" else "min-max"
     ax_steps.set_xlabel("environment steps")
-    ax_time.set_xlabel("training time (s): from each start's first update, so without compiles\n"
-                       "nor the time between a stop and its resume (dotted: a resume)")
+    ax_time.set_xlabel(
+        "training time (s): from each start's first update, so without compiles\n"
+        "nor the time between a stop and its resume (dotted: a resume)"
+    )
     for ax in (ax_steps, ax_time):
         ax.set_ylabel(f"episodic return (mean of last {args.window} episodes)")
         ax.grid(alpha=0.3)
@@ -347,7 +424,7 @@ def chance_excess(run: Run, window: int) -> float:
     sqrt(window)) times sqrt(2 ln K), the expected maximum of K independent standard normals (K:
     its episodes // window). Large where episodes are short and near-binary: MiniGrid-MemoryS7
     (300,000 games at 62% won) about 0.5 at a 20-episode window, 0.05 at 1,000."""
-    k, tail = len(run.returns) // window, run.returns[-10 * window:]
+    k, tail = len(run.returns) // window, run.returns[-10 * window :]
     if k < 2 or len(tail) < 3:
         return 0.0
     return float(np.std(np.diff(tail)) / np.sqrt(2 * window) * np.sqrt(2 * np.log(k)))
@@ -362,10 +439,15 @@ def noise_notes(groups: dict, window: int, threshold: float) -> list:
         scale = max(abs(threshold), max(float(np.ptp(run.returns)) for run in runs))
         if excess > 0.1 * scale:
             notes.append(
-                f"note: {env_id} {label}: the best of these runs' {window}-episode means lands about "
-                f"{excess:.3g} above their level by chance alone (the spread of their last games over "
-                f"sqrt({window}), with {min(len(run.returns) for run in runs) // window}+ windows a run), so a "
-                f"first {window}-episode mean at {threshold:g} may be a lucky one: read it with a larger --window")
+                f"note: {env_id} {label}: the best of these runs' {window}-episode means lands "
+                f"about "
+                f"{excess:.3g} above their level by chance alone (the spread of their last games "
+                f"over "
+                f"sqrt({window}), with {min(len(run.returns) for run in runs) // window}+ windows "
+                f"a run), so a "
+                f"first {window}-episode mean at {threshold:g} may be a lucky one: read it with a "
+                f"larger --window"
+            )
     return notes
 
 
@@ -378,12 +460,20 @@ def summary_table(groups: dict, last_episodes: int, threshold=None, window: int 
     """Markdown: per (env, group), the mean +- std over seeds of each seed's last-episodes mean
     (and with a threshold: the steps and seconds to it over the seeds that reached it, and the
     best `window`-episode mean)."""
-    extra = f" | seeds at {threshold:g} | steps to {threshold:g} | seconds to {threshold:g} | best" if threshold is not None else ""
+    extra = (
+        f" | seeds at {threshold:g} | steps to {threshold:g} | seconds to {threshold:g} | best"
+        if threshold is not None
+        else ""
+    )
     lines = [
         f"Final return: each seed's mean episodic return over its last {last_episodes} episodes; "
-        "mean ± std (population) over seeds." +
-        (f" Steps and seconds to {threshold:g}: the first {window}-episode "
-         "mean at or above it, over the seeds that reached it." if extra else ""),
+        "mean ± std (population) over seeds."
+        + (
+            f" Steps and seconds to {threshold:g}: the first {window}-episode "
+            "mean at or above it, over the seeds that reached it."
+            if extra
+            else ""
+        ),
         "",
         f"| env_id | configuration | seeds | env steps | final return{extra} | per seed |",
         "|---|---|---:|---:|---" + "|---:|---|---|---" * bool(extra) + "|---|",
@@ -394,12 +484,18 @@ def summary_table(groups: dict, last_episodes: int, threshold=None, window: int 
         per_seed = ", ".join(f"{run.seed}: {final:.2f}" for run, final in zip(runs, finals))
         cells = ""
         if extra:
-            hits = [hit for hit in (reached(run, window, threshold) for run in runs) if hit is not None]
+            hits = [
+                hit for hit in (reached(run, window, threshold) for run in runs) if hit is not None
+            ]
             best = np.array([full_windows(run, window)[0].max() for run in runs])
-            cells = (f" | {len(hits)}/{len(runs)} | {spread([h[0] for h in hits])} | {spread([h[1] for h in hits])}"
-                     f" | {best.mean():.2f}")
+            cells = (
+                f" | {len(hits)}/{len(runs)} | {spread([h[0] for h in hits])} | "
+                f"{spread([h[1] for h in hits])}"
+                f" | {best.mean():.2f}"
+            )
         lines.append(
-            f"| {env_id} | {label} | {len(runs)} | {steps} | {finals.mean():.2f} ± {finals.std():.2f}{cells} | {per_seed} |"
+            f"| {env_id} | {label} | {len(runs)} | {steps} | {finals.mean():.2f} ± "
+            f"{finals.std():.2f}{cells} | {per_seed} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -410,7 +506,9 @@ def group_runs(runs: list) -> dict:
     group share a seed. Labelled by `labels`."""
     by_config = defaultdict(list)
     for run in sorted(runs, key=lambda r: (str(r.seed), r.folder)):
-        by_config[(run.env_id, run.script, json.dumps(run.config, sort_keys=True, default=str))].append(run)
+        by_config[
+            (run.env_id, run.script, json.dumps(run.config, sort_keys=True, default=str))
+        ].append(run)
     groups = {}
     for key, group in by_config.items():
         count = defaultdict(int)
@@ -419,8 +517,11 @@ def group_runs(runs: list) -> dict:
             groups.setdefault((*key, count[str(run.seed)]), []).append(run)
             if count[str(run.seed)] > 1:
                 print(
-                    f"warning: {run.folder} has the configuration and the seed ({run.seed}) of another run: drawn "
-                    f"apart, as repeat {count[str(run.seed)]}", file=sys.stderr)
+                    f"warning: {run.folder} has the configuration and the seed ({run.seed}) of "
+                    f"another run: drawn "
+                    f"apart, as repeat {count[str(run.seed)]}",
+                    file=sys.stderr,
+                )
     names = labels(groups)
     return {(key[0], names[key]): group for key, group in groups.items()}
 
@@ -433,7 +534,11 @@ def labels(groups: dict) -> dict:
         keys = [key for key in groups if key[:2] == (env_id, script)]
         configs = {key: json.loads(key[2]) for key in keys}
         flags = sorted({flag for config in configs.values() for flag in config})
-        differ = [f for f in flags if len({json.dumps(c.get(f, "?"), default=str) for c in configs.values()}) > 1]
+        differ = [
+            f
+            for f in flags
+            if len({json.dumps(c.get(f, "?"), default=str) for c in configs.values()}) > 1
+        ]
         for key in keys:
             parts = [describe(flag, configs[key].get(flag, "?")) for flag in differ]
             names[key] = " ".join([script, *parts, *([f"repeat {key[3]}"] if key[3] > 1 else [])])
@@ -449,10 +554,14 @@ def describe(flag: str, value) -> str:
 def main(args: PlotArgs) -> int:
     for name in ["window", "points", "last_episodes"]:
         if getattr(args, name) <= 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+            raise UsageError(
+                f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}"
+            )
     if not args.runs:
         raise UsageError(
-            "no run folders given; pass run folders or a folder of runs, e.g. `python utils/plot.py runs/`")
+            "no run folders given; pass run folders or a folder of runs, e.g. `python "
+            "utils/plot.py runs/`"
+        )
     runs = read_runs(args.runs)
     out_dir = args.out or os.path.join("runs", f"plots__{int(time.time())}")
     os.makedirs(out_dir, exist_ok=True)
@@ -461,7 +570,9 @@ def main(args: PlotArgs) -> int:
     by_env = defaultdict(dict)
     for (env_id, label), group in groups.items():
         by_env[env_id][label] = group
-    pngs = [plot_env(env_id, labelled, args, out_dir) for env_id, labelled in sorted(by_env.items())]
+    pngs = [
+        plot_env(env_id, labelled, args, out_dir) for env_id, labelled in sorted(by_env.items())
+    ]
 
     table = summary_table(groups, args.last_episodes, args.threshold, args.window)
     notes = noise_notes(groups, args.window, args.threshold) if args.threshold is not None else []

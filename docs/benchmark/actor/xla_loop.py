@@ -33,7 +33,6 @@ def measure(layout):
     import numpy as np
 
     class MLP(nn.Module):
-
         @nn.compact
         def __call__(self, x):
             x = nn.tanh(nn.Dense(64)(x))
@@ -41,8 +40,14 @@ def measure(layout):
             return nn.Dense(2)(x)
 
     def make(batch):
-        envs = envpool.make("CartPole-v1", env_type="gymnasium", num_envs=NUM_ENVS, batch_size=batch, num_threads=1,
-                            **pin)
+        envs = envpool.make(
+            "CartPole-v1",
+            env_type="gymnasium",
+            num_envs=NUM_ENVS,
+            batch_size=batch,
+            num_threads=1,
+            **pin,
+        )
         envs.async_reset()
         return envs, MLP(), MLP().init(jax.random.PRNGKey(0), jnp.zeros((1, 4)))
 
@@ -57,10 +62,20 @@ def measure(layout):
             key, subkey = jax.random.split(key)
             action = jax.random.categorical(subkey, net.apply(params, obs))
             buffer = buffer.at[steps[env_id] % T, env_id].set(obs)
-            return send(handle, action.astype(jnp.int32), env_id), key, buffer, steps.at[env_id].add(1)
+            return (
+                send(handle, action.astype(jnp.int32), env_id),
+                key,
+                buffer,
+                steps.at[env_id].add(1),
+            )
 
         loop = jax.jit(lambda *carry: jax.lax.fori_loop(0, ITERS, body, carry))
-        carry = (handle, jax.random.PRNGKey(1), jnp.zeros((T, NUM_ENVS, 4)), jnp.zeros(NUM_ENVS, jnp.int32))
+        carry = (
+            handle,
+            jax.random.PRNGKey(1),
+            jnp.zeros((T, NUM_ENVS, 4)),
+            jnp.zeros(NUM_ENVS, jnp.int32),
+        )
         carry = jax.block_until_ready(loop(*carry))
         start = time.perf_counter()
         jax.block_until_ready(loop(*carry))
@@ -87,7 +102,9 @@ def measure(layout):
         one, two = fn(NUM_ENVS), fn(NUM_ENVS // 2)
         print(
             f"{layout}, {name}: 1 split {one * 1e6:.2f} µs per env step, 2 splits {two * 1e6:.2f}: "
-            f"2 splits / 1 split = {one / two:.2f}x", flush=True)
+            f"2 splits / 1 split = {one / two:.2f}x",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
@@ -95,6 +112,9 @@ if __name__ == "__main__":
         measure(sys.argv[1])
     else:  # each layout in a fresh process: affinity and XLA flags must not leak
         for layout in ["pinned", "unpinned"] * 2:
-            env = dict(os.environ, XLA_FLAGS="--xla_cpu_multi_thread_eigen=false") \
-                if layout == "pinned" else None
+            env = (
+                dict(os.environ, XLA_FLAGS="--xla_cpu_multi_thread_eigen=false")
+                if layout == "pinned"
+                else None
+            )
             subprocess.run([sys.executable, "-W", "ignore", __file__, layout], check=True, env=env)
