@@ -22,9 +22,8 @@ import time
 from dataclasses import dataclass
 from typing import Annotated, ClassVar, Optional
 
-if (
-    __name__ == "__main__"
-):  # Ctrl-C while the libraries below import (seconds): exit 130, no traceback
+# Ctrl-C while the libraries below import (seconds): exit 130, no traceback
+if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     from jax_async_rl.helptext import help_from_source
 
@@ -319,9 +318,8 @@ def resolve_args(args: Args) -> Args:
     fill = tasks.preset_values(args, PRESETS)
     if args.anneal_clip is None:  # the presets that do not name it: off
         fill.setdefault("anneal_clip", False)
-    if (
-        args.lstm and "num_minibatches" in fill
-    ):  # whole env sequences: a preset's count that divides num_envs
+    # whole env sequences: a preset's count that divides num_envs
+    if args.lstm and "num_minibatches" in fill:
         fill["num_minibatches"] = int(np.gcd(fill["num_minibatches"], devices.global_envs(args)))
     if args.num_splits is None:  # double buffering for the Nature CNN's images (see --num-splits)
         fill["num_splits"] = (
@@ -428,9 +426,8 @@ class ActorCritic(nn.Module):
                 x = jnp.transpose(x, (0, 2, 3, 1))  # [B, C, H, W] -> [B, H, W, C]
             if kind == "nature":  # Mnih et al. 2015
                 x = conv(conv(conv(x.astype(jnp.float32) / 255.0, 32, 8, 4), 64, 4, 2), 64, 3)
-            elif (
-                kind == "grid"
-            ):  # rl-starter-files' (torch-ac's) MiniGrid network: 2x2 convs, a max-pool
+            # rl-starter-files' (torch-ac's) MiniGrid network: 2x2 convs, a max-pool
+            elif kind == "grid":
                 x = nn.max_pool(conv(x.astype(jnp.float32), 16, 2), (2, 2), (2, 2))
                 x = conv(conv(x, 32, 2), 64, 2)
             else:
@@ -769,9 +766,8 @@ def actor_loop(
         tasks.check_legal(
             args, obs, env_ids, ~(terminated | truncated), info["elapsed_step"]
         )  # masks obeyable
-        if (
-            ended.any() and index.max() == trajectories.start
-        ):  # the last step replayed: its games were logged
+        # the last step replayed: its games were logged
+        if ended.any() and index.max() == trajectories.start:
             stats.pop()
         done = terminated | truncated
         reward[ended] = shared.normalizer.reward(
@@ -895,9 +891,8 @@ def targets(network, state, rollout, args: Args, continuous: bool, clip_coef):
     )
     discounts = args.gamma * (1.0 - rollout["dones"])
     log_ratio = logprobs - rollout["logprobs"]  # pi / mu before this update moves pi
-    if (
-        args.vtrace
-    ):  # the advantage without IMPALA's rho: PPO's ratio is already each sample's weight
+    # the advantage without IMPALA's rho: PPO's ratio is already each sample's weight
+    if args.vtrace:
         returns, advantages = vtrace(
             log_ratio,
             discounts,
@@ -998,9 +993,8 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
 
         def epoch(carry, key):
             epoch_data = minibatches(key, data, args.num_minibatches)
-            if (
-                mesh is not None
-            ):  # each learner device takes its share of every minibatch: data parallel
+            # each learner device takes its share of every minibatch: data parallel
+            if mesh is not None:
                 epoch_data = jax.tree_util.tree_map_with_path(
                     lambda path, x: jax.lax.with_sharding_constraint(
                         x,

@@ -26,9 +26,8 @@ import time
 from dataclasses import dataclass
 from typing import Annotated, ClassVar, Optional
 
-if (
-    __name__ == "__main__"
-):  # Ctrl-C while the libraries below import (seconds): exit 130, no traceback
+# Ctrl-C while the libraries below import (seconds): exit 130, no traceback
+if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     from jax_async_rl.helptext import help_from_source
 
@@ -322,9 +321,8 @@ def resolve_args(args: Args) -> Args:
     fill = tasks.preset_values(args, PRESETS)
     if args.anneal_clip is None:  # the presets that do not name it: off
         fill.setdefault("anneal_clip", False)
-    if (
-        args.lstm and "num_minibatches" in fill
-    ):  # whole env sequences: a preset's count that divides num_envs
+    # whole env sequences: a preset's count that divides num_envs
+    if args.lstm and "num_minibatches" in fill:
         fill["num_minibatches"] = int(np.gcd(fill["num_minibatches"], devices.global_envs(args)))
     if args.num_splits is None:  # double buffering for the Nature CNN's images (see --num-splits)
         fill["num_splits"] = (
@@ -431,9 +429,8 @@ class ActorCritic(nn.Module):
                 x = jnp.transpose(x, (0, 2, 3, 1))  # [B, C, H, W] -> [B, H, W, C]
             if kind == "nature":  # Mnih et al. 2015
                 x = conv(conv(conv(x.astype(jnp.float32) / 255.0, 32, 8, 4), 64, 4, 2), 64, 3)
-            elif (
-                kind == "grid"
-            ):  # rl-starter-files' (torch-ac's) MiniGrid network: 2x2 convs, a max-pool
+            # rl-starter-files' (torch-ac's) MiniGrid network: 2x2 convs, a max-pool
+            elif kind == "grid":
                 x = nn.max_pool(conv(x.astype(jnp.float32), 16, 2), (2, 2), (2, 2))
                 x = conv(conv(x, 32, 2), 64, 2)
             else:
@@ -789,9 +786,8 @@ class XlaRollouts:
         per recv)."""
         T, space, c, ring = self.T, self.space, dict(c), dict(c["ring"])
         c["handle"], (obs, reward, terminated, truncated, info) = self.recv(c["handle"])
-        if (
-            self.args.deterministic
-        ):  # the batch in env order, as the statistics of a normaliser need it
+        # the batch in env order, as the statistics of a normaliser need it
+        if self.args.deterministic:
             order = jnp.argsort(info["env_id"])
             obs, reward, terminated, truncated, info = jax.tree.map(
                 lambda x: x[order] if x.shape[:1] == order.shape else x,
@@ -835,9 +831,8 @@ class XlaRollouts:
         }
         for name, x in dict(stamps, **({} if core is None else {"first": core[1]})).items():
             ring[name] = ring[name].at[slot, row, ids].set(jnp.asarray(x, ring[name].dtype))
-        if (
-            core is not None
-        ):  # a rollout records the states before its row 0 (as appo_envpool.py's actor)
+        # a rollout records the states before its row 0 (as appo_envpool.py's actor)
+        if core is not None:
             start = jnp.where(row == 0, slot, R)
             ring["state"] = jax.tree.map(
                 lambda b, x: b.at[start, ids].set(x, mode="drop"), ring["state"], core[0]
@@ -1002,9 +997,8 @@ def actor_loop(
         if acting[1] != held:
             held, params = acting[1], devices.to_actor(device, acting[0])
         start = time.perf_counter()
-        if (
-            args.norm_obs or args.norm_reward
-        ):  # the host's statistics, and none of this call's own yet
+        # the host's statistics, and none of this call's own yet
+        if args.norm_obs or args.norm_reward:
             stats = shared.normalizer.snapshot()
             carry = dict(carry, norm={"stats": stats, "new": jax.tree.map(np.zeros_like, stats)})
         carry, rollout, complete, ended, count = rollouts.collect(R)(carry, params, np.int32(held))
@@ -1119,9 +1113,8 @@ def targets(network, state, rollout, args: Args, continuous: bool, clip_coef):
     )
     discounts = args.gamma * (1.0 - rollout["dones"])
     log_ratio = logprobs - rollout["logprobs"]  # pi / mu before this update moves pi
-    if (
-        args.vtrace
-    ):  # the advantage without IMPALA's rho: PPO's ratio is already each sample's weight
+    # the advantage without IMPALA's rho: PPO's ratio is already each sample's weight
+    if args.vtrace:
         returns, advantages = vtrace(
             log_ratio,
             discounts,
@@ -1222,9 +1215,8 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
 
         def epoch(carry, key):
             epoch_data = minibatches(key, data, args.num_minibatches)
-            if (
-                mesh is not None
-            ):  # each learner device takes its share of every minibatch: data parallel
+            # each learner device takes its share of every minibatch: data parallel
+            if mesh is not None:
                 epoch_data = jax.tree_util.tree_map_with_path(
                     lambda path, x: jax.lax.with_sharding_constraint(
                         x,
@@ -1356,9 +1348,8 @@ def resolve_xla_args(args: Args) -> Args:
             f"--env-id {args.env_id}: a Gymnasium env has no XLA interface; train it with "
             f"appo_envpool.py"
         )
-    if (
-        args.deterministic and args.num_splits > 1
-    ):  # a call's recv()s would interleave the splits as timing does
+    # a call's recv()s would interleave the splits as timing does
+    if args.deterministic and args.num_splits > 1:
         raise UsageError(
             "--deterministic: the XLA actor steps its envs as one split; pass --num-splits 1"
         )

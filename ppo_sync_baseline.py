@@ -19,9 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import Annotated, ClassVar, Optional
 
-if (
-    __name__ == "__main__"
-):  # Ctrl-C while the libraries below import (seconds): exit 130, no traceback
+# Ctrl-C while the libraries below import (seconds): exit 130, no traceback
+if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     from jax_async_rl.helptext import help_from_source
 
@@ -290,9 +289,8 @@ def resolve_args(args: Args) -> Args:
     fill = tasks.preset_values(args, PRESETS)
     if args.anneal_clip is None:  # the presets that do not name it: off
         fill.setdefault("anneal_clip", False)
-    if (
-        args.lstm and "num_minibatches" in fill
-    ):  # whole env sequences: a preset's count that divides num_envs
+    # whole env sequences: a preset's count that divides num_envs
+    if args.lstm and "num_minibatches" in fill:
         fill["num_minibatches"] = int(np.gcd(fill["num_minibatches"], devices.global_envs(args)))
     args = runs.checked(dataclasses.replace(args, **fill))
     if len(args.actor_device_ids) != 1:
@@ -392,9 +390,8 @@ class ActorCritic(nn.Module):
                 x = jnp.transpose(x, (0, 2, 3, 1))  # [B, C, H, W] -> [B, H, W, C]
             if kind == "nature":  # Mnih et al. 2015
                 x = conv(conv(conv(x.astype(jnp.float32) / 255.0, 32, 8, 4), 64, 4, 2), 64, 3)
-            elif (
-                kind == "grid"
-            ):  # rl-starter-files' (torch-ac's) MiniGrid network: 2x2 convs, a max-pool
+            # rl-starter-files' (torch-ac's) MiniGrid network: 2x2 convs, a max-pool
+            elif kind == "grid":
                 x = nn.max_pool(conv(x.astype(jnp.float32), 16, 2), (2, 2), (2, 2))
                 x = conv(conv(x, 32, 2), 64, 2)
             else:
@@ -857,9 +854,8 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
 
         def epoch(carry, key):
             epoch_data = minibatches(key, data, args.num_minibatches)
-            if (
-                mesh is not None
-            ):  # each learner device takes its share of every minibatch: data parallel
+            # each learner device takes its share of every minibatch: data parallel
+            if mesh is not None:
                 epoch_data = jax.tree_util.tree_map_with_path(
                     lambda path, x: jax.lax.with_sharding_constraint(
                         x,

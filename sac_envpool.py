@@ -24,9 +24,8 @@ import signal
 from dataclasses import dataclass
 from typing import Annotated, ClassVar, Optional
 
-if (
-    __name__ == "__main__"
-):  # Ctrl-C while the libraries below import (seconds): exit 130, no traceback
+# Ctrl-C while the libraries below import (seconds): exit 130, no traceback
+if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     from jax_async_rl.helptext import help_from_source
 
@@ -157,9 +156,8 @@ def encode(obs, encoders: tuple):
             x = jnp.transpose(x, (0, 2, 3, 1))  # [B, C, H, W] -> [B, H, W, C]
         if kind == "nature":  # Mnih et al. 2015
             x = conv(conv(conv(x.astype(jnp.float32) / 255.0, 32, 8, 4), 64, 4, 2), 64, 3)
-        elif (
-            kind == "grid"
-        ):  # rl-starter-files' (torch-ac's) MiniGrid network: 2x2 convs, a max-pool
+        # rl-starter-files' (torch-ac's) MiniGrid network: 2x2 convs, a max-pool
+        elif kind == "grid":
             x = nn.max_pool(conv(x.astype(jnp.float32), 16, 2), (2, 2), (2, 2))
             x = conv(conv(x, 32, 2), 64, 2)
         else:

@@ -171,9 +171,8 @@ def split_envs(mesh, axis: int):
 def to_learner(mesh, rollout):
     """The one transfer of a rollout to the learner devices: this process's share of the global
     batch, split along the env axis over its learner devices."""
-    if (
-        jax.process_count() == 1 and mesh.size == 1
-    ):  # host arrays: the jitted update takes them in its call,
+    # host arrays: the jitted update takes them in its call,
+    if jax.process_count() == 1 and mesh.size == 1:
         return rollout  # 5x cheaper than a device_put of its own for a replay round's small batches
     by_axis = [split_envs(mesh, 0), split_envs(mesh, 1)]
     shardings = jax.tree_util.tree_map_with_path(lambda path, _: by_axis[env_axis(path)], rollout)

@@ -52,9 +52,8 @@ def evaluate(
             env_action(np.asarray(action), envs.action_space)
         )
         done = terminated | truncated
-        if (
-            lives is not None
-        ):  # Atari: as in training (episodic life), each life lost resets the LSTM
+        # Atari: as in training (episodic life), each life lost resets the LSTM
+        if lives is not None:
             done, lives = done | (info["lives"] < lives), info["lives"]
         reward = np.where(
             info["elapsed_step"] > 0, reward, 0.0

@@ -338,9 +338,8 @@ def parse(config_class, argv, description=None):
     """tyro's parse of `argv` into `config_class`; what tyro rejects (a value that does not parse, a
     value too many, a positional missing) is one UsageError line, not tyro's box of many lines."""
     said, columns = io.StringIO(), os.environ.get("COLUMNS")
-    os.environ["COLUMNS"] = (
-        "100000"  # tyro wraps its box at the terminal's width: a path would break
-    )
+    # tyro wraps its box at the terminal's width: a path would break
+    os.environ["COLUMNS"] = "100000"
     try:
         with contextlib.redirect_stderr(said):
             args = tyro.cli(config_class, args=argv, description=description)

@@ -106,9 +106,8 @@ def check_files(folder: str):
             continue
         path = os.path.join(folder, name)
         info = os.lstat(path)
-        fix = (
-            "remove it"  # the lock, a .tmp, a folder, what is no file: nothing of the run's is lost
-        )
+        # the lock, a .tmp, a folder, what is no file: nothing of the run's is lost
+        fix = "remove it"
         if name in (CONFIG, CHECKPOINT):
             fix = "replace it with a copy of the file itself, or remove it"
         elif name in (METRICS, JOURNAL) and (

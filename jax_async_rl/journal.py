@@ -86,9 +86,8 @@ class Journal:
             self.file.write(np.ascontiguousarray(actions, self.example.dtype).tobytes())
 
     def append(self, actions):
-        if (
-            self.file is None
-        ):  # a new run's journal starts empty; a resumed one goes on after read's
+        # a new run's journal starts empty; a resumed one goes on after read's
+        if self.file is None:
             flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | (0 if self.count else os.O_TRUNC)
             self.file = checkpoints.open_own(self.path, flags, "ab")
         data = np.ascontiguousarray(actions, self.example.dtype).tobytes()

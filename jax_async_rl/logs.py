@@ -202,9 +202,8 @@ class Progress:
                 self.updates.append((now, learned))
                 while len(self.updates) > 2 and self.updates[1][0] < now - self.span:
                     self.updates.popleft()
-            if (
-                not self.compiled or len(self.updates) == 1
-            ):  # a compile just ended: SPS counts from here
+            # a compile just ended: SPS counts from here
+            if not self.compiled or len(self.updates) == 1:
                 self.window = deque([(now, *self.counts())], maxlen=7)
             self.compiled = not self.compiling()
 

@@ -40,9 +40,8 @@ class Normalizer:
         call)."""
         (mean, var, count), (leaves, tree) = stats, jax.tree.flatten(x)
         n = len(leaves[0])
-        if (
-            not n
-        ):  # no sample (an actor's batch of first observations, whose rewards are not a step's)
+        # no sample (an actor's batch of first observations, whose rewards are not a step's)
+        if not n:
             return stats
         total, means, variances = count + n, [], []
         for leaf, m, v in zip(leaves, jax.tree.leaves(mean), jax.tree.leaves(var), strict=True):

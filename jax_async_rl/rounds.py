@@ -126,9 +126,8 @@ class Learner:
         self.learning_rate, self.beta, self.scalars = learning_rate, beta, scalars
         self.args, self.steps = run.args, gradient_steps(run.args)
         self.warm_at = run.start_step + run.args.learning_starts
-        self.sampled = self.learned_from = (
-            0  # transitions sampled; env steps since the first update
-        )
+        # transitions sampled; env steps since the first update
+        self.sampled = self.learned_from = 0
         timing["replay"] = 0.0
 
     def round(self, chunks: list) -> dict:
@@ -171,9 +170,8 @@ def actor_loop(collector, shared, chunk_queue, device, num_chunks: int, schedule
         acting = shared.acting(
             schedule(chunk_index) if exact else min(schedule(chunk_index), chunk_index), exact
         )
-        if (
-            acting is None
-        ):  # the run stops (free-running: never an update on a chunk not queued yet)
+        # the run stops (free-running: never an update on a chunk not queued yet)
+        if acting is None:
             return
         if acting[1] != held:
             held, params = acting[1], devices.to_actor(device, acting[0])

@@ -75,9 +75,8 @@ class Run:
             if self.lock is not None:
                 self.lock.close()
             self.signals.close()
-            if (
-                self.peer_lost
-            ):  # JAX's shutdown would wait for the dead process, then abort this one
+            # JAX's shutdown would wait for the dead process, then abort this one
+            if self.peer_lost:
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(1)
@@ -141,9 +140,8 @@ class Run:
         trained = (
             (self.args.total_timesteps - self.global_step) // self.batch_size * self.batch_size
         )
-        if (
-            getattr(self.args, "learning_starts", 0) >= trained
-        ):  # replay: a run (or resume) fills its buffer first
+        # replay: a run (or resume) fills its buffer first
+        if getattr(self.args, "learning_starts", 0) >= trained:
             raise UsageError(
                 f"--learning-starts {self.args.learning_starts} is not below the {trained} env "
                 f"steps left of "
@@ -218,9 +216,8 @@ class Run:
                 set(os.listdir(own)) if own and os.path.isdir(own) else None
             )  # a launcher's log.txt
             self.run_dir, created, self.lock = folders.make(self.args, self.payload is not None)
-            if (
-                self.payload is None
-            ):  # a new run stopped before its first update removes what it wrote
+            # a new run stopped before its first update removes what it wrote
+            if self.payload is None:
                 self.signals.new_run = (self.run_dir, None if created else before)
             path = checkpoints.checkpoint_path(self.args.resume) if self.payload else None
             if (
@@ -550,9 +547,8 @@ def check_deterministic(args):
     synchronous baseline and --serial (the replay scripts' loop) are deterministic as they are."""
     if not hasattr(args, "actor_lag") or getattr(args, "serial", False):
         return args
-    if (
-        args.actor_lag is None
-    ):  # the free-running actor has no schedule: Cleanba's, one update behind
+    # the free-running actor has no schedule: Cleanba's, one update behind
+    if args.actor_lag is None:
         print(
             "note: --deterministic acts on a fixed schedule, and --actor-lag None has none: "
             "--actor-lag 1"

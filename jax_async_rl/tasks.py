@@ -224,9 +224,8 @@ def check_spaces(env_id: str, obs_space, action_space):
             f"(shapes that are: {' or '.join(map(str, fits))}); rename the leaf if it is "
             f"something else"
         )
-    if (
-        shape is not None and fits and space_tree(obs_space)[MASK].dtype.kind not in "biu"
-    ):  # bool, int, uint
+    # bool, int, uint
+    if shape is not None and fits and space_tree(obs_space)[MASK].dtype.kind not in "biu":
         raise UsageError(
             f"--env-id {env_id}: its {MASK!r} {space_tree(obs_space)[MASK]} is not of bools or "
             f"ints "
@@ -264,9 +263,8 @@ def make_env(env_id: str, num_envs: int, seed: int, num_threads: int, train: boo
     For training, Atari games end an episode at each life lost and clip rewards to [-1, 1]
     (Mnih et al. 2015); the game score stays available in info["reward"] / info["terminated"].
     """
-    if (
-        env_id in USER_ENVS
-    ):  # a user's Gymnasium env, in worker processes behind envpool's interface
+    # a user's Gymnasium env, in worker processes behind envpool's interface
+    if env_id in USER_ENVS:
         extra = {"render_mode": kwargs["render_mode"]} if "render_mode" in kwargs else {}
         maker = functools.partial(USER_ENVS[env_id], **extra) if extra else USER_ENVS[env_id]
         return gym_pool.GymPool(
@@ -347,9 +345,8 @@ def policy_space(env_id: str):
     none. Continuous actions of several axes are flattened."""
     obs_space, action_space = spaces(env_id)
     nvec = choices(action_space)[1]
-    if (
-        nvec is None and len(getattr(action_space, "shape", ())) > 1
-    ):  # continuous, flattened (SearchAndRescue's [2, 2])
+    # continuous, flattened (SearchAndRescue's [2, 2])
+    if nvec is None and len(getattr(action_space, "shape", ())) > 1:
         return gymnasium.spaces.Box(
             action_space.low.ravel(), action_space.high.ravel(), dtype=action_space.dtype
         )

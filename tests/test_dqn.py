@@ -49,9 +49,8 @@ def argv_of(flags: dict) -> list:
     out = []
     for name, value in flags.items():
         flag = name.replace("_", "-")
-        if (
-            isinstance(value, bool) and getattr(dqn.Args, name) is not None
-        ):  # a switch; a preset's takes a value
+        # a switch; a preset's takes a value
+        if isinstance(value, bool) and getattr(dqn.Args, name) is not None:
             out.append(f"--{flag}" if value else f"--no-{flag}")
         elif value is not None:
             out += [f"--{flag}", str(value)]

@@ -347,9 +347,8 @@ def test_kill_9_of_the_launcher_stops_its_runs_and_a_relaunch_finishes_them(tmp_
     """kill -9 of the launcher while its run trains: the run stops within 10 s with a checkpoint
     (it kept training, orphaned); a relaunch at once waits for it to stop, resumes it and
     finishes: sweep.json says done (it said failed, "in use", and kept saying so)."""
-    budget = (
-        200_000  # 15 s of training on this machine: more than the 10 s the run is given to stop
-    )
+    # 15 s of training on this machine: more than the 10 s the run is given to stop
+    budget = 200_000
     proc, relaunch = launch(tmp_path, "--name", "kill", budget=budget, wait=False), None
     folder = tmp_path / "kill" / "default__seed1"
     try:

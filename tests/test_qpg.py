@@ -215,9 +215,8 @@ def test_delayed_policy_updates_and_polyak_targets(name):
         targets = ["target_q", "target_actor"] if name == "td3" else ["target_q"]
         for target, online in [(t, "q" if t == "target_q" else "actor") for t in targets]:
             polyak = 0.005 * flat(new["params"][online]) + 0.995 * flat(start[target])
-            if (
-                name == "sac" or step == 0
-            ):  # SAC's targets move every step (--target-network-frequency 1)
+            # SAC's targets move every step (--target-network-frequency 1)
+            if name == "sac" or step == 0:
                 np.testing.assert_allclose(flat(new[target]), polyak, rtol=1e-5, atol=1e-7)
             else:
                 assert np.array_equal(flat(new[target]), flat(start[target])), target

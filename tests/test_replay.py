@@ -284,9 +284,8 @@ def test_prioritised_frequencies_and_importance_weights():
         np.add.at(hits, idx, 1)
         w = (len(live) * probs[idx]) ** -beta
         np.testing.assert_allclose(batch["weights"], w / w.max(axis=-1, keepdims=True), rtol=1e-5)
-        if (
-            not i % 2
-        ):  # each batch spans the buffer (the stratified targets shuffled), not a quarter of it
+        # each batch spans the buffer (the stratified targets shuffled), not a quarter of it
+        if not i % 2:
             assert all(len(set(np.unique(b // (len(live) // 4)).tolist())) >= 3 for b in idx)
     expected = hits.sum() * probs
     assert ((hits - expected) ** 2 / expected).sum() < chi2_bound(len(live) - 1)

@@ -101,7 +101,8 @@ def code_lines(path) -> list:
 
 def packed(path) -> list:
     """What was packed to fit a line cap: a walrus, or more than three names assigned a tuple of
-    values at once (unpacking a call's result, as `envs.recv()`, is the API's shape, not packing)."""
+    values at once (unpacking a call's result, as `envs.recv()`, is the API's shape, not
+    packing)."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.NamedExpr):
@@ -153,7 +154,8 @@ def test_scripts_are_lean_and_their_diffs_show_the_idea():
     and `diff` adds no more than its bound. A script imports the run library, never a sibling
     script nor utils/."""
     local = re.compile(
-        r"^\s*(from|import) +(utils|common|ppo_sync_baseline|appo_envpool|impala_envpool|appo_envpool_xla)\b",
+        r"^\s*(from|import) "
+        r"+(utils|common|ppo_sync_baseline|appo_envpool|impala_envpool|appo_envpool_xla)\b",
         re.M,
     )
     for name, budget in LINE_BUDGET.items():

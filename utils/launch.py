@@ -358,9 +358,8 @@ def run_queue(args: LaunchArgs, record: dict, sweep_dir: Path, common: list) -> 
         while True:
             if stop:
                 for i, proc in procs.items():
-                    if (
-                        i not in signalled
-                    ):  # once: a second signal would end a run during its clean-up
+                    # once: a second signal would end a run during its clean-up
+                    if i not in signalled:
                         signalled.add(i)
                         proc.send_signal(signal.SIGTERM)  # each run writes its checkpoint
             for i, proc in list(procs.items()):
