@@ -19,8 +19,9 @@ The run itself (flags, folders, checkpoints, logs, devices) is the installed pac
 `jax_async_rl`: this file holds the algorithm. Usage: python td3_envpool.py --env-id HalfCheetah-v4
 """
 
-import functools
+import queue
 import signal
+import time
 from dataclasses import dataclass
 from typing import Annotated, ClassVar, Optional
 
@@ -37,11 +38,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_async_rl import devices, flags, rounds, runs, tasks, threads
+from jax_async_rl import devices, flags, runs, tasks, threads
 from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, UNIT, UsageError, at_most
 from jax_async_rl.keys import env_keys
 from jax_async_rl.normalize import Normalizer
-from jax_async_rl.replay import Replay, check_rounds, gradient_steps
+from jax_async_rl.replay import Collecting, Replay, check_rounds, gradient_steps, sample_rows
 
 # evaluation_player's, in words (utils/evaluate.py)
 EVAL_POLICY = "the deterministic policy, without exploration noise"
@@ -238,6 +239,21 @@ def policy_due(gradient_step, delay: int):
     return gradient_step % delay == 0
 
 
+def n_step_return(rewards, terminated, truncated, gamma: float):
+    """The n-step target's return and bootstrap discount of transitions from their next n rows
+    ([..., n], Replay's): the rewards summed, each discounted, up to the first row that ends the
+    episode; the discount gamma^k of the value k rows on, 0 after a termination."""
+    reward = np.zeros(rewards.shape[:-1], np.float32)
+    discount = np.ones(rewards.shape[:-1], np.float32)
+    alive = np.ones(rewards.shape[:-1], bool)
+    for k in range(rewards.shape[-1]):
+        reward += alive * discount * rewards[..., k]
+        discount = np.where(alive, discount * gamma, discount)
+        discount = np.where(alive & terminated[..., k], 0.0, discount)
+        alive &= ~(terminated[..., k] | truncated[..., k])
+    return reward, discount
+
+
 # ---------------------------------------------------------------------------------------------
 # Sampling
 # ---------------------------------------------------------------------------------------------
@@ -264,14 +280,15 @@ def make_policy_step(actor, noise, scale, low, high):
 
 
 def make_act(policy_step, args: Args, key):
-    """One actor thread's behaviour policy, act(params, obs, env_ids, steps) -> actions, for
-    jax_async_rl.rounds: uniform in the bounds for the run's first --learning-starts env steps (the
-    envs' steps x the envs: as if they stepped in lockstep), the policy's after; each env's draws
-    keyed by the thread's `key`, the env and its step."""
+    """One actor thread's behaviour policy, act(params, obs, env_ids, steps, first) -> (actions,
+    None): uniform in the bounds for the run's first --learning-starts env steps (the envs' steps
+    x the envs: as if they stepped in lockstep), the policy's after; each env's draws keyed by the
+    thread's `key`, the env and its step. `first` (where an episode starts) is unused: the policy
+    has no memory."""
 
-    def act(params, obs, env_ids, steps):
+    def act(params, obs, env_ids, steps, first):
         explore = int(steps.max()) * devices.global_envs(args) < args.learning_starts
-        return policy_step(params, obs, np.bool_(explore), key, env_ids, steps)
+        return policy_step(params, obs, np.bool_(explore), key, env_ids, steps), None
 
     return act
 
@@ -284,6 +301,62 @@ def acting_version(rollout: int, actor_lag, oldest: int) -> int:
     Sample Factory's free-running actor (None) waits for the first update alone, which compiles
     meanwhile (else the queue fills with rollouts of the initial parameters)."""
     return min(rollout, 1) if actor_lag is None else max(oldest, rollout - actor_lag)
+
+
+def collect(envs, act, params, version: int, collecting, args: Args, shared, thread: int):
+    """One chunk of --num-steps steps of every env, stepped a split at a time (Sample Factory's
+    double buffering, §3.2: act on the split `recv()` returns while envpool steps the others; with
+    --deterministic the next in turn), acted on with `params` (version `version`): the rows
+    Replay.add takes, as envpool returned them with the action taken on each (replay.Chunk)."""
+    timing = shared.timing
+    for _ in range(args.num_steps * args.num_splits):
+        start = time.perf_counter()
+        obs, reward, terminated, truncated, info = envs.recv()
+        now = time.perf_counter()
+        timing["env"] += now - start
+        env_ids, elapsed = info["env_id"], info["elapsed_step"]
+        reward = np.where(elapsed > 0, reward, 0.0)  # a reset's: undefined (dm_control)
+        steps = collecting.steps[env_ids]
+        first = collecting.starts[env_ids]
+        action, state = act(params, obs, env_ids + collecting.offset, steps, first)
+        action = np.asarray(action)
+        start = time.perf_counter()
+        timing["inference"] += start - now
+        envs.send(tasks.env_action(action, envs.action_space), env_ids)
+        collecting.stats.update(env_ids, reward, terminated, truncated, info)
+        tasks.check_legal(args, obs, env_ids, ~(terminated | truncated), elapsed)  # masks
+        collecting.append(env_ids, obs, action, reward, terminated, truncated, elapsed, state)
+        shared.sampled[thread] += len(env_ids)
+        timing["bookkeeping"] += time.perf_counter() - start
+    start = time.perf_counter()
+    chunk = collecting.pop(version)
+    timing["bookkeeping"] += time.perf_counter() - start
+    return chunk
+
+
+def actor_loop(envs, act, shared, chunk_queue, args: Args, num_chunks: int, device, thread, first):
+    """rlpyt's asynchronous sampler: collect `num_chunks` chunks (from chunk `first` of the run)
+    and queue them, blocking while the queue is full. Chunk m is acted on with the parameters
+    `acting_version` names (exactly those with --deterministic), copied to this actor's `device`
+    once per version."""
+    collecting = Collecting(args.num_envs, thread * args.num_envs, first * args.num_steps)
+    envs.async_reset()
+    held = params = None  # held: the version of `params`
+    for chunk_index in range(first, first + num_chunks):
+        version = acting_version(chunk_index, args.actor_lag, shared.oldest)
+        if not args.deterministic:  # free-running: never an update on a chunk not queued yet
+            version = min(version, chunk_index)
+        acting = shared.acting(version, args.deterministic)
+        if acting is None:  # the run stops
+            return
+        if acting[1] != held:
+            held = acting[1]
+            params = devices.to_actor(device, acting[0])
+        chunk = collect(envs, act, params, held, collecting, args, shared, thread)
+        start = time.perf_counter()
+        if not threads.put(chunk_queue, chunk, shared.stop):
+            return
+        shared.timing["queue_put"] += time.perf_counter() - start
 
 
 def evaluation_player(args: Args, built):
@@ -392,15 +465,77 @@ def make_update(networks, optimizer, args: Args, bounds, mesh=None):
     return update
 
 
-def make_learn(update, key):
-    """The learner's round, learn(state, batches, step) -> (state, diagnostics), for
-    jax_async_rl.rounds: the jitted update with the round's own key (of its env step `step`: a
-    resumed run draws what the run would have)."""
+def learn_round(run, update, replay, chunks: list, rng, timing: dict):
+    """The learner's round, the same in both modes: add each actor thread's chunk to the buffer
+    (the learner owns it), then, once --learning-starts env steps are in (a resumed run refills
+    its buffer first), sample the round's batches, compute their targets' rewards and discounts,
+    learn from them with the round's own key (of its env step: a resumed run draws what the run
+    would have); log the round. Returns the state."""
+    args, state = run.args, run.state
+    start = time.perf_counter()
+    for chunk in chunks:
+        replay.add(*chunk.rows)
+    step = run.global_step + run.batch_size  # the env steps once this round is counted
+    lag = [int(state["policy_version"]) - chunk.version for chunk in chunks]
+    extra = {"async/policy_lag_mean": float(np.mean(lag)), "replay/fill": replay.fill}
+    diagnostics = {"finite": True}
+    if step > run.start_step + args.learning_starts:
+        num_batches = gradient_steps(args)
+        batches = replay.sample(args.batch_size, rng, 0.0, num_batches)
+        batches.pop("slots")
+        rows = [batches.pop(key) for key in ("rewards", "terminated", "truncated")]
+        batches["reward"], batches["discount"] = n_step_return(*rows, args.gamma)
+        now = time.perf_counter()
+        timing["replay"] += now - start
+        key = jax.random.fold_in(run.update_key, step)
+        state, diagnostics = update(state, devices.to_learner(run.mesh, batches), key)
+        diagnostics = jax.device_get(diagnostics)
+        timing["update"] += time.perf_counter() - now
+        sampled = num_batches * args.batch_size * sample_rows(args)
+        extra["replay/ratio"] = sampled / run.batch_size
+    else:
+        state = dict(state, policy_version=state["policy_version"] + 1)
+        timing["replay"] += time.perf_counter() - start
+    diagnostics = dict(diagnostics, learning_rate=args.learning_rate)
+    return run.learned(state, diagnostics, timing, extra)
 
-    def learn(state, batches, step):
-        return update(state, batches, jax.random.fold_in(key, step))
 
-    return learn
+def learner_loop(run, update, replay, shared, queues):
+    """rlpyt's asynchronous optimiser: take one chunk from every actor thread's queue, in turn,
+    learn the round, publish the parameters and their version: from run.start_update to
+    run.num_updates, or until the run stops."""
+    rng = np.random.default_rng(run.seed)
+    shared.timing["replay"] = 0.0
+    for _ in range(run.start_update, run.num_updates):
+        start = time.perf_counter()
+        chunks = [threads.get(q, run.stop) for q in queues]
+        shared.timing["queue_get"] += time.perf_counter() - start
+        games = [game for chunk in chunks if chunk for game in chunk.games]
+        if run.should_stop(None in chunks, games):
+            break
+        state = learn_round(run, update, replay, chunks, rng, shared.timing)
+        shared.publish(state["params"], int(state["policy_version"]))
+
+
+def serial_loop(run, update, replay, shared, envs, acts, device):
+    """rlpyt's serial mode (--serial): the same collection and round in one thread, in turn."""
+    args, rng = run.args, np.random.default_rng(run.seed)
+    shared.timing["replay"] = 0.0
+    collecting = []
+    for thread, env in enumerate(envs):
+        first_step = run.start_update * args.num_steps
+        collecting.append(Collecting(args.num_envs, thread * args.num_envs, first_step))
+        env.async_reset()
+    for _ in range(run.start_update, run.num_updates):
+        params = devices.to_actor(device, run.state["params"])
+        version = int(run.state["policy_version"])
+        chunks = [
+            collect(envs[i], acts[i], params, version, collecting[i], args, shared, i)
+            for i in range(len(envs))
+        ]
+        if run.should_stop(False, [game for chunk in chunks for game in chunk.games]):
+            break
+        learn_round(run, update, replay, chunks, rng, shared.timing)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -463,8 +598,6 @@ def make_replay(args: Args, envs):
         devices.local_envs(args),
         tasks.zeros_like_space(obs_space, 1),
         np.zeros((1, *action_space.shape), np.float32),
-        1,
-        args.gamma,
     )
 
 
@@ -503,33 +636,24 @@ def main(args: Args, given=None) -> int:
             learning=not args.serial,
             keep=(args.actor_lag or 0) + 2,
         )
-        collectors = [
-            rounds.Collector(
-                envs[i], make_act(policy_step, args, key), args, i, shared, run.start_update
-            )
-            for i, (_, _, key) in enumerate(actors)
-        ]
-        learn = make_learn(make_update(built[0], optimizer, args, bounds, run.mesh), run.update_key)
-        learner = rounds.Learner(
-            run,
-            make_replay(args, envs),
-            learn,
-            np.random.default_rng(run.seed),
-            shared.timing,
-            lambda step: args.learning_rate,
-        )
+        acts = [make_act(policy_step, args, key) for _, _, key in actors]
+        replay = make_replay(args, envs)
+        update = make_update(built[0], optimizer, args, bounds, run.mesh)
         run.begin(
             f"{gradient_steps(args)} gradient steps a round{', serial' if args.serial else ''}"
         )
-        rounds.train(
-            run,
-            learner,
-            collectors,
-            actors,
-            args.queue_size,
-            args.serial,
-            functools.partial(acting_version, actor_lag=args.actor_lag, oldest=shared.oldest),
-        )
+        # The main thread waits: a signal stops the run within seconds whatever a thread does.
+        if args.serial:
+            loop = (serial_loop, run, update, replay, shared, envs, acts, actors[0][0])
+            run.wait(run.threads.start("training loop", *loop, owns=envs))
+            return run.finish(*evaluation_player(args, built))
+        queues = [queue.Queue(maxsize=args.queue_size) for _ in actors]
+        num_chunks = run.num_updates - run.start_update
+        for i, (device, _, _) in enumerate(actors):
+            loop = (envs[i], acts[i], shared, queues[i], args, num_chunks, device, i)
+            name = f"actor {i}" if i else "actor"
+            run.threads.start(name, actor_loop, *loop, run.start_update, owns=[envs[i]])
+        run.wait(run.threads.start("learner", learner_loop, run, update, replay, shared, queues))
         return run.finish(*evaluation_player(args, built))
 
 

@@ -7,10 +7,11 @@ taken on it. Rows are kept per env (a ring of `capacity // num_envs` rows for ea
 that splits that step out of turn (double buffering) each write their own envs' rows.
 
 A transition starts at row t when `obs_t` is not an episode's last observation (envpool's
-autoreset ignores the action taken on that one). Its n-step target sums the rewards of rows
-t+1 .. t+n, stopping at the first row that ends the episode: terminated, nothing is
-bootstrapped (discount 0); truncated, or no end within n, the bootstrap is the value of that
-row's observation with discount gamma^k (a truncated episode's last observation is the real one).
+autoreset ignores the action taken on that one). Its target needs rows t+1 .. t+n: the buffer
+hands them over as they are (rewards, terminations, truncations) with the observation where the
+window ends, at the first of those rows that ends the episode, else n rows on (a truncated
+episode's last observation is the real one). The script computes the target from them
+(dqn_envpool.py's `n_step_return`: the return, and the discount of the bootstrap).
 
 Stacked frames (`frame_stack` > 1, Atari's `[4, 84, 84]`) are stored one frame a row, the newest,
 and the stack is rebuilt when sampling: frame j of `obs_t` is the newest frame of row
@@ -26,6 +27,7 @@ a sum tree over every slot, vectorised per level (no Python loop per sample), st
 """
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 import jax
@@ -70,7 +72,10 @@ def check_rounds(args, min_rows: int):
             f"{min_rows} steps of each of the {devices.local_envs(args)} envs"
         )
     check_first_sample(args, chunk)
-    if tasks.RUN_STOP[0] is None or (available := devices.available_memory()) is None:
+    if tasks.RUN_STOP[0] is None:  # utils/evaluate.py: no buffer
+        return
+    available = devices.available_memory()
+    if available is None:
         return
     obs_space, action_space = tasks.spaces(args.env_id)
     obs = sum(
@@ -156,6 +161,42 @@ def sample_rows(args) -> int:
     return args.burn_in + args.seq_len if getattr(args, "lstm", False) else 1
 
 
+class Chunk(NamedTuple):
+    """What an actor thread hands the learner each round."""
+
+    rows: tuple  # Replay.add's arguments (SequenceReplay's: and the states), env by env in order
+    version: int  # the parameters' that acted on it
+    games: list  # the games that ended in it (tasks.EpisodeStats)
+
+
+class Collecting:
+    """An actor thread's storage between rounds: the rows of the chunk it is collecting, and what
+    each of its envs carries from chunk to chunk: its steps over the run (from `first_step`),
+    whether its next observation starts an episode (`starts`), its games so far (`stats`). Env
+    ids are the thread's own; the rows count them over the process's actor threads (+ `offset`)."""
+
+    def __init__(self, num_envs: int, offset: int, first_step: int):
+        self.offset = offset
+        self.steps = np.full(num_envs, first_step, np.int64)
+        self.starts = np.ones(num_envs, bool)
+        self.stats = tasks.EpisodeStats(num_envs)
+        self.rows = []
+
+    def append(self, env_ids, obs, action, reward, terminated, truncated, elapsed, state=None):
+        """One split's step: a row of each env, with the action taken on its observation (and
+        with a recurrent policy the state it acted from)."""
+        row = (env_ids + self.offset, obs, action, reward, terminated, truncated, elapsed)
+        self.rows.append(row if state is None else (*row, state))
+        self.steps[env_ids] += 1
+        self.starts[env_ids] = terminated | truncated
+
+    def pop(self, version: int) -> Chunk:
+        """The chunk collected, its rows concatenated (one Replay.add); the next starts empty."""
+        rows = jax.tree.map(lambda *xs: np.concatenate(xs), *self.rows)
+        self.rows = []
+        return Chunk(rows, version, self.stats.pop())
+
+
 class SumTree:
     """Sums over `capacity` leaves in a flat binary tree (root at 1); `update` and `find` work on
     whole batches, one numpy operation per level."""
@@ -203,10 +244,10 @@ class Replay:
 
     `add(env_ids, obs, action, reward, terminated, truncated, elapsed)` writes one row for each
     of `env_ids` (a split's batch, as the env returned it, with the actor's actions);
-    `sample(batch_size, rng)` returns a dict of `obs`, `action`, `reward` (the n-step sum),
-    `discount` (gamma^k, or 0 after a termination), `next_obs`, `slots` and `weights` (importance
-    weights, 1 under uniform replay); `update_priorities(slots, td_errors)` under prioritised
-    replay."""
+    `sample(batch_size, rng)` returns a dict of `obs`, `action`, the next n rows' `rewards`,
+    `terminated` and `truncated` ([..., n]), `next_obs` (where the window ends: see the module
+    docstring), `slots` and `weights` (importance weights, 1 under uniform replay);
+    `update_priorities(slots, td_errors)` under prioritised replay."""
 
     def __init__(
         self,
@@ -215,7 +256,6 @@ class Replay:
         obs_example,
         action_example,
         n_step: int = 1,
-        gamma: float = 0.99,
         frame_stack: int = 1,
         alpha: float = 0.0,
         eps: float = 1e-6,
@@ -225,13 +265,10 @@ class Replay:
                 f"a buffer of {capacity} transitions cannot hold a row of {num_envs} envs"
             )
         self.capacity, self.rows, self.num_envs = capacity, capacity // num_envs, num_envs
-        self.n_step, self.gamma, self.stack, self.alpha, self.eps = (
-            n_step,
-            gamma,
-            frame_stack,
-            alpha,
-            eps,
-        )
+        self.n_step = n_step
+        self.stack = frame_stack
+        self.alpha = alpha
+        self.eps = eps
         if self.rows < n_step + frame_stack + 1:
             raise ValueError(
                 f"{self.rows} rows an env is too few for n-step {n_step} with {frame_stack} frames"
@@ -393,27 +430,22 @@ class Replay:
         return slots[:count]
 
     def gather(self, slots, beta: float):
-        """The transitions starting at `slots`: n-step targets, stacks, importance weights."""
-        batch_size = len(slots)
+        """The transitions starting at `slots`: their rows, the next n rows' rewards and flags, the
+        observation where their window ends, importance weights."""
         t, e = self.row_of(slots)
-        reward = np.zeros(batch_size, np.float32)
-        discount = np.ones(batch_size, np.float32)
-        alive = np.ones(batch_size, bool)
-        next_t = t.copy()
-        for k in range(1, self.n_step + 1):
-            row = (t + k) % self.rows
-            reward += alive * discount * self.reward[row, e]
-            next_t = np.where(alive, t + k, next_t)
-            discount = np.where(alive, discount * self.gamma, discount)
-            terminated, truncated = self.terminated[row, e], self.truncated[row, e]
-            discount = np.where(alive & terminated, 0.0, discount)
-            alive &= ~(terminated | truncated)
+        window = (t[:, None] + np.arange(1, self.n_step + 1)) % self.rows  # [B, n]
+        terminated = self.terminated[window, e[:, None]]
+        truncated = self.truncated[window, e[:, None]]
+        ends = terminated | truncated
+        # The first row that ends the episode, else the n-th.
+        last = np.where(ends.any(axis=1), np.argmax(ends, axis=1), self.n_step - 1)
         return dict(
             obs=self.stacked(t, e),
             action=self.action[t % self.rows, e],
-            reward=reward,
-            discount=discount,
-            next_obs=self.stacked(next_t, e),
+            rewards=self.reward[window, e[:, None]],
+            terminated=terminated,
+            truncated=truncated,
+            next_obs=self.stacked(t + 1 + last, e),
             slots=slots,
             weights=self.weights(slots, beta),
         )

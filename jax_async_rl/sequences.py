@@ -55,7 +55,10 @@ class SequenceReplay(Replay):
         super().__init__(
             rows * num_envs, num_envs, obs_example, action_example, frame_stack=frame_stack, eps=eps
         )
-        self.length, self.period, self.starts, self.alpha = length, period, rows // period, alpha
+        self.length = length
+        self.period = period
+        self.starts = rows // period
+        self.alpha = alpha
         self.state = jax.tree.map(
             lambda x: np.zeros((self.starts, num_envs, *np.shape(x)[1:]), np.asarray(x).dtype),
             state_example,

@@ -14,7 +14,8 @@ import pytest
 from scipy import stats
 
 from helpers import load_script, read_metrics, run_main
-from jax_async_rl import evaluation, gym_pool, rounds, tasks, threads
+from jax_async_rl import evaluation, gym_pool, tasks, threads
+from jax_async_rl.replay import Collecting
 from jax_async_rl.flags import UsageError
 
 ppo = load_script(
@@ -626,15 +627,13 @@ def test_a_mask_that_cannot_be_obeyed_stops_the_actor_naming_the_env_and_step(sc
     envs = WrongMasks(B, kind, split=B // 2)
     with pytest.raises(gym_pool.EnvError, match=rf"env \d's 'action_mask' has {re.escape(says)}"):
         if script == "dqn_envpool.py":
-            collector = rounds.Collector(
-                envs,
-                lambda params, obs, ids, steps: np.zeros(len(ids), np.int64),
-                args,
-                0,
-                threads.Shared(None, 0),
-                0,
-            )
-            collector.collect(None, 0)
+            envs.async_reset()
+
+            def act(params, obs, ids, steps, first):
+                return np.zeros(len(ids), np.int64), None
+
+            shared, collecting = threads.Shared(None, 0), Collecting(B, 0, 0)
+            module.collect(envs, act, None, 0, collecting, args, shared, 0)
             return
         network, _, continuous, normalizer, state = module.build(args, jax.random.PRNGKey(0))
         policy_step = module.make_policy_step(

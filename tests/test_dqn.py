@@ -643,17 +643,17 @@ def test_sequence_priorities_mix_the_max_and_the_mean():
 
 def test_burn_in_from_stored_states_is_the_unroll_from_the_episode_start():
     """The script's recurrent actor (make_recurrent_act, greedy, an LSTM with large weights)
-    through the rounds' Collector on scripted envs (2 splits out of turn, episodes ending inside
+    through the script's collect on scripted envs (2 splits out of turn, episodes ending inside
     sequences) into the sequence buffer: for every sampled sequence, `unroll` from its stored state
     (burn-in, then the learned rows) gives, to 1e-5, the Q-values of the straight unroll from the
     episode's start over the env's own rows, and the actor's actions are their argmax (what the
     actor computed). r2d2_loss is the weighted mean of each sequence's mean squared error to the
     reference targets over its learned rows that start a transition; no gradient reaches the
     stored state through a burn-in."""
-    from test_lib_sequences import RoundArgs
+    from test_lib_sequences import RoundArgs, collector
     from test_pipeline import EPISODE_LENGTHS, SPLIT_SIZE, TRUNCATING, ScriptedEnvPool
 
-    from jax_async_rl import rounds, threads
+    from jax_async_rl import threads
     from jax_async_rl.keys import EnvStreams
     from jax_async_rl.sequences import SequenceReplay
 
@@ -682,9 +682,7 @@ def test_burn_in_from_stored_states_is_the_unroll_from_the_episode_start():
     act = dqn.make_recurrent_act(
         dqn.make_greedy(network, False, None), args, network, EnvStreams(0, 0, 6, 2)
     )
-    collector = rounds.Collector(
-        envs, act, RoundArgs(6, 2, 7), 0, threads.Shared(params, 0), 0, recurrent=True
-    )
+    collect = collector(envs, act, RoundArgs(6, 2, 7), threads.Shared(params, 0))
     replay = SequenceReplay(
         6 * 40,
         6,
@@ -695,7 +693,7 @@ def test_burn_in_from_stored_states_is_the_unroll_from_the_episode_start():
         4,
     )
     for _ in range(8):
-        replay.add(*collector.collect(params, 0)["rows"])
+        replay.add(*collect(params).rows)
     batch = replay.sample(24, np.random.default_rng(1))
     seq = {k: np.swapaxes(batch[k], 0, 1) for k in dqn.SEQUENCE_FIELDS}
     ended = seq["terminated"] | seq["truncated"]

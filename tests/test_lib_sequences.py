@@ -1,5 +1,5 @@
-"""Sequence replay (jax_async_rl/sequences.py) and the rounds' recurrent collection
-(jax_async_rl/rounds.py, `Collector(recurrent=True)`), against a plain buffer of whole sequences:
+"""Sequence replay (jax_async_rl/sequences.py) and the replay rounds' recurrent collection
+(dqn_envpool.py's `collect` into a replay.Collecting), against a plain buffer of whole sequences:
 every sequence that can be sampled, and nothing else, is exactly the rows the envs returned and
 the actor acted on, with the state the actor held at its first row, over episode ends, two splits
 stepped out of turn and the ring's wrap. (R2D2's learner on those sequences: tests/test_dqn.py.)"""
@@ -10,7 +10,10 @@ import numpy as np
 import pytest
 from test_pipeline import EPISODE_LENGTHS, SPLIT_SIZE, TRUNCATING, ScriptedEnvPool, code
 
-from jax_async_rl import rounds, threads
+from helpers import load_script
+
+from jax_async_rl import threads
+from jax_async_rl.replay import Collecting
 from jax_async_rl.sequences import SequenceReplay
 from test_replay import chi2_bound
 
@@ -47,6 +50,14 @@ class RoundArgs:
     num_steps: int
 
 
+def collector(envs, act, args: RoundArgs, shared=None):
+    """collect(params) -> replay.Chunk: dqn_envpool.py's collection of one actor thread's chunks."""
+    dqn = load_script("dqn_envpool.py")
+    collecting, shared = Collecting(args.num_envs, 0, 0), shared or threads.Shared(None, 0)
+    envs.async_reset()
+    return lambda params: dqn.collect(envs, act, params, 0, collecting, args, shared, 0)
+
+
 def reference_sequences(envs, count, rows, length, period, stack=1):
     """{(env, first row)} of the whole sequences a ring of `rows` rows an env keeps: starting on a
     multiple of `period`, all `length` rows written, the first one's stack not overwritten."""
@@ -71,9 +82,7 @@ def test_sampled_sequences_are_what_the_actor_saw_and_held(period, length):
         num_envs, SPLIT_SIZE, EPISODE_LENGTHS[:num_envs], TRUNCATING, seed=period
     )
     act = RecurrentStandIn(num_envs)
-    collector = rounds.Collector(
-        envs, act, RoundArgs(num_envs, 2, 7), 0, threads.Shared(None, 0), 0, recurrent=True
-    )
+    collect = collector(envs, act, RoundArgs(num_envs, 2, 7))
     state_example = (np.zeros((1, H), np.float32),) * 2
     replays = [
         SequenceReplay(
@@ -90,9 +99,9 @@ def test_sampled_sequences_are_what_the_actor_saw_and_held(period, length):
     ]
     starts_at_zero = 0
     for _ in range(14):
-        chunk = collector.collect(None, 0)
+        chunk = collect(None)
         for replay in replays:
-            replay.add(*chunk["rows"])
+            replay.add(*chunk.rows)
         expected = reference_sequences(
             envs, replays[0].count, rows // period * period, length, period
         )

@@ -211,6 +211,45 @@ def test_no_library_modules_import_each_other():
     assert not [name for name in modules if name in below(name, set())]
 
 
+# The skeleton (docs/DESIGN.md, rule 1): the sections in this order, and the loops where a reader
+# of any script finds them: acting in Sampling, learning in Learning, the threads started in main.
+SECTIONS = ["Network", "Math", "Sampling", "Learning", "Main"]
+HOMES = {
+    "resolve_args": None,  # before the first section: with Args and PRESETS
+    "collect_rollout": "Sampling",
+    "collect": "Sampling",
+    "actor_loop": "Sampling",
+    "learn_round": "Learning",
+    "learner_loop": "Learning",
+    "serial_loop": "Learning",
+    "make_update": "Learning",
+    "build": "Main",
+    "main": "Main",
+}
+
+
+@pytest.mark.parametrize("script", list(LINE_BUDGET))
+def test_every_script_keeps_the_skeleton_s_order(script):
+    lines = (REPO_ROOT / script).read_text().splitlines()
+    headers = [
+        (i + 1, lines[i + 1][2:].split()[0].rstrip("s"))
+        for i, line in enumerate(lines[:-1])
+        if line.startswith("# ----") and lines[i + 1].startswith("# ")
+    ]
+    assert [name for _, name in headers] == SECTIONS, headers
+    tree = ast.parse("\n".join(lines))
+    defined = {node.name: node.lineno for node in tree.body if isinstance(node, ast.FunctionDef)}
+    args = [node.lineno for node in tree.body if getattr(node, "name", None) == "Args"]
+    assert args and args[0] < headers[0][0]
+    loops = {"actor_loop", "collect_rollout"} & set(defined)
+    assert loops and "learner_loop" in defined or script == "ppo_sync_baseline.py", script
+    for name, home in HOMES.items():
+        if name not in defined:
+            continue
+        section = [header for line, header in headers if line < defined[name]]
+        assert (section[-1] if section else None) == home, (script, name, section[-1:])
+
+
 # What is the same algorithm in several scripts is the same text, so that a fix to one is a fix to
 # all (the networks are what people edit; tests/test_families.py builds every task's network with
 # one).
@@ -266,13 +305,14 @@ SAME_TEXT = [
         ["appo_envpool.py", "appo_envpool_xla.py"],
         ["targets", "make_update", "resolve_args"],
     ),  # APPO
+    # The replay families: their rounds (the loops on the page), the n-step target, the torso.
     (
         ["dqn_envpool.py", "sac_envpool.py", "td3_envpool.py"],
-        ["encode"],
-    ),  # replay (its rounds: jax_async_rl.rounds)
+        ["encode", "n_step_return", "collect", "actor_loop", "learner_loop", "serial_loop"],
+    ),
     (
         ["sac_envpool.py", "td3_envpool.py"],
-        ["Critic", "critics", "make_act", "make_learn", "resolve_args", "make_replay"],
+        ["Critic", "critics", "make_act", "resolve_args", "make_replay"],
     ),
 ]
 

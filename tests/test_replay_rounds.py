@@ -1,4 +1,5 @@
-"""The replay families' rounds (jax_async_rl/rounds.py), tested once through dqn_envpool.py: a
+"""The replay families' rounds (the loops of dqn_envpool.py; sac_envpool.py and td3_envpool.py
+hold the same text, tests/test_scripts.py), tested once through dqn_envpool.py: a
 thread's error stops the run within seconds, and a signal stops it within seconds in either mode,
 in the middle of a long round and with an env that never answers. (The buffer: test_replay.py;
 each script's math, rounds and learning: test_dqn.py, test_qpg.py.)"""
@@ -7,9 +8,14 @@ import signal
 import time
 
 import pytest
-from helpers import count_complete_lines, fail_on_call, read_checkpoint, run_main, sigterm_when
-
-from jax_async_rl import rounds
+from helpers import (
+    count_complete_lines,
+    fail_on_call,
+    load_script,
+    read_checkpoint,
+    run_main,
+    sigterm_when,
+)
 
 SCRIPT = "dqn_envpool.py"
 TINY = [
@@ -39,10 +45,9 @@ TINY = [
 def test_a_thread_error_stops_the_run_within_seconds(where, serial, tmp_path, capsys, monkeypatch):
     """The actor's 4th chunk, or the learner's 4th round, raises: the run exits 1 within seconds
     with the traceback, naming the thread."""
-    cls = rounds.Collector if where == "actor" else rounds.Learner
-    failed_at = fail_on_call(
-        monkeypatch, cls, "collect" if where == "actor" else "round", 4, f"injected {where} fault"
-    )
+    module = load_script(SCRIPT)
+    function = "collect" if where == "actor" else "learn_round"
+    failed_at = fail_on_call(monkeypatch, module, function, 4, f"injected {where} fault")
     code, _, err = run_main(
         SCRIPT,
         [
