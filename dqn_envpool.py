@@ -1173,10 +1173,10 @@ def build(args: Args, key):
     return network, optimizer, support, normalizer, state
 
 
-def make_replay(args: Args, envs):
+def make_replay(args: Args, obs_space, action_space):
     """The learner's buffer over all this process's envs; Atari's frame stacks stored a frame a row.
-    --lstm: sequences of burn-in + seq-len + n-step rows, one every --seq-period with its state."""
-    obs_space, action_space = tasks.spaces(args.env_id)[0], tasks.policy_space(args.env_id)
+    --lstm: sequences of burn-in + seq-len + n-step rows, one every --seq-period with its state.
+    `action_space`: the policy's (tasks.policy_space)."""
     stack = obs_space.shape[0] if tasks.env_kind(args.env_id) == "atari" else 1
     if args.lstm:
         return SequenceReplay(
@@ -1241,7 +1241,8 @@ def main(args: Args, given=None) -> int:
             make(greedy, args, network, EnvStreams(seed, i * args.num_envs, args.num_envs, 2))
             for i, (_, seed, _) in enumerate(actors)
         ]
-        replay = make_replay(args, envs)
+        obs_space = tasks.spaces(args.env_id)[0]
+        replay = make_replay(args, obs_space, tasks.policy_space(args.env_id))
         update = make_update(network, optimizer, args, support, run.mesh)
         sequences = (
             f", R2D2: sequences of {args.seq_len} after a burn-in of {args.burn_in}, one "

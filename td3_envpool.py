@@ -590,9 +590,8 @@ def build(args: Args, key):
     return (actor, critic), optimizer, bounds, normalizer, state
 
 
-def make_replay(args: Args, envs):
+def make_replay(args: Args, obs_space, action_space):
     """The learner's buffer over all this process's envs (1-step transitions)."""
-    obs_space, action_space = tasks.spaces(args.env_id)
     return Replay(
         args.buffer_size,
         devices.local_envs(args),
@@ -637,7 +636,7 @@ def main(args: Args, given=None) -> int:
             keep=(args.actor_lag or 0) + 2,
         )
         acts = [make_act(policy_step, args, key) for _, _, key in actors]
-        replay = make_replay(args, envs)
+        replay = make_replay(args, *tasks.spaces(args.env_id))
         update = make_update(built[0], optimizer, args, bounds, run.mesh)
         run.begin(
             f"{gradient_steps(args)} gradient steps a round{', serial' if args.serial else ''}"

@@ -611,7 +611,7 @@ def test_a_float_mask_is_refused_at_start_up_naming_the_env_and_the_space(tmp_pa
 )
 def test_a_mask_that_cannot_be_obeyed_stops_the_actor_naming_the_env_and_step(script, kind, says):
     """Each actor loop that applies masks (the sync loop, the Python actor, the replay rounds'
-    Collector: DQN's) raises gym_pool.EnvError (the run's one line, exit 1, a checkpoint) where it
+    collect: DQN's) raises gym_pool.EnvError (the run's one line, exit 1, a checkpoint) where it
     used to play action 0 in silence. An episode's last observation may have none legal (Jumanji's
     games end so): test_lib_tasks has check_legal's cases."""
     module, B = load_script(script), 4

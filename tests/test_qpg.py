@@ -402,7 +402,7 @@ PENDULUM_THRESHOLD = -250.0
 
 
 # SAC runs async and TD3 --serial: each algorithm learns, and each mode of the replay round
-# (jax_async_rl/rounds.py, one copy for both) is a learning run; the other two pairs, 2 minutes
+# (the loops, the same text in both scripts) is a learning run; the other two pairs, 2 minutes
 # each on 2 cores, measured the same (docs/results.md).
 @pytest.mark.slow
 @pytest.mark.timeout(900)
