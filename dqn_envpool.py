@@ -61,130 +61,9 @@ SEQUENCE_FIELDS = (
 )  # a sequence's rows (SequenceReplay)
 
 
-@dataclass
-class Args(flags.RunArgs):
-    """Asynchronous DQN and its Rainbow variants (actor and learner threads, or --serial). Every
-    size is in agent steps unless it says frames.
-
-    Flags shown with "(default: preset)" take the value of the task's preset (listed below; the
-    PRESETS table in this file); an explicit flag wins, and config.json records the values used.
-    """
-
-    num_envs: Annotated[int, POSITIVE, at_most(65_536)] = 8
-    """number of parallel environments of each actor thread (see --num-actor-threads)"""
-    num_splits: Annotated[Optional[int], SPLITS, POSITIVE] = None
-    """envpool splits for double-buffered sampling (Sample Factory §3.2); 1 disables it"""
-    num_steps: Annotated[Optional[int], PRESET, POSITIVE, at_most(65_536)] = None
-    """steps of every env in each chunk an actor hands the learner; the learner's round (one chunk,
-    then its gradient steps) is an "update" in the logs and checkpoints"""
-    queue_size: Annotated[int, POSITIVE, at_most(1024)] = 1
-    """chunks an actor may queue ahead of the learner before it waits (backpressure)"""
-    actor_lag: Annotated[Optional[int], NON_NEGATIVE, at_most(64)] = None
-    """an actor collects chunk m with the round on chunk m - 1 - this (acting_version): 0, the
-    serial mode's data; None, rlpyt's free-running actor (the newest parameters). --deterministic:
-    exactly that round (1 where none is given), else at least it"""
-    serial: bool = False
-    """one thread: collect a chunk, then learn from the buffer, in turn (rlpyt's serial mode)"""
-    buffer_size: Annotated[Optional[int], PRESET, POSITIVE] = None
-    """replay buffer capacity in transitions (the oldest are overwritten)"""
-    learning_starts: Annotated[Optional[int], PRESET, NON_NEGATIVE] = None
-    """env steps before the first gradient step (a resumed run refills its buffer this long)"""
-    replay_ratio: Annotated[Optional[float], PRESET, POSITIVE, at_most(100_000.0)] = None
-    """transitions the learner samples per env step (rlpyt's replay_ratio: batch_size / train
-    frequency); each round's gradient steps are this x the chunk / --batch-size, a whole number"""
-    batch_size: Annotated[Optional[int], PRESET, POSITIVE] = None
-    """transitions in each gradient step's batch"""
-    learning_rate: Annotated[Optional[float], PRESET, POSITIVE] = None
-    """Adam learning rate"""
-    adam_eps: Annotated[Optional[float], PRESET, POSITIVE] = None
-    """Adam's epsilon"""
-    anneal_lr: Annotated[Optional[bool], PRESET] = None
-    """the learning rate falls linearly to 0 at --total-timesteps (the CartPole preset)"""
-    huber_delta: Annotated[Optional[float], PRESET, NON_NEGATIVE] = None
-    """TD errors beyond this get a constant gradient (the Huber loss: Mnih et al. 2015's error
-    clipping, for clipped rewards); 0: the squared error (CleanRL). Not used by --c51"""
-    max_grad_norm: Annotated[Optional[float], PRESET, POSITIVE] = None
-    """global gradient-norm clipping threshold (rlpyt's and Stable-Baselines3's DQN: 10; R2D2:
-    80)"""
-    gamma: Annotated[Optional[float], PRESET, UNIT] = None
-    """discount factor"""
-    target_network_frequency: Annotated[Optional[int], PRESET, POSITIVE] = None
-    """env steps between updates of the target network (checked once a round)"""
-    tau: Annotated[float, UNIT] = 1.0
-    """target network update rate (1: a copy)"""
-    start_e: Annotated[Optional[float], PRESET, UNIT] = None
-    """ε of ε-greedy at the start"""
-    end_e: Annotated[Optional[float], PRESET, UNIT] = None
-    """ε of ε-greedy at the end of the schedule"""
-    exploration_fraction: Annotated[Optional[float], PRESET, UNIT] = None
-    """the fraction of --total-timesteps over which ε falls linearly from --start-e to --end-e"""
-    apex_epsilon: Annotated[Optional[bool], PRESET] = None
-    """Ape-X's fixed ε per env instead of the schedule: env i of N has --apex-base ** (1 +
-    --apex-alpha x i / (N - 1))"""
-    apex_base: Annotated[float, UNIT] = 0.4
-    """Ape-X's base ε (Horgan et al. 2018)"""
-    apex_alpha: Annotated[float, NON_NEGATIVE, at_most(100.0)] = 7.0
-    """Ape-X's exponent spread (Horgan et al. 2018)"""
-    double_dqn: Annotated[Optional[bool], PRESET] = None
-    """Double DQN: the online network picks the next action, the target network values it"""
-    dueling: Annotated[Optional[bool], PRESET] = None
-    """the dueling head: a value and mean-centred advantages"""
-    n_step: Annotated[Optional[int], PRESET, POSITIVE, at_most(1000)] = None
-    """n-step returns: rewards summed over n steps (fewer at an episode's end), then bootstrapped"""
-    prioritized_replay: Annotated[Optional[bool], PRESET] = None
-    """proportional prioritised replay: priorities (|TD error| + eps) ^ --priority-alpha"""
-    priority_alpha: Annotated[Optional[float], PRESET, UNIT] = None
-    """prioritisation exponent α (Rainbow: 0.5)"""
-    priority_beta: Annotated[Optional[float], PRESET, UNIT] = None
-    """importance-sampling exponent β at the start, annealed linearly to --priority-beta-end over
-    the run (Rainbow: 0.4)"""
-    priority_beta_end: Annotated[Optional[float], PRESET, UNIT] = None
-    """importance-sampling exponent β at the end of the run (Rainbow: 1; R2D2 keeps 0.6
-    throughout)"""
-    c51: Annotated[Optional[bool], PRESET] = None
-    """distributional C51: a categorical return distribution over --num-atoms fixed atoms"""
-    num_atoms: Annotated[int, POSITIVE, at_most(4096)] = 51
-    """atoms of C51's support"""
-    v_min: float = -10.0
-    """C51's smallest return"""
-    v_max: float = 10.0
-    """C51's largest return"""
-    action_mask: bool = True
-    """where the observation holds an "action_mask" (Jumanji's tasks, your env's Dict), ε-greedy
-    explores, acts greedily and takes its target's maximum over legal actions; --no-action-mask: it
-    is only an input"""
-    lstm: bool = False
-    """R2D2 (Kapturowski et al. 2019): an LSTM after the encoder, learned from replayed sequences
-    that start from the state the actor stored, after a burn-in; value-rescaled n-step targets"""
-    lstm_size: Annotated[Optional[int], PRESET, POSITIVE, at_most(8192)] = None
-    """--lstm: hidden units of the LSTM, the size of its h and of its c"""
-    seq_len: Annotated[Optional[int], PRESET, POSITIVE, at_most(100_000)] = None
-    """--lstm: steps of each replayed sequence that the loss covers, after its burn-in"""
-    burn_in: Annotated[Optional[int], PRESET, NON_NEGATIVE, at_most(100_000)] = None
-    """--lstm: steps before those, over which the networks only rebuild the state from the stored
-    one"""
-    seq_period: Annotated[Optional[int], PRESET, POSITIVE, at_most(100_000)] = None
-    """--lstm: a sequence starts every this many steps of each env, where the actor's state is
-    stored (sequences overlap when it is below --burn-in + --seq-len)"""
-    priority_eta: Annotated[float, UNIT] = 0.9
-    """--lstm: a sequence's priority, η max|δ| + (1 - η) mean|δ| over its steps (R2D2: 0.9)"""
-    num_threads: Annotated[int, NON_NEGATIVE, at_most(1024)] = 0
-    """envpool worker threads of each actor thread (0: the CPU cores shared among the actor
-    threads)"""
-    num_actor_threads: Annotated[int, POSITIVE, at_most(256)] = 1
-    """actor threads on each actor device, each with num_envs envs of its own; a round takes one
-    chunk from each"""
-    save_interval: Annotated[int, NON_NEGATIVE] = 1000
-    """write a checkpoint every this many rounds (0: only at the end)"""
-    log_frequency: Annotated[int, POSITIVE] = 20
-    """log losses, timings and SPS every this many rounds and after the last (returns: always)"""
-    # The variants these flags make: the default --exp-name (the run's folder, its header line)
-    # names them.
-    NAMED: ClassVar[dict] = {"serial": dict(serial=True), "lstm": dict(lstm=True)}
-    # What a run saved before a flag existed did: --resume continues it so.
-    UNTIL_ADDED: ClassVar[dict] = {"huber_delta": 1.0, "anneal_lr": False}
-
-
+# Defaults of the flags left at None (marked PRESET, the first of Args below): a task's own preset
+# (by name, without its version), else its family's (tasks.env_kind); with --lstm, an R2D2 preset
+# (preset_name). An explicit flag always wins.
 PLAIN = dict(double_dqn=False, dueling=False, n_step=1, prioritized_replay=False, c51=False)
 # Rainbow's prioritised replay (α 0.5, β 0.4 -> 1), gradients clipped at 10 (rlpyt,
 # Stable-Baselines3), the ε schedule.
@@ -332,6 +211,136 @@ PRESETS = {
         seq_period=10,
     ),
 }
+
+
+@dataclass
+class Args(flags.RunArgs):
+    """Asynchronous DQN and its Rainbow variants (actor and learner threads, or --serial). Every
+    size is in agent steps unless it says frames.
+
+    Flags shown with "(default: preset)" take the value of the task's preset (listed below; the
+    PRESETS table in this file); an explicit flag wins, and config.json records the values used.
+    """
+
+    # Where left at None, the task's preset fills these: the PRESETS table right above Args (an
+    # explicit flag wins).
+    num_steps: Annotated[Optional[int], PRESET, POSITIVE, at_most(65_536)] = None
+    """steps of every env in each chunk an actor hands the learner; the learner's round (one chunk,
+    then its gradient steps) is an "update" in the logs and checkpoints"""
+    buffer_size: Annotated[Optional[int], PRESET, POSITIVE] = None
+    """replay buffer capacity in transitions (the oldest are overwritten)"""
+    learning_starts: Annotated[Optional[int], PRESET, NON_NEGATIVE] = None
+    """env steps before the first gradient step (a resumed run refills its buffer this long)"""
+    replay_ratio: Annotated[Optional[float], PRESET, POSITIVE, at_most(100_000.0)] = None
+    """transitions the learner samples per env step (rlpyt's replay_ratio: batch_size / train
+    frequency); each round's gradient steps are this x the chunk / --batch-size, a whole number"""
+    batch_size: Annotated[Optional[int], PRESET, POSITIVE] = None
+    """transitions in each gradient step's batch"""
+    learning_rate: Annotated[Optional[float], PRESET, POSITIVE] = None
+    """Adam learning rate"""
+    adam_eps: Annotated[Optional[float], PRESET, POSITIVE] = None
+    """Adam's epsilon"""
+    anneal_lr: Annotated[Optional[bool], PRESET] = None
+    """the learning rate falls linearly to 0 at --total-timesteps (the CartPole preset)"""
+    huber_delta: Annotated[Optional[float], PRESET, NON_NEGATIVE] = None
+    """TD errors beyond this get a constant gradient (the Huber loss: Mnih et al. 2015's error
+    clipping, for clipped rewards); 0: the squared error (CleanRL). Not used by --c51"""
+    max_grad_norm: Annotated[Optional[float], PRESET, POSITIVE] = None
+    """global gradient-norm clipping threshold (rlpyt's and Stable-Baselines3's DQN: 10; R2D2:
+    80)"""
+    gamma: Annotated[Optional[float], PRESET, UNIT] = None
+    """discount factor"""
+    target_network_frequency: Annotated[Optional[int], PRESET, POSITIVE] = None
+    """env steps between updates of the target network (checked once a round)"""
+    start_e: Annotated[Optional[float], PRESET, UNIT] = None
+    """ε of ε-greedy at the start"""
+    end_e: Annotated[Optional[float], PRESET, UNIT] = None
+    """ε of ε-greedy at the end of the schedule"""
+    exploration_fraction: Annotated[Optional[float], PRESET, UNIT] = None
+    """the fraction of --total-timesteps over which ε falls linearly from --start-e to --end-e"""
+    apex_epsilon: Annotated[Optional[bool], PRESET] = None
+    """Ape-X's fixed ε per env instead of the schedule: env i of N has --apex-base ** (1 +
+    --apex-alpha x i / (N - 1))"""
+    double_dqn: Annotated[Optional[bool], PRESET] = None
+    """Double DQN: the online network picks the next action, the target network values it"""
+    dueling: Annotated[Optional[bool], PRESET] = None
+    """the dueling head: a value and mean-centred advantages"""
+    n_step: Annotated[Optional[int], PRESET, POSITIVE, at_most(1000)] = None
+    """n-step returns: rewards summed over n steps (fewer at an episode's end), then bootstrapped"""
+    prioritized_replay: Annotated[Optional[bool], PRESET] = None
+    """proportional prioritised replay: priorities (|TD error| + eps) ^ --priority-alpha"""
+    priority_alpha: Annotated[Optional[float], PRESET, UNIT] = None
+    """prioritisation exponent α (Rainbow: 0.5)"""
+    priority_beta: Annotated[Optional[float], PRESET, UNIT] = None
+    """importance-sampling exponent β at the start, annealed linearly to --priority-beta-end over
+    the run (Rainbow: 0.4)"""
+    priority_beta_end: Annotated[Optional[float], PRESET, UNIT] = None
+    """importance-sampling exponent β at the end of the run (Rainbow: 1; R2D2 keeps 0.6
+    throughout)"""
+    c51: Annotated[Optional[bool], PRESET] = None
+    """distributional C51: a categorical return distribution over --num-atoms fixed atoms"""
+    lstm_size: Annotated[Optional[int], PRESET, POSITIVE, at_most(8192)] = None
+    """--lstm: hidden units of the LSTM, the size of its h and of its c"""
+    seq_len: Annotated[Optional[int], PRESET, POSITIVE, at_most(100_000)] = None
+    """--lstm: steps of each replayed sequence that the loss covers, after its burn-in"""
+    burn_in: Annotated[Optional[int], PRESET, NON_NEGATIVE, at_most(100_000)] = None
+    """--lstm: steps before those, over which the networks only rebuild the state from the stored
+    one"""
+    seq_period: Annotated[Optional[int], PRESET, POSITIVE, at_most(100_000)] = None
+    """--lstm: a sequence starts every this many steps of each env, where the actor's state is
+    stored (sequences overlap when it is below --burn-in + --seq-len)"""
+
+    # Not in the presets: each flag below takes the default it states.
+    num_envs: Annotated[int, POSITIVE, at_most(65_536)] = 8
+    """number of parallel environments of each actor thread (see --num-actor-threads)"""
+    num_splits: Annotated[Optional[int], SPLITS, POSITIVE] = None
+    """envpool splits for double-buffered sampling (Sample Factory §3.2); 1 disables it"""
+    queue_size: Annotated[int, POSITIVE, at_most(1024)] = 1
+    """chunks an actor may queue ahead of the learner before it waits (backpressure)"""
+    actor_lag: Annotated[Optional[int], NON_NEGATIVE, at_most(64)] = None
+    """an actor collects chunk m with the round on chunk m - 1 - this (acting_version): 0, the
+    serial mode's data; None, rlpyt's free-running actor (the newest parameters). --deterministic:
+    exactly that round (1 where none is given), else at least it"""
+    serial: bool = False
+    """one thread: collect a chunk, then learn from the buffer, in turn (rlpyt's serial mode)"""
+    tau: Annotated[float, UNIT] = 1.0
+    """target network update rate (1: a copy)"""
+    apex_base: Annotated[float, UNIT] = 0.4
+    """Ape-X's base ε (Horgan et al. 2018)"""
+    apex_alpha: Annotated[float, NON_NEGATIVE, at_most(100.0)] = 7.0
+    """Ape-X's exponent spread (Horgan et al. 2018)"""
+    num_atoms: Annotated[int, POSITIVE, at_most(4096)] = 51
+    """atoms of C51's support"""
+    v_min: float = -10.0
+    """C51's smallest return"""
+    v_max: float = 10.0
+    """C51's largest return"""
+    action_mask: bool = True
+    """where the observation holds an "action_mask" (Jumanji's tasks, your env's Dict), ε-greedy
+    explores, acts greedily and takes its target's maximum over legal actions; --no-action-mask: it
+    is only an input"""
+    lstm: bool = False
+    """R2D2 (Kapturowski et al. 2019): an LSTM after the encoder, learned from replayed sequences
+    that start from the state the actor stored, after a burn-in; value-rescaled n-step targets"""
+    priority_eta: Annotated[float, UNIT] = 0.9
+    """--lstm: a sequence's priority, η max|δ| + (1 - η) mean|δ| over its steps (R2D2: 0.9)"""
+    num_threads: Annotated[int, NON_NEGATIVE, at_most(1024)] = 0
+    """envpool worker threads of each actor thread (0: the CPU cores shared among the actor
+    threads)"""
+    num_actor_threads: Annotated[int, POSITIVE, at_most(256)] = 1
+    """actor threads on each actor device, each with num_envs envs of its own; a round takes one
+    chunk from each"""
+    save_interval: Annotated[int, NON_NEGATIVE] = 1000
+    """write a checkpoint every this many rounds (0: only at the end)"""
+    log_frequency: Annotated[int, POSITIVE] = 20
+    """log losses, timings and SPS every this many rounds and after the last (returns: always)"""
+    # The variants these flags make: the default --exp-name (the run's folder, its header line)
+    # names them.
+    NAMED: ClassVar[dict] = {"serial": dict(serial=True), "lstm": dict(lstm=True)}
+    # What a run saved before a flag existed did: --resume continues it so.
+    UNTIL_ADDED: ClassVar[dict] = {"huber_delta": 1.0, "anneal_lr": False}
+
+
 RAINBOW = {
     k: v for k, v in PRESETS["atari"].items() if k in PLAIN
 }  # the five switches, for any task

@@ -45,82 +45,10 @@ from jax_async_rl.trajectories import Trajectories, write
 SPLITS = flags.default_is("2 with image observations, else 1")
 
 
-@dataclass
-class Args(flags.RunArgs):
-    """IMPALA (actor and learner threads). Every size is in agent steps unless it says frames.
-
-    Flags shown with "(default: preset)" take the value of the task's preset (listed below; the
-    PRESETS table in this file); an explicit flag wins, and config.json records the values used.
-    """
-
-    num_envs: Annotated[int, POSITIVE, at_most(65_536)] = 8
-    """number of parallel environments of each actor thread (see --num-actor-threads)"""
-    num_splits: Annotated[Optional[int], SPLITS, POSITIVE] = None
-    """envpool splits for double-buffered sampling (Sample Factory §3.2); 1 disables it. It pays
-    where stepping a split costs about one inference call and a core is free for it: images, not
-    vectors"""
-    num_steps: Annotated[Optional[int], PRESET, POSITIVE, at_most(65_536)] = None
-    """rollout length: steps per environment in each rollout"""
-    queue_size: Annotated[int, POSITIVE, at_most(1024)] = 2
-    """rollouts the actor may queue ahead of the learner before it blocks (backpressure)"""
-    actor_lag: Annotated[Optional[int], NON_NEGATIVE, at_most(64)] = None
-    """the actor acts on rollout m with the update on rollout m - 1 - this (acting_version): 1,
-    Cleanba's actor; 0, the synchronous limit; None, TorchBeast's (Sample Factory's) free-running
-    actor, up to --queue-size + 1 updates old. --deterministic: exactly that update (1 where none is
-    given), else at least it"""
-    max_policy_lag: Annotated[int, NON_NEGATIVE] = 25
-    """transitions chosen by a policy more than this many updates old are masked out of the loss"""
-    vtrace_rho_bar: Annotated[float, POSITIVE] = 1.0
-    """V-trace clipping threshold of the importance ratio in the targets (rho bar)"""
-    vtrace_c_bar: Annotated[float, POSITIVE] = 1.0
-    """V-trace clipping threshold of the trace-cutting coefficients (c bar)"""
-    learning_rate: Annotated[Optional[float], PRESET, POSITIVE] = None
-    """RMSProp learning rate, the start of the schedule when --anneal-lr"""
-    anneal_lr: bool = True
-    """decay the learning rate linearly to 0 over the run"""
-    gamma: Annotated[Optional[float], PRESET, UNIT] = None
-    """discount factor"""
-    entropy_cost: Annotated[Optional[float], PRESET, NON_NEGATIVE] = None
-    """weight of the entropy bonus (TorchBeast: 0.0006)"""
-    baseline_cost: Annotated[float, NON_NEGATIVE] = 0.5
-    """weight of the baseline (value) loss (TorchBeast's --baseline_cost)"""
-    rmsprop_alpha: Annotated[float, UNIT] = 0.99
-    """RMSProp smoothing constant (TorchBeast's --alpha)"""
-    rmsprop_eps: Annotated[float, POSITIVE] = 0.01
-    """RMSProp epsilon, added outside the square root as in PyTorch (TorchBeast's --epsilon)"""
-    rmsprop_momentum: Annotated[float, UNIT] = 0.0
-    """RMSProp momentum (TorchBeast's --momentum)"""
-    max_grad_norm: Annotated[float, POSITIVE] = 40.0
-    """global gradient-norm clipping threshold (TorchBeast's --grad_norm_clipping)"""
-    norm_obs: Annotated[Optional[bool], PRESET] = None
-    """True: normalise observations by a running mean and std, clipped to [-10, 10] (CleanRL,
-    MuJoCo)"""
-    norm_reward: Annotated[Optional[bool], PRESET] = None
-    """True: divide rewards by the running std of the discounted return, clipped to [-10, 10]"""
-    action_mask: bool = True
-    """illegal actions get no probability, in acting and learning, where the observation holds an
-    "action_mask" (Jumanji's tasks, your env's Dict); --no-action-mask: it is only an input"""
-    lstm: bool = False
-    """an LSTM core between the encoder and the policy/value heads (TorchBeast's --use_lstm, Sample
-    Factory's --use_rnn), its state carried per env and reset where an episode starts"""
-    lstm_size: Annotated[int, POSITIVE, at_most(8192)] = 128
-    """hidden units of the LSTM, the size of its h and of its c (CleanRL's ppo_atari_lstm.py:
-    128)"""
-    num_threads: Annotated[int, NON_NEGATIVE, at_most(1024)] = 0
-    """envpool worker threads of each actor thread (your Gymnasium env's: worker processes; 0: the
-    CPU cores shared among the actor threads, at most num_envs)"""
-    num_actor_threads: Annotated[int, POSITIVE, at_most(256)] = 1
-    """actor threads on each actor device, each with num_envs envs and splits of its own; an update
-    takes one rollout from each, so its global batch is processes x actor devices x actor threads x
-    num_envs x num_steps env steps (config.json records it)"""
-    # The variants these flags make: the default --exp-name (the run's folder, its header line)
-    # names them.
-    NAMED: ClassVar[dict] = {"lstm": dict(lstm=True)}
-
-
-# Defaults of the flags left at None: a task's own preset (by name, without its version), else its
-# family's (tasks.env_kind); an explicit flag always wins. rl-baselines3-zoo's A2C settings carry
-# over (5-step unrolls, RMSProp); its gSDE exploration (Pendulum) is not reproduced.
+# Defaults of the flags left at None (marked PRESET, the first of Args below): a task's own preset
+# (by name, without its version), else its family's (tasks.env_kind); an explicit flag always wins.
+# rl-baselines3-zoo's A2C settings carry over (5-step unrolls, RMSProp); its gSDE exploration
+# (Pendulum) is not reproduced.
 NO_NORM = dict(norm_obs=False, norm_reward=False)
 PRESETS = {
     # TorchBeast's MonoBeast/PolyBeast Atari defaults: unrolls of 80 steps, batches of 8 unrolls.
@@ -184,6 +112,83 @@ PRESETS = {
         num_steps=80, learning_rate=4.8e-4, gamma=0.99, entropy_cost=0.0006, **NO_NORM
     ),
 }
+
+
+@dataclass
+class Args(flags.RunArgs):
+    """IMPALA (actor and learner threads). Every size is in agent steps unless it says frames.
+
+    Flags shown with "(default: preset)" take the value of the task's preset (listed below; the
+    PRESETS table in this file); an explicit flag wins, and config.json records the values used.
+    """
+
+    # Where left at None, the task's preset fills these: the PRESETS table right above Args (an
+    # explicit flag wins).
+    num_steps: Annotated[Optional[int], PRESET, POSITIVE, at_most(65_536)] = None
+    """rollout length: steps per environment in each rollout"""
+    learning_rate: Annotated[Optional[float], PRESET, POSITIVE] = None
+    """RMSProp learning rate, the start of the schedule when --anneal-lr"""
+    gamma: Annotated[Optional[float], PRESET, UNIT] = None
+    """discount factor"""
+    entropy_cost: Annotated[Optional[float], PRESET, NON_NEGATIVE] = None
+    """weight of the entropy bonus (TorchBeast: 0.0006)"""
+    norm_obs: Annotated[Optional[bool], PRESET] = None
+    """True: normalise observations by a running mean and std, clipped to [-10, 10] (CleanRL,
+    MuJoCo)"""
+    norm_reward: Annotated[Optional[bool], PRESET] = None
+    """True: divide rewards by the running std of the discounted return, clipped to [-10, 10]"""
+
+    # Not in the presets: each flag below takes the default it states.
+    num_envs: Annotated[int, POSITIVE, at_most(65_536)] = 8
+    """number of parallel environments of each actor thread (see --num-actor-threads)"""
+    num_splits: Annotated[Optional[int], SPLITS, POSITIVE] = None
+    """envpool splits for double-buffered sampling (Sample Factory §3.2); 1 disables it. It pays
+    where stepping a split costs about one inference call and a core is free for it: images, not
+    vectors"""
+    queue_size: Annotated[int, POSITIVE, at_most(1024)] = 2
+    """rollouts the actor may queue ahead of the learner before it blocks (backpressure)"""
+    actor_lag: Annotated[Optional[int], NON_NEGATIVE, at_most(64)] = None
+    """the actor acts on rollout m with the update on rollout m - 1 - this (acting_version): 1,
+    Cleanba's actor; 0, the synchronous limit; None, TorchBeast's (Sample Factory's) free-running
+    actor, up to --queue-size + 1 updates old. --deterministic: exactly that update (1 where none is
+    given), else at least it"""
+    max_policy_lag: Annotated[int, NON_NEGATIVE] = 25
+    """transitions chosen by a policy more than this many updates old are masked out of the loss"""
+    vtrace_rho_bar: Annotated[float, POSITIVE] = 1.0
+    """V-trace clipping threshold of the importance ratio in the targets (rho bar)"""
+    vtrace_c_bar: Annotated[float, POSITIVE] = 1.0
+    """V-trace clipping threshold of the trace-cutting coefficients (c bar)"""
+    anneal_lr: bool = True
+    """decay the learning rate linearly to 0 over the run"""
+    baseline_cost: Annotated[float, NON_NEGATIVE] = 0.5
+    """weight of the baseline (value) loss (TorchBeast's --baseline_cost)"""
+    rmsprop_alpha: Annotated[float, UNIT] = 0.99
+    """RMSProp smoothing constant (TorchBeast's --alpha)"""
+    rmsprop_eps: Annotated[float, POSITIVE] = 0.01
+    """RMSProp epsilon, added outside the square root as in PyTorch (TorchBeast's --epsilon)"""
+    rmsprop_momentum: Annotated[float, UNIT] = 0.0
+    """RMSProp momentum (TorchBeast's --momentum)"""
+    max_grad_norm: Annotated[float, POSITIVE] = 40.0
+    """global gradient-norm clipping threshold (TorchBeast's --grad_norm_clipping)"""
+    action_mask: bool = True
+    """illegal actions get no probability, in acting and learning, where the observation holds an
+    "action_mask" (Jumanji's tasks, your env's Dict); --no-action-mask: it is only an input"""
+    lstm: bool = False
+    """an LSTM core between the encoder and the policy/value heads (TorchBeast's --use_lstm, Sample
+    Factory's --use_rnn), its state carried per env and reset where an episode starts"""
+    lstm_size: Annotated[int, POSITIVE, at_most(8192)] = 128
+    """hidden units of the LSTM, the size of its h and of its c (CleanRL's ppo_atari_lstm.py:
+    128)"""
+    num_threads: Annotated[int, NON_NEGATIVE, at_most(1024)] = 0
+    """envpool worker threads of each actor thread (your Gymnasium env's: worker processes; 0: the
+    CPU cores shared among the actor threads, at most num_envs)"""
+    num_actor_threads: Annotated[int, POSITIVE, at_most(256)] = 1
+    """actor threads on each actor device, each with num_envs envs and splits of its own; an update
+    takes one rollout from each, so its global batch is processes x actor devices x actor threads x
+    num_envs x num_steps env steps (config.json records it)"""
+    # The variants these flags make: the default --exp-name (the run's folder, its header line)
+    # names them.
+    NAMED: ClassVar[dict] = {"lstm": dict(lstm=True)}
 
 
 def resolve_args(args: Args) -> Args:

@@ -39,71 +39,10 @@ from jax_async_rl.normalize import Normalizer
 from jax_async_rl.trajectories import write
 
 
-@dataclass
-class Args(flags.RunArgs):
-    """Synchronous PPO (collect, then update). Every size is in agent steps unless it says frames.
-
-    Flags shown with "(default: preset)" take the value of the task's preset (listed below; the
-    PRESETS table in this file); an explicit flag wins, and config.json records the values used.
-    """
-
-    num_envs: Annotated[int, POSITIVE, at_most(65_536)] = 8
-    """number of parallel environments of this process; an update's global batch is processes x
-    num_envs x num_steps env steps (config.json records it)"""
-    num_steps: Annotated[Optional[int], PRESET, POSITIVE, at_most(65_536)] = None
-    """rollout length: steps per environment between two updates"""
-    learning_rate: Annotated[Optional[float], PRESET, POSITIVE] = None
-    """Adam learning rate, the start of the schedule when --anneal-lr"""
-    anneal_lr: bool = True
-    """decay the learning rate linearly to 0 over the run"""
-    gamma: Annotated[Optional[float], PRESET, UNIT] = None
-    """discount factor"""
-    gae_lambda: Annotated[Optional[float], PRESET, UNIT] = None
-    """lambda of generalised advantage estimation"""
-    num_minibatches: Annotated[Optional[int], PRESET, POSITIVE] = None
-    """minibatches per epoch; must divide the global batch, the envs of all processes x num_steps
-    (with an LSTM: the envs, as minibatches hold whole env sequences, and a preset's count then
-    becomes its greatest common divisor with them)"""
-    update_epochs: Annotated[Optional[int], PRESET, POSITIVE, at_most(1000)] = None
-    """passes over each rollout"""
-    norm_adv: bool = True
-    """normalise advantages within each minibatch"""
-    clip_coef: Annotated[Optional[float], PRESET, POSITIVE] = None
-    """PPO ratio clipping epsilon"""
-    anneal_clip: Annotated[Optional[bool], PRESET] = None
-    """decay the clip epsilon linearly to 0 over the run, as the learning rate (rl-baselines3-zoo's
-    `clip_range: lin_0.2`); off where the preset does not name it"""
-    ent_coef: Annotated[Optional[float], PRESET, NON_NEGATIVE] = None
-    """weight of the entropy bonus"""
-    vf_coef: Annotated[float, NON_NEGATIVE] = 0.5
-    """weight of the value loss"""
-    max_grad_norm: Annotated[float, POSITIVE] = 0.5
-    """global gradient-norm clipping threshold"""
-    norm_obs: Annotated[Optional[bool], PRESET] = None
-    """True: normalise observations by a running mean and std, clipped to [-10, 10] (CleanRL,
-    MuJoCo)"""
-    norm_reward: Annotated[Optional[bool], PRESET] = None
-    """True: divide rewards by the running std of the discounted return, clipped to [-10, 10]"""
-    action_mask: bool = True
-    """illegal actions get no probability, in acting and learning, where the observation holds an
-    "action_mask" (Jumanji's tasks, your env's Dict); --no-action-mask: it is only an input"""
-    lstm: bool = False
-    """an LSTM core between the encoder and the policy/value heads (TorchBeast's --use_lstm, Sample
-    Factory's --use_rnn), its state carried per env and reset where an episode starts"""
-    lstm_size: Annotated[int, POSITIVE, at_most(8192)] = 128
-    """hidden units of the LSTM, the size of its h and of its c (CleanRL's ppo_atari_lstm.py:
-    128)"""
-    num_threads: Annotated[int, NON_NEGATIVE, at_most(1024)] = 0
-    """envpool worker threads stepping the environments (your Gymnasium env's: worker processes; 0:
-    one per CPU core, at most num_envs)"""
-    # The variants these flags make: the default --exp-name (the run's folder, its header line)
-    # names them.
-    NAMED: ClassVar[dict] = {"lstm": dict(lstm=True)}
-
-
-# Defaults of the flags left at None: a task's own preset (by name, without its version), else its
-# family's (tasks.env_kind); an explicit flag always wins. rl-baselines3-zoo's batch sizes become
-# minibatch counts at 8 envs; its gSDE exploration (Pendulum) is not reproduced.
+# Defaults of the flags left at None (marked PRESET, the first of Args below): a task's own preset
+# (by name, without its version), else its family's (tasks.env_kind); an explicit flag always wins.
+# rl-baselines3-zoo's batch sizes become minibatch counts at 8 envs; its gSDE exploration
+# (Pendulum) is not reproduced.
 NO_NORM = dict(norm_obs=False, norm_reward=False)
 PRESETS = {
     # CleanRL's ppo_atari_envpool.py (Huang et al. 2022).
@@ -281,6 +220,72 @@ PRESETS = {
         **NO_NORM,
     ),
 }
+
+
+@dataclass
+class Args(flags.RunArgs):
+    """Synchronous PPO (collect, then update). Every size is in agent steps unless it says frames.
+
+    Flags shown with "(default: preset)" take the value of the task's preset (listed below; the
+    PRESETS table in this file); an explicit flag wins, and config.json records the values used.
+    """
+
+    # Where left at None, the task's preset fills these: the PRESETS table right above Args (an
+    # explicit flag wins).
+    num_steps: Annotated[Optional[int], PRESET, POSITIVE, at_most(65_536)] = None
+    """rollout length: steps per environment between two updates"""
+    learning_rate: Annotated[Optional[float], PRESET, POSITIVE] = None
+    """Adam learning rate, the start of the schedule when --anneal-lr"""
+    gamma: Annotated[Optional[float], PRESET, UNIT] = None
+    """discount factor"""
+    gae_lambda: Annotated[Optional[float], PRESET, UNIT] = None
+    """lambda of generalised advantage estimation"""
+    num_minibatches: Annotated[Optional[int], PRESET, POSITIVE] = None
+    """minibatches per epoch; must divide the global batch, the envs of all processes x num_steps
+    (with an LSTM: the envs, as minibatches hold whole env sequences, and a preset's count then
+    becomes its greatest common divisor with them)"""
+    update_epochs: Annotated[Optional[int], PRESET, POSITIVE, at_most(1000)] = None
+    """passes over each rollout"""
+    clip_coef: Annotated[Optional[float], PRESET, POSITIVE] = None
+    """PPO ratio clipping epsilon"""
+    anneal_clip: Annotated[Optional[bool], PRESET] = None
+    """decay the clip epsilon linearly to 0 over the run, as the learning rate (rl-baselines3-zoo's
+    `clip_range: lin_0.2`); off where the preset does not name it"""
+    ent_coef: Annotated[Optional[float], PRESET, NON_NEGATIVE] = None
+    """weight of the entropy bonus"""
+    norm_obs: Annotated[Optional[bool], PRESET] = None
+    """True: normalise observations by a running mean and std, clipped to [-10, 10] (CleanRL,
+    MuJoCo)"""
+    norm_reward: Annotated[Optional[bool], PRESET] = None
+    """True: divide rewards by the running std of the discounted return, clipped to [-10, 10]"""
+
+    # Not in the presets: each flag below takes the default it states.
+    num_envs: Annotated[int, POSITIVE, at_most(65_536)] = 8
+    """number of parallel environments of this process; an update's global batch is processes x
+    num_envs x num_steps env steps (config.json records it)"""
+    anneal_lr: bool = True
+    """decay the learning rate linearly to 0 over the run"""
+    norm_adv: bool = True
+    """normalise advantages within each minibatch"""
+    vf_coef: Annotated[float, NON_NEGATIVE] = 0.5
+    """weight of the value loss"""
+    max_grad_norm: Annotated[float, POSITIVE] = 0.5
+    """global gradient-norm clipping threshold"""
+    action_mask: bool = True
+    """illegal actions get no probability, in acting and learning, where the observation holds an
+    "action_mask" (Jumanji's tasks, your env's Dict); --no-action-mask: it is only an input"""
+    lstm: bool = False
+    """an LSTM core between the encoder and the policy/value heads (TorchBeast's --use_lstm, Sample
+    Factory's --use_rnn), its state carried per env and reset where an episode starts"""
+    lstm_size: Annotated[int, POSITIVE, at_most(8192)] = 128
+    """hidden units of the LSTM, the size of its h and of its c (CleanRL's ppo_atari_lstm.py:
+    128)"""
+    num_threads: Annotated[int, NON_NEGATIVE, at_most(1024)] = 0
+    """envpool worker threads stepping the environments (your Gymnasium env's: worker processes; 0:
+    one per CPU core, at most num_envs)"""
+    # The variants these flags make: the default --exp-name (the run's folder, its header line)
+    # names them.
+    NAMED: ClassVar[dict] = {"lstm": dict(lstm=True)}
 
 
 def resolve_args(args: Args) -> Args:

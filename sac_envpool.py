@@ -49,11 +49,16 @@ LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0  # CleanRL's bounds of the policy's log sta
 EVAL_POLICY = "the deterministic policy, tanh(mean)"
 
 
+PRESETS = {}  # one configuration for every task: Args' defaults
+
+
 @dataclass
 class Args(flags.RunArgs):
     """Asynchronous soft actor-critic (actor and learner threads, or --serial) for continuous
     actions. Every size is in agent steps. The defaults are CleanRL's sac_continuous_action.py."""
 
+    # No flag takes a preset here (PRESETS, right above Args, is empty): every task starts
+    # from the defaults below.
     env_id: str = "HalfCheetah-v4"
     """envpool task id with continuous (float Box) actions: MuJoCo (HalfCheetah-v4), dm_control
     (CheetahRun-v1), classic control (Pendulum-v1), Box2D, MetaWorld, ... (or your own Gymnasium
@@ -113,9 +118,6 @@ class Args(flags.RunArgs):
     # The variants these flags make: the default --exp-name (the run's folder, its header line)
     # names them.
     NAMED: ClassVar[dict] = {"serial": dict(serial=True)}
-
-
-PRESETS = {}  # one configuration for every task: Args' defaults
 
 
 def resolve_args(args: Args) -> Args:

@@ -48,12 +48,17 @@ from jax_async_rl.replay import Collecting, Replay, check_rounds, gradient_steps
 EVAL_POLICY = "the deterministic policy, without exploration noise"
 
 
+PRESETS = {}  # one configuration for every task: Args' defaults
+
+
 @dataclass
 class Args(flags.RunArgs):
     """Asynchronous TD3, or DDPG with --no-twin-q --policy-delay 1 --target-noise 0 (actor and
     learner threads, or --serial) for continuous actions. Every size is in agent steps. The defaults
     are CleanRL's td3_continuous_action.py."""
 
+    # No flag takes a preset here (PRESETS, right above Args, is empty): every task starts
+    # from the defaults below.
     env_id: str = "HalfCheetah-v4"
     """envpool task id with continuous (float Box) actions: MuJoCo (HalfCheetah-v4), dm_control
     (CheetahRun-v1), classic control (Pendulum-v1), Box2D, MetaWorld, ... (or your own Gymnasium
@@ -118,9 +123,6 @@ class Args(flags.RunArgs):
         "ddpg": dict(twin_q=False, policy_delay=1, target_noise=0.0),
         "serial": dict(serial=True),
     }
-
-
-PRESETS = {}  # one configuration for every task: Args' defaults
 
 
 def resolve_args(args: Args) -> Args:

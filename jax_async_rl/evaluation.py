@@ -33,13 +33,11 @@ def evaluate(
     stats = EpisodeStats(num_envs)
     obs, info = envs.reset()
     core, done, lives = initial_core(num_envs), np.zeros(num_envs, bool), info.get("lives")
-    scores, frames, video_episode, env_ids, steps = (
-        [],
-        [],
-        None,
-        np.arange(num_envs),
-        np.zeros(num_envs, np.int64),
-    )
+    scores = []
+    frames = []
+    video_episode = None
+    env_ids = np.arange(num_envs)
+    steps = np.zeros(num_envs, np.int64)
     while len(scores) < num_episodes and not signals:
         if render and quota[0] == -(-num_episodes // num_envs):
             frames.append(envs.render()[0])

@@ -77,9 +77,11 @@ def probe(args):
     check at start-up: `claim` takes the lock when the run opens its folder), or if its run files
     are not the run's own (`check_files`)."""
     folder = own_folder(args)
-    if folder:
-        check_files(folder)
-    if folder and (holder := held(folder)):
+    if not folder:
+        return
+    check_files(folder)
+    holder = held(folder)
+    if holder:
         raise UsageError(
             f"{folder} is in use by another run ({holder}); wait for it to end, or pick another "
             f"folder"

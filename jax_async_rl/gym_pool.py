@@ -173,7 +173,8 @@ def worker(conn, make, env_ids: list, seed: int):
                 or [(p, x.shape[1:], x.dtype) for p, x in leaves(batch)] != first
                 or not all(np.isfinite(x).all() for _, x in leaves(batch) if x.dtype.kind == "f")
             ):
-                if (bad := fault(obs, first, env_ids, elapsed)) is not None:
+                bad = fault(obs, first, env_ids, elapsed)
+                if bad is not None:
                     conn.send(("fault", *bad))
                     continue
             conn.send(
@@ -220,8 +221,15 @@ class GymPool:
         self.workers = max(1, min(batch_size, processes // self.splits))
         # Worker w of a split holds its envs [cuts[w], cuts[w + 1]).
         self.cuts = [batch_size * w // self.workers for w in range(self.workers + 1)]
-        self.timeout, self.stop, self.asked, self.closed = timeout, stop, {}, False
-        self.conns, self.procs, self.sentinels, self.pending, self.replies = [], [], [], [], {}
+        self.timeout = timeout
+        self.stop = stop
+        self.asked = {}
+        self.closed = False
+        self.conns = []
+        self.procs = []
+        self.sentinels = []
+        self.pending = []
+        self.replies = {}
         self.guard = subprocess.Popen(
             [sys.executable, "-S", "-c", GUARD], stdin=subprocess.PIPE, process_group=0
         )

@@ -227,7 +227,10 @@ def help_from_source(path: str):
         tree = ast.parse(open(path, encoding="utf-8").read(), path)
         definitions = [(node, bound_names(node)) for node in tree.body]
         needed, chosen = {"Args", "PRESETS"}, []
-        while new := [node for node, bound in definitions if bound & needed and node not in chosen]:
+        while True:
+            new = [node for node, bound in definitions if bound & needed and node not in chosen]
+            if not new:
+                break
             chosen += new
             needed |= {n.id for node in new for n in ast.walk(node) if isinstance(n, ast.Name)}
         imports = [

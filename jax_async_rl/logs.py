@@ -32,7 +32,10 @@ class Logger:
     def __init__(self, run_dir: Optional[str], args, purge_step: Optional[int] = None):
         """`purge_step` (a resumed run: the checkpoint's step + 1): TensorBoard hides what the
         earlier event files hold from that step on, so that it shows one continuous run."""
-        self.run_dir, self.lock, self.failed, self.wandb = run_dir, threading.Lock(), False, None
+        self.run_dir = run_dir
+        self.lock = threading.Lock()
+        self.failed = False
+        self.wandb = None
         if run_dir is None:
             return
         name = os.path.join(
@@ -170,13 +173,11 @@ class Progress:
         start=True,
         learning_from: int = 0,
     ):
-        self.total, self.counts, self.interval, self.span, self.clock = (
-            total,
-            counts,
-            interval,
-            window,
-            clock,
-        )
+        self.total = total
+        self.counts = counts
+        self.interval = interval
+        self.span = window
+        self.clock = clock
         self.learning_from = learning_from
         self.returns = deque(maxlen=20)
         self.window = deque([(clock(), *counts())], maxlen=7)

@@ -40,7 +40,10 @@ class Run:
     folder; the others keep `run_dir` None."""
 
     def __init__(self, args, given, script: str, resolve):
-        self.given, self.script, self.resolve, self.args = given, script, resolve, args
+        self.given = given
+        self.script = script
+        self.resolve = resolve
+        self.args = args
         self.saving = (
             threading.Lock()
         )  # one checkpoint write at a time (the learner's and the main thread's)
@@ -228,9 +231,9 @@ class Run:
                 checkpoints.finish_rename(
                     path
                 )  # resumed from a complete .tmp: make it the checkpoint
-            if self.payload and (
-                dropped := folders.cut_metrics(self.run_dir, self.global_step)
-            ):  # before the record
+            # A resume cuts the metrics past its checkpoint before config.json records it
+            dropped = folders.cut_metrics(self.run_dir, self.global_step) if self.payload else 0
+            if dropped:
                 print(
                     f"note: {dropped} records past step {self.global_step} (after the checkpoint, "
                     f"which the resume "
@@ -349,7 +352,8 @@ class Run:
         scalars["charts/SPS"] = (self.global_step - self.start_step) / self.elapsed()
         scalars.update({f"timing/{k}_seconds": v for k, v in timing.items()})
         self.progress.updated(self.global_step)
-        if not self.warned and (warning := stale_warning(scalars, self.args)):
+        warning = stale_warning(scalars, self.args)
+        if warning and not self.warned:
             self.warned = True
             print(warning, file=sys.stderr, flush=True)
         if (

@@ -19,12 +19,10 @@ class Signals:
     run lasts, a user env's pool gives up waiting on `stop` too (tasks.RUN_STOP)."""
 
     def __init__(self):
-        self.received, self.stop, self.started, self.new_run = (
-            [],
-            threading.Event(),
-            threading.Event(),
-            None,
-        )
+        self.received = []
+        self.stop = threading.Event()
+        self.started = threading.Event()
+        self.new_run = None
         tasks.RUN_STOP[0] = self.stop
         self.handlers = {
             s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)
@@ -40,7 +38,10 @@ class Signals:
         self.stop.set()
 
     def watch(self):
-        while data := os.read(self.read_fd, 1):  # one byte per signal; b"" once `close` runs
+        while True:
+            data = os.read(self.read_fd, 1)  # one byte per signal; b"" once `close` runs
+            if not data:
+                break
             if not self.started.is_set():
                 if self.new_run:
                     folders.remove_new(*self.new_run)

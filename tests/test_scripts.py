@@ -250,6 +250,47 @@ def test_every_script_keeps_the_skeleton_s_order(script):
         assert (section[-1] if section else None) == home, (script, name, section[-1:])
 
 
+# A screen: a reader at a flag whose default is the task's preset finds the PRESETS table within
+# this many lines of it (issue 46). DQN's 28 such flags take 65 lines with their help, more than a
+# screen on their own: the table right above them is 76 lines from the last.
+SCREEN = 50
+SCREEN_EXCEPT = {"dqn_envpool.py": 76}
+
+
+def test_the_presets_table_is_within_a_screen_of_the_flags_it_fills():
+    """In each script, every flag that a PRESETS entry fills is marked PRESET (--help's "(default:
+    preset)"), defaults to None and lies within SCREEN lines of the PRESETS table; every flag
+    marked PRESET does too (a table of none: the replay scripts' `PRESETS = {}`)."""
+    import dataclasses
+    import typing
+
+    from jax_async_rl.flags import PRESET
+
+    for name in LINE_BUDGET:
+        module = load_script(name)
+        tree = ast.parse((REPO_ROOT / name).read_text())
+        table = next(
+            node
+            for node in tree.body
+            if isinstance(node, ast.Assign)
+            and any(getattr(target, "id", None) == "PRESETS" for target in node.targets)
+        )
+        args = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Args")
+        lines = {n.target.id: n.lineno for n in args.body if isinstance(n, ast.AnnAssign)}
+        hints = typing.get_type_hints(module.Args, include_extras=True)
+        marked = {k for k, hint in hints.items() if PRESET in getattr(hint, "__metadata__", ())}
+        keys = {k for values in module.PRESETS.values() for k in values}
+        assert keys <= marked, f"{name}: PRESETS fills {keys - marked}, not marked PRESET"
+        defaults = {f.name: f.default for f in dataclasses.fields(module.Args)}
+        assert all(defaults[k] is None for k in marked), name
+        limit = SCREEN_EXCEPT.get(name, SCREEN)
+        for field in marked:
+            assert field in lines, f"{name}: {field} is not declared in Args"
+            line = lines[field]
+            distance = max(table.lineno - line, line - table.end_lineno, 0)
+            assert distance <= limit, f"{name}: {field} is {distance} lines from PRESETS"
+
+
 # What is the same algorithm in several scripts is the same text, so that a fix to one is a fix to
 # all (the networks are what people edit; tests/test_families.py builds every task's network with
 # one).
