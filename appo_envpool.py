@@ -781,8 +781,11 @@ def actor_loop(
         timing["bookkeeping"] += (
             time.perf_counter() - now
         )  # then the queue, and the wait for parameters
-        while pushed < num_rollouts and (rollout := trajectories.complete()) is not None:
-            rollout["host"]["games"] = stats.pop()
+        while pushed < num_rollouts:
+            rollout = trajectories.complete()
+            if rollout is None:
+                break
+            rollout = rollout._replace(games=stats.pop())
             start = time.perf_counter()
             if not threads.put(rollout_queue, rollout, shared.stop):
                 return
@@ -1049,18 +1052,14 @@ def learner_loop(run, update, shared, queues, key):
         timing["queue_get"] += time.perf_counter() - start
         if run.should_stop(None in rollouts, games):
             break
-        hosts = [
-            rollout.pop("host") for rollout in rollouts
-        ]  # games; --lstm: the states after the rollout
-        games = [game for host in hosts for game in host["games"]]
+        games = [game for rollout in rollouts for game in rollout.games]
         start = time.perf_counter()
-        subkey = jax.random.fold_in(
-            key, int(state["policy_version"])
-        )  # the update's own: a resume draws the same
-        batch = devices.joined(rollouts)
-        run.journaled(
-            batch["actions"], [host.get("next_state") for host in hosts], shared.published
-        )
+        # The update's own key: a resume draws the same.
+        subkey = jax.random.fold_in(key, int(state["policy_version"]))
+        batch = devices.joined([rollout.arrays() for rollout in rollouts])
+        # --lstm: the states after the rollouts, for a checkpoint (journal.Keeper).
+        memories = [rollout.next_state for rollout in rollouts]
+        run.journaled(batch["actions"], memories, shared.published)
         batch = devices.to_learner(run.mesh, batch)
         state, diagnostics = update(state, batch, subkey, run.args.total_timesteps)
         diagnostics = jax.device_get(diagnostics)

@@ -44,7 +44,7 @@ from jax_async_rl import devices, flags, normalize, runs, tasks, threads
 from jax_async_rl.keys import env_keys
 from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, PRESET, UNIT, UsageError, at_most
 from jax_async_rl.normalize import Normalizer
-from jax_async_rl.trajectories import new_rollout
+from jax_async_rl.trajectories import Rollout, new_rollout
 
 SPLITS = flags.default_is("2 with image observations, else 1")
 
@@ -762,13 +762,9 @@ class XlaRollouts:
     def init(self, key, R: int, first: int) -> dict:
         """The first carry, for rollout `first` of the run (its envs' steps counted from first x
         T)."""
-        B, ring = (
-            self.B,
-            {
-                "bootstrapped": np.zeros((self.B,), bool),
-                **new_rollout(self.T, self.B, self.first, self.actions, self.memory),
-            },
-        )
+        B = self.B
+        rollout = new_rollout(self.T, B, self.first, self.actions, self.memory)
+        ring = {"bootstrapped": np.zeros((B,), bool), **rollout.arrays()}
         return {
             "handle": self.handle,
             "key": key,
@@ -1033,7 +1029,7 @@ def actor_loop(
             "of the run",
         )
         timing["bookkeeping"] += (start := time.perf_counter()) - now
-        rollout["host"]["games"] = games
+        rollout = Rollout(**rollout, games=games)
         if not threads.put(rollout_queue, rollout, shared.stop):
             return
         timing["queue_put"] += time.perf_counter() - start
@@ -1273,18 +1269,14 @@ def learner_loop(run, update, shared, queues, key):
         timing["queue_get"] += time.perf_counter() - start
         if run.should_stop(None in rollouts, games):
             break
-        hosts = [
-            rollout.pop("host") for rollout in rollouts
-        ]  # games; --lstm: the states after the rollout
-        games = [game for host in hosts for game in host["games"]]
+        games = [game for rollout in rollouts for game in rollout.games]
         start = time.perf_counter()
-        subkey = jax.random.fold_in(
-            key, int(state["policy_version"])
-        )  # the update's own: a resume draws the same
-        batch = devices.joined(rollouts)
-        run.journaled(
-            batch["actions"], [host.get("next_state") for host in hosts], shared.published
-        )
+        # The update's own key: a resume draws the same.
+        subkey = jax.random.fold_in(key, int(state["policy_version"]))
+        batch = devices.joined([rollout.arrays() for rollout in rollouts])
+        # --lstm: the states after the rollouts, for a checkpoint (journal.Keeper).
+        memories = [rollout.next_state for rollout in rollouts]
+        run.journaled(batch["actions"], memories, shared.published)
         batch = devices.to_learner(run.mesh, batch)
         state, diagnostics = update(state, batch, subkey, run.args.total_timesteps)
         diagnostics = jax.device_get(diagnostics)

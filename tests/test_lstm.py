@@ -100,16 +100,18 @@ def test_learner_unroll_reproduces_the_actor(script, num_splits):
     resets_inside = 0
     for k, rollout in enumerate(rollouts):
         logprobs, _, values, bootstrap_value = jax.device_get(
-            jax.jit(module.rollout_forward, static_argnums=(0, 3))(network, params, rollout, False)
+            jax.jit(module.rollout_forward, static_argnums=(0, 3))(
+                network, params, rollout.arrays(), False
+            )
         )
         for e in range(num_envs):
             for t in range(T):
                 n, where = k * T + t, f"rollout {k}, row {t}, env {e}"
-                assert tuple(rollout["obs"][t, e]) == (e, n), where
-                assert rollout["first"][t, e] == first_flags(envs, e, n), where
+                assert tuple(rollout.obs[t, e]) == (e, n), where
+                assert rollout.first[t, e] == first_flags(envs, e, n), where
                 resets_inside += t > 0 and first_flags(envs, e, n)
                 np.testing.assert_allclose(
-                    logprobs[t, e], rollout["logprobs"][t, e], atol=1e-5, err_msg=where
+                    logprobs[t, e], rollout.logprobs[t, e], atol=1e-5, err_msg=where
                 )
                 np.testing.assert_allclose(
                     values[t, e], policy.values[(e, n)], atol=1e-5, err_msg=where
@@ -122,8 +124,8 @@ def test_learner_unroll_reproduces_the_actor(script, num_splits):
     # The check can fail: ignoring the recorded state, or the resets, changes the outputs.
     rollout = rollouts[-1]
     for wrong in (
-        dict(rollout, state=jax.tree.map(np.zeros_like, rollout["state"])),
-        dict(rollout, first=np.zeros_like(rollout["first"])),
+        dict(rollout.arrays(), state=jax.tree.map(np.zeros_like, rollout.state)),
+        dict(rollout.arrays(), first=np.zeros_like(rollout.first)),
     ):
         _, _, values, _ = module.rollout_forward(network, params, wrong, False)
         expected = [
