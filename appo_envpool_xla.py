@@ -734,9 +734,10 @@ class XlaRollouts:
     until the oldest rollout is complete, or stops short (complete False) before an env would
     write R rollouts ahead of the oldest (`grown` then doubles R); it returns (carry, that
     rollout, whether it is complete, the games ended, their count). `init(key, R)`: the first
-    carry."""
+    carry. `action_space`: the actions the policy samples (the rollout's; main's
+    tasks.policy_space)."""
 
-    def __init__(self, envs, policy_step, args):
+    def __init__(self, envs, policy_step, args, action_space):
         self.T, self.B, self.args, self.policy_step, self.space = (
             args.num_steps,
             args.num_envs,
@@ -744,9 +745,7 @@ class XlaRollouts:
             policy_step,
             envs.action_space,
         )
-        self.actions = tasks.policy_space(
-            args.env_id
-        )  # the actions the policy samples (the rollout's)
+        self.actions = action_space
         leaves = jax.tree.leaves(tasks.space_tree(envs.observation_space)) + [self.space]
         self.x64 = np.float64 in [
             s.dtype for s in leaves
@@ -978,6 +977,7 @@ def actor_loop(
     rollout_queue,
     key,
     args,
+    action_space,
     num_rollouts,
     device=None,
     thread=0,
@@ -987,7 +987,7 @@ def actor_loop(
     its own: the same rows, columns, `valid`, bootstrap observations, version stamps and games, but
     the parameters (those `acting_version` names for the call's rollout, `first` on) are taken
     once per call, not per recv(). Timing: the call counts as "env"."""
-    rollouts = XlaRollouts(envs, policy_step, args)
+    rollouts = XlaRollouts(envs, policy_step, args, action_space)
     envs.async_reset()
     R, pushed, held, timing, games = XLA_RING, 0, None, shared.timing, []
     carry = jax.device_put(rollouts.init(key, R, first), device)
@@ -1366,6 +1366,7 @@ def main(args: Args, given=None) -> int:
         args = run.args
         network, optimizer, continuous, normalizer, state = build(args, run.init_key)
         state = run.open(state, normalizer)
+        action_space = tasks.policy_space(args.env_id)  # what the policy samples
         actors = run.actors()  # (device, env seed, action key) of each actor thread
         envs = [
             tasks.make_env(
@@ -1406,6 +1407,7 @@ def main(args: Args, given=None) -> int:
                 queues[i],
                 key,
                 args,
+                action_space,
                 run.num_updates - run.start_update,
                 device,
                 i,

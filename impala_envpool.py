@@ -519,6 +519,7 @@ def actor_loop(
     rollout_queue,
     key,
     args,
+    action_space,
     num_rollouts,
     device=None,
     thread=0,
@@ -531,17 +532,16 @@ def actor_loop(
     parameters `acting_version` names (§3.4; exactly those with --deterministic), each env's draws
     keyed by its index and step. With --lstm, `memory` holds each env's state, reset where an
     episode starts; a rollout records the states before its row 0 (Sample Factory's: no burn-in).
-    Thread `thread` acts on `device`. `resume` (--deterministic): the journal's actions [steps, B,
-    ...] and states that put the envs back where the run stopped (journal.replay)."""
+    Thread `thread` acts on `device`. `action_space`: the actions the policy samples (main's
+    tasks.policy_space). `resume` (--deterministic): the journal's actions [steps, B, ...] and
+    states that put the envs back where the run stopped (journal.replay)."""
     T, B = args.num_steps, args.num_envs
     memory = (
         zero_core(args.lstm_size, B)[0] if args.lstm else None
     )  # (c, h) [B, lstm_size], by env id
     stats, timing, pushed = tasks.EpisodeStats(B), shared.timing, 0
     dones, memory = journal.start_envs(envs, resume, shared.normalizer, stats, memory, thread * B)
-    trajectories = Trajectories(
-        T, B, tasks.policy_space(args.env_id), memory, first * T, resume is not None, dones
-    )
+    trajectories = Trajectories(T, B, action_space, memory, first * T, resume is not None, dones)
     core = held = params = None  # held: the version of `params`
     while pushed < num_rollouts and not shared.stop.is_set():
         start = time.perf_counter()
@@ -821,8 +821,9 @@ def main(args: Args, given=None) -> int:
         args = run.args
         network, optimizer, continuous, normalizer, state = build(args, run.init_key)
         state = run.open(state, normalizer)
+        action_space = tasks.policy_space(args.env_id)  # what the policy samples
         # --deterministic: a resume replays the run's actions
-        resumes = run.journal_for(tasks.policy_space(args.env_id))
+        resumes = run.journal_for(action_space)
         actors = run.actors()  # (device, env seed, action key) of each actor thread
         envs = [
             tasks.make_actor_env(
@@ -864,6 +865,7 @@ def main(args: Args, given=None) -> int:
                 queues[i],
                 key,
                 args,
+                action_space,
                 run.num_updates - run.start_update,
                 device,
                 i,

@@ -375,6 +375,7 @@ def test_both_actors_act_legally_and_the_env_gets_the_cell_the_policy_chose(scri
         rollouts,
         jax.random.PRNGKey(1),
         args,
+        tasks.policy_space(args.env_id),
         2,
     )
     envs.close()
@@ -654,6 +655,7 @@ def test_a_mask_that_cannot_be_obeyed_stops_the_actor_naming_the_env_and_step(sc
                 tasks.EpisodeStats(B),
                 normalizer,
                 args,
+                tasks.policy_space(args.env_id),
                 {"env": 0.0, "inference": 0.0},
             )
         else:
@@ -664,6 +666,7 @@ def test_a_mask_that_cannot_be_obeyed_stops_the_actor_naming_the_env_and_step(sc
                 queue.Queue(),
                 jax.random.PRNGKey(1),
                 args,
+                tasks.policy_space(args.env_id),
                 2,
             )
 
@@ -700,6 +703,7 @@ def test_the_xla_actor_names_a_mask_with_no_legal_action(monkeypatch):
                 queue.Queue(),
                 jax.random.PRNGKey(1),
                 args,
+                tasks.policy_space(args.env_id),
                 1,
             )
     finally:

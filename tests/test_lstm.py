@@ -90,7 +90,14 @@ def test_learner_unroll_reproduces_the_actor(script, num_splits):
     policy = RecordingPolicy(module.make_policy_step(network, continuous=False))
     rollout_queue, num_rollouts, T = module.queue.Queue(), 5, NUM_STEPS
     module.actor_loop(
-        envs, policy, shared, rollout_queue, jax.random.PRNGKey(0), args, num_rollouts
+        envs,
+        policy,
+        shared,
+        rollout_queue,
+        jax.random.PRNGKey(0),
+        args,
+        tasks.policy_space(args.env_id),
+        num_rollouts,
     )
     assert not envs.errors, envs.errors
     rollouts = drain(rollout_queue)
@@ -168,6 +175,7 @@ def test_sync_rollouts_unroll_to_the_actors_numbers():
             stats,
             normalizer,
             args,
+            tasks.policy_space(args.env_id),
             timing,
         )
         logprobs, _, values, bootstrap_value = jax.device_get(

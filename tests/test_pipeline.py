@@ -29,7 +29,7 @@ from helpers import (
     tag_values,
     tiny_flags,
 )
-from jax_async_rl import threads
+from jax_async_rl import tasks, threads
 
 # ---------------------------------------------------------------------------------------------
 # A deterministic stand-in for envpool's asynchronous interface
@@ -255,7 +255,14 @@ def test_actor_loop_trajectory_integrity(script, num_splits):
     envs, policy, shared, args, rollout_queue = make_pipeline(module, num_splits, seed=num_splits)
     num_rollouts = 6
     module.actor_loop(
-        envs, policy, shared, rollout_queue, jax.random.PRNGKey(0), args, num_rollouts
+        envs,
+        policy,
+        shared,
+        rollout_queue,
+        jax.random.PRNGKey(0),
+        args,
+        tasks.policy_space(args.env_id),
+        num_rollouts,
     )
     rollouts = drain(rollout_queue)
     assert len(rollouts) == num_rollouts
@@ -299,6 +306,7 @@ def test_full_queue_blocks_the_actor_and_loses_nothing(script):
         rollout_queue,
         jax.random.PRNGKey(0),
         args,
+        tasks.policy_space(args.env_id),
         num_rollouts,
     )
     try:
@@ -359,6 +367,7 @@ def test_actor_loop_stops_on_stop_event_while_blocked(script):
         rollout_queue,
         jax.random.PRNGKey(0),
         args,
+        tasks.policy_space(args.env_id),
         10,
     )
     deadline = time.monotonic() + 30

@@ -38,6 +38,7 @@ def collect(module, env_id, num_envs, num_splits, num_rollouts, version=7, num_s
         rollouts,
         jax.random.PRNGKey(1),
         args,
+        tasks.policy_space(args.env_id),
         num_rollouts,
     )
     envs.close()
