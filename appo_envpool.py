@@ -743,9 +743,8 @@ def actor_loop(
     tasks.policy_space). `resume` (--deterministic): the journal's actions [steps, B, ...] and
     states that put the envs back where the run stopped (journal.replay)."""
     T, B = args.num_steps, args.num_envs
-    memory = (
-        zero_core(args.lstm_size, B)[0] if args.lstm else None
-    )  # (c, h) [B, lstm_size], by env id
+    # (c, h) [B, lstm_size], by env id
+    memory = zero_core(args.lstm_size, B)[0] if args.lstm else None
     stats, timing, pushed = tasks.EpisodeStats(B), shared.timing, 0
     dones, memory = journal.start_envs(envs, resume, shared.normalizer, stats, memory, thread * B)
     trajectories = Trajectories(T, B, action_space, memory, first * T, resume is not None, dones)
@@ -753,34 +752,28 @@ def actor_loop(
     while pushed < num_rollouts and not shared.stop.is_set():
         start = time.perf_counter()
         obs, reward, terminated, truncated, info = envs.recv()
-        timing["env"] += (now := time.perf_counter()) - start
-        env_ids, index = info["env_id"], trajectories.steps[info["env_id"]]
-        reward = np.where(
-            info["elapsed_step"] > 0, reward, 0.0
-        )  # a reset's: undefined (dm_control)
+        now = time.perf_counter()
+        timing["env"] += now - start
+        env_ids = info["env_id"]
+        index = trajectories.steps[env_ids]
+        # A reset's reward is undefined (dm_control).
+        reward = np.where(info["elapsed_step"] > 0, reward, 0.0)
         obs = shared.normalizer.observe(obs)
         ended = trajectories.sent[env_ids]  # the observation ends a step (not an env's first)
         if memory is not None:  # the envs' states, and which observations start an episode
-            core = (
-                jax.tree.map(lambda s: s[env_ids], memory),
-                trajectories.prev_dones[env_ids] | ~ended,
-            )
+            states = jax.tree.map(lambda s: s[env_ids], memory)
+            core = (states, trajectories.prev_dones[env_ids] | ~ended)
         stats.update(env_ids, reward, terminated, truncated, info)  # game scores: raw rewards
-        tasks.check_legal(
-            args, obs, env_ids, ~(terminated | truncated), info["elapsed_step"]
-        )  # masks obeyable
-        if (
-            ended.any() and index.max() == trajectories.start
-        ):  # the last step replayed: its games were logged
-            stats.pop()
         done = terminated | truncated
+        tasks.check_legal(args, obs, env_ids, ~done, info["elapsed_step"])  # masks obeyable
+        if ended.any() and index.max() == trajectories.start:
+            stats.pop()  # the last step replayed: its games were logged
         reward[ended] = shared.normalizer.reward(
             reward[ended], done[ended], env_ids[ended] + thread * B
         )
         trajectories.returned(env_ids, obs, reward, done, truncated, memory)
-        timing["bookkeeping"] += (
-            time.perf_counter() - now
-        )  # then the queue, and the wait for parameters
+        # Then the queue, and the wait for parameters.
+        timing["bookkeeping"] += time.perf_counter() - now
         while pushed < num_rollouts:
             rollout = trajectories.complete()
             if rollout is None:
@@ -791,9 +784,8 @@ def actor_loop(
                 return
             timing["queue_put"] += time.perf_counter() - start
             pushed += 1
-        version = acting_version(
-            int(index.max()) // T, args.actor_lag, shared.oldest
-        )  # free-running: never an update
+        # Free-running: never an update.
+        version = acting_version(int(index.max()) // T, args.actor_lag, shared.oldest)
         acting = shared.acting(
             version if args.deterministic else min(version, first + pushed), args.deterministic
         )
@@ -801,22 +793,22 @@ def actor_loop(
             return
         if acting[1] != held:  # copied to this actor's device once per version
             held, params = acting[1], devices.to_actor(device, acting[0])
-        now = time.perf_counter()
+        start = time.perf_counter()
         action, logprob, _, state = policy_step(params, obs, core, key, env_ids, index)
-        timing["inference"] += (
-            start := time.perf_counter()
-        ) - now  # dispatched; the bookkeeping overlaps it
+        now = time.perf_counter()
+        timing["inference"] += now - start  # dispatched; the bookkeeping overlaps it
         current = trajectories.started(env_ids, obs, held, core)
-        timing["bookkeeping"] += (now := time.perf_counter()) - start
-
+        start = time.perf_counter()
+        timing["bookkeeping"] += start - now
         action, logprob, state = jax.device_get((action, logprob, state))
-        timing["device_get"] += (start := time.perf_counter()) - now
+        now = time.perf_counter()
+        timing["device_get"] += now - start
         if memory is not None:
             write(memory, env_ids, state)
         envs.send(tasks.env_action(action, envs.action_space), env_ids)
         trajectories.acted(current, env_ids, action, logprob)
         shared.sampled[thread] += len(env_ids)
-        timing["bookkeeping"] += time.perf_counter() - start
+        timing["bookkeeping"] += time.perf_counter() - now
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1147,9 +1139,8 @@ def main(args: Args, given=None) -> int:
             )
             for _, seed, _ in actors
         ]
-        policy_step = make_policy_step(
-            network, continuous, values=False
-        )  # the actor needs no values
+        # The actor needs no values.
+        policy_step = make_policy_step(network, continuous, values=False)
         update = make_update(network, optimizer, args, continuous, run.mesh)
         shared = threads.Shared(
             state["params"],

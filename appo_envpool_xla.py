@@ -738,24 +738,18 @@ class XlaRollouts:
     tasks.policy_space)."""
 
     def __init__(self, envs, policy_step, args, action_space):
-        self.T, self.B, self.args, self.policy_step, self.space = (
-            args.num_steps,
-            args.num_envs,
-            args,
-            policy_step,
-            envs.action_space,
-        )
+        self.T, self.B = args.num_steps, args.num_envs
+        self.args, self.policy_step = args, policy_step
+        self.space = envs.action_space  # the env's; the policy's: `actions`
         self.actions = action_space
         leaves = jax.tree.leaves(tasks.space_tree(envs.observation_space)) + [self.space]
-        self.x64 = np.float64 in [
-            s.dtype for s in leaves
-        ]  # envpool's XLA interface passes float64 (MuJoCo) as it is:
-        with jax.enable_x64(self.x64):  # so must JAX, in this thread only
+        # envpool's XLA interface passes float64 (MuJoCo) as it is: so must JAX, in this thread only
+        self.x64 = np.float64 in [s.dtype for s in leaves]
+        with jax.enable_x64(self.x64):
             self.handle, self.recv, self.send, _ = envs.xla()
         self.first = f32(tasks.zeros_like_space(envs.observation_space, 1))
-        self.memory = (
-            zero_core(args.lstm_size, self.B)[0] if args.lstm else None
-        )  # (c, h) [B, lstm_size], by env id
+        # (c, h) [B, lstm_size], by env id
+        self.memory = zero_core(args.lstm_size, self.B)[0] if args.lstm else None
         self.calls = {}  # ring size R -> its jitted call (collect)
 
     def init(self, key, R: int, first: int) -> dict:
@@ -782,7 +776,8 @@ class XlaRollouts:
     def step(self, R: int, params, version, c: dict) -> dict:
         """One recv, policy, write and send of the loop (what appo_envpool.py's actor_loop does
         per recv)."""
-        T, space, c, ring = self.T, self.space, dict(c), dict(c["ring"])
+        T, space = self.T, self.space
+        c, ring = dict(c), dict(c["ring"])
         c["handle"], (obs, reward, terminated, truncated, info) = self.recv(c["handle"])
         if (
             self.args.deterministic
@@ -989,37 +984,39 @@ def actor_loop(
     once per call, not per recv(). Timing: the call counts as "env"."""
     rollouts = XlaRollouts(envs, policy_step, args, action_space)
     envs.async_reset()
-    R, pushed, held, timing, games = XLA_RING, 0, None, shared.timing, []
+    R, pushed, held = XLA_RING, 0, None
+    timing, games = shared.timing, []
     carry = jax.device_put(rollouts.init(key, R, first), device)
     while pushed < num_rollouts and not shared.stop.is_set():
         version = acting_version(first + pushed, args.actor_lag, shared.oldest)
-        if (acting := shared.acting(version, args.deterministic)) is None:
+        acting = shared.acting(version, args.deterministic)
+        if acting is None:
             return
         if acting[1] != held:
             held, params = acting[1], devices.to_actor(device, acting[0])
         start = time.perf_counter()
-        if (
-            args.norm_obs or args.norm_reward
-        ):  # the host's statistics, and none of this call's own yet
+        if args.norm_obs or args.norm_reward:
+            # The host's statistics, and none of this call's own yet.
             stats = shared.normalizer.snapshot()
-            carry = dict(carry, norm={"stats": stats, "new": jax.tree.map(np.zeros_like, stats)})
+            new = jax.tree.map(np.zeros_like, stats)
+            carry = dict(carry, norm={"stats": stats, "new": new})
         carry, rollout, complete, ended, count = rollouts.collect(R)(carry, params, np.int32(held))
         rollout, complete, ended, count, steps = jax.device_get(
             (rollout, complete, ended, count, carry["steps"])
         )
-        timing["env"] += (now := time.perf_counter()) - start
+        now = time.perf_counter()
+        timing["env"] += now - start
         if carry["norm"] is not None:
             shared.normalizer.merge(*jax.device_get(carry["norm"]["new"]))
         shared.sampled[thread] = int(steps.sum())
-        games += list(
-            zip(*(ended[k][:count].tolist() for k in ("env", "return", "length")))
-        )  # (jit sorts dict keys)
+        # The games' (env, return, length), by name: jit sorts dict keys.
+        names = ("env", "return", "length")
+        games += list(zip(*(ended[k][:count].tolist() for k in names)))
         if not complete:  # an env ran R rollouts ahead of another (one env's step took that long)
             carry, R = jax.device_put(grown(carry, R), device), 2 * R
             continue
-        T, B = rollout[
-            "valid"
-        ].shape  # the rollout's masks, obeyable (appo_envpool.py checks each step's)
+        # The rollout's masks, obeyable (appo_envpool.py checks each step's).
+        T, B = rollout["valid"].shape
         tasks.check_legal(
             args,
             jax.tree.map(lambda x: x.reshape(T * B, *x.shape[2:]), rollout["obs"]),
@@ -1028,7 +1025,8 @@ def actor_loop(
             (first + pushed) * T + np.repeat(np.arange(T), B),
             "of the run",
         )
-        timing["bookkeeping"] += (start := time.perf_counter()) - now
+        start = time.perf_counter()
+        timing["bookkeeping"] += start - now
         rollout = Rollout(**rollout, games=games)
         if not threads.put(rollout_queue, rollout, shared.stop):
             return
@@ -1379,9 +1377,8 @@ def main(args: Args, given=None) -> int:
             )
             for _, seed, _ in actors
         ]
-        policy_step = make_policy_step(
-            network, continuous, values=False
-        )  # the actor needs no values
+        # The actor needs no values.
+        policy_step = make_policy_step(network, continuous, values=False)
         update = make_update(network, optimizer, args, continuous, run.mesh)
         shared = threads.Shared(
             state["params"],
