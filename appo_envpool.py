@@ -746,7 +746,10 @@ def actor_loop(
     # (c, h) [B, lstm_size], by env id
     memory = zero_core(args.lstm_size, B)[0] if args.lstm else None
     stats, timing, pushed = tasks.EpisodeStats(B), shared.timing, 0
-    dones, memory = journal.start_envs(envs, resume, shared.normalizer, stats, memory, thread * B)
+    normalizer = shared.normalizer
+    if args.deterministic:  # several threads take turns (the order of their steps is timing's)
+        normalizer = normalizer.in_turn(thread, B, T, shared.stop)
+    dones, memory = journal.start_envs(envs, resume, normalizer, stats, memory, thread * B)
     trajectories = Trajectories(T, B, action_space, memory, first * T, resume is not None, dones)
     core = held = params = None  # held: the version of `params`
     while pushed < num_rollouts and not shared.stop.is_set():
@@ -758,7 +761,7 @@ def actor_loop(
         index = trajectories.steps[env_ids]
         # A reset's reward is undefined (dm_control).
         reward = np.where(info["elapsed_step"] > 0, reward, 0.0)
-        obs = shared.normalizer.observe(obs)
+        obs = normalizer.observe(obs)
         ended = trajectories.sent[env_ids]  # the observation ends a step (not an env's first)
         if memory is not None:  # the envs' states, and which observations start an episode
             states = jax.tree.map(lambda s: s[env_ids], memory)
@@ -768,9 +771,7 @@ def actor_loop(
         tasks.check_legal(args, obs, env_ids, ~done, info["elapsed_step"])  # masks obeyable
         if ended.any() and index.max() == trajectories.start:
             stats.pop()  # the last step replayed: its games were logged
-        reward[ended] = shared.normalizer.reward(
-            reward[ended], done[ended], env_ids[ended] + thread * B
-        )
+        reward[ended] = normalizer.reward(reward[ended], done[ended], env_ids[ended] + thread * B)
         trajectories.returned(env_ids, obs, reward, done, truncated, memory)
         # Then the queue, and the wait for parameters.
         timing["bookkeeping"] += time.perf_counter() - now

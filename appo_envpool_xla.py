@@ -986,6 +986,9 @@ def actor_loop(
     envs.async_reset()
     R, pushed, held = XLA_RING, 0, None
     timing, games = shared.timing, []
+    normalizer = shared.normalizer
+    if args.deterministic:  # several threads take turns: a call each (Normalizer.in_turn)
+        normalizer = normalizer.in_turn(thread, args.num_envs, args.num_steps, shared.stop)
     carry = jax.device_put(rollouts.init(key, R, first), device)
     while pushed < num_rollouts and not shared.stop.is_set():
         version = acting_version(first + pushed, args.actor_lag, shared.oldest)
@@ -997,7 +1000,7 @@ def actor_loop(
         start = time.perf_counter()
         if args.norm_obs or args.norm_reward:
             # The host's statistics, and none of this call's own yet.
-            stats = shared.normalizer.snapshot()
+            stats = normalizer.snapshot()
             new = jax.tree.map(np.zeros_like, stats)
             carry = dict(carry, norm={"stats": stats, "new": new})
         carry, rollout, complete, ended, count = rollouts.collect(R)(carry, params, np.int32(held))
@@ -1007,7 +1010,7 @@ def actor_loop(
         now = time.perf_counter()
         timing["env"] += now - start
         if carry["norm"] is not None:
-            shared.normalizer.merge(*jax.device_get(carry["norm"]["new"]))
+            normalizer.merge(*jax.device_get(carry["norm"]["new"]))
         shared.sampled[thread] = int(steps.sum())
         # The games' (env, return, length), by name: jit sorts dict keys.
         names = ("env", "return", "length")
