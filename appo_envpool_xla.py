@@ -43,7 +43,7 @@ from jax_async_rl import devices, flags, normalize, runs, tasks, threads
 from jax_async_rl.keys import env_keys
 from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, PRESET, UNIT, UsageError, at_most
 from jax_async_rl.normalize import Normalizer
-from jax_async_rl.trajectories import new_rollout
+from jax_async_rl.trajectories import Rollout, new_rollout
 
 SPLITS = flags.default_is("2 with image observations, else 1")
 
@@ -736,41 +736,30 @@ class XlaRollouts:
     until the oldest rollout is complete, or stops short (complete False) before an env would
     write R rollouts ahead of the oldest (`grown` then doubles R); it returns (carry, that
     rollout, whether it is complete, the games ended, their count). `init(key, R)`: the first
-    carry."""
+    carry. `action_space`: the actions the policy samples (the rollout's; main's
+    tasks.policy_space)."""
 
-    def __init__(self, envs, policy_step, args):
-        self.T, self.B, self.args, self.policy_step, self.space = (
-            args.num_steps,
-            args.num_envs,
-            args,
-            policy_step,
-            envs.action_space,
-        )
-        self.actions = tasks.policy_space(
-            args.env_id
-        )  # the actions the policy samples (the rollout's)
+    def __init__(self, envs, policy_step, args, action_space):
+        self.T, self.B = args.num_steps, args.num_envs
+        self.args, self.policy_step = args, policy_step
+        self.space = envs.action_space  # the env's; the policy's: `actions`
+        self.actions = action_space
         leaves = jax.tree.leaves(tasks.space_tree(envs.observation_space)) + [self.space]
-        self.x64 = np.float64 in [
-            s.dtype for s in leaves
-        ]  # envpool's XLA interface passes float64 (MuJoCo) as it is:
-        with jax.enable_x64(self.x64):  # so must JAX, in this thread only
+        # envpool's XLA interface passes float64 (MuJoCo) as it is: so must JAX, in this thread only
+        self.x64 = np.float64 in [s.dtype for s in leaves]
+        with jax.enable_x64(self.x64):
             self.handle, self.recv, self.send, _ = envs.xla()
         self.first = f32(tasks.zeros_like_space(envs.observation_space, 1))
-        self.memory = (
-            zero_core(args.lstm_size, self.B)[0] if args.lstm else None
-        )  # (c, h) [B, lstm_size], by env id
+        # (c, h) [B, lstm_size], by env id
+        self.memory = zero_core(args.lstm_size, self.B)[0] if args.lstm else None
         self.calls = {}  # ring size R -> its jitted call (collect)
 
     def init(self, key, R: int, first: int) -> dict:
         """The first carry, for rollout `first` of the run (its envs' steps counted from first x
         T)."""
-        B, ring = (
-            self.B,
-            {
-                "bootstrapped": np.zeros((self.B,), bool),
-                **new_rollout(self.T, self.B, self.first, self.actions, self.memory),
-            },
-        )
+        B = self.B
+        rollout = new_rollout(self.T, B, self.first, self.actions, self.memory)
+        ring = {"bootstrapped": np.zeros((B,), bool), **rollout.arrays()}
         return {
             "handle": self.handle,
             "key": key,
@@ -789,7 +778,8 @@ class XlaRollouts:
     def step(self, R: int, params, version, c: dict) -> dict:
         """One recv, policy, write and send of the loop (what appo_envpool.py's actor_loop does
         per recv)."""
-        T, space, c, ring = self.T, self.space, dict(c), dict(c["ring"])
+        T, space = self.T, self.space
+        c, ring = dict(c), dict(c["ring"])
         c["handle"], (obs, reward, terminated, truncated, info) = self.recv(c["handle"])
         # the batch in env order, as the statistics of a normaliser need it
         if self.args.deterministic:
@@ -982,6 +972,7 @@ def actor_loop(
     rollout_queue,
     key,
     args,
+    action_space,
     num_rollouts,
     device=None,
     thread=0,
@@ -991,38 +982,44 @@ def actor_loop(
     its own: the same rows, columns, `valid`, bootstrap observations, version stamps and games, but
     the parameters (those `acting_version` names for the call's rollout, `first` on) are taken
     once per call, not per recv(). Timing: the call counts as "env"."""
-    rollouts = XlaRollouts(envs, policy_step, args)
+    rollouts = XlaRollouts(envs, policy_step, args, action_space)
     envs.async_reset()
-    R, pushed, held, timing, games = XLA_RING, 0, None, shared.timing, []
+    R, pushed, held = XLA_RING, 0, None
+    timing, games = shared.timing, []
+    normalizer = shared.normalizer
+    if args.deterministic:  # several threads take turns: a call each (Normalizer.in_turn)
+        normalizer = normalizer.in_turn(thread, args.num_envs, args.num_steps, shared.stop)
     carry = jax.device_put(rollouts.init(key, R, first), device)
     while pushed < num_rollouts and not shared.stop.is_set():
         version = acting_version(first + pushed, args.actor_lag, shared.oldest)
-        if (acting := shared.acting(version, args.deterministic)) is None:
+        acting = shared.acting(version, args.deterministic)
+        if acting is None:
             return
         if acting[1] != held:
             held, params = acting[1], devices.to_actor(device, acting[0])
         start = time.perf_counter()
-        # the host's statistics, and none of this call's own yet
         if args.norm_obs or args.norm_reward:
-            stats = shared.normalizer.snapshot()
-            carry = dict(carry, norm={"stats": stats, "new": jax.tree.map(np.zeros_like, stats)})
+            # The host's statistics, and none of this call's own yet.
+            stats = normalizer.snapshot()
+            new = jax.tree.map(np.zeros_like, stats)
+            carry = dict(carry, norm={"stats": stats, "new": new})
         carry, rollout, complete, ended, count = rollouts.collect(R)(carry, params, np.int32(held))
         rollout, complete, ended, count, steps = jax.device_get(
             (rollout, complete, ended, count, carry["steps"])
         )
-        timing["env"] += (now := time.perf_counter()) - start
+        now = time.perf_counter()
+        timing["env"] += now - start
         if carry["norm"] is not None:
-            shared.normalizer.merge(*jax.device_get(carry["norm"]["new"]))
+            normalizer.merge(*jax.device_get(carry["norm"]["new"]))
         shared.sampled[thread] = int(steps.sum())
-        games += list(
-            zip(*(ended[k][:count].tolist() for k in ("env", "return", "length")))
-        )  # (jit sorts dict keys)
+        # The games' (env, return, length), by name: jit sorts dict keys.
+        names = ("env", "return", "length")
+        games += list(zip(*(ended[k][:count].tolist() for k in names)))
         if not complete:  # an env ran R rollouts ahead of another (one env's step took that long)
             carry, R = jax.device_put(grown(carry, R), device), 2 * R
             continue
-        T, B = rollout[
-            "valid"
-        ].shape  # the rollout's masks, obeyable (appo_envpool.py checks each step's)
+        # The rollout's masks, obeyable (appo_envpool.py checks each step's).
+        T, B = rollout["valid"].shape
         tasks.check_legal(
             args,
             jax.tree.map(lambda x: x.reshape(T * B, *x.shape[2:]), rollout["obs"]),
@@ -1031,8 +1028,9 @@ def actor_loop(
             (first + pushed) * T + np.repeat(np.arange(T), B),
             "of the run",
         )
-        timing["bookkeeping"] += (start := time.perf_counter()) - now
-        rollout["host"]["games"] = games
+        start = time.perf_counter()
+        timing["bookkeeping"] += start - now
+        rollout = Rollout(**rollout, games=games)
         if not threads.put(rollout_queue, rollout, shared.stop):
             return
         timing["queue_put"] += time.perf_counter() - start
@@ -1270,18 +1268,14 @@ def learner_loop(run, update, shared, queues, key):
         timing["queue_get"] += time.perf_counter() - start
         if run.should_stop(None in rollouts, games):
             break
-        hosts = [
-            rollout.pop("host") for rollout in rollouts
-        ]  # games; --lstm: the states after the rollout
-        games = [game for host in hosts for game in host["games"]]
+        games = [game for rollout in rollouts for game in rollout.games]
         start = time.perf_counter()
-        subkey = jax.random.fold_in(
-            key, int(state["policy_version"])
-        )  # the update's own: a resume draws the same
-        batch = devices.joined(rollouts)
-        run.journaled(
-            batch["actions"], [host.get("next_state") for host in hosts], shared.published
-        )
+        # The update's own key: a resume draws the same.
+        subkey = jax.random.fold_in(key, int(state["policy_version"]))
+        batch = devices.joined([rollout.arrays() for rollout in rollouts])
+        # --lstm: the states after the rollouts, for a checkpoint (journal.Keeper).
+        memories = [rollout.next_state for rollout in rollouts]
+        run.journaled(batch["actions"], memories, shared.published)
         batch = devices.to_learner(run.mesh, batch)
         state, diagnostics = update(state, batch, subkey, run.args.total_timesteps)
         diagnostics = jax.device_get(diagnostics)
@@ -1370,6 +1364,7 @@ def main(args: Args, given=None) -> int:
         args = run.args
         network, optimizer, continuous, normalizer, state = build(args, run.init_key)
         state = run.open(state, normalizer)
+        action_space = tasks.policy_space(args.env_id)  # what the policy samples
         actors = run.actors()  # (device, env seed, action key) of each actor thread
         envs = [
             tasks.make_env(
@@ -1382,9 +1377,8 @@ def main(args: Args, given=None) -> int:
             )
             for _, seed, _ in actors
         ]
-        policy_step = make_policy_step(
-            network, continuous, values=False
-        )  # the actor needs no values
+        # The actor needs no values.
+        policy_step = make_policy_step(network, continuous, values=False)
         update = make_update(network, optimizer, args, continuous, run.mesh)
         shared = threads.Shared(
             state["params"],
@@ -1410,6 +1404,7 @@ def main(args: Args, given=None) -> int:
                 queues[i],
                 key,
                 args,
+                action_space,
                 run.num_updates - run.start_update,
                 device,
                 i,

@@ -522,6 +522,7 @@ def actor_loop(
     rollout_queue,
     key,
     args,
+    action_space,
     num_rollouts,
     device=None,
     thread=0,
@@ -534,58 +535,54 @@ def actor_loop(
     parameters `acting_version` names (§3.4; exactly those with --deterministic), each env's draws
     keyed by its index and step. With --lstm, `memory` holds each env's state, reset where an
     episode starts; a rollout records the states before its row 0 (Sample Factory's: no burn-in).
-    Thread `thread` acts on `device`. `resume` (--deterministic): the journal's actions [steps, B,
-    ...] and states that put the envs back where the run stopped (journal.replay)."""
+    Thread `thread` acts on `device`. `action_space`: the actions the policy samples (main's
+    tasks.policy_space). `resume` (--deterministic): the journal's actions [steps, B, ...] and
+    states that put the envs back where the run stopped (journal.replay)."""
     T, B = args.num_steps, args.num_envs
-    memory = (
-        zero_core(args.lstm_size, B)[0] if args.lstm else None
-    )  # (c, h) [B, lstm_size], by env id
+    # (c, h) [B, lstm_size], by env id
+    memory = zero_core(args.lstm_size, B)[0] if args.lstm else None
     stats, timing, pushed = tasks.EpisodeStats(B), shared.timing, 0
-    dones, memory = journal.start_envs(envs, resume, shared.normalizer, stats, memory, thread * B)
-    trajectories = Trajectories(
-        T, B, tasks.policy_space(args.env_id), memory, first * T, resume is not None, dones
-    )
+    normalizer = shared.normalizer
+    if args.deterministic:  # several threads take turns (the order of their steps is timing's)
+        normalizer = normalizer.in_turn(thread, B, T, shared.stop)
+    dones, memory = journal.start_envs(envs, resume, normalizer, stats, memory, thread * B)
+    trajectories = Trajectories(T, B, action_space, memory, first * T, resume is not None, dones)
     core = held = params = None  # held: the version of `params`
     while pushed < num_rollouts and not shared.stop.is_set():
         start = time.perf_counter()
         obs, reward, terminated, truncated, info = envs.recv()
-        timing["env"] += (now := time.perf_counter()) - start
-        env_ids, index = info["env_id"], trajectories.steps[info["env_id"]]
-        reward = np.where(
-            info["elapsed_step"] > 0, reward, 0.0
-        )  # a reset's: undefined (dm_control)
-        obs = shared.normalizer.observe(obs)
+        now = time.perf_counter()
+        timing["env"] += now - start
+        env_ids = info["env_id"]
+        index = trajectories.steps[env_ids]
+        # A reset's reward is undefined (dm_control).
+        reward = np.where(info["elapsed_step"] > 0, reward, 0.0)
+        obs = normalizer.observe(obs)
         ended = trajectories.sent[env_ids]  # the observation ends a step (not an env's first)
         if memory is not None:  # the envs' states, and which observations start an episode
-            core = (
-                jax.tree.map(lambda s: s[env_ids], memory),
-                trajectories.prev_dones[env_ids] | ~ended,
-            )
+            states = jax.tree.map(lambda s: s[env_ids], memory)
+            core = (states, trajectories.prev_dones[env_ids] | ~ended)
         stats.update(env_ids, reward, terminated, truncated, info)  # game scores: raw rewards
-        tasks.check_legal(
-            args, obs, env_ids, ~(terminated | truncated), info["elapsed_step"]
-        )  # masks obeyable
-        # the last step replayed: its games were logged
-        if ended.any() and index.max() == trajectories.start:
-            stats.pop()
         done = terminated | truncated
-        reward[ended] = shared.normalizer.reward(
-            reward[ended], done[ended], env_ids[ended] + thread * B
-        )
+        tasks.check_legal(args, obs, env_ids, ~done, info["elapsed_step"])  # masks obeyable
+        if ended.any() and index.max() == trajectories.start:
+            stats.pop()  # the last step replayed: its games were logged
+        reward[ended] = normalizer.reward(reward[ended], done[ended], env_ids[ended] + thread * B)
         trajectories.returned(env_ids, obs, reward, done, truncated, memory)
-        timing["bookkeeping"] += (
-            time.perf_counter() - now
-        )  # then the queue, and the wait for parameters
-        while pushed < num_rollouts and (rollout := trajectories.complete()) is not None:
-            rollout["host"]["games"] = stats.pop()
+        # Then the queue, and the wait for parameters.
+        timing["bookkeeping"] += time.perf_counter() - now
+        while pushed < num_rollouts:
+            rollout = trajectories.complete()
+            if rollout is None:
+                break
+            rollout = rollout._replace(games=stats.pop())
             start = time.perf_counter()
             if not threads.put(rollout_queue, rollout, shared.stop):
                 return
             timing["queue_put"] += time.perf_counter() - start
             pushed += 1
-        version = acting_version(
-            int(index.max()) // T, args.actor_lag, shared.oldest
-        )  # free-running: never an update
+        # Free-running: never an update.
+        version = acting_version(int(index.max()) // T, args.actor_lag, shared.oldest)
         acting = shared.acting(
             version if args.deterministic else min(version, first + pushed), args.deterministic
         )
@@ -593,22 +590,22 @@ def actor_loop(
             return
         if acting[1] != held:  # copied to this actor's device once per version
             held, params = acting[1], devices.to_actor(device, acting[0])
-        now = time.perf_counter()
+        start = time.perf_counter()
         action, logprob, _, state = policy_step(params, obs, core, key, env_ids, index)
-        timing["inference"] += (
-            start := time.perf_counter()
-        ) - now  # dispatched; the bookkeeping overlaps it
+        now = time.perf_counter()
+        timing["inference"] += now - start  # dispatched; the bookkeeping overlaps it
         current = trajectories.started(env_ids, obs, held, core)
-        timing["bookkeeping"] += (now := time.perf_counter()) - start
-
+        start = time.perf_counter()
+        timing["bookkeeping"] += start - now
         action, logprob, state = jax.device_get((action, logprob, state))
-        timing["device_get"] += (start := time.perf_counter()) - now
+        now = time.perf_counter()
+        timing["device_get"] += now - start
         if memory is not None:
             write(memory, env_ids, state)
         envs.send(tasks.env_action(action, envs.action_space), env_ids)
         trajectories.acted(current, env_ids, action, logprob)
         shared.sampled[thread] += len(env_ids)
-        timing["bookkeeping"] += time.perf_counter() - start
+        timing["bookkeeping"] += time.perf_counter() - now
 
 
 # ---------------------------------------------------------------------------------------------
@@ -740,18 +737,14 @@ def learner_loop(run, update, shared, queues, key):
         timing["queue_get"] += time.perf_counter() - start
         if run.should_stop(None in rollouts, games):
             break
-        hosts = [
-            rollout.pop("host") for rollout in rollouts
-        ]  # games; --lstm: the states after the rollout
-        games = [game for host in hosts for game in host["games"]]
+        games = [game for rollout in rollouts for game in rollout.games]
         start = time.perf_counter()
-        subkey = jax.random.fold_in(
-            key, int(state["policy_version"])
-        )  # the update's own: a resume draws the same
-        batch = devices.joined(rollouts)
-        run.journaled(
-            batch["actions"], [host.get("next_state") for host in hosts], shared.published
-        )
+        # The update's own key: a resume draws the same.
+        subkey = jax.random.fold_in(key, int(state["policy_version"]))
+        batch = devices.joined([rollout.arrays() for rollout in rollouts])
+        # --lstm: the states after the rollouts, for a checkpoint (journal.Keeper).
+        memories = [rollout.next_state for rollout in rollouts]
+        run.journaled(batch["actions"], memories, shared.published)
         batch = devices.to_learner(run.mesh, batch)
         state, diagnostics = update(state, batch, subkey, run.args.total_timesteps)
         diagnostics = jax.device_get(diagnostics)
@@ -824,8 +817,9 @@ def main(args: Args, given=None) -> int:
         args = run.args
         network, optimizer, continuous, normalizer, state = build(args, run.init_key)
         state = run.open(state, normalizer)
+        action_space = tasks.policy_space(args.env_id)  # what the policy samples
         # --deterministic: a resume replays the run's actions
-        resumes = run.journal_for(tasks.policy_space(args.env_id))
+        resumes = run.journal_for(action_space)
         actors = run.actors()  # (device, env seed, action key) of each actor thread
         envs = [
             tasks.make_actor_env(
@@ -838,9 +832,8 @@ def main(args: Args, given=None) -> int:
             )
             for _, seed, _ in actors
         ]
-        policy_step = make_policy_step(
-            network, continuous, values=False
-        )  # the actor needs no values
+        # The actor needs no values.
+        policy_step = make_policy_step(network, continuous, values=False)
         update = make_update(network, optimizer, args, continuous, run.mesh)
         shared = threads.Shared(
             state["params"],
@@ -867,6 +860,7 @@ def main(args: Args, given=None) -> int:
                 queues[i],
                 key,
                 args,
+                action_space,
                 run.num_updates - run.start_update,
                 device,
                 i,

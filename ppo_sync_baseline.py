@@ -643,6 +643,7 @@ def collect_rollout(
     stats,
     normalizer,
     args,
+    action_space,
     timing,
 ):
     """Step all envs `num_steps` times with `params`, from step `first_step` of each (its randomness
@@ -656,14 +657,10 @@ def collect_rollout(
     episode's end); the rollout records the state before row 0 ("state"), which the learner
     unrolls from, and "first".
     """
-    T, B, space = (
-        args.num_steps,
-        args.num_envs,
-        tasks.policy_space(args.env_id),
-    )  # the actions the policy samples
+    T, B = args.num_steps, args.num_envs
     rollout = {
         "obs": jax.tree.map(lambda x: np.zeros((T, *x.shape), x.dtype), obs),
-        "actions": np.zeros((T, B, *space.shape), space.dtype),
+        "actions": np.zeros((T, B, *action_space.shape), action_space.dtype),
         "logprobs": np.zeros((T, B), np.float32),
         "values": np.zeros((T, B), np.float32),
         "rewards": np.zeros((T, B), np.float32),
@@ -896,7 +893,7 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
     return update
 
 
-def train_loop(run, envs, policy_step, update, normalizer, key, device, resume=None):
+def train_loop(run, envs, action_space, policy_step, update, normalizer, key, device, resume=None):
     """Collect a rollout with the current parameters (copied to the actor `device`), update on it,
     repeat: from run.start_update to run.num_updates, or until the run stops. Once per update,
     every process agrees to go on (runs.Run.should_stop), in lockstep, and logs the games of all.
@@ -934,6 +931,7 @@ def train_loop(run, envs, policy_step, update, normalizer, key, device, resume=N
             stats,
             normalizer,
             args,
+            action_space,
             timing,
         )
         run.sampled[0] += args.num_envs * args.num_steps
@@ -1008,8 +1006,9 @@ def main(args: Args, given=None) -> int:
         args = run.args
         network, optimizer, continuous, normalizer, state = build(args, run.init_key)
         state = run.open(state, normalizer)
+        action_space = tasks.policy_space(args.env_id)  # what the policy samples
         # --deterministic: a resume replays the run's actions
-        (resume,) = run.journal_for(tasks.policy_space(args.env_id))
+        (resume,) = run.journal_for(action_space)
         ((device, seed, key),) = (
             run.actors()
         )  # (device, env seed, action key): the synchronous loop acts on one device
@@ -1023,6 +1022,7 @@ def main(args: Args, given=None) -> int:
                 train_loop,
                 run,
                 envs,
+                action_space,
                 policy_step,
                 update,
                 normalizer,

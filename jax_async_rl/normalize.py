@@ -3,9 +3,10 @@ it with gym's wrappers (Huang et al. 2022, continuous-action details 5-8).
 
 Observations become (obs - mean) / sqrt(var + 1e-8), clipped to [-10, 10]; rewards are divided
 by the std of each env's discounted return, clipped to [-10, 10]. `Normalizer` keeps the
-statistics on the host for the actors; the functions below it are the same arithmetic on
-(mean, variance, count) triples of numpy or jax.numpy arrays, for a normaliser inside a jitted
-loop (appo_envpool_xla.py).
+statistics on the host for the actors (`InTurn`: an actor thread's, when several must reproduce
+under --deterministic); the functions below them are the same arithmetic on (mean, variance,
+count) triples of numpy or jax.numpy arrays, for a normaliser inside a jitted loop
+(appo_envpool_xla.py).
 """
 
 import threading
@@ -17,13 +18,17 @@ import numpy as np
 class Normalizer:
     """The statistics live on the host, move with training steps only and are checkpointed with
     the state; each is replaced whole, so another thread reads a consistent one, and actor threads
-    update them one at a time. With both switches off it passes everything through.
+    update them one at a time, in the order their steps come (under --deterministic, several
+    threads take turns instead: `in_turn`). With both switches off it passes everything through.
     """
 
     def __init__(self, obs, num_envs: int, norm_obs: bool, norm_reward: bool, gamma: float):
         self.norm_obs, self.norm_reward, self.gamma = norm_obs, norm_reward, gamma
         self.obs, self.num_envs = obs, num_envs  # `obs`: one observation (a pytree)
         self.lock = threading.Lock()
+        # InTurn's: the threads' turns handed in, by (turn, thread), and how many turns are merged
+        self.turns, self.merged = {}, 0
+        self.turned = threading.Condition()  # notified as turns are merged
         self.reset()
 
     def reset(self):
@@ -86,6 +91,40 @@ class Normalizer:
             if self.norm_reward:
                 self.return_stats = combined(self.return_stats, new_return)
 
+    def in_turn(self, thread: int, num_envs: int, steps: int, stop):
+        """What actor thread `thread` (`num_envs` envs, rollouts of `steps`) normalises with under
+        --deterministic: with several threads an InTurn, so that no thread's statistics depend on
+        when another's steps come; with one, or nothing normalised, this normaliser itself."""
+        threads = self.num_envs // num_envs
+        if threads < 2 or not (self.norm_obs or self.norm_reward):
+            return self
+        return InTurn(self, thread, threads, num_envs * steps, stop)
+
+    def hand_in(self, turn: int, thread: int, threads: int, stats):
+        """Thread `thread`'s (obs, return) statistics of its `turn`-th turn (InTurn), merged once
+        every thread's are in: turn by turn, thread 0's first."""
+        with self.turned:
+            self.turns[turn, thread] = stats
+            while all((self.merged, t) in self.turns for t in range(threads)):
+                for t in range(threads):
+                    self.merge(*self.turns.pop((self.merged, t)))
+                self.merged += 1
+            self.turned.notify_all()
+
+    def after(self, turns: int, stop):
+        """The statistics (snapshot) once `turns` turns of every thread are merged; as they are
+        when `stop` is set first (the run is stopping: its actors learn nothing more)."""
+        with self.turned:
+            while self.merged < turns and not stop.is_set():
+                self.turned.wait(0.1)
+        return self.snapshot()
+
+    def restart(self):
+        """The statistics before any sample, and no turn merged (InTurn.reset)."""
+        with self.turned:
+            self.reset()
+            self.merged = 0
+
     def state(self) -> dict:
         """{"norm": the statistics} to checkpoint with the state; {} when nothing is normalised."""
         if not (self.norm_obs or self.norm_reward):
@@ -105,6 +144,67 @@ class Normalizer:
             self.return_stats = tuple(
                 np.asarray(stats[f"return_{k}"]) for k in ("mean", "var", "count")
             )
+
+
+class InTurn:
+    """An actor thread's normaliser under --deterministic with several threads on one normaliser
+    (`shared`; Normalizer.in_turn). The thread normalises with the statistics of every thread's
+    samples up to its last turn, merged in thread order, plus its own since. Its turn ends every
+    `size` observations (a rollout's worth, T x B: where, with the splits stepped in turn, its
+    acting rollout changes): it hands its own statistics in and goes on from the merged ones once
+    every thread's are in. What each thread sees is then the same in every run, whenever their
+    steps come. The XLA actor's calls are its turns: `snapshot` before one, `merge` after."""
+
+    def __init__(self, shared, thread: int, threads: int, size: int, stop):
+        self.shared, self.thread, self.threads = shared, thread, threads
+        self.size, self.stop = size, stop
+        self.mine = self.fresh()  # what the thread normalises with
+        self.own = self.fresh()  # its own samples' statistics, this turn
+        self.seen = self.turn = 0  # observations, turns
+        self.begin(shared.snapshot())
+
+    def fresh(self) -> Normalizer:
+        s = self.shared
+        return Normalizer(s.obs, s.num_envs, s.norm_obs, s.norm_reward, s.gamma)
+
+    def begin(self, stats):
+        """A turn from the statistics `stats`, with none of its own yet (a count of 0)."""
+        self.mine.obs_stats, self.mine.return_stats = stats
+        empty = jax.tree.map(np.zeros_like, stats)
+        self.own.obs_stats, self.own.return_stats = empty
+
+    def observe(self, obs, train: bool = True):
+        """Normalizer.observe; a batch after `size` observations ends the turn first."""
+        if train:
+            if self.seen // self.size > self.turn:
+                self.merge(*self.own.snapshot())
+                self.begin(self.snapshot())
+            self.seen += len(jax.tree.leaves(obs)[0])
+            self.own.observe(obs)
+        return self.mine.observe(obs, train)
+
+    def reward(self, reward, done, env_ids):
+        """Normalizer.reward (the returns of this thread's envs are its own)."""
+        self.own.reward(reward, done, env_ids)
+        return self.mine.reward(reward, done, env_ids)
+
+    def snapshot(self):
+        """The statistics the thread's next turn starts from: every thread's up to it, merged."""
+        return self.shared.after(self.turn, self.stop)
+
+    def merge(self, new_obs, new_return):
+        """The statistics of the thread's own samples this turn, handed in; the turn ends."""
+        self.shared.hand_in(self.turn, self.thread, self.threads, (new_obs, new_return))
+        self.turn += 1
+
+    def reset(self):
+        """journal.replay's start: every thread's statistics are rebuilt from the first sample, so
+        the merged turns start again too."""
+        self.shared.restart()
+        self.mine.reset()
+        self.own.reset()
+        self.seen = self.turn = 0
+        self.begin(self.mine.snapshot())
 
 
 def scaled_obs(x, mean, var, xp):

@@ -547,8 +547,9 @@ def checked(args):
 
 def check_deterministic(args):
     """`args` as --deterministic runs them: on a fixed schedule (an --actor-lag; 1 where none is
-    given), at lag 0 one split, one actor thread where a normaliser learns; else UsageError. The
-    synchronous baseline and --serial (the replay scripts' loop) are deterministic as they are."""
+    given), at lag 0 one split; else UsageError (several actor threads share a normaliser in turns:
+    normalize.InTurn). The synchronous baseline and --serial (the replay scripts' loop) are
+    deterministic as they are."""
     if not hasattr(args, "actor_lag") or getattr(args, "serial", False):
         return args
     # the free-running actor has no schedule: Cleanba's, one update behind
@@ -563,14 +564,5 @@ def check_deterministic(args):
             "--actor-lag 0 acts on a rollout once every env has finished the one before, so no "
             "split "
             "steps meanwhile, and with --deterministic none may: pass --num-splits 1"
-        )
-    if devices.actor_threads(args) > 1 and (
-        getattr(args, "norm_obs", False) or getattr(args, "norm_reward", False)
-    ):
-        raise UsageError(
-            "--deterministic: actor threads share the normaliser in the order their steps come; "
-            "with "
-            "several (--num-actor-threads x --actor-device-ids) pass --norm-obs False "
-            "--norm-reward False"
         )
     return args

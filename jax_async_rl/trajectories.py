@@ -1,10 +1,41 @@
-"""On-policy trajectory storage, the counterpart of replay.py for the PPO family: the host
-buffers of a rollout (`new_rollout`, time-major [T, B, ...]) and the rollouts an actor thread is
+"""On-policy trajectory storage, the counterpart of replay.py for the PPO family: a rollout
+(`Rollout`, time-major [T, B, ...] host arrays, `new_rollout`) and the rollouts an actor thread is
 filling (`Trajectories`), written as envpool returns its envs, in any order. A data structure:
 the scripts' actor loops decide what goes in and when; nothing here is algorithm."""
 
+from typing import Any, NamedTuple
+
 import jax
 import numpy as np
+
+
+class Rollout(NamedTuple):
+    """One actor thread's rollout, as its queue hands it to the learner (Cleanba's and purejaxrl's
+    NamedTuple): the arrays the learner uploads (`arrays`), time-major [T, B, ...] but for
+    `bootstrap_obs` and `state` ([B, ...]), and two fields it reads on the host: `games`, those
+    that ended in the rollout, and with --lstm `next_state`, the envs' states after it (a
+    --deterministic checkpoint carries them for a resume)."""
+
+    obs: Any  # a pytree, as envpool returns observations
+    actions: np.ndarray
+    logprobs: np.ndarray
+    rewards: np.ndarray
+    dones: np.ndarray
+    truncated: np.ndarray
+    valid: np.ndarray  # 0: a reset step (its action is ignored)
+    policy_version: np.ndarray
+    bootstrap_obs: Any  # the observation after the last row
+    first: Any = None  # --lstm: where an episode starts
+    state: Any = None  # --lstm: the states before row 0
+    games: Any = ()  # (env, return, length) of each game that ended
+    next_state: Any = None  # --lstm: the states after the last row
+
+    def arrays(self) -> dict:
+        """What the learner uploads, by name (devices.joined and to_learner key rollouts' leaves
+        by name): every field but `games`, `next_state` and those left None."""
+        fields = self._asdict()
+        del fields["games"], fields["next_state"]
+        return {name: x for name, x in fields.items() if x is not None}
 
 
 def write(tree, index, values, rows=...):
@@ -13,23 +44,27 @@ def write(tree, index, values, rows=...):
         buffer[index] = value[rows]
 
 
-def new_rollout(T: int, B: int, obs, action_space, memory=None) -> dict:
-    """Empty host buffers of one rollout, time-major [T, B, ...]; `obs`: a batch of observations;
-    `memory`: with --lstm, the recurrent states of the B envs, recorded at row 0 ("state")."""
-    fields = ["logprobs", "rewards", "dones", "truncated", "valid"] + ["first"] * (
-        memory is not None
+def new_rollout(T: int, B: int, obs, action_space, memory=None) -> Rollout:
+    """Empty host buffers of one rollout; `obs`: a batch of observations; `memory`: with --lstm,
+    the recurrent states of the B envs (the shapes of `state` and `next_state`)."""
+
+    def zeros(dtype=np.float32):
+        return np.zeros((T, B), dtype)
+
+    return Rollout(
+        obs=jax.tree.map(lambda x: np.zeros((T, B, *x.shape[1:]), x.dtype), obs),
+        actions=np.zeros((T, B, *action_space.shape), action_space.dtype),
+        logprobs=zeros(),
+        rewards=zeros(),
+        dones=zeros(),
+        truncated=zeros(),
+        valid=zeros(),
+        policy_version=zeros(np.int32),
+        bootstrap_obs=jax.tree.map(lambda x: np.zeros((B, *x.shape[1:]), x.dtype), obs),
+        first=None if memory is None else zeros(),
+        state=jax.tree.map(np.zeros_like, memory),
+        next_state=jax.tree.map(np.zeros_like, memory),
     )
-    rollout = {name: np.zeros((T, B), np.float32) for name in fields}
-    if memory is not None:
-        rollout["state"] = jax.tree.map(np.zeros_like, memory)
-    rollout["host"] = (
-        {"next_state": jax.tree.map(np.zeros_like, memory)} if memory is not None else {}
-    )
-    rollout["actions"] = np.zeros((T, B, *action_space.shape), action_space.dtype)
-    rollout["policy_version"] = np.zeros((T, B), np.int32)
-    rollout["obs"] = jax.tree.map(lambda x: np.zeros((T, B, *x.shape[1:]), x.dtype), obs)
-    rollout["bootstrap_obs"] = jax.tree.map(lambda x: np.zeros((B, *x.shape[1:]), x.dtype), obs)
-    return rollout
 
 
 class Trajectories:
@@ -38,28 +73,19 @@ class Trajectories:
     resumed run's first rollout x T; `replayed`: its envs were stepped there, journal.replay, with
     `prev_dones` their dones, and the step before it in flight). A rollout is complete once every
     env has delivered the observation after its last row (`bootstrap_obs`; with --lstm also the
-    state after it, kept on the host for a resume: "host"). The step after an episode's end only
-    resets the env (its action is ignored): `valid` 0."""
+    state after it, `next_state`). The step after an episode's end only resets the env (its action
+    is ignored): `valid` 0."""
 
     def __init__(
         self, T: int, B: int, action_space, memory=None, start=0, replayed=False, prev_dones=None
     ):
-        self.T, self.B, self.action_space, self.memory, self.start = (
-            T,
-            B,
-            action_space,
-            memory,
-            start,
-        )
-        self.steps, self.sent = (
-            np.full(B, start, np.int64),
-            np.full(B, replayed),
-        )  # steps sent; whether one was
+        self.T, self.B, self.start = T, B, start
+        self.action_space, self.memory = action_space, memory
+        self.steps = np.full(B, start, np.int64)  # each env's steps sent
+        self.sent = np.full(B, replayed)  # whether one was
         self.prev_dones = np.zeros(B, bool) if prev_dones is None else prev_dones
-        self.buffers, self.bootstrapped = (
-            {},
-            {},
-        )  # rollouts being filled, by number, and their bootstrap counts
+        self.buffers = {}  # the rollouts being filled, by number
+        self.bootstrapped = {}  # and how many of their envs delivered bootstrap_obs
 
     def at(self, index, env_ids, obs) -> list:
         """[(k, rollout k, rows, env ids, selection)] for the rollouts k = index // T that the env
@@ -83,31 +109,22 @@ class Trajectories:
         """What recv() returned for `env_ids` of the step before observation number steps[env_ids]:
         its reward and dones, and the bootstrap_obs (and with `memory` the envs' states) of a
         rollout that step ends."""
-        index, self.prev_dones[env_ids] = (
-            self.steps[env_ids],
-            done,
-        )  # a first observation's done is False
-        s = self.sent[env_ids] & (
-            index > self.start
-        )  # the envs a step of this run's rollouts returned
-        for _, buf, rows, ids, sel in self.at(index[s] - 1, env_ids[s], obs):  # that step's row
-            buf["rewards"][rows, ids], buf["truncated"][rows, ids], buf["dones"][rows, ids] = (
-                reward[s][sel],
-                truncated[s][sel],
-                done[s][sel],
-            )
+        index = self.steps[env_ids]
+        self.prev_dones[env_ids] = done  # a first observation's done is False
+        # The envs a step of this run's rollouts returned, and that step's row.
+        s = self.sent[env_ids] & (index > self.start)
+        for _, buf, rows, ids, sel in self.at(index[s] - 1, env_ids[s], obs):
+            buf.rewards[rows, ids] = reward[s][sel]
+            buf.truncated[rows, ids] = truncated[s][sel]
+            buf.dones[rows, ids] = done[s][sel]
         ends = s & (index % self.T == 0)
-        for n, buf, _, ids, sel in (
-            self.at(index[ends] - self.T, env_ids[ends], obs) if ends.any() else []
-        ):
-            write(buf["bootstrap_obs"], ids, jax.tree.map(lambda x: x[ends], obs), sel)
+        if not ends.any():
+            return
+        for n, buf, _, ids, sel in self.at(index[ends] - self.T, env_ids[ends], obs):
+            write(buf.bootstrap_obs, ids, jax.tree.map(lambda x: x[ends], obs), sel)
             if memory is not None:
-                write(
-                    buf["host"]["next_state"],
-                    ids,
-                    jax.tree.map(lambda x: x[env_ids[ends]], memory),
-                    sel,
-                )
+                after = jax.tree.map(lambda x: x[env_ids[ends]], memory)
+                write(buf.next_state, ids, after, sel)
             self.bootstrapped[n] = self.bootstrapped.get(n, 0) + len(ids)
 
     def started(self, env_ids, obs, version, core) -> list:
@@ -117,20 +134,21 @@ class Trajectories:
         current = self.at(index, env_ids, obs)
         valid = 1.0 - self.prev_dones[env_ids]
         for _, buf, rows, ids, sel in current:
-            write(buf["obs"], (rows, ids), obs, sel)
-            buf["valid"][rows, ids], buf["policy_version"][rows, ids] = valid[sel], version
+            write(buf.obs, (rows, ids), obs, sel)
+            buf.valid[rows, ids] = valid[sel]
+            buf.policy_version[rows, ids] = version
             if core is not None:
-                buf["first"][rows, ids] = core[1][sel]
-                write(
-                    buf["state"], ids[rows == 0], jax.tree.map(lambda x: x[sel][rows == 0], core[0])
-                )
+                buf.first[rows, ids] = core[1][sel]
+                before = jax.tree.map(lambda x: x[sel][rows == 0], core[0])
+                write(buf.state, ids[rows == 0], before)
         return current
 
     def acted(self, current, env_ids, action, logprob):
         """The actions sent to `env_ids` (and their log-probabilities), into the rows `started`
         returned."""
         for _, buf, rows, ids, sel in current:
-            buf["actions"][rows, ids], buf["logprobs"][rows, ids] = action[sel], logprob[sel]
+            buf.actions[rows, ids] = action[sel]
+            buf.logprobs[rows, ids] = logprob[sel]
         self.steps[env_ids] += 1
         self.sent[env_ids] = True
 

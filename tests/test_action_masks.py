@@ -376,6 +376,7 @@ def test_both_actors_act_legally_and_the_env_gets_the_cell_the_policy_chose(scri
         rollouts,
         jax.random.PRNGKey(1),
         args,
+        tasks.policy_space(args.env_id),
         2,
     )
     envs.close()
@@ -383,7 +384,7 @@ def test_both_actors_act_legally_and_the_env_gets_the_cell_the_policy_chose(scri
     sync = tasks.make_env(env_id, B, 3, 1, train=True)
     obs, _ = sync.reset()
     for rollout in rollouts:
-        mask, actions = rollout["obs"]["action_mask"], rollout["actions"]
+        mask, actions = rollout.obs["action_mask"], rollout.actions
         if network.heads:  # [T, B, D] of D choices
             legal = np.take_along_axis(mask, actions[..., None].astype(int), axis=-1)[..., 0].all(
                 axis=-1
@@ -392,11 +393,11 @@ def test_both_actors_act_legally_and_the_env_gets_the_cell_the_policy_chose(scri
             legal = np.take_along_axis(
                 mask.reshape(*actions.shape, -1), actions[..., None].astype(int), axis=-1
             )[..., 0]
-        valid = rollout["valid"] > 0
+        valid = rollout.valid > 0
         assert valid.sum() > 0 and np.all(legal[valid] == 1)
         for t in range(len(actions)):
             for key in obs:
-                np.testing.assert_array_equal(rollout["obs"][key][t], obs[key])
+                np.testing.assert_array_equal(rollout.obs[key][t], obs[key])
             obs = sync.step(tasks.env_action(actions[t], sync.action_space))[0]
     sync.close()
 
@@ -653,6 +654,7 @@ def test_a_mask_that_cannot_be_obeyed_stops_the_actor_naming_the_env_and_step(sc
                 tasks.EpisodeStats(B),
                 normalizer,
                 args,
+                tasks.policy_space(args.env_id),
                 {"env": 0.0, "inference": 0.0},
             )
         else:
@@ -663,6 +665,7 @@ def test_a_mask_that_cannot_be_obeyed_stops_the_actor_naming_the_env_and_step(sc
                 queue.Queue(),
                 jax.random.PRNGKey(1),
                 args,
+                tasks.policy_space(args.env_id),
                 2,
             )
 
@@ -699,6 +702,7 @@ def test_the_xla_actor_names_a_mask_with_no_legal_action(monkeypatch):
                 queue.Queue(),
                 jax.random.PRNGKey(1),
                 args,
+                tasks.policy_space(args.env_id),
                 1,
             )
     finally:

@@ -116,6 +116,17 @@ RUNS = {
     "appo-lstm": ("appo_envpool.py", dict(lstm=True, num_splits=2)),
     "appo-2-actor-threads": ("appo_envpool.py", dict(num_actor_threads=2, num_splits=2)),
     "appo-norm-obs": ("appo_envpool.py", dict(norm_obs=True, norm_reward=True, num_splits=2)),
+    # Two actor threads take turns on the normaliser (normalize.InTurn): 16 updates, 16 turns each.
+    "appo-2-actor-threads-norm": (
+        "appo_envpool.py",
+        dict(
+            num_actor_threads=2,
+            num_splits=2,
+            norm_obs=True,
+            norm_reward=True,
+            total_timesteps=16 * 2 * TINY_BATCH,
+        ),
+    ),
     "impala": ("impala_envpool.py", dict(num_splits=2)),  # --deterministic alone: --actor-lag 1
     "xla-actor": ("appo_envpool_xla.py", dict(num_splits=1)),
     "appo-masked-factored": (
@@ -225,6 +236,11 @@ def test_two_runs_with_one_seed_are_identical(name, tmp_path, capsys, monkeypatc
     "script, own",
     [
         ("appo_envpool.py", dict(num_splits=2, lstm=True, norm_obs=True, norm_reward=True)),
+        # Two actor threads' normaliser turns, rebuilt by their replays (normalize.InTurn.reset).
+        (
+            "appo_envpool.py",
+            dict(num_splits=2, num_actor_threads=2, norm_obs=True, norm_reward=True),
+        ),
         ("ppo_sync_baseline.py", dict(lstm=True)),
         (
             "appo_envpool.py",
@@ -507,11 +523,6 @@ def test_a_run_of_2_processes_is_the_run_of_1_process_with_2_devices(tmp_path, m
             ["--actor-lag 0", "--num-splits 1"],
         ),
         ("appo_envpool_xla.py", ["--num-splits", "2"], ["--num-splits 1"]),
-        (
-            "appo_envpool.py",
-            ["--num-actor-threads", "2", "--norm-obs", "True"],
-            ["--num-actor-threads", "--norm-obs"],
-        ),
     ],
 )
 def test_what_it_cannot_reproduce_is_one_line(script, flags, fragments, tmp_path):
@@ -522,13 +533,13 @@ def test_what_it_cannot_reproduce_is_one_line(script, flags, fragments, tmp_path
     assert not (tmp_path / "r").exists()
 
 
-def test_the_checks_count_every_actor_thread_and_leave_serial_runs_alone(capsys):
-    """Actor threads over several actor devices share one normaliser as threads of one device do;
-    --serial has no actor to schedule (its loop acts with the newest parameters, in turn)."""
+def test_the_checks_take_a_shared_normaliser_and_leave_serial_runs_alone(capsys):
+    """Actor threads over several actor devices share one normaliser as threads of one device do,
+    in turns (normalize.InTurn): no refusal; --serial has no actor to schedule (its loop acts with
+    the newest parameters, in turn)."""
     from types import SimpleNamespace
 
     from jax_async_rl import runs
-    from jax_async_rl.flags import UsageError
 
     base = dict(
         actor_lag=1,
@@ -539,8 +550,8 @@ def test_the_checks_count_every_actor_thread_and_leave_serial_runs_alone(capsys)
         norm_reward=False,
     )
     runs.check_deterministic(SimpleNamespace(**base))
-    with pytest.raises(UsageError, match="--actor-device-ids"):
-        runs.check_deterministic(SimpleNamespace(**{**base, "actor_device_ids": [0, 1]}))
+    several = SimpleNamespace(**{**base, "actor_device_ids": [0, 1], "num_actor_threads": 2})
+    assert runs.check_deterministic(several) is several
     assert (
         runs.check_deterministic(
             SimpleNamespace(**{**base, "actor_lag": None, "serial": True})

@@ -3,6 +3,7 @@ gym's RunningMeanStd and NormalizeReward, on vectors and on nested dicts; the ar
 with a jitted loop (numpy and jax.numpy give the same numbers); statistics merged from elsewhere."""
 
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -157,3 +158,56 @@ def test_the_statistics_travel_with_a_checkpoint():
         (*norm.obs_stats, *norm.return_stats), (*fresh.obs_stats, *fresh.return_stats)
     ):
         np.testing.assert_array_equal(np.asarray(loaded), np.asarray(saved))
+
+
+def test_actor_threads_taking_turns_see_the_same_statistics_whenever_their_steps_come():
+    """Normalizer.in_turn (--deterministic, several actor threads): two threads' batches fed in
+    different interleavings, one thread running up to a turn ahead of the other, give each thread
+    the same normalised observations and rewards, and the normaliser the same statistics: every
+    thread's turns, merged turn by turn in thread order. One thread, or nothing normalised: the
+    normaliser itself (no turns, as without --deterministic)."""
+    rng = np.random.default_rng(4)
+    B, T, turns = 2, 3, 4  # each thread: B envs, turns of T x B observations in batches of 1 env
+    batches = [
+        [
+            (rng.normal(t, 2.0, (1, 3)), rng.normal(size=1), rng.random(1) < 0.3, np.array([e]))
+            for _ in range(turns)
+            for _ in range(T)
+            for e in range(B)
+        ]
+        for t in range(2)
+    ]
+
+    def run(order):
+        shared = Normalizer(np.zeros(3), 2 * B, True, True, 0.9)
+        stop = threading.Event()
+        views = [shared.in_turn(t, B, T, stop) for t in range(2)]
+        seen = [[], []]
+
+        def feed(t, k):
+            obs, reward, done, env = batches[t][k]
+            seen[t].append(views[t].observe(obs))
+            seen[t].append(views[t].reward(reward, done, env + t * B))
+
+        # Each thread in its own Python thread: a turn's end waits for the other's.
+        workers = [
+            threading.Thread(target=lambda t=t: [feed(t, k) for k in order[t]]) for t in range(2)
+        ]
+        for worker in workers if order[2] else workers[::-1]:
+            worker.start()
+        for worker in workers:
+            worker.join(10)
+        assert not any(worker.is_alive() for worker in workers)
+        return seen, shared.snapshot()
+
+    steps = range(turns * T * B)
+    first, first_stats = run([steps, steps, True])
+    second, second_stats = run([steps, steps, False])
+    np.testing.assert_equal(first, second)
+    np.testing.assert_equal(first_stats, second_stats)
+    # The normaliser holds the turns all threads ended (the last is still each thread's own).
+    assert first_stats[0][2] == pytest.approx(1e-4 + 2 * (turns - 1) * T * B)
+    shared = Normalizer(np.zeros(3), B, True, True, 0.9)
+    assert shared.in_turn(0, B, T, threading.Event()) is shared
+    off = Normalizer(np.zeros(3), 2 * B, False, False, 0.9)
+    assert off.in_turn(1, B, T, threading.Event()) is off

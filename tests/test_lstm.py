@@ -90,7 +90,14 @@ def test_learner_unroll_reproduces_the_actor(script, num_splits):
     policy = RecordingPolicy(module.make_policy_step(network, continuous=False))
     rollout_queue, num_rollouts, T = module.queue.Queue(), 5, NUM_STEPS
     module.actor_loop(
-        envs, policy, shared, rollout_queue, jax.random.PRNGKey(0), args, num_rollouts
+        envs,
+        policy,
+        shared,
+        rollout_queue,
+        jax.random.PRNGKey(0),
+        args,
+        tasks.policy_space(args.env_id),
+        num_rollouts,
     )
     assert not envs.errors, envs.errors
     rollouts = drain(rollout_queue)
@@ -100,16 +107,18 @@ def test_learner_unroll_reproduces_the_actor(script, num_splits):
     resets_inside = 0
     for k, rollout in enumerate(rollouts):
         logprobs, _, values, bootstrap_value = jax.device_get(
-            jax.jit(module.rollout_forward, static_argnums=(0, 3))(network, params, rollout, False)
+            jax.jit(module.rollout_forward, static_argnums=(0, 3))(
+                network, params, rollout.arrays(), False
+            )
         )
         for e in range(num_envs):
             for t in range(T):
                 n, where = k * T + t, f"rollout {k}, row {t}, env {e}"
-                assert tuple(rollout["obs"][t, e]) == (e, n), where
-                assert rollout["first"][t, e] == first_flags(envs, e, n), where
+                assert tuple(rollout.obs[t, e]) == (e, n), where
+                assert rollout.first[t, e] == first_flags(envs, e, n), where
                 resets_inside += t > 0 and first_flags(envs, e, n)
                 np.testing.assert_allclose(
-                    logprobs[t, e], rollout["logprobs"][t, e], atol=1e-5, err_msg=where
+                    logprobs[t, e], rollout.logprobs[t, e], atol=1e-5, err_msg=where
                 )
                 np.testing.assert_allclose(
                     values[t, e], policy.values[(e, n)], atol=1e-5, err_msg=where
@@ -122,8 +131,8 @@ def test_learner_unroll_reproduces_the_actor(script, num_splits):
     # The check can fail: ignoring the recorded state, or the resets, changes the outputs.
     rollout = rollouts[-1]
     for wrong in (
-        dict(rollout, state=jax.tree.map(np.zeros_like, rollout["state"])),
-        dict(rollout, first=np.zeros_like(rollout["first"])),
+        dict(rollout.arrays(), state=jax.tree.map(np.zeros_like, rollout.state)),
+        dict(rollout.arrays(), first=np.zeros_like(rollout.first)),
     ):
         _, _, values, _ = module.rollout_forward(network, params, wrong, False)
         expected = [
@@ -166,6 +175,7 @@ def test_sync_rollouts_unroll_to_the_actors_numbers():
             stats,
             normalizer,
             args,
+            tasks.policy_space(args.env_id),
             timing,
         )
         logprobs, _, values, bootstrap_value = jax.device_get(

@@ -29,7 +29,7 @@ from helpers import (
     tag_values,
     tiny_flags,
 )
-from jax_async_rl import threads
+from jax_async_rl import tasks, threads
 
 # ---------------------------------------------------------------------------------------------
 # A deterministic stand-in for envpool's asynchronous interface
@@ -190,7 +190,7 @@ def check_rollouts(rollouts, envs, policy):
     assert not policy.mismatch, "the actor did not pass the newest parameters"
     T, B = NUM_STEPS, envs.num_envs
     for k, rollout in enumerate(rollouts):
-        assert rollout["obs"].shape == (T, B, 2) and rollout["bootstrap_obs"].shape == (B, 2)
+        assert rollout.obs.shape == (T, B, 2) and rollout.bootstrap_obs.shape == (B, 2)
         for name in [
             "actions",
             "logprobs",
@@ -200,42 +200,42 @@ def check_rollouts(rollouts, envs, policy):
             "valid",
             "policy_version",
         ]:
-            assert rollout[name].shape == (T, B), name
+            assert getattr(rollout, name).shape == (T, B), name
         for e in range(B):
             for t in range(T):
                 n = k * T + t  # env e's n-th transition: from its n-th to its (n+1)-th observation
                 obs, _, term, trunc = envs.returned[e][n]
                 _, next_reward, next_term, next_trunc = envs.returned[e][n + 1]
                 where = f"rollout {k}, row {t}, env {e} (transition {n})"
-                np.testing.assert_array_equal(rollout["obs"][t, e], obs, err_msg=where)
-                assert tuple(rollout["obs"][t, e]) == (e, n), where
-                assert rollout["actions"][t, e] == envs.received[e][n] == code(e, n), where
-                assert rollout["logprobs"][t, e] == -code(e, n), where
+                np.testing.assert_array_equal(rollout.obs[t, e], obs, err_msg=where)
+                assert tuple(rollout.obs[t, e]) == (e, n), where
+                assert rollout.actions[t, e] == envs.received[e][n] == code(e, n), where
+                assert rollout.logprobs[t, e] == -code(e, n), where
                 if np.isnan(next_reward):  # a reset observation: the actor records 0
-                    assert rollout["valid"][t, e] == 0.0 and rollout["rewards"][t, e] == 0.0, where
+                    assert rollout.valid[t, e] == 0.0 and rollout.rewards[t, e] == 0.0, where
                 else:
-                    assert rollout["rewards"][t, e] == next_reward == 0.5 + code(e, n + 1), where
-                assert rollout["dones"][t, e] == float(next_term or next_trunc), where
-                assert rollout["truncated"][t, e] == float(next_trunc), where
+                    assert rollout.rewards[t, e] == next_reward == 0.5 + code(e, n + 1), where
+                assert rollout.dones[t, e] == float(next_term or next_trunc), where
+                assert rollout.truncated[t, e] == float(next_trunc), where
                 # The step after an episode end only resets the env (its action is ignored).
-                assert rollout["valid"][t, e] == float(not (term or trunc)), where
-                assert rollout["policy_version"][t, e] == policy.version_at[(e, n)], where
+                assert rollout.valid[t, e] == float(not (term or trunc)), where
+                assert rollout.policy_version[t, e] == policy.version_at[(e, n)], where
             next_obs = envs.returned[e][(k + 1) * T][0]
             np.testing.assert_array_equal(
-                rollout["bootstrap_obs"][e], next_obs, err_msg=f"rollout {k}, env {e}"
+                rollout.bootstrap_obs[e], next_obs, err_msg=f"rollout {k}, env {e}"
             )
         if k + 1 < len(rollouts):
-            np.testing.assert_array_equal(rollout["bootstrap_obs"], rollouts[k + 1]["obs"][0])
+            np.testing.assert_array_equal(rollout.bootstrap_obs, rollouts[k + 1].obs[0])
     # Independently of the recording: episodes end where each env's length puts them.
     for e in range(B):
         period = EPISODE_LENGTHS[e] + 1
-        dones = np.concatenate([r["dones"][:, e] for r in rollouts])
-        valid = np.concatenate([r["valid"][:, e] for r in rollouts])
+        dones = np.concatenate([r.dones[:, e] for r in rollouts])
+        valid = np.concatenate([r.valid[:, e] for r in rollouts])
         n = np.arange(len(dones))
         np.testing.assert_array_equal(dones, (n + 1) % period == period - 1, err_msg=f"env {e}")
         np.testing.assert_array_equal(valid, n % period != period - 1, err_msg=f"env {e}")
     # The stamps did change during the rollouts (the check above can tell versions apart).
-    assert len({int(v) for r in rollouts for v in r["policy_version"].ravel()}) > 3
+    assert len({int(v) for r in rollouts for v in r.policy_version.ravel()}) > 3
 
 
 def drain(rollout_queue):
@@ -255,7 +255,14 @@ def test_actor_loop_trajectory_integrity(script, num_splits):
     envs, policy, shared, args, rollout_queue = make_pipeline(module, num_splits, seed=num_splits)
     num_rollouts = 6
     module.actor_loop(
-        envs, policy, shared, rollout_queue, jax.random.PRNGKey(0), args, num_rollouts
+        envs,
+        policy,
+        shared,
+        rollout_queue,
+        jax.random.PRNGKey(0),
+        args,
+        tasks.policy_space(args.env_id),
+        num_rollouts,
     )
     rollouts = drain(rollout_queue)
     assert len(rollouts) == num_rollouts
@@ -265,7 +272,7 @@ def test_actor_loop_trajectory_integrity(script, num_splits):
         assert envs.count.max() > envs.count.min()
     # Each rollout carries the games that ended in it: each an env's episode length; the env
     # steps sampled (the run's counter) are every action sent.
-    lengths = [length for rollout in rollouts for _, _, length in rollout["host"]["games"]]
+    lengths = [length for rollout in rollouts for _, _, length in rollout.games]
     assert lengths and set(lengths) <= set(EPISODE_LENGTHS[: envs.num_envs])
     assert int(shared.sampled.sum()) == sum(len(actions) for actions in envs.received)
 
@@ -299,6 +306,7 @@ def test_full_queue_blocks_the_actor_and_loses_nothing(script):
         rollout_queue,
         jax.random.PRNGKey(0),
         args,
+        tasks.policy_space(args.env_id),
         num_rollouts,
     )
     try:
@@ -359,6 +367,7 @@ def test_actor_loop_stops_on_stop_event_while_blocked(script):
         rollout_queue,
         jax.random.PRNGKey(0),
         args,
+        tasks.policy_space(args.env_id),
         10,
     )
     deadline = time.monotonic() + 30

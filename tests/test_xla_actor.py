@@ -38,13 +38,14 @@ def collect(module, env_id, num_envs, num_splits, num_rollouts, version=7, num_s
         rollouts,
         jax.random.PRNGKey(1),
         args,
+        tasks.policy_space(args.env_id),
         num_rollouts,
     )
     envs.close()
     rollouts = [rollouts.get_nowait() for _ in range(num_rollouts)]
     return (
         rollouts,
-        [game for rollout in rollouts for game in rollout["host"].pop("games")],
+        [game for rollout in rollouts for game in rollout.games],
         shared,
         network,
         continuous,
@@ -64,7 +65,7 @@ def replay(env_id, num_envs, rollouts, module=None):
     seen, rewards, dones, truncs, games = [obs], [], [], [], []
     returns = np.zeros(num_envs)
     for rollout in rollouts:
-        for action in rollout["actions"]:
+        for action in rollout.actions:
             action = (
                 action
                 if action.dtype.kind == "i"
@@ -121,31 +122,31 @@ def test_xla_rollouts_match_a_replay_of_their_actions(env_id, num_splits, ring, 
     assert (sizes[:1] == [1]) == (ring == 1), sizes
     for k, rollout in enumerate(rollouts):
         rows = slice(k * T, (k + 1) * T)
-        np.testing.assert_allclose(rollout["obs"], obs[rows], rtol=1e-6, err_msg=f"rollout {k}")
+        np.testing.assert_allclose(rollout.obs, obs[rows], rtol=1e-6, err_msg=f"rollout {k}")
         np.testing.assert_allclose(
-            rollout["bootstrap_obs"], obs[(k + 1) * T], rtol=1e-6, err_msg=f"rollout {k}"
+            rollout.bootstrap_obs, obs[(k + 1) * T], rtol=1e-6, err_msg=f"rollout {k}"
         )
-        np.testing.assert_allclose(rollout["rewards"], rewards[rows], rtol=1e-6)
-        np.testing.assert_array_equal(rollout["dones"], dones[rows])
-        np.testing.assert_array_equal(rollout["truncated"], truncs[rows])
+        np.testing.assert_allclose(rollout.rewards, rewards[rows], rtol=1e-6)
+        np.testing.assert_array_equal(rollout.dones, dones[rows])
+        np.testing.assert_array_equal(rollout.truncated, truncs[rows])
         # The step after an episode's end only resets the env: valid 0 (and its action is ignored).
         previous = np.concatenate([np.zeros((1, B), bool), dones])[rows]
-        np.testing.assert_array_equal(rollout["valid"], 1.0 - previous)
-        assert (rollout["policy_version"] == 7).all()
+        np.testing.assert_array_equal(rollout.valid, 1.0 - previous)
+        assert (rollout.policy_version == 7).all()
         params = shared.latest[0]
         logprobs = module.rollout_forward(
-            network, params, jax.tree.map(jnp.asarray, rollout), continuous
+            network, params, jax.tree.map(jnp.asarray, rollout.arrays()), continuous
         )[0]
-        np.testing.assert_allclose(rollout["logprobs"], logprobs, atol=1e-4, err_msg=f"rollout {k}")
+        np.testing.assert_allclose(rollout.logprobs, logprobs, atol=1e-4, err_msg=f"rollout {k}")
         if lstm:  # episodes start at step 0 and 2 steps after an end (the step between: the reset);
             # the state before row 0: from those starts, fed every observation before it
             starts = np.concatenate([np.ones((1, B), bool), np.zeros((1, B), bool), dones[:-2]])
-            np.testing.assert_array_equal(rollout["first"], starts[rows])
+            np.testing.assert_array_equal(rollout.first, starts[rows])
             core = module.zero_core(network.lstm_size, B)
             if k:
                 _, _, core = network.apply(params, obs[: k * T], (core[0], starts[: k * T]))
             np.testing.assert_allclose(
-                rollout["state"], core[0] if not k else core, atol=1e-5, err_msg=f"rollout {k}"
+                rollout.state, core[0] if not k else core, atol=1e-5, err_msg=f"rollout {k}"
             )
     # Every game that ended within the rollouts' steps was reported, in order, with its score and
     # length (the actor also ends games in the steps it took beyond the last rollout).
@@ -174,6 +175,6 @@ def test_xla_normaliser_counts_every_observation(env_id):
     np.testing.assert_allclose(
         obs_mean, raw.reshape(-1, raw.shape[-1]).mean(0), atol=0.2 * np.sqrt(obs_var).max()
     )
-    normalised = np.concatenate([r["obs"] for r in rollouts])
+    normalised = np.concatenate([r.obs for r in rollouts])
     assert np.abs(normalised).max() <= 10.0 and 0.3 < normalised.std() < 3.0
-    assert np.abs(np.concatenate([r["rewards"] for r in rollouts])).max() <= 10.0 and return_var > 0
+    assert np.abs(np.concatenate([r.rewards for r in rollouts])).max() <= 10.0 and return_var > 0

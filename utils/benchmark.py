@@ -358,6 +358,7 @@ def run_sampler(
         rollouts,
         jax.random.PRNGKey(1),
         args,
+        tasks.policy_space(args.env_id),
         10**9,
     )
     # Count whole rollouts between the first arrival and the last: steps / time between arrivals
