@@ -48,16 +48,16 @@ from helpers import (
 
 # Each script's lines as `ruff format` lays them out at 100 columns (pyproject.toml), with a margin
 # of about a tenth: a guard against bloat, not a target. Measured on the formatted code, where a
-# call that does not fit takes one argument a line (issue 46: 1,041-1,433 lines for the PPO family,
-# 539-1,136 for the replay family once their loops are on the page).
+# call that does not fit takes one argument a line (issue 46: 881-1,424 lines for the PPO family,
+# 662-1,280 for the replay family once their loops were on the page).
 LINE_BUDGET = {
     "ppo_sync_baseline.py": 1150,
     "appo_envpool.py": 1300,
     "impala_envpool.py": 1000,
     "appo_envpool_xla.py": 1550,
-    "dqn_envpool.py": 1300,
-    "sac_envpool.py": 750,
-    "td3_envpool.py": 700,
+    "dqn_envpool.py": 1400,
+    "sac_envpool.py": 800,
+    "td3_envpool.py": 750,
 }
 # Lines that `diff A B` adds (`grep -c '^>'`): what B changes, and only that.
 ADDED_LINES = [
