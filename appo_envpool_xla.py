@@ -715,11 +715,11 @@ def make_policy_step(network, continuous: bool, values: bool = True, greedy: boo
 
 
 def acting_version(rollout: int, actor_lag, oldest: int) -> int:
-    """The policy version that acts on rollout `rollout` (counted over the run): the one the
-    update on rollout `rollout - 1 - actor_lag` makes (Cleanba's actor at 1; 0 the synchronous
-    limit), and never one before `oldest`, the first the run holds (0; on resume the checkpoint's,
-    or the oldest it carried: the resumed run acts with it until the schedule passes it).
-    Sample Factory's free-running actor (None) waits for the first update alone, which compiles
+    """The policy version that acts on rollout `rollout` (the replay scripts' chunk; counted over
+    the run): the one the update on rollout `rollout - 1 - actor_lag` makes (Cleanba's actor at 1; 0
+    the synchronous limit), and never one before `oldest`, the first the run holds (0; on resume the
+    checkpoint's, or the oldest it carried: the resumed run acts with it until the schedule passes
+    it). Sample Factory's free-running actor (None) waits for the first update alone, which compiles
     meanwhile (else the queue fills with rollouts of the initial parameters)."""
     return min(rollout, 1) if actor_lag is None else max(oldest, rollout - actor_lag)
 
@@ -805,9 +805,8 @@ class XlaRollouts:
         slot, row = jnp.where(ended, (n - 1) // T % R, R), (n - 1) % T  # R: dropped
         for name, x in (("rewards", reward), ("truncated", truncated), ("dones", done)):
             ring[name] = ring[name].at[slot, row, ids].set(x.astype(ring[name].dtype), mode="drop")
-        slot = jnp.where(
-            ended & (n % T == 0), slot, R
-        )  # ... and is the bootstrap_obs of its rollout
+        # ... and is the bootstrap_obs of its rollout
+        slot = jnp.where(ended & (n % T == 0), slot, R)
         ring["bootstrap_obs"] = jax.tree.map(
             lambda b, x: b.at[slot, ids].set(x, mode="drop"), ring["bootstrap_obs"], obs
         )
@@ -899,9 +898,8 @@ def xla_games(c, ids, reward, terminated, truncated, info):
     goes into c["games"] as (env, raw score, length), c["count"] of them in this call."""
     over = info.get("terminated", terminated).astype(bool) | truncated
     returns = c["returns"].at[ids].add(info.get("reward", reward))
-    at = jnp.where(
-        over, c["count"] + jnp.cumsum(over) - 1, len(c["games"]["env"])
-    )  # past the end: dropped
+    # past the end: dropped
+    at = jnp.where(over, c["count"] + jnp.cumsum(over) - 1, len(c["games"]["env"]))
     values = {"env": ids, "return": returns[ids], "length": info["elapsed_step"]}
     games = {name: c["games"][name].at[at].set(x, mode="drop") for name, x in values.items()}
     return dict(
@@ -1302,9 +1300,8 @@ def build(args: Args, key):
         tasks.spaces(args.env_id)[0],
         tasks.policy_space(args.env_id),
     )  # what the policy samples
-    heads = tuple(
-        map(int, getattr(action_space, "nvec", ()))
-    )  # multi-discrete, factored: a categorical a dimension
+    # multi-discrete, factored: a categorical a dimension
+    heads = tuple(map(int, getattr(action_space, "nvec", ())))
     continuous = not hasattr(action_space, "n") and not heads
     action_dim = (
         len(heads) * max(heads)
@@ -1340,7 +1337,10 @@ def build(args: Args, key):
 
 
 def resolve_xla_args(args: Args) -> Args:
-    """resolve_args, for envpool tasks only: a Gymnasium env has no XLA interface."""
+    """resolve_args, for envpool tasks only: a Gymnasium env has no XLA interface. With
+    --deterministic, one split unless --num-splits names more (refused below)."""
+    if args.deterministic and args.num_splits is None:
+        args = dataclasses.replace(args, num_splits=1)
     args = resolve_args(args)
     if args.env_id in tasks.USER_ENVS:
         raise UsageError(

@@ -573,7 +573,8 @@ def importance_exponent(args, step: int) -> float:
 def n_step_return(rewards, terminated, truncated, gamma: float):
     """The n-step target's return and bootstrap discount of transitions from their next n rows
     ([..., n], Replay's): the rewards summed, each discounted, up to the first row that ends the
-    episode; the discount gamma^k of the value k rows on, 0 after a termination."""
+    episode; the discount gamma^k of the value k rows on, 0 after a termination. (SAC and TD3
+    take one row: n is 1.)"""
     reward = np.zeros(rewards.shape[:-1], np.float32)
     discount = np.ones(rewards.shape[:-1], np.float32)
     alive = np.ones(rewards.shape[:-1], bool)
@@ -663,7 +664,7 @@ def r2d2_targets(
     """R2D2's targets [T - n, B] of rows 0 .. T-n-1 of sequences of T rows: h(G + gamma^k
     h^-1(Q_target(s_{t+k}, a*))), G the rewards of rows t+1 .. t+k discounted, k = n or the first
     of those rows that ends the episode: terminated, nothing bootstrapped; truncated, the value of
-    its observation, the episode's real last (the buffer's n-step rule, Replay.gather). a*:
+    its observation, the episode's real last (n_step_return's rule). a*:
     the online network's argmax with `double` (van Hasselt et al. 2016), else the target's.
     q_*: [T, B, A] (h's scale); reward, terminated, truncated [T, B], as the rows store them (those
     of the step that produced each row's observation)."""
@@ -712,9 +713,8 @@ def r2d2_loss(params, target_params, network, batch, args: Args, support=None):
     without gradient), the squared (or Huber) error of h-scaled Q to r2d2_targets on the steps
     after the burn-in that start a transition (not an episode's last observation), averaged over
     each sequence, weighted by its importance weight. Returns (loss, (priorities, mean Q))."""
-    seq = jax.tree.map(
-        lambda x: jnp.swapaxes(x, 0, 1), {k: batch[k] for k in SEQUENCE_FIELDS}
-    )  # time-major
+    # time-major
+    seq = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), {k: batch[k] for k in SEQUENCE_FIELDS})
     ended = seq["terminated"] | seq["truncated"]
     # Row 0 starts from the stored state, which the actor had already reset if an episode started
     # there.
@@ -763,9 +763,8 @@ def dqn_loss(params, target_params, network, batch, args: Args, support):
     next_target = network.apply(target_params, batch["next_obs"])
     next_online = network.apply(params, batch["next_obs"]) if args.double_dqn else next_target
     action = batch["action"].astype(jnp.int32)[:, None]
-    legal = legal_actions(
-        network, batch["next_obs"], len(action)
-    )  # the masks stored with the transitions
+    # the masks stored with the transitions
+    legal = legal_actions(network, batch["next_obs"], len(action))
     if args.c51:
 
         def values(logits):
@@ -879,11 +878,11 @@ def make_recurrent_act(greedy, args: Args, network, streams: EnvStreams):
 
 
 def acting_version(rollout: int, actor_lag, oldest: int) -> int:
-    """The policy version that acts on rollout `rollout` (counted over the run): the one the
-    update on rollout `rollout - 1 - actor_lag` makes (Cleanba's actor at 1; 0 the synchronous
-    limit), and never one before `oldest`, the first the run holds (0; on resume the checkpoint's,
-    or the oldest it carried: the resumed run acts with it until the schedule passes it).
-    Sample Factory's free-running actor (None) waits for the first update alone, which compiles
+    """The policy version that acts on rollout `rollout` (the replay scripts' chunk; counted over
+    the run): the one the update on rollout `rollout - 1 - actor_lag` makes (Cleanba's actor at 1; 0
+    the synchronous limit), and never one before `oldest`, the first the run holds (0; on resume the
+    checkpoint's, or the oldest it carried: the resumed run acts with it until the schedule passes
+    it). Sample Factory's free-running actor (None) waits for the first update alone, which compiles
     meanwhile (else the queue fills with rollouts of the initial parameters)."""
     return min(rollout, 1) if actor_lag is None else max(oldest, rollout - actor_lag)
 
@@ -934,9 +933,9 @@ def actor_loop(envs, act, shared, chunk_queue, args: Args, num_chunks: int, devi
         acting = shared.acting(version, args.deterministic)
         if acting is None:  # the run stops
             return
-        if acting[1] != held:
-            held = acting[1]
-            params = devices.to_actor(device, acting[0])
+        if acting[1] != held:  # copied to this actor's device once per version
+            latest, held = acting
+            params = devices.to_actor(device, latest)
         chunk = collect(envs, act, params, held, collecting, args, shared, thread)
         start = time.perf_counter()
         if not threads.put(chunk_queue, chunk, shared.stop):
@@ -1263,16 +1262,40 @@ def main(args: Args, given=None) -> int:
         )
         # The main thread waits: a signal stops the run within seconds whatever a thread does.
         if args.serial:
-            loop = (serial_loop, run, update, replay, shared, envs, acts, actors[0][0])
-            run.wait(run.threads.start("training loop", *loop, owns=envs))
+            device = actors[0][0]
+            loop = run.threads.start(
+                "training loop",
+                serial_loop,
+                run,
+                update,
+                replay,
+                shared,
+                envs,
+                acts,
+                device,
+                owns=envs,
+            )
+            run.wait(loop)
             return run.finish(*evaluation_player(args, built))
         queues = [queue.Queue(maxsize=args.queue_size) for _ in actors]
         num_chunks = run.num_updates - run.start_update
         for i, (device, _, _) in enumerate(actors):
-            loop = (envs[i], acts[i], shared, queues[i], args, num_chunks, device, i)
-            name = f"actor {i}" if i else "actor"
-            run.threads.start(name, actor_loop, *loop, run.start_update, owns=[envs[i]])
-        run.wait(run.threads.start("learner", learner_loop, run, update, replay, shared, queues))
+            run.threads.start(
+                f"actor {i}" if i else "actor",
+                actor_loop,
+                envs[i],
+                acts[i],
+                shared,
+                queues[i],
+                args,
+                num_chunks,
+                device,
+                i,
+                run.start_update,
+                owns=[envs[i]],
+            )
+        learner = run.threads.start("learner", learner_loop, run, update, replay, shared, queues)
+        run.wait(learner)
         return run.finish(*evaluation_player(args, built))
 
 

@@ -506,11 +506,11 @@ def make_policy_step(network, continuous: bool, values: bool = True, greedy: boo
 
 
 def acting_version(rollout: int, actor_lag, oldest: int) -> int:
-    """The policy version that acts on rollout `rollout` (counted over the run): the one the
-    update on rollout `rollout - 1 - actor_lag` makes (Cleanba's actor at 1; 0 the synchronous
-    limit), and never one before `oldest`, the first the run holds (0; on resume the checkpoint's,
-    or the oldest it carried: the resumed run acts with it until the schedule passes it).
-    Sample Factory's free-running actor (None) waits for the first update alone, which compiles
+    """The policy version that acts on rollout `rollout` (the replay scripts' chunk; counted over
+    the run): the one the update on rollout `rollout - 1 - actor_lag` makes (Cleanba's actor at 1; 0
+    the synchronous limit), and never one before `oldest`, the first the run holds (0; on resume the
+    checkpoint's, or the oldest it carried: the resumed run acts with it until the schedule passes
+    it). Sample Factory's free-running actor (None) waits for the first update alone, which compiles
     meanwhile (else the queue fills with rollouts of the initial parameters)."""
     return min(rollout, 1) if actor_lag is None else max(oldest, rollout - actor_lag)
 
@@ -581,12 +581,13 @@ def actor_loop(
                 return
             timing["queue_put"] += time.perf_counter() - start
             pushed += 1
-        # Free-running: never an update.
         version = acting_version(int(index.max()) // T, args.actor_lag, shared.oldest)
-        acting = shared.acting(
-            version if args.deterministic else min(version, first + pushed), args.deterministic
-        )
-        if acting is None:  # on a rollout not queued yet (with splits, an env may still be in it)
+        if not args.deterministic:
+            # Free-running: never an update on a rollout not queued yet (with splits, an env may
+            # still be in it).
+            version = min(version, first + pushed)
+        acting = shared.acting(version, args.deterministic)
+        if acting is None:  # the run stops
             return
         if acting[1] != held:  # copied to this actor's device once per version
             held, params = acting[1], devices.to_actor(device, acting[0])
@@ -619,9 +620,8 @@ def make_optimizer(args: Args):
     return optax.chain(
         optax.clip_by_global_norm(args.max_grad_norm),
         optax.scale_by_rms(decay=args.rmsprop_alpha, eps=args.rmsprop_eps, eps_in_sqrt=False),
-        optax.trace(
-            decay=args.rmsprop_momentum
-        ),  # also at 0 (a no-op), so --rmsprop-momentum may change on resume
+        # also at 0 (a no-op), so --rmsprop-momentum may change on resume
+        optax.trace(decay=args.rmsprop_momentum),
     )
 
 
@@ -771,9 +771,8 @@ def build(args: Args, key):
         tasks.spaces(args.env_id)[0],
         tasks.policy_space(args.env_id),
     )  # what the policy samples
-    heads = tuple(
-        map(int, getattr(action_space, "nvec", ()))
-    )  # multi-discrete, factored: a categorical a dimension
+    # multi-discrete, factored: a categorical a dimension
+    heads = tuple(map(int, getattr(action_space, "nvec", ())))
     continuous = not hasattr(action_space, "n") and not heads
     action_dim = (
         len(heads) * max(heads)

@@ -687,18 +687,15 @@ def collect_rollout(
         obs, reward, terminated, truncated, info = envs.step(
             tasks.env_action(action, envs.action_space)
         )
-        reward = np.where(
-            info["elapsed_step"] > 0, reward, 0.0
-        )  # a reset's: undefined (dm_control)
+        # a reset's: undefined (dm_control)
+        reward = np.where(info["elapsed_step"] > 0, reward, 0.0)
         timing["env"] += time.perf_counter() - start
         stats.update(env_ids, reward, terminated, truncated, info)
-        tasks.check_legal(
-            args, obs, env_ids, ~(terminated | truncated), info["elapsed_step"]
-        )  # masks obeyable
+        # masks obeyable
+        tasks.check_legal(args, obs, env_ids, ~(terminated | truncated), info["elapsed_step"])
         rollout["valid"][t], prev_dones = 1.0 - prev_dones, terminated | truncated
-        core = (
-            None if core is None else (state, rollout["valid"][t] == 0)
-        )  # after a reset step, an episode starts
+        # after a reset step, an episode starts
+        core = None if core is None else (state, rollout["valid"][t] == 0)
         obs, reward = normalizer.observe(obs), normalizer.reward(reward, prev_dones, env_ids)
         rollout["rewards"][t], rollout["dones"][t], rollout["truncated"][t] = (
             reward,
@@ -901,9 +898,8 @@ def train_loop(run, envs, action_space, policy_step, update, normalizer, key, de
     recurrent core back where the run stopped (journal.replay)."""
     args, state = run.args, run.state
     stats, timing = tasks.EpisodeStats(args.num_envs), {"env": 0.0, "inference": 0.0, "update": 0.0}
-    core = zero_core(
-        args.lstm_size if args.lstm else 0, args.num_envs
-    )  # --lstm: every env starts from zeros
+    # --lstm: every env starts from zeros
+    core = zero_core(args.lstm_size if args.lstm else 0, args.num_envs)
     if resume is None:
         obs, dones = normalizer.observe(envs.reset()[0]), np.zeros(args.num_envs, bool)
     else:
@@ -960,9 +956,8 @@ def build(args: Args, key):
         tasks.spaces(args.env_id)[0],
         tasks.policy_space(args.env_id),
     )  # what the policy samples
-    heads = tuple(
-        map(int, getattr(action_space, "nvec", ()))
-    )  # multi-discrete, factored: a categorical a dimension
+    # multi-discrete, factored: a categorical a dimension
+    heads = tuple(map(int, getattr(action_space, "nvec", ())))
     continuous = not hasattr(action_space, "n") and not heads
     action_dim = (
         len(heads) * max(heads)
@@ -1009,9 +1004,8 @@ def main(args: Args, given=None) -> int:
         action_space = tasks.policy_space(args.env_id)  # what the policy samples
         # --deterministic: a resume replays the run's actions
         (resume,) = run.journal_for(action_space)
-        ((device, seed, key),) = (
-            run.actors()
-        )  # (device, env seed, action key): the synchronous loop acts on one device
+        # (device, env seed, action key): the synchronous loop acts on one device
+        ((device, seed, key),) = run.actors()
         envs = tasks.make_env(args.env_id, args.num_envs, seed, run.env_threads, train=True)
         policy_step = make_policy_step(network, continuous)
         update = make_update(network, optimizer, args, continuous, run.mesh)

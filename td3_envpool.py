@@ -129,9 +129,8 @@ def resolve_args(args: Args) -> Args:
     """The flags checked: UsageError, one line, before anything starts (runs.checked holds the
     checks every script's flags take)."""
     tasks.preset_values(args, {"classic": {}})  # the task known and checked
-    if not np.issubdtype(
-        tasks.spaces(args.env_id)[1].dtype, np.floating
-    ):  # Discrete, integer Box, MultiDiscrete
+    # Discrete, integer Box, MultiDiscrete
+    if not np.issubdtype(tasks.spaces(args.env_id)[1].dtype, np.floating):
         raise UsageError(
             f"--env-id {args.env_id} has discrete actions; this script's policy is a continuous "
             "one: use dqn_envpool.py (or appo_envpool.py)"
@@ -244,7 +243,8 @@ def policy_due(gradient_step, delay: int):
 def n_step_return(rewards, terminated, truncated, gamma: float):
     """The n-step target's return and bootstrap discount of transitions from their next n rows
     ([..., n], Replay's): the rewards summed, each discounted, up to the first row that ends the
-    episode; the discount gamma^k of the value k rows on, 0 after a termination."""
+    episode; the discount gamma^k of the value k rows on, 0 after a termination. (SAC and TD3
+    take one row: n is 1.)"""
     reward = np.zeros(rewards.shape[:-1], np.float32)
     discount = np.ones(rewards.shape[:-1], np.float32)
     alive = np.ones(rewards.shape[:-1], bool)
@@ -296,11 +296,11 @@ def make_act(policy_step, args: Args, key):
 
 
 def acting_version(rollout: int, actor_lag, oldest: int) -> int:
-    """The policy version that acts on rollout `rollout` (counted over the run): the one the
-    update on rollout `rollout - 1 - actor_lag` makes (Cleanba's actor at 1; 0 the synchronous
-    limit), and never one before `oldest`, the first the run holds (0; on resume the checkpoint's,
-    or the oldest it carried: the resumed run acts with it until the schedule passes it).
-    Sample Factory's free-running actor (None) waits for the first update alone, which compiles
+    """The policy version that acts on rollout `rollout` (the replay scripts' chunk; counted over
+    the run): the one the update on rollout `rollout - 1 - actor_lag` makes (Cleanba's actor at 1; 0
+    the synchronous limit), and never one before `oldest`, the first the run holds (0; on resume the
+    checkpoint's, or the oldest it carried: the resumed run acts with it until the schedule passes
+    it). Sample Factory's free-running actor (None) waits for the first update alone, which compiles
     meanwhile (else the queue fills with rollouts of the initial parameters)."""
     return min(rollout, 1) if actor_lag is None else max(oldest, rollout - actor_lag)
 
@@ -351,9 +351,9 @@ def actor_loop(envs, act, shared, chunk_queue, args: Args, num_chunks: int, devi
         acting = shared.acting(version, args.deterministic)
         if acting is None:  # the run stops
             return
-        if acting[1] != held:
-            held = acting[1]
-            params = devices.to_actor(device, acting[0])
+        if acting[1] != held:  # copied to this actor's device once per version
+            latest, held = acting
+            params = devices.to_actor(device, latest)
         chunk = collect(envs, act, params, held, collecting, args, shared, thread)
         start = time.perf_counter()
         if not threads.put(chunk_queue, chunk, shared.stop):
@@ -456,9 +456,8 @@ def make_update(networks, optimizer, args: Args, bounds, mesh=None):
         keys = jax.random.split(key, jax.tree.leaves(batches)[0].shape[0])
         state, steps = jax.lax.scan(step, state, (batches, keys))
         diagnostics = {k: jnp.mean(v) for k, v in steps.items() if k in ("qf_loss", "q_values")}
-        policy = jnp.maximum(
-            jnp.sum(steps["policy_step"]), 1
-        )  # the mean over the steps that updated the policy
+        # the mean over the steps that updated the policy
+        policy = jnp.maximum(jnp.sum(steps["policy_step"]), 1)
         diagnostics["actor_loss"] = jnp.sum(steps["actor_loss"]) / policy
         finite = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(state["params"])]
         diagnostics["finite"] = jnp.isfinite(diagnostics["qf_loss"]) & jnp.all(jnp.array(finite))
@@ -645,16 +644,40 @@ def main(args: Args, given=None) -> int:
         )
         # The main thread waits: a signal stops the run within seconds whatever a thread does.
         if args.serial:
-            loop = (serial_loop, run, update, replay, shared, envs, acts, actors[0][0])
-            run.wait(run.threads.start("training loop", *loop, owns=envs))
+            device = actors[0][0]
+            loop = run.threads.start(
+                "training loop",
+                serial_loop,
+                run,
+                update,
+                replay,
+                shared,
+                envs,
+                acts,
+                device,
+                owns=envs,
+            )
+            run.wait(loop)
             return run.finish(*evaluation_player(args, built))
         queues = [queue.Queue(maxsize=args.queue_size) for _ in actors]
         num_chunks = run.num_updates - run.start_update
         for i, (device, _, _) in enumerate(actors):
-            loop = (envs[i], acts[i], shared, queues[i], args, num_chunks, device, i)
-            name = f"actor {i}" if i else "actor"
-            run.threads.start(name, actor_loop, *loop, run.start_update, owns=[envs[i]])
-        run.wait(run.threads.start("learner", learner_loop, run, update, replay, shared, queues))
+            run.threads.start(
+                f"actor {i}" if i else "actor",
+                actor_loop,
+                envs[i],
+                acts[i],
+                shared,
+                queues[i],
+                args,
+                num_chunks,
+                device,
+                i,
+                run.start_update,
+                owns=[envs[i]],
+            )
+        learner = run.threads.start("learner", learner_loop, run, update, replay, shared, queues)
+        run.wait(learner)
         return run.finish(*evaluation_player(args, built))
 
 

@@ -67,9 +67,8 @@ def write_atomically(path: str, data: bytes):
     a crash mid-write keeps the old file."""
     tmp = f"{path}.tmp"
     try:
-        if os.path.lexists(
-            tmp
-        ):  # a kill's leftover, or a link someone planted: never written through
+        # a kill's leftover, or a link someone planted: never written through
+        if os.path.lexists(tmp):
             os.unlink(tmp)
         with os.fdopen(
             os.open(
@@ -99,9 +98,8 @@ def open_own(path: str, flags: int, mode: str, **kwargs):
     (O_NOFOLLOW), and only if it is a regular file with one name, not a hard link to a file
     elsewhere: a run folder may come from anyone, and the files a run appends to or cuts are its
     own. OSError naming the file if not."""
-    fd = os.open(
-        path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666
-    )  # a FIFO: no wait
+    # a FIFO: no wait
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
         os.close(fd)
@@ -322,9 +320,8 @@ def resume_args(args, given, script: str):
                 f"{stored[name]!r}); "
                 "start a new run to change it"
             )
-    if changed.get(
-        "deterministic"
-    ):  # --no-deterministic the other way is the way out of a damaged journal
+    # --no-deterministic the other way is the way out of a damaged journal
+    if changed.get("deterministic"):
         raise UsageError(
             f"--resume: {path} was trained without --deterministic: what its envs and actors did "
             f"was not recorded, so "

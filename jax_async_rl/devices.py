@@ -51,12 +51,10 @@ def start_processes(args):
         raise UsageError(
             "--num-processes and --process-id need --coordinator-address HOST:PORT (process 0's)"
         )
-    jax.config.update(
-        "jax_cpu_collectives_implementation", "gloo"
-    )  # collectives between CPU processes
-    jax.config.update(
-        "jax_enable_preemption_service", False
-    )  # it would take SIGTERM from the run's signal handler
+    # collectives between CPU processes
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # it would take SIGTERM from the run's signal handler
+    jax.config.update("jax_enable_preemption_service", False)
     try:
         jax.distributed.initialize(
             args.coordinator_address or None,

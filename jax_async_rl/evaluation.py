@@ -53,9 +53,8 @@ def evaluate(
         # Atari: as in training (episodic life), each life lost resets the LSTM
         if lives is not None:
             done, lives = done | (info["lives"] < lives), info["lives"]
-        reward = np.where(
-            info["elapsed_step"] > 0, reward, 0.0
-        )  # a reset's: undefined (dm_control)
+        # a reset's: undefined (dm_control)
+        reward = np.where(info["elapsed_step"] > 0, reward, 0.0)
         stats.update(np.arange(num_envs), reward, terminated, truncated, info)
         for env, ret, _ in stats.pop():
             if quota[env] > 0:

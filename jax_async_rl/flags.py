@@ -209,9 +209,8 @@ def from_json(hint, value):
         except TypeError:
             raise TypeError(type_words(kind)) from None
     if origin is None and (type(value) is kind or kind is float and type(value) is int):
-        return (
-            float(value) if kind is float else value
-        )  # JSON's 3 is a float flag's 3.0; True is not an int
+        # JSON's 3 is a float flag's 3.0; True is not an int
+        return float(value) if kind is float else value
     if origin in (list, tuple) or kind in (bool, int, str, float):
         raise TypeError(type_words(kind))
     return value
@@ -348,9 +347,8 @@ def parse(config_class, argv, description=None):
         if not e.code or not message:  # a layout this does not read: as tyro printed it
             sys.stderr.write(said.getvalue())
             raise
-        if message.startswith(
-            "Unrecognized options:"
-        ):  # `--resume runs/x*/` where the glob matched 2 folders
+        # `--resume runs/x*/` where the glob matched 2 folders
+        if message.startswith("Unrecognized options:"):
             message += " (one value too many: did a glob match several folders?)"
         raise UsageError(f"{message}; --help lists the flags") from None
     finally:

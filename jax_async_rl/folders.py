@@ -115,9 +115,8 @@ def check_files(folder: str):
         elif name in (METRICS, JOURNAL) and (
             stat.S_ISLNK(info.st_mode) or stat.S_ISREG(info.st_mode)
         ):
-            fix = replace_with_copy(
-                path
-            )  # removing it would lose the run's curves, or its --deterministic replay
+            # removing it would lose the run's curves, or its --deterministic replay
+            fix = replace_with_copy(path)
         if stat.S_ISLNK(info.st_mode):
             raise UsageError(
                 f"{path} is a symbolic link, and a run never reads or writes through a link in "

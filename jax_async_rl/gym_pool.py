@@ -233,9 +233,8 @@ class GymPool:
         self.guard = subprocess.Popen(
             [sys.executable, "-S", "-c", GUARD], stdin=subprocess.PIPE, process_group=0
         )
-        tie = (
-            "1" if threading.current_thread() is threading.main_thread() else "0"
-        )  # the kernel ties to a thread
+        # the kernel ties to a thread
+        tie = "1" if threading.current_thread() is threading.main_thread() else "0"
         for first in range(0, num_envs, batch_size):
             for w in range(self.workers):
                 ids = list(range(first + self.cuts[w], first + self.cuts[w + 1]))
@@ -257,9 +256,8 @@ class GymPool:
         conn.send((make, env_ids, seed))
         self.conns.append(conn)
         self.procs.append(proc)
-        self.sentinels.append(
-            os.pidfd_open(proc.pid) if hasattr(os, "pidfd_open") else None
-        )  # readable once it ends
+        # readable once it ends
+        self.sentinels.append(os.pidfd_open(proc.pid) if hasattr(os, "pidfd_open") else None)
 
     def split_of(self, env_ids) -> int:
         return int(env_ids[0]) // self.batch_size

@@ -219,9 +219,8 @@ def help_from_source(path: str):
     argv = sys.argv[1:]
     if not {"-h", "--help"} & set(argv[: argv.index("--") if "--" in argv else len(argv)]):
         return
-    module = types.ModuleType(
-        f"_help_source_{abs(hash(path))}"
-    )  # field_docs reads the file through it
+    # field_docs reads the file through it
+    module = types.ModuleType(f"_help_source_{abs(hash(path))}")
     module.__file__ = path
     try:
         tree = ast.parse(open(path, encoding="utf-8").read(), path)
@@ -242,9 +241,8 @@ def help_from_source(path: str):
         sys.modules[module.__name__] = module
         exec(compile(ast.Module(body=body, type_ignores=[]), path, "exec"), module.__dict__)
         text = help_text(os.path.basename(sys.argv[0]), module.Args, module.PRESETS)
-    except (
-        Exception
-    ):  # what Args needs is more than this runs: the script's own path prints the help
+    # what Args needs is more than this runs: the script's own path prints the help
+    except Exception:
         return
     finally:
         sys.modules.pop(module.__name__, None)

@@ -28,9 +28,8 @@ class Journal:
 
     def __init__(self, run_dir: str, example):
         self.path, self.example = os.path.join(run_dir, JOURNAL), np.asarray(example)
-        self.shape = str(
-            list(self.example.shape)
-        )  # an update's actions, as the checkpoint's record keeps it
+        # an update's actions, as the checkpoint's record keeps it
+        self.shape = str(list(self.example.shape))
         self.file = None
         self.hash, self.count = hashlib.sha256(), 0  # of the updates read and appended so far
 
@@ -237,20 +236,17 @@ class Keeper:
         self, run_dir, carried, updates: int, shape, dtype, threads: int, placed, space, source=None
     ):
         self.carried, self.threads = carried or {}, threads
-        self.journal = Journal(
-            source or run_dir, np.zeros(shape, dtype)
-        )  # `source`: a resume's other folder
+        # `source`: a resume's other folder
+        self.journal = Journal(source or run_dir, np.zeros(shape, dtype))
         self.placed = placed  # the carried parameters placed as the learner's are (runs.Run's mesh)
-        record = self.carried.get(
-            "journal"
-        )  # checked at start-up (verify); again here, as it is cut
+        # checked at start-up (verify); again here, as it is cut
+        record = self.carried.get("journal")
         record = record if isinstance(record, dict) else None
         actions = self.journal.read(updates, record, space, cut=source is None) if updates else None
         if source is not None:
             self.journal.moved(run_dir, actions)
-        self.actions = (
-            None if actions is None else actions.reshape(-1, *shape[1:])
-        )  # [steps, B, ...]
+        # [steps, B, ...]
+        self.actions = None if actions is None else actions.reshape(-1, *shape[1:])
         # What a checkpoint carries until the first update: what the resume carried.
         self.published = self.acting()
         self.memories = (

@@ -1,4 +1,5 @@
-"""The replay buffer of the replay families (DQN; SAC, TD3): host arrays, owned by the learner.
+"""The replay families' storage (DQN; SAC, TD3), host arrays: the buffer, owned by the learner,
+and an actor thread's chunk on its way to it (`Collecting`, `Chunk`).
 
 One row per env step, exactly what the env returned and what the actor did with it:
 `(obs_t, action_t, reward_t, terminated_t, truncated_t, elapsed_t)`, where the reward and the
@@ -82,23 +83,21 @@ def check_rounds(args, min_rows: int):
         np.dtype(s.dtype).itemsize * math.prod(s.shape)
         for s in jax.tree.leaves(tasks.space_tree(obs_space))
     )
-    stack = (
-        obs_space.shape[0] if tasks.env_kind(args.env_id) == "atari" else 1
-    )  # frames stored once (the docstring)
+    # frames stored once (the docstring)
+    stack = obs_space.shape[0] if tasks.env_kind(args.env_id) == "atari" else 1
     action = np.dtype(action_space.dtype).itemsize * math.prod(action_space.shape or ())
     rows = args.buffer_size // devices.local_envs(args) * devices.local_envs(args)
-    row = (
-        obs // stack + action + 4 + 3
-    )  # the reward, terminated, truncated and the stack's reach back
-    sample = 2 * obs + action + 20  # obs, next obs, reward, discount, slot, weight
-    if getattr(
-        args, "lstm", False
-    ):  # R2D2: a state stored every --seq-period rows; a sample: a window and a state
+    # the reward, terminated, truncated and the stack's reach back
+    row = obs // stack + action + 4 + 3
+    # obs and next obs; the window's n rewards (4 bytes), terminations and truncations (1 each);
+    # the slot (8) and the weight (4)
+    sample = 2 * obs + action + 6 * getattr(args, "n_step", 1) + 12
+    # R2D2: a state stored every --seq-period rows; a sample: a window and a state
+    if getattr(args, "lstm", False):
         row += 8 * args.lstm_size / args.seq_period
         sample = (per + args.n_step) * (obs + action + 6) + 8 * args.lstm_size + 16
-    buffer = rows * row + 16 * 2 ** max(
-        1, math.ceil(math.log2(rows))
-    )  # the sum tree: 2 float64 a leaf
+    # the sum tree: 2 float64 a leaf
+    buffer = rows * row + 16 * 2 ** max(1, math.ceil(math.log2(rows)))
     batches = round(steps) * args.batch_size * sample
     if buffer + batches > 0.9 * available:
         flag, what = (
@@ -350,9 +349,8 @@ class Replay:
         e = np.asarray(env_ids, np.int64)
         order = np.argsort(e, kind="stable")
         before = np.empty_like(e)
-        before[order] = np.arange(len(e)) - np.searchsorted(
-            e[order], e[order]
-        )  # its env's rows before it
+        # its env's rows before it
+        before[order] = np.arange(len(e)) - np.searchsorted(e[order], e[order])
         t = self.count[e] + before
         rows = t % self.rows
         for i, (store, value) in enumerate(zip(jax.tree.leaves(self.obs), jax.tree.leaves(obs))):

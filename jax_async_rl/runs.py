@@ -44,9 +44,8 @@ class Run:
         self.script = script
         self.resolve = resolve
         self.args = args
-        self.saving = (
-            threading.Lock()
-        )  # one checkpoint write at a time (the learner's and the main thread's)
+        # one checkpoint write at a time (the learner's and the main thread's)
+        self.saving = threading.Lock()
         self.run_dir = self.logger = self.progress = self.lock = None
         self.peer_lost = False  # another process died: exit without JAX's shutdown
         self.last_episode_step, self.episode_lock = (
@@ -161,9 +160,8 @@ class Run:
             and ("carry" in self.payload or os.path.lexists(os.path.join(self.source, JOURNAL)))
         ):
             journal.check_carry(self.payload, checkpoints.checkpoint_path(self.args.resume))
-            space = tasks.policy_space(
-                self.args.env_id
-            )  # the journal that journal_for will replay, checked now
+            # the journal that journal_for will replay, checked now
+            space = tasks.policy_space(self.args.env_id)
             journal.verify(
                 self.source,
                 self.payload.get("carry"),
@@ -204,20 +202,17 @@ class Run:
         self.normalizer = normalizer
         self.state = dict(devices.replicated(self.mesh, state), global_step=self.global_step)
         self.start_update = self.updates = int(self.state["policy_version"])  # updates: done so far
-        self.last_episode_step = (
-            self.start_step
-        )  # a resumed run's games come after the checkpoint's
+        # a resumed run's games come after the checkpoint's
+        self.last_episode_step = self.start_step
         self.num_updates = (
             self.start_update + (self.args.total_timesteps - self.global_step) // self.batch_size
         )
-        self.sampled = np.zeros(
-            devices.actor_threads(self.args), np.int64
-        )  # env steps each actor sent actions for
+        # env steps each actor sent actions for
+        self.sampled = np.zeros(devices.actor_threads(self.args), np.int64)
         if jax.process_index() == 0:
             own = folders.own_folder(self.args)
-            before = (
-                set(os.listdir(own)) if own and os.path.isdir(own) else None
-            )  # a launcher's log.txt
+            # a launcher's log.txt
+            before = set(os.listdir(own)) if own and os.path.isdir(own) else None
             self.run_dir, created, self.lock = folders.make(self.args, self.payload is not None)
             # a new run stopped before its first update removes what it wrote
             if self.payload is None:
@@ -228,9 +223,8 @@ class Run:
                 and not os.path.exists(path)
                 and folders.same_folder(os.path.dirname(path), self.run_dir)
             ):
-                checkpoints.finish_rename(
-                    path
-                )  # resumed from a complete .tmp: make it the checkpoint
+                # resumed from a complete .tmp: make it the checkpoint
+                checkpoints.finish_rename(path)
             # A resume cuts the metrics past its checkpoint before config.json records it
             dropped = folders.cut_metrics(self.run_dir, self.global_step) if self.payload else 0
             if dropped:
@@ -374,9 +368,8 @@ class Run:
         if not (self.args.deterministic and jax.process_count() == 1):
             return [None] * threads
         shape = (self.args.num_steps, devices.local_envs(self.args), *action_space.shape)
-        elsewhere = self.source and not folders.same_folder(
-            self.source, self.run_dir
-        )  # --resume A --run-dir B
+        # --resume A --run-dir B
+        elsewhere = self.source and not folders.same_folder(self.source, self.run_dir)
         self.keeper = journal.Keeper(
             self.run_dir,
             (self.payload or {}).get("carry"),
@@ -446,9 +439,8 @@ class Run:
             return 0
         video_dir = os.path.join(self.run_dir, "videos") if self.args.capture_video else None
         print(f"eval: playing {self.args.eval_episodes} episodes with the final policy", flush=True)
-        params = devices.to_actor(
-            self.actor_devices[0], self.state["params"]
-        )  # evaluated on an actor device
+        # evaluated on an actor device
+        params = devices.to_actor(self.actor_devices[0], self.state["params"])
         scores = evaluation.evaluate(
             policy,
             params,
@@ -547,9 +539,9 @@ def checked(args):
 
 def check_deterministic(args):
     """`args` as --deterministic runs them: on a fixed schedule (an --actor-lag; 1 where none is
-    given), at lag 0 one split; else UsageError (several actor threads share a normaliser in turns:
-    normalize.InTurn). The synchronous baseline and --serial (the replay scripts' loop) are
-    deterministic as they are."""
+    given), at lag 0 one split, else UsageError; several actor threads that share a normaliser
+    take it in turns (normalize.InTurn). The synchronous baseline and --serial (the replay scripts'
+    loop) are deterministic as they are."""
     if not hasattr(args, "actor_lag") or getattr(args, "serial", False):
         return args
     # the free-running actor has no schedule: Cleanba's, one update behind
@@ -562,7 +554,6 @@ def check_deterministic(args):
     if args.actor_lag == 0 and args.num_splits > 1:
         raise UsageError(
             "--actor-lag 0 acts on a rollout once every env has finished the one before, so no "
-            "split "
-            "steps meanwhile, and with --deterministic none may: pass --num-splits 1"
+            "split steps meanwhile, and with --deterministic none may: pass --num-splits 1"
         )
     return args

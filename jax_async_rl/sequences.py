@@ -63,9 +63,8 @@ class SequenceReplay(Replay):
             lambda x: np.zeros((self.starts, num_envs, *np.shape(x)[1:]), np.asarray(x).dtype),
             state_example,
         )
-        self.begin = np.full(
-            (self.starts, num_envs), -1, np.int64
-        )  # the row each slot's sequence starts at
+        # the row each slot's sequence starts at
+        self.begin = np.full((self.starts, num_envs), -1, np.int64)
         self.live = np.zeros(self.starts * num_envs, bool)  # slots whose sequence can be sampled
         self.tree = SumTree(self.starts * num_envs) if alpha else None
 

@@ -75,9 +75,8 @@ def user_maker(env_id: str, env_module, env_kwargs: str):
             f'--env-kwargs {env_kwargs!r} is not a JSON object ({{"name": value, ...}})'
         )
     if os.getcwd() not in sys.path:
-        sys.path.insert(
-            0, os.getcwd()
-        )  # the working directory's modules, as `python -m` finds them
+        # the working directory's modules, as `python -m` finds them
+        sys.path.insert(0, os.getcwd())
     module = env_module or env_id.split(":", 1)[0]
     try:
         importlib.import_module(module)
@@ -213,9 +212,8 @@ def check_spaces(env_id: str, obs_space, action_space):
             "and multi-discrete (integer Box, MultiDiscrete) actions"
         )
     shape, nvec = mask_shape(obs_space), choices(action_space)[1]
-    fits = (
-        [] if nvec is None else [tuple(nvec.tolist()), (len(nvec), int(nvec.max()))]
-    )  # joint, one row a dimension
+    # joint, one row a dimension
+    fits = [] if nvec is None else [tuple(nvec.tolist()), (len(nvec), int(nvec.max()))]
     fits = [(int(action_space.n),)] if kind == "Discrete" else fits
     if shape is not None and fits and shape not in fits:
         raise UsageError(
