@@ -568,3 +568,13 @@ def test_the_checks_take_a_shared_normaliser_and_leave_serial_runs_alone(capsys)
         == "note: --deterministic acts on a fixed schedule, and --actor-lag None has none: "
         "--actor-lag 1\n"
     )
+
+
+def test_deterministic_alone_takes_one_split_in_the_xla_actor_on_images():
+    """The XLA actor steps its envs as one split under --deterministic: left out, --num-splits is
+    1 there, where the preset gives the Nature CNN's tasks 2 (which a named --num-splits 2 is
+    refused for, above)."""
+    xla = load_script("appo_envpool_xla.py")
+    assert xla.resolve_args(xla.Args(env_id="Pong-v5")).num_splits == 2
+    resolved = xla.resolve_xla_args(xla.Args(env_id="Pong-v5", deterministic=True))
+    assert resolved.num_splits == 1
