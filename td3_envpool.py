@@ -522,9 +522,9 @@ def serial_loop(run, update, replay, shared, envs, acts, device):
     """rlpyt's serial mode (--serial): the same collection and round in one thread, in turn."""
     args, rng = run.args, np.random.default_rng(run.seed)
     shared.timing["replay"] = 0.0
+    first_step = run.start_update * args.num_steps
     collecting = []
     for thread, env in enumerate(envs):
-        first_step = run.start_update * args.num_steps
         collecting.append(Collecting(args.num_envs, thread * args.num_envs, first_step))
         env.async_reset()
     for _ in range(run.start_update, run.num_updates):

@@ -346,8 +346,8 @@ class Run:
         scalars["charts/SPS"] = (self.global_step - self.start_step) / self.elapsed()
         scalars.update({f"timing/{k}_seconds": v for k, v in timing.items()})
         self.progress.updated(self.global_step)
-        warning = stale_warning(scalars, self.args)
-        if warning and not self.warned:
+        warning = None if self.warned else stale_warning(scalars, self.args)
+        if warning:
             self.warned = True
             print(warning, file=sys.stderr, flush=True)
         if (
