@@ -17,7 +17,7 @@ import functools
 import signal
 import time
 from dataclasses import dataclass
-from typing import Annotated, ClassVar, Optional
+from typing import Annotated, ClassVar, Optional, Tuple
 
 # Ctrl-C while the libraries below import (seconds): exit 130, no traceback
 if __name__ == "__main__":
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_async_rl import devices, flags, journal, runs, tasks
+from jax_async_rl import devices, flags, journal, runs, selfplay, tasks
 from jax_async_rl.keys import env_keys
 from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, PRESET, UNIT, UsageError, at_most
 from jax_async_rl.normalize import Normalizer
@@ -283,9 +283,19 @@ class Args(flags.RunArgs):
     num_threads: Annotated[int, NON_NEGATIVE, at_most(1024)] = 0
     """envpool worker threads stepping the environments (your Gymnasium env's: worker processes; 0:
     one per CPU core, at most num_envs)"""
+    self_play: bool = False
+    """train on a turn-based game of several players (board games, poker, mahjong: envpool's
+    TicTacToe-v1, ConnectFour-v1, ...) from one seat, alternating, with opponents in the others"""
+    opponent_mix: Tuple[float, float, float] = (0.5, 0.0, 0.5)
+    """--self-play: the fractions of games whose opponents are the latest parameters, a past
+    snapshot and a uniform random legal player (they sum to 1)"""
+    opponent_snapshot_interval: Annotated[int, POSITIVE] = 10
+    """--self-play: updates between two snapshots of the parameters into the opponent pool"""
+    opponent_pool_size: Annotated[int, POSITIVE, at_most(1024)] = 8
+    """--self-play: the newest snapshots that a past opponent is drawn from"""
     # The variants these flags make: the default --exp-name (the run's folder, its header line)
     # names them.
-    NAMED: ClassVar[dict] = {"lstm": dict(lstm=True)}
+    NAMED: ClassVar[dict] = {"lstm": dict(lstm=True), "selfplay": dict(self_play=True)}
 
 
 def resolve_args(args: Args) -> Args:
@@ -681,6 +691,8 @@ def collect_rollout(
         write(rollout["obs"], t, obs)
         rollout["actions"][t] = action
         rollout["logprobs"][t], rollout["values"][t] = logprob, value
+        # a reset step's action is ignored; --self-play: only the learner's own moves count
+        rollout["valid"][t] = (1.0 - prev_dones) * selfplay.turns(envs, env_ids)
         if core is not None:
             rollout["first"][t] = core[1]
         start = time.perf_counter()
@@ -693,7 +705,7 @@ def collect_rollout(
         stats.update(env_ids, reward, terminated, truncated, info)
         # masks obeyable
         tasks.check_legal(args, obs, env_ids, ~(terminated | truncated), info["elapsed_step"])
-        rollout["valid"][t], prev_dones = 1.0 - prev_dones, terminated | truncated
+        prev_dones = terminated | truncated
         # after a reset step, an episode starts
         core = None if core is None else (state, rollout["valid"][t] == 0)
         obs, reward = normalizer.observe(obs), normalizer.reward(reward, prev_dones, env_ids)
@@ -703,6 +715,8 @@ def collect_rollout(
             truncated,
         )
     rollout["bootstrap_obs"] = obs
+    if args.self_play:  # a row per decision of the learner's (see selfplay.decisions)
+        rollout.update(selfplay.decisions(rollout))
     return rollout, obs, prev_dones, core
 
 
@@ -915,6 +929,8 @@ def train_loop(run, envs, action_space, policy_step, update, normalizer, key, de
         if run.should_stop(False, stats.pop()):
             break
         params = devices.to_actor(device, state["params"])
+        # --self-play: the parameters its latest and past opponents play with
+        selfplay.acting(envs, int(state["policy_version"]), params)
         rollout, obs, dones, core = collect_rollout(
             envs,
             policy_step,
@@ -940,7 +956,8 @@ def train_loop(run, envs, action_space, policy_step, update, normalizer, key, de
         )
         diagnostics = jax.device_get(diagnostics)
         timing["update"] += time.perf_counter() - start
-        state = run.learned(state, diagnostics, timing)
+        # --self-play: the win rates of the training games, by opponent
+        state = run.learned(state, diagnostics, timing, run.win_rates.add(selfplay.outcomes(envs)))
     run.should_stop(False, stats.pop())  # the last rollout's games
 
 
@@ -992,6 +1009,25 @@ def build(args: Args, key):
     return network, optimizer, continuous, normalizer, state
 
 
+def opponent_pool(args: Args, network, continuous: bool, state, key, margin: int = 0):
+    """--self-play: (the pool of past parameters, for run.open; a function that returns an actor's
+    envs' {"opponents": who plays the other seats}); without it (None, a function that returns
+    {}). `margin`: the snapshots kept for an actor that lags behind the learner."""
+    if not args.self_play:
+        return None, dict
+    pool = selfplay.Pool(
+        state["params"], args.opponent_snapshot_interval, args.opponent_pool_size, margin, args.seed
+    )
+    policy = make_policy_step(network, continuous, values=False)
+    key = jax.random.fold_in(key, 1)  # the opponents' draws: not the learner's
+
+    def opponents():  # an actor's own: it tells them the version it acts with
+        mix = args.opponent_mix
+        return {"opponents": selfplay.Opponents(policy, key, mix, pool, seed=args.seed)}
+
+    return pool, opponents
+
+
 def main(args: Args, given=None) -> int:
     """Train; return the exit code. `given`: the flags named on the command line, which replace a
     resumed run's own (None: those that differ from Args' defaults)."""
@@ -1000,13 +1036,16 @@ def main(args: Args, given=None) -> int:
             return 0
         args = run.args
         network, optimizer, continuous, normalizer, state = build(args, run.init_key)
-        state = run.open(state, normalizer)
+        pool, opponents = opponent_pool(args, network, continuous, state, run.key)
+        state = run.open(state, normalizer, pool)
         action_space = tasks.policy_space(args.env_id)  # what the policy samples
         # --deterministic: a resume replays the run's actions
         (resume,) = run.journal_for(action_space)
         # (device, env seed, action key): the synchronous loop acts on one device
         ((device, seed, key),) = run.actors()
-        envs = tasks.make_env(args.env_id, args.num_envs, seed, run.env_threads, train=True)
+        envs = tasks.make_env(
+            args.env_id, args.num_envs, seed, run.env_threads, train=True, **opponents()
+        )
         policy_step = make_policy_step(network, continuous)
         update = make_update(network, optimizer, args, continuous, run.mesh)
         run.begin(f"preset {tasks.preset_name(args.env_id, PRESETS)}")

@@ -51,6 +51,8 @@ FIXED_ON_RESUME = (
     "norm_reward",
     "lstm",
     "lstm_size",
+    "self_play",  # the checkpoint holds the opponent pool, its slots set by:
+    "opponent_pool_size",
 )
 # (the script that wrote a checkpoint, a retired flag it had on) -> the script whose job that flag
 # was.
@@ -112,15 +114,16 @@ def open_own(path: str, flags: int, mode: str, **kwargs):
     return os.fdopen(fd, mode, **kwargs)
 
 
-def save_checkpoint(path: str, state: dict, args, normalizer, script: str, carry=None):
-    """The state, the normaliser's statistics and the flags of `script`'s run (and what a
-    --deterministic resume needs besides: `carry`, journal.Keeper's), written atomically.
-    Process 0 alone writes; the others' calls do nothing."""
+def save_checkpoint(path: str, state: dict, args, normalizer, script: str, carry=None, pool=None):
+    """The state, the normaliser's statistics (and --self-play's opponent `pool`) and the flags of
+    `script`'s run (and what a --deterministic resume needs besides: `carry`, journal.Keeper's),
+    written atomically. Process 0 alone writes; the others' calls do nothing."""
     if jax.process_index():
         return
+    extra = pool.state() if pool is not None else {}
     payload = {
         "state": flax.serialization.to_state_dict(
-            jax.device_get(dict(state, **normalizer.state()))
+            jax.device_get(dict(state, **normalizer.state(), **extra))
         ),
         "config": json.dumps({k: v for k, v in dataclasses.asdict(args).items() if k not in PLACE}),
         "script": os.path.basename(script),

@@ -9,11 +9,21 @@ import warnings
 import jax
 import numpy as np
 
+from jax_async_rl import selfplay
 from jax_async_rl.tasks import EpisodeStats, env_action, env_kind, make_env
 
 
 def evaluate(
-    policy, params, initial_core, args, normalizer, num_episodes: int, video_dir=None, signals=()
+    policy,
+    params,
+    initial_core,
+    args,
+    normalizer,
+    num_episodes: int,
+    video_dir=None,
+    signals=(),
+    opponents=None,
+    seats=None,
 ):
     """Play `num_episodes` full games; return the scores (game scores: all lives, raw rewards).
 
@@ -23,17 +33,21 @@ def evaluate(
     Each env plays at most its share of the episodes, so that short games are not favoured. With
     `video_dir`, the first episode of the first env is written to an mp4 there. Stops early, with
     the scores so far and no video, once `signals` (the main thread's received signals) fills.
+    A multi-player game (--self-play's) is played from alternating seats against `opponents`
+    (selfplay.Opponents; None: the uniform random player), and its results printed by seat (and
+    appended to the list `seats`: (opponent kind, the learner's place, its reward) a scored game).
     """
     num_envs = min(num_episodes, 8)
     quota = np.full(num_envs, -(-num_episodes // num_envs))
     render = video_dir is not None and env_kind(args.env_id) not in ("mujoco", "dm_control")
     rendering = {"render_mode": "rgb_array"} if render else {}
-    envs = make_env(args.env_id, num_envs, args.seed + 10_000, 1, train=False, **rendering)
+    extra = dict(rendering, **({"opponents": opponents} if opponents else {}))
+    envs = make_env(args.env_id, num_envs, args.seed + 10_000, 1, train=False, **extra)
     key = jax.random.PRNGKey(args.seed + 10_000)
     stats = EpisodeStats(num_envs)
     obs, info = envs.reset()
     core, done, lives = initial_core(num_envs), np.zeros(num_envs, bool), info.get("lives")
-    scores = []
+    scores, seated = [], []  # seated: (opponent, place, reward) of a multi-player game's scores
     frames = []
     video_episode = None
     env_ids = np.arange(num_envs)
@@ -56,14 +70,26 @@ def evaluate(
         # a reset's: undefined (dm_control)
         reward = np.where(info["elapsed_step"] > 0, reward, 0.0)
         stats.update(np.arange(num_envs), reward, terminated, truncated, info)
-        for env, ret, _ in stats.pop():
+        finished = stats.pop()
+        games = selfplay.outcomes(envs) or [None] * len(finished)  # a multi-player game's
+        for (env, ret, _), game in zip(finished, games, strict=True):
             if quota[env] > 0:
                 if env == 0 and video_episode is None:
                     video_episode = len(scores)
                 scores.append(ret)
+                seated.append(game)
                 quota[env] -= 1
     fps = frame_rate(args.env_id, envs) if render else 30.0
+    if hasattr(envs, "illegal"):  # --self-play: by the learner's place in the turn order
+        against = "the uniform random player" if envs.opponents is None else "the opponent"
+        print(
+            f"eval: against {against}, {selfplay.summary(seated[:num_episodes], envs.players)}; "
+            f"illegal moves: {envs.illegal}",
+            flush=True,
+        )
     envs.close()
+    if seats is not None:
+        seats.extend(seated[:num_episodes])
     if signals:
         return scores
     if video_episode is not None and video_episode >= num_episodes:  # it ended past the count

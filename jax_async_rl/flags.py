@@ -75,6 +75,16 @@ RETIRED = {
     "IMPALA's is gone: port it from `diff appo_envpool.py appo_envpool_xla.py`)",
 }
 
+# Flags of some scripts, named to one that lacks them: where they are.
+SELF_PLAY = (
+    "self-play is in appo_envpool.py and ppo_sync_baseline.py (envpool steps multi-player games on "
+    "the CPU alone: no XLA step for appo_envpool_xla.py)"
+)
+ELSEWHERE = {
+    name: SELF_PLAY
+    for name in ("self_play", "opponent_mix", "opponent_snapshot_interval", "opponent_pool_size")
+}
+
 
 def flag_name(field: str) -> str:
     return field.replace("_", "-")
@@ -145,8 +155,9 @@ class RunArgs:
     """write a checkpoint every this many updates (0: only at the end)"""
     log_frequency: Annotated[int, POSITIVE] = 10
     """log losses, timings and SPS every this many updates and after the last (returns: always)"""
-    eval_episodes: Annotated[int, NON_NEGATIVE, at_most(100_000)] = 10
-    """episodes played with the final policy at the end of training (0: no evaluation)"""
+    eval_episodes: Annotated[Optional[int], NON_NEGATIVE, at_most(100_000)] = None
+    """episodes played with the final policy at the end of training (0: no evaluation); left out,
+    10, and with --self-play 1,000 games against the uniform random player, seats alternating"""
     capture_video: bool = False
     """record an mp4 of one evaluation episode into {run_dir}/videos/"""
     track: bool = False
@@ -304,6 +315,8 @@ def check_names(argv, args_class):
             continue
         if name in RETIRED or name.startswith("no_") and name[3:] in RETIRED:
             raise UsageError(f"{token.split('=')[0]}: {RETIRED[name.removeprefix('no_')]}")
+        if name.removeprefix("no_") in ELSEWHERE:
+            raise UsageError(f"{token.split('=')[0]}: {ELSEWHERE[name.removeprefix('no_')]}")
         close = difflib.get_close_matches(name, fields, n=2, cutoff=0.6)
         hint = f"; did you mean {' or '.join('--' + flag_name(c) for c in close)}?" if close else ""
         raise UsageError(f"unknown flag {token.split('=')[0]}{hint} (--help lists them)")

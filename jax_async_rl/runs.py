@@ -27,7 +27,16 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jax_async_rl import checkpoints, devices, evaluation, folders, journal, tasks, threads
+from jax_async_rl import (
+    checkpoints,
+    devices,
+    evaluation,
+    folders,
+    journal,
+    selfplay,
+    tasks,
+    threads,
+)
 from jax_async_rl.checkpoints import CHECKPOINT, JOURNAL
 from jax_async_rl.flags import UsageError, budget_note, check_bounds, default_exp_name
 from jax_async_rl.logs import Logger, Progress
@@ -53,6 +62,7 @@ class Run:
             threading.Lock(),
         )  # each game its own step (TensorBoard keeps one a step)
         self.warned = False
+        self.pool, self.win_rates = None, selfplay.WinRates()  # --self-play's (see open)
 
     def __enter__(self):
         warnings.filterwarnings("ignore", message=".*precision lowered.*")  # gymnasium's Box casts
@@ -188,18 +198,24 @@ class Run:
             jax.random.PRNGKey(self.args.seed), 3
         )
 
-    def open(self, state: dict, normalizer) -> dict:
-        """The run's state and folder. `state` (with the normaliser's statistics) is the initial
-        one, or the resumed checkpoint's in its structure, replicated on the learner devices as
-        every update returns it (no recompile). Process 0 makes (or reopens) the run folder,
-        writes config.json and opens the logs, before any env starts."""
+    def open(self, state: dict, normalizer, pool=None) -> dict:
+        """The run's state and folder. `state` (with the normaliser's statistics, and --self-play's
+        opponent `pool`, selfplay.Pool) is the initial one, or the resumed checkpoint's in its
+        structure, replicated on the learner devices as every update returns it (no recompile).
+        Process 0 makes (or reopens) the run folder, writes config.json and opens the logs, before
+        any env starts."""
         if self.payload:
             path = checkpoints.checkpoint_path(self.args.resume)
+            extra = pool.state() if pool is not None else {}
             state = checkpoints.load_checkpoint(
-                self.payload, dict(state, **normalizer.state()), path
+                self.payload, dict(state, **normalizer.state(), **extra), path
             )
             normalizer.load(state)
-        self.normalizer = normalizer
+            if pool is not None:
+                pool.load(state)
+        elif pool is not None:  # the initial parameters: version 0's snapshot
+            pool.add(0, state["params"])
+        self.normalizer, self.pool = normalizer, pool
         self.state = dict(devices.replicated(self.mesh, state), global_step=self.global_step)
         self.start_update = self.updates = int(self.state["policy_version"])  # updates: done so far
         # a resumed run's games come after the checkpoint's
@@ -335,6 +351,8 @@ class Run:
             raise FloatingPointError(f"non-finite loss or parameters at update {update_idx}")
         self.global_step += self.batch_size
         self.state = dict(state, global_step=self.global_step)
+        if self.pool is not None:  # --self-play: a snapshot every --opponent-snapshot-interval
+            self.pool.add(update_idx + 1, state["params"])
         self.signals.started.set()
         scalars = {
             k if "/" in k else f"losses/{k}": v
@@ -396,7 +414,13 @@ class Run:
         )
         with self.saving:
             checkpoints.save_checkpoint(
-                self.checkpoint_file, self.state, self.args, self.normalizer, self.script, carry
+                self.checkpoint_file,
+                self.state,
+                self.args,
+                self.normalizer,
+                self.script,
+                carry,
+                self.pool,
             )
 
     def wait(self, learner: threading.Thread):
@@ -516,6 +540,9 @@ def checked(args):
     Args (flags.check_bounds), --norm-obs on a task with float observations, --track with wandb
     installed, a budget of at least one update. UsageError, one line, for the first that fails."""
     check_bounds(args)
+    if args.eval_episodes is None:
+        self_play = getattr(args, "self_play", False)
+        args = dataclasses.replace(args, eval_episodes=1000 if self_play else 10)
     leaves = jax.tree.leaves(tasks.space_tree(tasks.spaces(args.env_id)[0]))
     if getattr(args, "norm_obs", False) and not any(
         np.issubdtype(s.dtype, np.floating) for s in leaves
@@ -527,6 +554,8 @@ def checked(args):
         raise UsageError(
             "--track logs to Weights & Biases, which is not installed: pip install wandb"
         )
+    if getattr(args, "self_play", False):
+        selfplay.check_args(args)
     if args.deterministic:
         args = check_deterministic(args)
     if args.total_timesteps < devices.global_envs(args) * args.num_steps:

@@ -18,7 +18,7 @@ import gymnasium
 import jax
 import numpy as np
 
-from jax_async_rl import gym_pool
+from jax_async_rl import gym_pool, selfplay
 from jax_async_rl.flags import UsageError
 
 # envpool's module of a task (envpool.mujoco.dmc, ...) -> the PRESETS family it takes.
@@ -158,8 +158,17 @@ def spaces(env_id: str):
         return env.observation_space, env.action_space
     spec = envpool.make_spec(env_id, **(VIZDOOM if env_kind(env_id) == "vizdoom" else {}))
     if hasattr(spec, "gymnasium_observation_space"):
-        return spec.gymnasium_observation_space, spec.gymnasium_action_space
-    return spec.observation_space, spec.action_space
+        found = spec.gymnasium_observation_space, spec.gymnasium_action_space
+    else:
+        found = spec.observation_space, spec.action_space
+    # a multi-player game: as --self-play's learner sees it, from its seat
+    return selfplay.seat_spaces(*found) if players(env_id) > 1 else found
+
+
+@functools.lru_cache(maxsize=None)
+def players(env_id: str) -> int:
+    """The number of players of an envpool task (1 for a user's env)."""
+    return 1 if env_id in USER_ENVS else int(envpool.make_spec(env_id).config.max_num_players)
 
 
 def space_tree(space):
@@ -175,9 +184,10 @@ def zeros_like_space(space, *batch):
     return jax.tree.map(lambda s: np.zeros((*batch, *s.shape), s.dtype), space_tree(space))
 
 
-def check_task(env_id: str):
+def check_task(env_id: str, self_play: bool = False):
     """The observation space of a task these scripts can train on; else UsageError, one line
-    (an unknown id gets the nearest known ones)."""
+    (an unknown id gets the nearest known ones). A multi-player game needs `self_play`, and takes
+    it only if its players take turns (selfplay.check_game)."""
     known = envpool.list_all_envs()
     if env_id in USER_ENVS:
         return check_spaces(env_id, *spaces(env_id))
@@ -193,11 +203,20 @@ def check_task(env_id: str):
         raise UsageError(
             f"--env-id {env_id} cannot be made here: {(str(e) or type(e).__name__).splitlines()[0]}"
         )
-    if spec.config.max_num_players > 1:
+    count = spec.config.max_num_players
+    if count > 1 and not self_play:
         raise UsageError(
-            f"--env-id {env_id} is a {spec.config.max_num_players}-player task; these scripts "
-            f"train one agent"
+            f"--env-id {env_id} is a {count}-player game: train it with --self-play "
+            "(appo_envpool.py, ppo_sync_baseline.py)"
         )
+    if count == 1 and self_play:
+        raise UsageError(f"--self-play: --env-id {env_id} is a one-player task")
+    if count > 1:
+        env = envpool.make(env_id, env_type="gymnasium", num_envs=1, seed=0)
+        problem = selfplay.check_game(env_id, count, env.reset()[1])
+        env.close()
+        if problem:
+            raise UsageError(problem)
     return check_spaces(env_id, obs_space, action_space)
 
 
@@ -250,7 +269,7 @@ def preset_values(args, presets: dict) -> dict:
     """The values of a task's preset (`preset_name`) for the flags of `args` left at None, once
     the task is checked (`check_task`; a user's env is made known first: register_user_env)."""
     register_user_env(args)
-    check_task(args.env_id)
+    check_task(args.env_id, getattr(args, "self_play", False))
     preset = presets[preset_name(args.env_id, presets)]
     return {k: v for k, v in preset.items() if getattr(args, k) is None}
 
@@ -274,13 +293,13 @@ def make_env(env_id: str, num_envs: int, seed: int, num_threads: int, train: boo
             ENV_TIMEOUTS.get(env_id, 300.0),
             RUN_STOP[0] if train else None,
         )
-    kind = env_kind(env_id)
+    kind, opponents = env_kind(env_id), kwargs.pop("opponents", None)
     kwargs.update(
         dict(episodic_life=train, reward_clip=train, noop_max=30) if kind == "atari" else {}
     )
     kwargs.update(VIZDOOM if kind == "vizdoom" else {})
     num_threads = num_threads or min(os.cpu_count() or 1, num_envs)
-    return envpool.make(
+    pool = envpool.make(
         env_id,
         env_type="gymnasium",
         num_envs=num_envs,
@@ -288,6 +307,10 @@ def make_env(env_id: str, num_envs: int, seed: int, num_threads: int, train: boo
         num_threads=num_threads,
         **kwargs,
     )
+    if players(env_id) == 1:
+        return pool
+    # a multi-player game (--self-play): the learner's seat; `opponents` play the others
+    return selfplay.SeatPool(pool, num_envs, players(env_id), seed, opponents)
 
 
 def mask_shape(obs_space):
@@ -356,21 +379,37 @@ def policy_space(env_id: str):
 
 
 def make_actor_env(
-    env_id: str, num_envs: int, seed: int, num_threads: int, num_splits: int, deterministic: bool
+    env_id: str,
+    num_envs: int,
+    seed: int,
+    num_threads: int,
+    num_splits: int,
+    deterministic: bool,
+    opponents=None,
 ):
     """An actor thread's training envs in `num_splits` splits (double buffering, Sample Factory
     §3.2): one envpool whose `recv` returns whichever split is stepped first, or with
-    `deterministic` a SplitPools, whose splits come in turn."""
+    `deterministic` a SplitPools, whose splits come in turn. `opponents`: --self-play's."""
     if not deterministic:
         return make_env(
-            env_id, num_envs, seed, num_threads, train=True, batch_size=num_envs // num_splits
+            env_id,
+            num_envs,
+            seed,
+            num_threads,
+            train=True,
+            batch_size=num_envs // num_splits,
+            **({"opponents": opponents} if opponents else {}),
         )
     split, threads = (
         num_envs // num_splits,
         max(1, (num_threads or os.cpu_count() or 1) // num_splits),
     )
+    extra = {"opponents": opponents} if opponents else {}
     return SplitPools(
-        [make_env(env_id, split, seed + i * split, threads, train=True) for i in range(num_splits)],
+        [
+            make_env(env_id, split, seed + i * split, threads, train=True, **extra)
+            for i in range(num_splits)
+        ],
         split,
     )
 
@@ -388,6 +427,15 @@ class SplitPools:
             pools[0].action_space,
             pools[0].observation_space,
         )
+
+        self.opponents = getattr(pools[0], "opponents", None)  # --self-play's, shared
+
+    @property
+    def turns(self):
+        """--self-play (SeatPools): 1 where the learner is to move, by env (selfplay.turns)."""
+        if not hasattr(self.pools[0], "turns"):
+            return None
+        return np.concatenate([pool.turns for pool in self.pools])
 
     def async_reset(self):
         for pool in self.pools:

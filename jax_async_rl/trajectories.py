@@ -29,12 +29,13 @@ class Rollout(NamedTuple):
     state: Any = None  # --lstm: the states before row 0
     games: Any = ()  # (env, return, length) of each game that ended
     next_state: Any = None  # --lstm: the states after the last row
+    outcomes: Any = ()  # --self-play: (opponent kind, place, reward) of each game that ended
 
     def arrays(self) -> dict:
         """What the learner uploads, by name (devices.joined and to_learner key rollouts' leaves
-        by name): every field but `games`, `next_state` and those left None."""
+        by name): every field but `games`, `next_state`, `outcomes` and those left None."""
         fields = self._asdict()
-        del fields["games"], fields["next_state"]
+        del fields["games"], fields["next_state"], fields["outcomes"]
         return {name: x for name, x in fields.items() if x is not None}
 
 
@@ -127,12 +128,13 @@ class Trajectories:
                 write(buf.next_state, ids, after, sel)
             self.bootstrapped[n] = self.bootstrapped.get(n, 0) + len(ids)
 
-    def started(self, env_ids, obs, version, core) -> list:
+    def started(self, env_ids, obs, version, core, turns=1.0) -> list:
         """The rows of the steps `obs` starts, chosen by policy `version` (with --lstm: `core`, the
-        states before them and `first`). Returns those rows' rollouts, for `acted`."""
+        states before them and `first`); `turns`: 0 where the step is not the learner's move
+        (--self-play's opponents'), `valid` 0 too. Returns those rows' rollouts, for `acted`."""
         index = self.steps[env_ids]
         current = self.at(index, env_ids, obs)
-        valid = 1.0 - self.prev_dones[env_ids]
+        valid = (1.0 - self.prev_dones[env_ids]) * turns
         for _, buf, rows, ids, sel in current:
             write(buf.obs, (rows, ids), obs, sel)
             buf.valid[rows, ids] = valid[sel]

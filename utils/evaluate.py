@@ -16,6 +16,7 @@ at ε 0.001 (DQN), the deterministic policy (SAC, TD3), from the script's `EVAL_
 
 Usage:
     python utils/evaluate.py runs/<run>/                     # 10 episodes -> <run>/eval.json
+    python utils/evaluate.py runs/<selfplay run>/ --opponent runs/<other>/ --games 1000
     python utils/evaluate.py runs/<run>/checkpoint.msgpack --episodes 30 --greedy --video
 """
 
@@ -34,7 +35,7 @@ import jax
 import numpy as np
 import tyro
 
-from jax_async_rl import checkpoints, evaluation, folders
+from jax_async_rl import checkpoints, evaluation, folders, selfplay
 from jax_async_rl.checkpoints import CHECKPOINT
 from jax_async_rl.flags import UsageError, describe_os_error, run_tool, stored_flags
 
@@ -78,6 +79,13 @@ class EvalArgs:
     trust_env_module: bool = False
     """make the run's own Gymnasium env (--env-id module:callable, --env-module), which imports
     that module: only for a run folder whose author you trust"""
+    opponent: Annotated[Optional[str], tyro.conf.arg(help_behavior_hint="(default: random)")] = None
+    """a --self-play run's opponents in the other seats: "random" (the uniform random legal
+    player), or another run of the task with the same network, of either script that self-plays
+    (its folder or checkpoint: its final parameters; PATH@VERSION: the snapshot of that version in its opponent pool, RUN@VERSION for
+    the run's own); the seats alternate, and the results are printed by seat"""
+    games: Optional[int] = None
+    """the number of games, as --episodes (the word for a multi-player game)"""
 
 
 def find_script(payload: dict, path: str, override: Optional[str]) -> Path:
@@ -193,8 +201,41 @@ def player(module, args, built, greedy: bool):
     return policy, functools.partial(module.zero_core, network.lstm_size), words
 
 
+def opponent(module, args, cli: EvalArgs, path: str, policy):
+    """(selfplay.Opponents playing --opponent, the words for it) for a --self-play run; (None,
+    "") for the uniform random player. UsageError for --opponent on a one-player run, or a run
+    or snapshot that is not of the same network. The opponent plays as the run does (--greedy)."""
+    if cli.opponent is None:
+        return None, ""
+    if not getattr(args, "self_play", False):
+        raise UsageError(f"--opponent: {path} is not a --self-play run")
+    if cli.opponent == "random":
+        return None, " against the uniform random player"
+    where, _, version = cli.opponent.partition("@")
+    where = os.path.dirname(path) if where in ("RUN", "") else where
+    if not os.path.exists(where):
+        raise UsageError(f"--opponent {cli.opponent}: {where} does not exist")
+    other = checkpoints.checkpoint_path(where)
+    payload = checkpoints.read_checkpoint(other)
+    if version:
+        pool = payload["state"].get("opponents", {})
+        versions = [int(v) for v in np.asarray(pool.get("versions", [])).tolist()]
+        if not version.isdigit() or int(version) not in versions:
+            kept = ", ".join(str(v) for v in versions if v >= 0) or "none"
+            raise UsageError(f"--opponent {cli.opponent}: its pool keeps versions {kept}")
+        slot = versions.index(int(version))
+        params = jax.tree.map(lambda x: np.asarray(x)[slot], pool["params"])
+        payload = dict(payload, state={"params": params})
+    _, _, params = restore(module, args, payload, other)
+    key = jax.random.PRNGKey(args.seed + 20_000)
+    opponents = selfplay.Opponents(policy, key, (0.0, 1.0, 0.0), fixed=params, seed=args.seed)
+    return opponents, f" against {cli.opponent}"
+
+
 def main(cli: EvalArgs) -> int:
     warnings.filterwarnings("ignore", message=".*precision lowered.*")  # gymnasium's Box casts
+    if cli.games is not None:
+        cli = dataclasses.replace(cli, episodes=cli.games)
     if cli.episodes <= 0:
         raise UsageError(f"--episodes must be positive, got {cli.episodes}")
     if not os.path.exists(cli.run):
@@ -220,6 +261,7 @@ def main(cli: EvalArgs) -> int:
         os.path.join(run_dir, "videos", f"evaluate__{int(time.time())}") if cli.video else None
     )
     policy, initial_core, words = player(module, args, built, cli.greedy)
+    opponents, against = opponent(module, args, cli, path, policy)
     own = (
         f"; the run's own evaluation played {args.eval_episodes} at the end of training"
         if args.eval_episodes
@@ -227,10 +269,19 @@ def main(cli: EvalArgs) -> int:
     )
     print(
         f"{Path(module.__file__).name}: {args.env_id}, step {global_step}: {cli.episodes} "
-        f"episodes with {words}{own}"
+        f"episodes with {words}{own}{against}"
     )
+    seats = []
     scores = evaluation.evaluate(
-        policy, params, initial_core, args, normalizer, cli.episodes, video_dir
+        policy,
+        params,
+        initial_core,
+        args,
+        normalizer,
+        cli.episodes,
+        video_dir,
+        opponents=opponents,
+        seats=seats,
     )
     videos = (
         sorted(os.path.join(video_dir, f) for f in os.listdir(video_dir))
@@ -251,6 +302,9 @@ def main(cli: EvalArgs) -> int:
         "seed": args.seed,
         "videos": videos,
     }
+    if seats:  # a multi-player game: (opponent, the learner's place in the turn order, reward)
+        result["opponent"] = cli.opponent or "random"
+        result["seats"] = [{"place": place, "reward": reward} for _, place, reward in seats]
     out = cli.out or os.path.join(run_dir, "eval.json")
     print(
         f"return over {len(scores)} episodes: {result['mean']:.2f} +- {result['std']:.2f}",

@@ -1,0 +1,276 @@
+"""--self-play (jax_async_rl/selfplay.py and the two scripts that take it): the learner's seat on a
+real envpool game played by hand, seat alternation, the decisions a rollout becomes against a
+plain reference, the opponent pool, a run's life (bad input, resume, determinism), and learning."""
+
+import json
+import signal
+
+import envpool
+import jax
+import numpy as np
+import pytest
+from helpers import read_checkpoint, run_main, sigterm_when
+
+from jax_async_rl import selfplay, tasks
+from jax_async_rl.flags import UsageError
+
+SCRIPTS = ("ppo_sync_baseline.py", "appo_envpool.py")
+
+
+class Scripted:
+    """Opponents that play the moves given, in order (env 0 only), drawn as "latest"."""
+
+    def __init__(self, moves):
+        self.moves = list(moves)
+
+    def draw(self, keys, games):
+        return np.zeros(len(keys), np.int64)
+
+    def act(self, kind, obs, keys, steps):
+        return np.full(len(keys), self.moves.pop(0))
+
+
+def play(envs, learner_moves, rows):
+    """Step env 0 of `envs` through a game: the learner's moves in order (the opponents' are
+    theirs); append (valid, reward, done) per step as the scripts record a row. Returns the
+    learner's-seat rewards of the game's steps."""
+    learner_moves, done, prev_done = list(learner_moves), False, rows[-1][2] if rows else 0.0
+    while not done:
+        mine = selfplay.turns(envs, np.arange(1))[0]
+        move = learner_moves.pop(0) if mine else 0  # an opponent's: replaced
+        _, reward, terminated, truncated, _ = envs.step(np.array([move]))
+        done = bool(terminated[0] | truncated[0])
+        rows.append(((1.0 - prev_done) * mine, float(reward[0]), float(done)))
+        prev_done = float(done)
+    assert not learner_moves
+    return rows
+
+
+def test_the_learners_seat_on_a_hand_played_game_of_tic_tac_toe():
+    """Game 0 seats the learner first; it loses on the opponent's move (a row 3-4-5). Game 1 seats
+    it second, after the reset step; it is drawn. The decisions carry each reward to the learner's
+    last move before it, the loss included, and end where the games end."""
+    pool = envpool.make("TicTacToe-v1", env_type="gymnasium", num_envs=1, seed=0)
+    envs = selfplay.SeatPool(pool, 1, 2, seed=0, opponents=Scripted([3, 4, 5, 0, 8, 7, 2, 3]))
+    obs, _ = envs.reset()
+    assert set(obs) == {"obs", "action_mask"} and obs["action_mask"].tolist() == [[1] * 9]
+    rows = play(envs, [0, 1, 8], [])  # it moves first: X at 0, 1, 8; O at 3, 4, 5 wins
+    assert [r[1] for r in rows] == [0, 0, 0, 0, 0, -1] and rows[-1][2] == 1
+    assert envs.outcomes == [("latest", 0, -1.0)]
+    # the reset step: its action is ignored, its row not a decision
+    envs.step(np.array([0]))
+    rows.append((0.0, 0.0, 0.0))
+    assert envs.place[0] == 1 and selfplay.turns(envs, [0])[0] == 0  # now it moves second
+    rows = play(envs, [4, 1, 6, 5], rows)
+    assert rows[-1][1:] == (0.0, 1.0) and envs.outcomes[-1] == ("latest", 1, 0.0)
+    assert envs.illegal == 0
+    valid, rewards, dones = (np.array(column, np.float32)[:, None] for column in zip(*rows))
+    steps = np.arange(len(rows))[:, None]
+    out = selfplay.decisions(
+        dict(valid=valid, rewards=rewards, dones=dones, truncated=0 * dones, actions=steps)
+    )
+    decided = out["valid"][:, 0] > 0
+    assert out["actions"][decided, 0].tolist() == [0, 2, 4, 8, 10, 12, 14]  # in time order
+    assert out["rewards"][decided, 0].tolist() == [0, 0, -1, 0, 0, 0, 0]
+    assert out["dones"][decided, 0].tolist() == [0, 0, 1, 0, 0, 0, 1]
+    assert not decided[: len(rows) - 7].any()  # the others first, out of the loss
+
+
+def test_seats_alternate_across_envs_and_games_and_the_random_player_plays_legal_moves():
+    """Env e's n-th game seats the learner (e + n) % P places after the first mover (also with 3
+    players), and at a game's start the learner is to move exactly where that place is 0."""
+    for env_id, players in (("TicTacToe-v1", 2), ("SparrowMahjong-v1", 3)):
+        envs = tasks.make_env(env_id, 4, 7, 1, train=True)
+        envs.reset()
+        places = {e: [] for e in range(4)}
+        for _ in range(300):
+            random = selfplay.random_legal(envs.masks, np.random.default_rng(0).random(4))
+            _, _, _, _, info = envs.step(random)
+            for e in np.flatnonzero(info["elapsed_step"] == 0):
+                places[e].append(int(envs.place[e]))
+                assert envs.turns[e] == (envs.place[e] == 0)
+        for e, seen in places.items():
+            assert len(seen) >= 3
+            assert seen == [(e + n) % players for n in range(1, len(seen) + 1)]
+        assert envs.illegal == 0
+
+
+def reference_decisions(valid, rewards, dones):
+    """Per env, in plain Python: each decision's reward sums its seat's rewards from its move up
+    to the next decision or the game's end, and its done says whether the game ended meanwhile."""
+    T, B = valid.shape
+    out = []
+    for b in range(B):
+        moves = [t for t in range(T) if valid[t, b]]
+        for i, t in enumerate(moves):
+            stop, total, ended = moves[i + 1] if i + 1 < len(moves) else T, 0.0, False
+            for s in range(t, stop):
+                total += rewards[s, b]
+                if dones[s, b]:
+                    ended = True
+                    break
+            out.append((b, t, total, ended))
+    return out
+
+
+def test_decisions_match_a_plain_reference_on_random_rollouts():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        T, B = 17, 5
+        valid = (rng.random((T, B)) < 0.5).astype(np.float32)
+        rewards = rng.normal(size=(T, B)).astype(np.float32)
+        dones = (rng.random((T, B)) < 0.15).astype(np.float32)
+        obs = {"x": np.arange(T)[:, None, None] * np.ones((T, B, 3))}
+        out = selfplay.decisions(
+            dict(valid=valid, rewards=rewards, dones=dones, truncated=dones, obs=obs)
+        )
+        got = []
+        for b in range(B):
+            for t in np.flatnonzero(out["valid"][:, b]):
+                step = int(out["obs"]["x"][t, b, 0])
+                got.append((b, step, out["rewards"][t, b], bool(out["dones"][t, b])))
+            count = int(valid[:, b].sum())
+            assert out["valid"][T - count :, b].all() and not out["valid"][: T - count, b].any()
+        want = reference_decisions(valid, rewards, dones)
+        assert [g[:2] + (g[3],) for g in got] == [w[:2] + (w[3],) for w in want]
+        np.testing.assert_allclose([g[2] for g in got], [w[2] for w in want], rtol=1e-5)
+
+
+def test_the_pool_snapshots_every_interval_keeps_the_newest_and_round_trips():
+    params = {"w": np.zeros(3, np.float32)}
+    pool = selfplay.Pool(params, interval=10, size=3, margin=1, seed=0)
+    for version in range(0, 71):
+        pool.add(version, {"w": np.full(3, version, np.float32)})
+    assert sorted(pool.snapshots) == [40, 50, 60, 70]  # size + margin slots, the newest
+    picks = {pool.past_for(v) for v in range(60, 70) for _ in range(3)}
+    assert picks <= {40, 50, 60} and len(picks) > 1  # the newest 3 at version 60-69
+    assert pool.past_for(75) in (50, 60, 70)
+    assert pool.past_for(15) == 40  # an actor that lags further: the oldest kept
+    state = pool.state()
+    assert state["opponents"]["versions"].tolist() == [40, 50, 60, 70]
+    again = selfplay.Pool(params, 10, 3, 1)
+    again.load(dict(state))
+    assert {v: p["w"][0] for v, p in again.snapshots.items()} == {40: 40, 50: 50, 60: 60, 70: 70}
+
+
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [
+        (["--opponent-mix", "0.5", "0.5", "0.5"], "sum to 1"),
+        (["--opponent-mix", "1.5", "0", "-0.5"], "each at least 0"),
+        (["--opponent-snapshot-interval", "0"], "--opponent-snapshot-interval must be positive"),
+        (["--lstm"], "no --lstm"),
+    ],
+)
+def test_bad_self_play_flags_are_one_line(flags, fragment, capsys):
+    code, _, err = run_main(
+        "ppo_sync_baseline.py", ["--env-id", "TicTacToe-v1", "--self-play", *flags], capsys
+    )
+    assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "env_id, self_play, fragment",
+    [
+        ("CartPole-v1", True, "is a one-player task"),
+        ("ConnectFour-v1", False, "2-player game: train it with --self-play"),
+        ("IntersectionMultiAgent-v1", True, "move at once"),
+    ],
+)
+def test_tasks_that_self_play_does_not_take_are_refused(env_id, self_play, fragment):
+    with pytest.raises(UsageError, match=fragment):
+        tasks.check_task(env_id, self_play)
+
+
+def selfplay_flags(run_dir, total=4096, *extra):
+    return [
+        "--env-id",
+        "TicTacToe-v1",
+        "--self-play",
+        "--num-envs",
+        "8",
+        "--num-steps",
+        "64",
+        "--total-timesteps",
+        str(total),
+        "--opponent-mix",
+        "0.4",
+        "0.3",
+        "0.3",
+        "--opponent-snapshot-interval",
+        "2",
+        "--opponent-pool-size",
+        "2",
+        "--eval-episodes",
+        "20",
+        "--run-dir",
+        str(run_dir),
+        *extra,
+    ]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_deterministic_self_play_run_reproduces_and_logs_its_win_rates(script, tmp_path, capsys):
+    """Twice the same checkpoint file (the pool in it) and metrics; the win rates by opponent."""
+    extra = ["--deterministic", "--log-frequency", "1"]
+    extra += ["--num-splits", "2"] if script == "appo_envpool.py" else []
+    outs = []
+    for i in (0, 1):
+        code, out, err = run_main(script, selfplay_flags(tmp_path / str(i), 4096, *extra), capsys)
+        assert code == 0, err
+        outs.append(out)
+    files = [(tmp_path / str(i) / "checkpoint.msgpack").read_bytes() for i in (0, 1)]
+    assert files[0] == files[1]
+    payload = read_checkpoint(tmp_path / "0")
+    # 8 updates, a snapshot every 2, the newest 2 (+ the asynchronous actor's margin) kept
+    versions = np.asarray(payload["state"]["opponents"]["versions"]).tolist()
+    assert [v for v in versions if v >= 0][-2:] == [6, 8]
+    metrics = [(tmp_path / str(i) / "metrics.jsonl").read_text().splitlines() for i in (0, 1)]
+    logged = [json.loads(line) for line in metrics[0]]
+    tags = {r["tag"] for r in logged}
+    assert {"selfplay/win_rate_vs_random", "selfplay/win_rate_vs_latest"} <= tags
+    strip = [
+        [r for r in m if "SPS" not in r and "timing/" not in r and "wall" not in r] for m in metrics
+    ]
+    assert [json.loads(r)["value"] for r in strip[0] if "selfplay" in r] == [
+        json.loads(r)["value"] for r in strip[1] if "selfplay" in r
+    ]
+    assert (
+        "moving first:" in outs[0] and "moving second:" in outs[0] and "illegal moves: 0" in outs[0]
+    )
+
+
+def test_a_resume_restores_the_pool(tmp_path, capsys):
+    script = "ppo_sync_baseline.py"
+    code, _, err = run_main(
+        script, selfplay_flags(tmp_path / "run", 2048, "--eval-episodes", "0"), capsys
+    )
+    assert code == 0, err
+    before = read_checkpoint(tmp_path / "run")["state"]["opponents"]
+    assert np.asarray(before["versions"]).tolist() == [2, 4]
+    code, _, err = run_main(
+        script, ["--resume", str(tmp_path / "run"), "--total-timesteps", "3072"], capsys
+    )
+    assert code == 0, err
+    after = read_checkpoint(tmp_path / "run")["state"]["opponents"]
+    assert np.asarray(after["versions"]).tolist() == [4, 6]
+    # version 4's snapshot came back from the checkpoint, unchanged
+    for x, y in zip(jax.tree.leaves(before["params"]), jax.tree.leaves(after["params"])):
+        np.testing.assert_array_equal(np.asarray(x)[1], np.asarray(y)[0])
+
+
+def test_sigterm_stops_a_self_play_run_within_seconds_with_its_pool(tmp_path):
+    """APPO (an actor and a learner thread, the opponents' policy calls in the actor's env steps):
+    SIGTERM mid-run exits 128 + 15 within seconds, the checkpoint holding the opponent pool."""
+    run_dir, logs = tmp_path / "run", tmp_path / "logs"
+    argv = selfplay_flags(run_dir, 10_000_000)
+
+    def training():
+        path = run_dir / "metrics.jsonl"
+        return path.exists() and "losses/" in path.read_text()
+
+    code, seconds, stderr = sigterm_when("appo_envpool.py", argv, logs, training, 240)
+    assert code == 128 + signal.SIGTERM, stderr[-3000:]
+    assert seconds < 15 and "Traceback" not in stderr
+    versions = np.asarray(read_checkpoint(run_dir)["state"]["opponents"]["versions"])
+    assert (versions >= 0).any() and versions.max() > 0
