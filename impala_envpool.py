@@ -21,7 +21,7 @@ import queue
 import signal
 import time
 from dataclasses import dataclass
-from typing import Annotated, ClassVar, Optional
+from typing import Annotated, ClassVar, Optional, Tuple
 
 # Ctrl-C while the libraries below import (seconds): exit 130, no traceback
 if __name__ == "__main__":
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_async_rl import devices, flags, journal, runs, tasks, threads
+from jax_async_rl import devices, flags, journal, runs, selfplay, tasks, threads
 from jax_async_rl.keys import env_keys
 from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, PRESET, UNIT, UsageError, at_most
 from jax_async_rl.normalize import Normalizer
@@ -186,9 +186,20 @@ class Args(flags.RunArgs):
     """actor threads on each actor device, each with num_envs envs and splits of its own; an update
     takes one rollout from each, so its global batch is processes x actor devices x actor threads x
     num_envs x num_steps env steps (config.json records it)"""
+    self_play: bool = False
+    """train on a turn-based game of several players (board games, poker, mahjong: envpool's
+    TicTacToe-v1, ConnectFour-v1, ...) from one seat, alternating, with opponents in the others"""
+    opponent_mix: Tuple[float, float, float] = (0.4, 0.2, 0.4)
+    """--self-play: the fractions of games whose opponents are the latest parameters, a past
+    snapshot and a uniform random legal player (they sum to 1; the default was measured against
+    others on ConnectFour-v1 and TicTacToe-v1: docs/algorithms/ppo.md#self-play)"""
+    opponent_snapshot_interval: Annotated[int, POSITIVE] = 10
+    """--self-play: updates between two snapshots of the parameters into the opponent pool"""
+    opponent_pool_size: Annotated[int, POSITIVE, at_most(1024)] = 8
+    """--self-play: the newest snapshots that a past opponent is drawn from"""
     # The variants these flags make: the default --exp-name (the run's folder, its header line)
     # names them.
-    NAMED: ClassVar[dict] = {"lstm": dict(lstm=True)}
+    NAMED: ClassVar[dict] = {"lstm": dict(lstm=True), "selfplay": dict(self_play=True)}
 
 
 def resolve_args(args: Args) -> Args:
@@ -575,7 +586,10 @@ def actor_loop(
             rollout = trajectories.complete()
             if rollout is None:
                 break
-            rollout = rollout._replace(games=stats.pop())
+            # --self-play: the games' results by opponent, and a row per decision of the learner's
+            rollout = rollout._replace(games=stats.pop(), outcomes=selfplay.outcomes(envs))
+            if args.self_play:
+                rollout = rollout._replace(**selfplay.decisions(rollout._asdict()))
             start = time.perf_counter()
             if not threads.put(rollout_queue, rollout, shared.stop):
                 return
@@ -591,11 +605,14 @@ def actor_loop(
             return
         if acting[1] != held:  # copied to this actor's device once per version
             held, params = acting[1], devices.to_actor(device, acting[0])
+            # --self-play: the parameters its latest and past opponents play with
+            selfplay.acting(envs, held, params)
         start = time.perf_counter()
         action, logprob, _, state = policy_step(params, obs, core, key, env_ids, index)
         now = time.perf_counter()
         timing["inference"] += now - start  # dispatched; the bookkeeping overlaps it
-        current = trajectories.started(env_ids, obs, held, core)
+        # --self-play: only the learner's own moves count (selfplay.turns)
+        current = trajectories.started(env_ids, obs, held, core, selfplay.turns(envs, env_ids))
         start = time.perf_counter()
         timing["bookkeeping"] += start - now
         action, logprob, state = jax.device_get((action, logprob, state))
@@ -753,6 +770,8 @@ def learner_loop(run, update, shared, queues, key):
             "timing/queue_size": sum(q.qsize() for q in queues),
             "timing/learner_busy_fraction": timing["update"] / run.elapsed(),
         }
+        # --self-play: the win rates of the training games, by opponent
+        pipeline.update(run.win_rates.add([o for r in rollouts for o in r.outcomes]))
         state = run.learned(state, diagnostics, timing, pipeline)
         shared.publish(state["params"], int(state["policy_version"]))
     else:
@@ -807,6 +826,25 @@ def build(args: Args, key):
     return network, optimizer, continuous, normalizer, state
 
 
+def opponent_pool(args: Args, network, continuous: bool, state, key, margin: int = 0):
+    """--self-play: (the pool of past parameters, for run.open; a function that returns an actor's
+    envs' {"opponents": who plays the other seats}); without it (None, a function that returns
+    {}). `margin`: the snapshots kept for an actor that lags behind the learner."""
+    if not args.self_play:
+        return None, dict
+    pool = selfplay.Pool(
+        state["params"], args.opponent_snapshot_interval, args.opponent_pool_size, margin, args.seed
+    )
+    policy = make_policy_step(network, continuous, values=False)
+    key = jax.random.fold_in(key, 1)  # the opponents' draws: not the learner's
+
+    def opponents():  # an actor's own: it tells them the version it acts with
+        mix = args.opponent_mix
+        return {"opponents": selfplay.Opponents(policy, key, mix, pool, seed=args.seed)}
+
+    return pool, opponents
+
+
 def main(args: Args, given=None) -> int:
     """Train; return the exit code. `given`: the flags named on the command line, which replace a
     resumed run's own (None: those that differ from Args' defaults)."""
@@ -815,7 +853,10 @@ def main(args: Args, given=None) -> int:
             return 0
         args = run.args
         network, optimizer, continuous, normalizer, state = build(args, run.init_key)
-        state = run.open(state, normalizer)
+        # the learner runs up to queue + lag + 2 versions ahead of an actor
+        margin = args.queue_size + (args.actor_lag or 0) + 2
+        pool, opponents = opponent_pool(args, network, continuous, state, run.key, margin)
+        state = run.open(state, normalizer, pool)
         action_space = tasks.policy_space(args.env_id)  # what the policy samples
         # --deterministic: a resume replays the run's actions
         resumes = run.journal_for(action_space)
@@ -828,6 +869,7 @@ def main(args: Args, given=None) -> int:
                 run.env_threads,
                 args.num_splits,
                 args.deterministic,
+                **opponents(),
             )
             for _, seed, _ in actors
         ]

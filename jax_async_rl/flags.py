@@ -77,8 +77,8 @@ RETIRED = {
 
 # Flags of some scripts, named to one that lacks them: where they are.
 SELF_PLAY = (
-    "self-play is in appo_envpool.py and ppo_sync_baseline.py (envpool steps multi-player games on "
-    "the CPU alone: no XLA step for appo_envpool_xla.py)"
+    "self-play is in ppo_sync_baseline.py, appo_envpool.py and impala_envpool.py (envpool steps "
+    "multi-player games on the CPU alone: no XLA step for appo_envpool_xla.py)"
 )
 ELSEWHERE = {
     name: SELF_PLAY
@@ -155,9 +155,11 @@ class RunArgs:
     """write a checkpoint every this many updates (0: only at the end)"""
     log_frequency: Annotated[int, POSITIVE] = 10
     """log losses, timings and SPS every this many updates and after the last (returns: always)"""
-    eval_episodes: Annotated[Optional[int], NON_NEGATIVE, at_most(100_000)] = None
-    """episodes played with the final policy at the end of training (0: no evaluation); left out,
-    10, and with --self-play 1,000 games against the uniform random player, seats alternating"""
+    eval_episodes: Annotated[
+        Optional[int], NON_NEGATIVE, at_most(100_000), default_is("10; 1000 with --self-play")
+    ] = None
+    """episodes played with the final policy at the end of training (0: no evaluation); with
+    --self-play, games against the uniform random player, seats alternating"""
     capture_video: bool = False
     """record an mp4 of one evaluation episode into {run_dir}/videos/"""
     track: bool = False

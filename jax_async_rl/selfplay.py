@@ -111,8 +111,8 @@ class SeatPool:
     the uniform random player. `illegal` counts moves sent that the mover's mask forbids."""
 
     def __init__(self, pool, num_envs: int, num_players: int, seed: int, opponents=None):
-        self.pool, self.num_envs, self.players, self.seed = pool, num_envs, num_players, seed
-        self.opponents, self.illegal = opponents, 0
+        self.pool, self.num_envs, self.seed = pool, num_envs, seed
+        self.players, self.opponents, self.illegal = num_players, opponents, 0
         self.observation_space, self.action_space = seat_spaces(
             pool.observation_space, pool.action_space
         )
@@ -245,7 +245,8 @@ class Opponents:
     always those parameters, an evaluation's), with the draws of `key`."""
 
     def __init__(self, policy, key, mix, pool=None, fixed=None, seed: int = 0):
-        self.policy, self.key, self.pool, self.seed = policy, key, pool, seed
+        self.policy, self.key = policy, key
+        self.pool, self.seed = pool, seed
         self.bounds = np.cumsum(mix)[:-1]
         self.params = {"past": fixed} if fixed is not None else {}
         self.past_version = None
@@ -275,7 +276,8 @@ class Pool:
     an older version than the learner's (the asynchronous script's lag)."""
 
     def __init__(self, params, interval: int, size: int, margin: int = 0, seed: int = 0):
-        self.interval, self.size, self.slots, self.seed = interval, size, size + margin, seed
+        self.interval, self.size, self.seed = interval, size, seed
+        self.slots = size + margin
         self.template = jax.tree.map(np.asarray, jax.device_get(params))
         self.snapshots = {}  # version -> host params
         self.lock = threading.Lock()

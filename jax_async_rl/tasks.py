@@ -29,6 +29,7 @@ FAMILIES = {
     "highway": "highway",
     "gfootball": "gfootball",
     "vizdoom": "vizdoom",
+    "pgx": "pgx",  # board games and poker: several players (--self-play)
 }
 # the observation leaf of the legal actions (Jumanji's tasks; a user's env's Dict)
 MASK = "action_mask"
@@ -140,8 +141,8 @@ def check_observation(env_id: str, space, obs, where: str):
 def env_kind(env_id: str) -> str:
     """A task's family, from the envpool module that registers it: 'atari', 'dm_control',
     'minigrid' (and BabyAI), 'highway', 'gfootball', 'vizdoom', 'mujoco' (Gym MuJoCo, MetaWorld,
-    MyoSuite, Gymnasium-Robotics, MuJoCo Playground) or 'classic' (any other: classic control,
-    Box2D, ...)."""
+    MyoSuite, Gymnasium-Robotics, MuJoCo Playground), 'pgx' (board games and poker, several
+    players) or 'classic' (any other: classic control, Box2D, ...)."""
     if env_id in USER_ENVS:
         return "gym"
     family = envpool.registration.registry.specs[env_id][0].removeprefix("envpool.")
@@ -207,7 +208,7 @@ def check_task(env_id: str, self_play: bool = False):
     if count > 1 and not self_play:
         raise UsageError(
             f"--env-id {env_id} is a {count}-player game: train it with --self-play "
-            "(appo_envpool.py, ppo_sync_baseline.py)"
+            "(ppo_sync_baseline.py, appo_envpool.py, impala_envpool.py)"
         )
     if count == 1 and self_play:
         raise UsageError(f"--self-play: --env-id {env_id} is a one-player task")

@@ -250,7 +250,7 @@ def test_every_envpool_task_builds_a_network_or_exits_with_one_line(capsys, monk
             f"{len(jumanji)} Jumanji), {len(ids) - built} exit 2: {reasons}"
         )
     assert built > 1400, counts
-    assert set(reasons) <= {"is a 2-player task", "is a 3-player task", "cannot be made here"}, (
+    assert set(reasons) <= {"is a 2-player game", "is a 3-player game", "cannot be made here"}, (
         reasons
     )
     # Every single-agent Jumanji task envpool makes here, multi-discrete ones included (issue 41).
