@@ -826,25 +826,6 @@ def build(args: Args, key):
     return network, optimizer, continuous, normalizer, state
 
 
-def opponent_pool(args: Args, network, continuous: bool, state, key, margin: int = 0):
-    """--self-play: (the pool of past parameters, for run.open; a function that returns an actor's
-    envs' {"opponents": who plays the other seats}); without it (None, a function that returns
-    {}). `margin`: the snapshots kept for an actor that lags behind the learner."""
-    if not args.self_play:
-        return None, dict
-    pool = selfplay.Pool(
-        state["params"], args.opponent_snapshot_interval, args.opponent_pool_size, margin, args.seed
-    )
-    policy = make_policy_step(network, continuous, values=False)
-    key = jax.random.fold_in(key, 1)  # the opponents' draws: not the learner's
-
-    def opponents():  # an actor's own: it tells them the version it acts with
-        mix = args.opponent_mix
-        return {"opponents": selfplay.Opponents(policy, key, mix, pool, seed=args.seed)}
-
-    return pool, opponents
-
-
 def main(args: Args, given=None) -> int:
     """Train; return the exit code. `given`: the flags named on the command line, which replace a
     resumed run's own (None: those that differ from Args' defaults)."""
@@ -853,9 +834,11 @@ def main(args: Args, given=None) -> int:
             return 0
         args = run.args
         network, optimizer, continuous, normalizer, state = build(args, run.init_key)
-        # the learner runs up to queue + lag + 2 versions ahead of an actor
+        # --self-play: the pool of past parameters (kept for an actor up to queue + lag + 2
+        # versions behind the learner), and the policy that the opponents play
         margin = args.queue_size + (args.actor_lag or 0) + 2
-        pool, opponents = opponent_pool(args, network, continuous, state, run.key, margin)
+        policy = make_policy_step(network, continuous, values=False)
+        pool, opponents = selfplay.setup(args, policy, state["params"], run.key, margin)
         state = run.open(state, normalizer, pool)
         action_space = tasks.policy_space(args.env_id)  # what the policy samples
         # --deterministic: a resume replays the run's actions

@@ -212,6 +212,24 @@ class SeatPool:
         self.pool.close()
 
 
+def setup(args, policy, params, key, margin: int = 0):
+    """--self-play's (pool of past parameters, for run.open; a function that returns an actor's
+    envs' {"opponents": ...}: each actor thread has its own, told the version it acts with);
+    without it (None, a function that returns {}). `policy`: the script's jitted policy step, which
+    the latest and past opponents play (sampling), with draws of their own (`key` folded);
+    `margin`: the snapshots kept for an actor that lags behind the learner."""
+    if not args.self_play:
+        return None, dict
+    size, interval = args.opponent_pool_size, args.opponent_snapshot_interval
+    pool = Pool(params, interval, size, margin, args.seed)
+    key = jax.random.fold_in(key, 1)
+
+    def opponents():
+        return {"opponents": Opponents(policy, key, args.opponent_mix, pool, seed=args.seed)}
+
+    return pool, opponents
+
+
 def turns(envs, env_ids):
     """1 where the observation of `env_ids` is the learner's move (SeatPool), else 0; 1.0 for a
     one-player pool."""

@@ -300,6 +300,10 @@ def make_env(env_id: str, num_envs: int, seed: int, num_threads: int, train: boo
     )
     kwargs.update(VIZDOOM if kind == "vizdoom" else {})
     num_threads = num_threads or min(os.cpu_count() or 1, num_envs)
+    # envpool 1.2.5's pgx games draw their chance (the first mover, dice, cards) from a generator
+    # that its threads share: with more than one, a game depends on their timing. One thread
+    # keeps --deterministic runs reproducible; these games step in microseconds.
+    num_threads = 1 if kind == "pgx" else num_threads
     pool = envpool.make(
         env_id,
         env_type="gymnasium",

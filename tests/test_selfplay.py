@@ -96,6 +96,23 @@ def test_seats_alternate_across_envs_and_games_and_the_random_player_plays_legal
         assert envs.illegal == 0
 
 
+def test_pgx_games_step_on_one_thread_whatever_is_asked():
+    """envpool's pgx games share one generator between their threads (the first mover, dice and
+    cards drawn in thread order): two pools of 4 threads dealt different first movers here."""
+    envs = tasks.make_env("TicTacToe-v1", 8, 3, 4, train=True)
+    assert envs.pool.config["num_threads"] == 1
+    firsts = []
+    for _ in range(2):
+        envs = tasks.make_env("TicTacToe-v1", 8, 3, 4, train=True)
+        envs.reset()
+        seen = []
+        for _ in range(300):
+            _, _, _, _, info = envs.step(selfplay.random_legal(envs.masks, np.full(8, 0.5)))
+            seen.append(info["current_player"][info["elapsed_step"] == 0].tolist())
+        firsts.append(seen)
+    assert firsts[0] == firsts[1]
+
+
 def reference_decisions(valid, rewards, dones):
     """Per env, in plain Python: each decision's reward sums its seat's rewards from its move up
     to the next decision or the game's end, and its done says whether the game ended meanwhile."""
@@ -239,6 +256,10 @@ def test_a_deterministic_self_play_run_reproduces_and_logs_its_win_rates(script,
     assert (
         "moving first:" in outs[0] and "moving second:" in outs[0] and "illegal moves: 0" in outs[0]
     )
+    # a deterministic run's resume is not built: one line
+    argv = ["--resume", str(tmp_path / "0"), "--total-timesteps", "8192"]
+    code, _, err = run_main(script, argv, capsys)
+    assert code == 2 and "resume without --deterministic" in err, err
 
 
 def test_a_resume_restores_the_pool(tmp_path, capsys):
@@ -255,8 +276,6 @@ def test_a_resume_restores_the_pool(tmp_path, capsys):
     assert code == 0, err
     after = read_checkpoint(tmp_path / "run")["state"]["opponents"]
     assert np.asarray(after["versions"]).tolist() == [4, 6]
-    code, _, err = run_main(script, ["--resume", str(tmp_path / "run"), "--deterministic"], capsys)
-    assert code == 2 and "resume without --deterministic" in err, err
     # version 4's snapshot came back from the checkpoint, unchanged
     for x, y in zip(jax.tree.leaves(before["params"]), jax.tree.leaves(after["params"])):
         np.testing.assert_array_equal(np.asarray(x)[1], np.asarray(y)[0])
