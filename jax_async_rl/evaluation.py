@@ -39,7 +39,8 @@ def evaluate(
     """
     num_envs = min(num_episodes, 8)
     quota = np.full(num_envs, -(-num_episodes // num_envs))
-    render = video_dir is not None and env_kind(args.env_id) not in ("mujoco", "dm_control")
+    kind = env_kind(args.env_id)
+    render = video_dir is not None and kind not in ("mujoco", "dm_control", "pgx")
     rendering = {"render_mode": "rgb_array"} if render else {}
     extra = dict(rendering, **({"opponents": opponents} if opponents else {}))
     envs = make_env(args.env_id, num_envs, args.seed + 10_000, 1, train=False, **extra)
@@ -111,6 +112,11 @@ def evaluate(
                 f"warning: no video written ({e.strerror or e}: {e.filename or path})",
                 file=sys.stderr,
             )
+    elif video_dir is not None and kind == "pgx":
+        print(
+            "warning: envpool does not render its board games and poker; no video written",
+            file=sys.stderr,
+        )
     elif video_dir is not None:
         print(
             "warning: MuJoCo rendering needs an OpenGL backend (set MUJOCO_GL); no video written",

@@ -213,6 +213,8 @@ class Run:
             normalizer.load(state)
             if pool is not None:
                 pool.load(state)
+                if not pool.snapshots:  # a checkpoint that kept none: its parameters play
+                    pool.add(0, state["params"])
         elif pool is not None:  # the initial parameters: version 0's snapshot
             pool.add(0, state["params"])
         self.normalizer, self.pool = normalizer, pool
