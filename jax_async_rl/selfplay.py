@@ -84,6 +84,8 @@ def check_args(args):
         )
     if args.lstm:
         raise UsageError("--self-play takes no --lstm: its rollouts are reordered by decision")
+    if not args.action_mask:
+        raise UsageError("--self-play plays legal moves only: drop --no-action-mask")
     if args.deterministic and args.resume:
         raise UsageError(
             "--resume of a --deterministic --self-play run is not built: its journal holds the "
@@ -222,7 +224,7 @@ def setup(args, policy, params, key, margin: int = 0):
         return None, dict
     size, interval = args.opponent_pool_size, args.opponent_snapshot_interval
     pool = Pool(params, interval, size, margin, args.seed)
-    key = jax.random.fold_in(key, 1)
+    key = jax.random.fold_in(key, 0xFFFFFFFF)  # not an actor's: those fold in their index
 
     def opponents():
         return {"opponents": Opponents(policy, key, args.opponent_mix, pool, seed=args.seed)}
@@ -259,7 +261,7 @@ def outcomes(envs) -> list:
 class Opponents:
     """Who plays the seats that are not the learner's. Each game draws its opponents' kind from
     `mix` (fractions of games: latest, past, random); `policy` (the script's jitted policy step)
-    plays the latest parameters and a past snapshot (`pool.past_for` the acting version; `fixed`:
+    plays the latest parameters and a past snapshot (`pool.past`, by the acting version; `fixed`:
     always those parameters, an evaluation's), with the draws of `key`."""
 
     def __init__(self, policy, key, mix, pool=None, fixed=None, seed: int = 0):
@@ -277,10 +279,10 @@ class Opponents:
         self.params["latest"] = params
         if self.pool is None:
             return
-        past = self.pool.past_for(version)
+        past, snapshot = self.pool.past(version)
         if past != self.past_version:
             device = next(iter(jax.tree.leaves(params)[0].devices()))
-            self.params["past"] = jax.device_put(self.pool.get(past), device)
+            self.params["past"] = jax.device_put(snapshot, device)
             self.past_version = past
 
     def act(self, kind: str, obs, keys, steps):
@@ -310,28 +312,28 @@ class Pool:
             for old in sorted(self.snapshots)[: -self.slots]:
                 del self.snapshots[old]
 
-    def past_for(self, version: int) -> int:
-        """The snapshot that plays the past opponent while `version` acts: one of the newest
-        `size` at that version, drawn by the version (the oldest kept if an actor lags further)."""
+    def past(self, version: int):
+        """(version, parameters) of the snapshot that plays the past opponent while `version`
+        acts: one of the newest `size` at that version (the current one's own included), drawn by
+        the version; the oldest kept if that one is not (an actor that lags further, a resume
+        with another interval)."""
         newest = version // self.interval
         choices = np.arange(max(0, newest - self.size + 1), newest + 1) * self.interval
         pick = int(choices[int(uniform(self.seed + 2, version, 0) * len(choices))])
         with self.lock:
-            return pick if pick in self.snapshots else min(self.snapshots)
-
-    def get(self, version: int):
-        with self.lock:
-            return self.snapshots[version]
+            pick = pick if pick in self.snapshots else min(self.snapshots)
+            return pick, self.snapshots[pick]
 
     def state(self) -> dict:
-        """{"opponents": the snapshots stacked [slots, ...] and their versions (-1: empty)}: a
-        structure fixed by the flags, as a checkpoint restores into a template."""
+        """{"opponents": the newest `size` snapshots stacked [size, ...] and their versions (-1:
+        empty)}: a structure fixed by --opponent-pool-size, as a checkpoint restores into a
+        template (the margin is not kept: a resumed run's actors act from its version on)."""
         with self.lock:
-            versions = sorted(self.snapshots)
+            versions = sorted(self.snapshots)[-self.size :]
             stacked = [self.snapshots[v] for v in versions]
-        stacked += [self.template] * (self.slots - len(stacked))
+        stacked += [self.template] * (self.size - len(stacked))
         params = jax.tree.map(lambda *x: np.stack(x), *stacked)
-        kept = np.full(self.slots, -1, np.int64)
+        kept = np.full(self.size, -1, np.int64)
         kept[: len(versions)] = versions
         return {"opponents": {"versions": kept, "params": params}}
 
@@ -340,10 +342,15 @@ class Pool:
         stored = state.pop("opponents", None)
         if stored is None:
             return
+        versions = np.asarray(stored["versions"])
+        if versions.dtype.kind not in "iu" or versions.ndim != 1:
+            raise UsageError(
+                f"--resume: its opponent pool's versions are {versions.dtype} {versions.shape}"
+            )
         with self.lock:
             self.snapshots = {
                 int(v): jax.tree.map(lambda x, i=i: np.asarray(x[i]), stored["params"])
-                for i, v in enumerate(np.asarray(stored["versions"]))
+                for i, v in enumerate(versions)
                 if v >= 0
             }
 
@@ -354,9 +361,10 @@ def decisions(rollout: dict) -> dict:
     decision's reward is the sum of its seat's rewards from its move until its next one, cut at
     the game's end (the loss the opponent's winning move delivers included), and its `dones` 1 if
     the game ended meanwhile (a truncated game ends too: these games have no time limit). So GAE and
-    V-trace, unchanged, link each decision to the next; the last one bootstraps on the learner's
-    view after the rollout, and rewards that reach its seat in the next rollout before its first
-    move there are not counted. Returns the rollout's time-major arrays, rearranged."""
+    V-trace, unchanged, link each decision to the next. An env's last move whose game goes on past
+    the rollout is not a row but the bootstrap (`bootstrap_obs`: a state where the learner moves,
+    as the value is trained on), and the rewards of its move are not counted: one move an env a
+    rollout. Returns the rollout's time-major arrays and `bootstrap_obs`, rearranged."""
     mine = rollout["valid"] > 0
     T, B = mine.shape
     rewards, dones = np.zeros((T, B), np.float32), np.zeros((T, B), np.float32)
@@ -367,6 +375,14 @@ def decisions(rollout: dict) -> dict:
         ended = cut | ended
         rewards[t], dones[t] = np.where(mine[t], pending, 0.0), mine[t] & ended
         pending, ended = np.where(mine[t], 0.0, pending), ended & ~mine[t]
+    last = T - 1 - np.argmax(mine[::-1], axis=0)  # each env's last move (if it has one)
+    open_ = mine[last, np.arange(B)] & (dones[last, np.arange(B)] == 0)
+    envs = np.flatnonzero(open_)
+    mine[last[envs], envs] = False
+    rewards[last[envs], envs] = 0.0
+    bootstrap = jax.tree.map(np.copy, rollout["bootstrap_obs"])
+    for leaf, rows in zip(jax.tree.leaves(bootstrap), jax.tree.leaves(rollout["obs"])):
+        leaf[envs] = rows[last[envs], envs]
     order = np.argsort(mine, axis=0, kind="stable")  # [T, B]: non-decisions, then decisions
 
     def rearrange(x):
@@ -374,7 +390,9 @@ def decisions(rollout: dict) -> dict:
 
     out = {k: rollout[k] for k in TIME_MAJOR if rollout.get(k) is not None}
     out.update(rewards=rewards, dones=dones, truncated=np.zeros((T, B), np.float32))
-    return {k: jax.tree.map(rearrange, x) for k, x in out.items()}
+    out["valid"] = mine.astype(np.float32)
+    out = {k: jax.tree.map(rearrange, x) for k, x in out.items()}
+    return dict(out, bootstrap_obs=bootstrap)
 
 
 class WinRates:

@@ -29,7 +29,6 @@ FAMILIES = {
     "highway": "highway",
     "gfootball": "gfootball",
     "vizdoom": "vizdoom",
-    "pgx": "pgx",  # board games and poker: several players (--self-play)
 }
 # the observation leaf of the legal actions (Jumanji's tasks; a user's env's Dict)
 MASK = "action_mask"
@@ -141,11 +140,14 @@ def check_observation(env_id: str, space, obs, where: str):
 def env_kind(env_id: str) -> str:
     """A task's family, from the envpool module that registers it: 'atari', 'dm_control',
     'minigrid' (and BabyAI), 'highway', 'gfootball', 'vizdoom', 'mujoco' (Gym MuJoCo, MetaWorld,
-    MyoSuite, Gymnasium-Robotics, MuJoCo Playground), 'pgx' (board games and poker, several
-    players) or 'classic' (any other: classic control, Box2D, ...)."""
+    MyoSuite, Gymnasium-Robotics, MuJoCo Playground), 'pgx' (its board games and poker of several
+    players; its one-player 2048 is 'classic') or 'classic' (any other: classic control, Box2D,
+    ...)."""
     if env_id in USER_ENVS:
         return "gym"
     family = envpool.registration.registry.specs[env_id][0].removeprefix("envpool.")
+    if family == "pgx" and players(env_id) > 1:  # board games and poker (--self-play)
+        return "pgx"
     return FAMILIES.get(family, "mujoco" if family.startswith("mujoco") else "classic")
 
 

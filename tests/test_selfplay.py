@@ -67,9 +67,8 @@ def test_the_learners_seat_on_a_hand_played_game_of_tic_tac_toe():
     assert envs.illegal == 0
     valid, rewards, dones = (np.array(column, np.float32)[:, None] for column in zip(*rows))
     steps = np.arange(len(rows))[:, None]
-    out = selfplay.decisions(
-        dict(valid=valid, rewards=rewards, dones=dones, truncated=0 * dones, actions=steps)
-    )
+    rollout = dict(valid=valid, rewards=rewards, dones=dones, truncated=0 * dones, actions=steps)
+    out = selfplay.decisions(dict(rollout, obs=steps, bootstrap_obs=np.zeros(1, int)))
     decided = out["valid"][:, 0] > 0
     assert out["actions"][decided, 0].tolist() == [0, 2, 4, 8, 10, 12, 14]  # in time order
     assert out["rewards"][decided, 0].tolist() == [0, 0, -1, 0, 0, 0, 0]
@@ -115,9 +114,10 @@ def test_pgx_games_step_on_one_thread_whatever_is_asked():
 
 def reference_decisions(valid, rewards, dones):
     """Per env, in plain Python: each decision's reward sums its seat's rewards from its move up
-    to the next decision or the game's end, and its done says whether the game ended meanwhile."""
+    to the next decision or the game's end, and its done says whether the game ended meanwhile;
+    an env's last decision whose game goes on is no row but its bootstrap (returned apart)."""
     T, B = valid.shape
-    out = []
+    out, bootstrap = [], {}
     for b in range(B):
         moves = [t for t in range(T) if valid[t, b]]
         for i, t in enumerate(moves):
@@ -127,8 +127,11 @@ def reference_decisions(valid, rewards, dones):
                 if dones[s, b]:
                     ended = True
                     break
-            out.append((b, t, total, ended))
-    return out
+            if i + 1 == len(moves) and not ended:
+                bootstrap[b] = t
+            else:
+                out.append((b, t, total, ended))
+    return out, bootstrap
 
 
 def test_decisions_match_a_plain_reference_on_random_rollouts():
@@ -139,19 +142,20 @@ def test_decisions_match_a_plain_reference_on_random_rollouts():
         rewards = rng.normal(size=(T, B)).astype(np.float32)
         dones = (rng.random((T, B)) < 0.15).astype(np.float32)
         obs = {"x": np.arange(T)[:, None, None] * np.ones((T, B, 3))}
-        out = selfplay.decisions(
-            dict(valid=valid, rewards=rewards, dones=dones, truncated=dones, obs=obs)
-        )
+        rollout = dict(valid=valid, rewards=rewards, dones=dones, truncated=dones, obs=obs)
+        out = selfplay.decisions(dict(rollout, bootstrap_obs={"x": np.full((B, 3), -1.0)}))
         got = []
         for b in range(B):
             for t in np.flatnonzero(out["valid"][:, b]):
                 step = int(out["obs"]["x"][t, b, 0])
                 got.append((b, step, out["rewards"][t, b], bool(out["dones"][t, b])))
-            count = int(valid[:, b].sum())
+            count = int(out["valid"][:, b].sum())
             assert out["valid"][T - count :, b].all() and not out["valid"][: T - count, b].any()
-        want = reference_decisions(valid, rewards, dones)
+        want, bootstrap = reference_decisions(valid, rewards, dones)
         assert [g[:2] + (g[3],) for g in got] == [w[:2] + (w[3],) for w in want]
         np.testing.assert_allclose([g[2] for g in got], [w[2] for w in want], rtol=1e-5)
+        for b in range(B):  # the open last move's observation, else the rollout's own
+            assert out["bootstrap_obs"]["x"][b, 0] == bootstrap.get(b, -1.0)
 
 
 def test_the_pool_snapshots_every_interval_keeps_the_newest_and_round_trips():
@@ -159,16 +163,20 @@ def test_the_pool_snapshots_every_interval_keeps_the_newest_and_round_trips():
     pool = selfplay.Pool(params, interval=10, size=3, margin=1, seed=0)
     for version in range(0, 71):
         pool.add(version, {"w": np.full(3, version, np.float32)})
-    assert sorted(pool.snapshots) == [40, 50, 60, 70]  # size + margin slots, the newest
-    picks = {pool.past_for(v) for v in range(60, 70) for _ in range(3)}
+    assert sorted(pool.snapshots) == [40, 50, 60, 70]  # size + margin, the newest
+    picks = {pool.past(v)[0] for v in range(60, 70) for _ in range(3)}
     assert picks <= {40, 50, 60} and len(picks) > 1  # the newest 3 at version 60-69
-    assert pool.past_for(75) in (50, 60, 70)
-    assert pool.past_for(15) == 40  # an actor that lags further: the oldest kept
-    state = pool.state()
-    assert state["opponents"]["versions"].tolist() == [40, 50, 60, 70]
-    again = selfplay.Pool(params, 10, 3, 1)
+    version, snapshot = pool.past(75)
+    assert version in (50, 60, 70) and snapshot["w"][0] == version
+    assert pool.past(15)[0] == 40  # an actor that lags further: the oldest kept
+    state = pool.state()  # the newest `size`: the margin is an actor's, not the run's
+    assert state["opponents"]["versions"].tolist() == [50, 60, 70]
+    again = selfplay.Pool(params, 10, 3, 5)
     again.load(dict(state))
-    assert {v: p["w"][0] for v, p in again.snapshots.items()} == {40: 40, 50: 50, 60: 60, 70: 70}
+    assert {v: p["w"][0] for v, p in again.snapshots.items()} == {50: 50, 60: 60, 70: 70}
+    crafted = {"opponents": dict(state["opponents"], versions=np.array([np.inf, 1.0, 2.0]))}
+    with pytest.raises(UsageError, match="versions are float64"):
+        again.load(crafted)
 
 
 @pytest.mark.parametrize(
@@ -178,6 +186,7 @@ def test_the_pool_snapshots_every_interval_keeps_the_newest_and_round_trips():
         (["--opponent-mix", "1.5", "0", "-0.5"], "each at least 0"),
         (["--opponent-snapshot-interval", "0"], "--opponent-snapshot-interval must be positive"),
         (["--lstm"], "no --lstm"),
+        (["--no-action-mask"], "drop --no-action-mask"),
     ],
 )
 def test_bad_self_play_flags_are_one_line(flags, fragment, capsys):

@@ -81,7 +81,7 @@ class EvalArgs:
     that module: only for a run folder whose author you trust"""
     opponent: Annotated[Optional[str], tyro.conf.arg(help_behavior_hint="(default: random)")] = None
     """a --self-play run's opponents in the other seats: "random" (the uniform random legal
-    player), or another run of the task with the same network, of either script that self-plays
+    player), or another run of the task with the same network, of any script that self-plays
     (its folder or checkpoint: its final parameters; PATH@VERSION: the snapshot of that version in its opponent pool, RUN@VERSION for
     the run's own); the seats alternate, and the results are printed by seat"""
     games: Optional[int] = None
@@ -211,25 +211,39 @@ def opponent(module, args, cli: EvalArgs, path: str, policy):
         raise UsageError(f"--opponent: {path} is not a --self-play run")
     if cli.opponent == "random":
         return None, " against the uniform random player"
-    where, _, version = cli.opponent.partition("@")
-    where = os.path.dirname(path) if where in ("RUN", "") else where
+    where, at, version = cli.opponent.rpartition("@")
+    if not (at and version.isdigit()):  # no snapshot named: the whole of it is a path
+        where, version = cli.opponent, ""
+    where = os.path.dirname(path) if where == "RUN" else where
     if not os.path.exists(where):
         raise UsageError(f"--opponent {cli.opponent}: {where} does not exist")
     other = checkpoints.checkpoint_path(where)
     payload = checkpoints.read_checkpoint(other)
     if version:
-        pool = payload["state"].get("opponents", {})
-        versions = [int(v) for v in np.asarray(pool.get("versions", [])).tolist()]
-        if not version.isdigit() or int(version) not in versions:
-            kept = ", ".join(str(v) for v in versions if v >= 0) or "none"
-            raise UsageError(f"--opponent {cli.opponent}: its pool keeps versions {kept}")
-        slot = versions.index(int(version))
-        params = jax.tree.map(lambda x: np.asarray(x)[slot], pool["params"])
-        payload = dict(payload, state={"params": params})
+        payload = dict(payload, state={"params": snapshot(payload, int(version), cli.opponent)})
     _, _, params = restore(module, args, payload, other)
     key = jax.random.PRNGKey(args.seed + 20_000)
     opponents = selfplay.Opponents(policy, key, (0.0, 1.0, 0.0), fixed=params, seed=args.seed)
     return opponents, f" against {cli.opponent}"
+
+
+def snapshot(payload: dict, version: int, named: str):
+    """The parameters of snapshot `version` of a checkpoint's opponent pool; UsageError, naming
+    the versions kept, where it has none of that version or its pool is not one."""
+    try:
+        pool = payload["state"].get("opponents", {})
+        versions = np.asarray(pool.get("versions", []))
+        if versions.dtype.kind not in "iu" or versions.ndim != 1:
+            raise ValueError(f"its versions are {versions.dtype} {versions.shape}")
+        kept = [int(v) for v in versions if v >= 0]
+        if version not in kept:
+            raise UsageError(
+                f"--opponent {named}: its pool keeps versions {', '.join(map(str, kept)) or 'none'}"
+            )
+        slot = versions.tolist().index(version)
+        return jax.tree.map(lambda x: np.asarray(x)[slot], pool["params"])
+    except (AttributeError, KeyError, IndexError, TypeError, ValueError) as e:
+        raise UsageError(f"--opponent {named}: its opponent pool is not one ({e})")
 
 
 def main(cli: EvalArgs) -> int:
