@@ -90,7 +90,7 @@ def evaluate(
         )
     envs.close()
     if seats is not None:
-        seats.extend(seated[:num_episodes])
+        seats.extend(game for game in seated[:num_episodes] if game is not None)
     if signals:
         return scores
     if video_episode is not None and video_episode >= num_episodes:  # it ended past the count

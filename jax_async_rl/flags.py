@@ -216,7 +216,7 @@ def from_json(hint, value):
             except TypeError:
                 pass
         raise TypeError(" or ".join(type_words(option) for option in inner))
-    if origin in (list, tuple) and isinstance(value, list):  # list[int], tuple[float, ...]
+    if origin in (list, tuple) and isinstance(value, (list, tuple)):  # list[int], tuple[float, ...]
         try:
             return origin(from_json(inner[0], element) for element in value)
         except TypeError:

@@ -80,6 +80,7 @@ PRESETS = {
     "atari": {},
     "dm_control": {},
     "minigrid": {},
+    "pgx": {},
 }
 
 
@@ -96,6 +97,8 @@ PRESETS = {
         ("BabyAI-GoToRedBallGrey-v0", "minigrid", "minigrid"),
         ("Highway-v0", "highway", "classic"),
         ("Taxi-v3", "classic", "classic"),
+        ("ConnectFour-v1", "pgx", "pgx"),  # pgx's games of several players (--self-play)
+        ("Play2048-v1", "classic", "classic"),  # and its one-player game
     ],
 )
 def test_a_task_takes_its_own_preset_else_its_familys_else_classic(env_id, kind, preset):
@@ -104,8 +107,8 @@ def test_a_task_takes_its_own_preset_else_its_familys_else_classic(env_id, kind,
 
 
 NOT_SERVED = [
-    ("IntersectionMultiAgent-v0", ["2-player task", "one agent"]),
-    ("Go9x9-v1", ["2-player task"]),
+    ("IntersectionMultiAgent-v0", ["2-player game", "--self-play"]),
+    ("Go9x9-v1", ["2-player game", "--self-play"]),
     ("VizdoomCustom-v1", ["cannot be made here"]),
     ("CartPol-v1", ["is not an envpool task", "did you mean", "CartPole-v1"]),
 ]
