@@ -49,6 +49,18 @@ SPLITS = flags.default_is("2 with image observations, else 1")
 # rl-baselines3-zoo's batch sizes become minibatch counts at 8 envs; its gSDE exploration
 # (Pendulum) is not reproduced.
 NO_NORM = dict(norm_obs=False, norm_reward=False)
+# Any other vector task: CleanRL's ppo.py defaults, a general starting point, not a tuned one.
+CLASSIC = dict(
+    num_steps=128,
+    learning_rate=2.5e-4,
+    gamma=0.99,
+    gae_lambda=0.95,
+    num_minibatches=4,
+    update_epochs=4,
+    clip_coef=0.2,
+    ent_coef=0.01,
+    **NO_NORM,
+)
 PRESETS = {
     # CleanRL's ppo_atari_envpool.py (Huang et al. 2022).
     "atari": dict(
@@ -79,29 +91,8 @@ PRESETS = {
     # envpool's pgx board games and poker (--self-play): classic's at 4x its learning rate and 3x
     # its entropy bonus, which lost fewer games to random and beat their earlier selves more often
     # (docs/algorithms/ppo.md#self-play).
-    "pgx": dict(
-        num_steps=128,
-        learning_rate=1e-3,
-        gamma=0.99,
-        gae_lambda=0.95,
-        num_minibatches=4,
-        update_epochs=4,
-        clip_coef=0.2,
-        ent_coef=0.03,
-        **NO_NORM,
-    ),
-    # Any other vector task: CleanRL's ppo.py defaults, a general starting point, not a tuned one.
-    "classic": dict(
-        num_steps=128,
-        learning_rate=2.5e-4,
-        gamma=0.99,
-        gae_lambda=0.95,
-        num_minibatches=4,
-        update_epochs=4,
-        clip_coef=0.2,
-        ent_coef=0.01,
-        **NO_NORM,
-    ),
+    "pgx": dict(CLASSIC, learning_rate=1e-3, ent_coef=0.03),
+    "classic": CLASSIC,
     # rl-baselines3-zoo's tuned PPO (hyperparams/ppo.yml): CartPole solves within 100k steps.
     "CartPole": dict(
         num_steps=32,
