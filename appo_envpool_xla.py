@@ -1396,9 +1396,15 @@ def main(args: Args, given=None) -> int:
             learning=True,
             keep=(args.actor_lag or 0) + 2,
         )
+        # the evaluation plays the sampling policy (final, and --eval-interval's)
+        player = (
+            make_policy_step(network, continuous, values=False),
+            functools.partial(zero_core, network.lstm_size),
+        )
         run.begin(
             f"preset {tasks.preset_name(args.env_id, PRESETS)}, {args.num_splits} "
-            f"split{'s' * (args.num_splits > 1)}, XLA actor"
+            f"split{'s' * (args.num_splits > 1)}, XLA actor",
+            player,
         )
         queues = [queue.Queue(maxsize=args.queue_size) for _ in actors]
         for i, (device, _, key) in enumerate(actors):
@@ -1421,10 +1427,7 @@ def main(args: Args, given=None) -> int:
         run.wait(
             run.threads.start("learner", learner_loop, run, update, shared, queues, run.update_key)
         )
-        return run.finish(
-            make_policy_step(network, continuous, values=False),
-            functools.partial(zero_core, network.lstm_size),
-        )
+        return run.finish()
 
 
 if __name__ == "__main__":

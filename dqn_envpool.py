@@ -1258,7 +1258,8 @@ def main(args: Args, given=None) -> int:
         )
         run.begin(
             f"preset {preset_name(args)}, {gradient_steps(args)} gradient steps a round"
-            f"{sequences * args.lstm}{', serial' if args.serial else ''}"
+            f"{sequences * args.lstm}{', serial' if args.serial else ''}",
+            evaluation_player(args, built),
         )
         # The main thread waits: a signal stops the run within seconds whatever a thread does.
         if args.serial:
@@ -1276,7 +1277,7 @@ def main(args: Args, given=None) -> int:
                 owns=envs,
             )
             run.wait(loop)
-            return run.finish(*evaluation_player(args, built))
+            return run.finish()
         queues = [queue.Queue(maxsize=args.queue_size) for _ in actors]
         num_chunks = run.num_updates - run.start_update
         for i, (device, _, _) in enumerate(actors):
@@ -1296,7 +1297,7 @@ def main(args: Args, given=None) -> int:
             )
         learner = run.threads.start("learner", learner_loop, run, update, replay, shared, queues)
         run.wait(learner)
-        return run.finish(*evaluation_player(args, built))
+        return run.finish()
 
 
 if __name__ == "__main__":

@@ -869,9 +869,12 @@ def main(args: Args, given=None) -> int:
             keep=(args.actor_lag or 0) + 2,
             published=run.keeper and run.keeper.acting(),
         )
+        # the evaluation plays the sampling policy (final, and --eval-interval's)
+        player = policy, functools.partial(zero_core, network.lstm_size)
         run.begin(
             f"preset {tasks.preset_name(args.env_id, PRESETS)}, {args.num_splits} "
-            f"split{'s' * (args.num_splits > 1)}"
+            f"split{'s' * (args.num_splits > 1)}",
+            player,
         )
         queues = [queue.Queue(maxsize=args.queue_size) for _ in actors]
         for i, (device, _, key) in enumerate(actors):
@@ -895,10 +898,7 @@ def main(args: Args, given=None) -> int:
         run.wait(
             run.threads.start("learner", learner_loop, run, update, shared, queues, run.update_key)
         )
-        return run.finish(
-            make_policy_step(network, continuous, values=False),
-            functools.partial(zero_core, network.lstm_size),
-        )
+        return run.finish()
 
 
 if __name__ == "__main__":

@@ -1037,7 +1037,9 @@ def main(args: Args, given=None) -> int:
         )
         policy_step = make_policy_step(network, continuous)
         update = make_update(network, optimizer, args, continuous, run.mesh)
-        run.begin(f"preset {tasks.preset_name(args.env_id, PRESETS)}")
+        # the evaluation plays the sampling policy (final, and --eval-interval's)
+        player = policy, functools.partial(zero_core, network.lstm_size)
+        run.begin(f"preset {tasks.preset_name(args.env_id, PRESETS)}", player)
         try:
             run.threads.run(
                 "training loop",
@@ -1054,10 +1056,7 @@ def main(args: Args, given=None) -> int:
             )
         finally:
             envs.close()
-        return run.finish(
-            make_policy_step(network, continuous, values=False),
-            functools.partial(zero_core, network.lstm_size),
-        )
+        return run.finish()
 
 
 if __name__ == "__main__":

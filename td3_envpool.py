@@ -640,7 +640,8 @@ def main(args: Args, given=None) -> int:
         replay = make_replay(args, *tasks.spaces(args.env_id))
         update = make_update(built[0], optimizer, args, bounds, run.mesh)
         run.begin(
-            f"{gradient_steps(args)} gradient steps a round{', serial' if args.serial else ''}"
+            f"{gradient_steps(args)} gradient steps a round{', serial' if args.serial else ''}",
+            evaluation_player(args, built),
         )
         # The main thread waits: a signal stops the run within seconds whatever a thread does.
         if args.serial:
@@ -658,7 +659,7 @@ def main(args: Args, given=None) -> int:
                 owns=envs,
             )
             run.wait(loop)
-            return run.finish(*evaluation_player(args, built))
+            return run.finish()
         queues = [queue.Queue(maxsize=args.queue_size) for _ in actors]
         num_chunks = run.num_updates - run.start_update
         for i, (device, _, _) in enumerate(actors):
@@ -678,7 +679,7 @@ def main(args: Args, given=None) -> int:
             )
         learner = run.threads.start("learner", learner_loop, run, update, replay, shared, queues)
         run.wait(learner)
-        return run.finish(*evaluation_player(args, built))
+        return run.finish()
 
 
 if __name__ == "__main__":

@@ -114,13 +114,17 @@ def open_own(path: str, flags: int, mode: str, **kwargs):
     return os.fdopen(fd, mode, **kwargs)
 
 
-def save_checkpoint(path: str, state: dict, args, normalizer, script: str, carry=None, pool=None):
-    """The state, the normaliser's statistics (and --self-play's opponent `pool`) and the flags of
-    `script`'s run (and what a --deterministic resume needs besides: `carry`, journal.Keeper's),
-    written atomically. Process 0 alone writes; the others' calls do nothing."""
+def save_checkpoint(
+    path: str, state: dict, args, normalizer, script: str, carry=None, pool=None, evaluations=None
+):
+    """The state, the normaliser's statistics (and --self-play's opponent `pool`, and
+    --eval-interval's pending `evaluations`, evaluation.Periodic) and the flags of `script`'s run
+    (and what a --deterministic resume needs besides: `carry`, journal.Keeper's), written
+    atomically. Process 0 alone writes; the others' calls do nothing."""
     if jax.process_index():
         return
     extra = pool.state() if pool is not None else {}
+    extra.update(evaluations.state() if evaluations is not None else {})
     payload = {
         "state": flax.serialization.to_state_dict(
             jax.device_get(dict(state, **normalizer.state(), **extra))

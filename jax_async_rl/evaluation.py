@@ -2,14 +2,18 @@
 policy, as `cleanrl_utils.evals` plays a script's `Model`; optionally a video of one game.
 """
 
+import copy
 import os
 import sys
+import threading
+import time
 import warnings
 
 import jax
 import numpy as np
 
-from jax_async_rl import selfplay
+from jax_async_rl import checkpoints, folders, selfplay
+from jax_async_rl.flags import UsageError
 from jax_async_rl.tasks import EpisodeStats, env_action, env_kind, make_env
 
 
@@ -139,3 +143,191 @@ def frame_rate(env_id: str, envs) -> float:
         return float(creator.metadata["render_fps"])
     except Exception:
         return 30.0
+
+
+class Periodic:
+    """--eval-interval's evaluations during training (rlpyt's offline evaluation): the parameters
+    of the update that crosses each multiple of the interval, played for --eval-episodes full games
+    by `evaluate` with the script's evaluation policy and the normaliser's statistics of that
+    update, logged at that update's env step (eval/episodic_return, _std, eval/episodes,
+    eval/seconds, eval/update). The run's last update is left to the final evaluation, which logs
+    the same tags: the curve's last point.
+
+    `background` (the asynchronous scripts): a thread plays them beside the actor and the learner,
+    which only copies the parameters to the host; while SLOTS evaluations wait, the learner waits
+    too (said once). Otherwise (sync, --serial, --deterministic) they are played where `published`
+    is called, between updates. An evaluation not logged yet is pending: the checkpoint holds the
+    pending ones (`state`), and a resume plays them first (`load`), unless metrics.jsonl has them
+    already: a resume neither repeats nor skips a point."""
+
+    SLOTS = 2
+
+    def __init__(self, args, normalizer, logger, device, stop, background: bool, errors):
+        self.args, self.interval = args, args.eval_interval
+        self.player = None  # (policy, initial_core): `evaluate`'s, given once the script has it
+        self.normalizer, self.logger, self.device = normalizer, logger, device
+        self.stop, self.background, self.errors = stop, background, errors
+        self.pending = []  # (step, update, host parameters, normaliser state), oldest first
+        self.changed = threading.Condition()
+        self.thread = None
+        self.warned = False
+
+    def due(self, step_before: int, step: int) -> bool:
+        """Whether the update from `step_before` to `step` crosses a multiple of the interval."""
+        return step // self.interval > step_before // self.interval
+
+    def published(self, update: int, step_before: int, step: int, params, signals=()):
+        """After update number `update` (its parameters `params`, the env step `step`): keep it
+        if it is an evaluation's, and play what is pending (inline) or hand it to the thread."""
+        if not self.due(step_before, step):
+            return
+        host = jax.tree.map(np.array, jax.device_get(params))  # a copy: updates donate theirs
+        item = (step, update, host, copy.deepcopy(self.normalizer.state()))
+        with self.changed:
+            while self.background and len(self.pending) >= self.SLOTS and not self.stop.is_set():
+                if not self.warned:
+                    self.warned = True
+                    print(
+                        f"warning: evaluations ({self.args.eval_episodes} episodes each) take "
+                        f"longer than --eval-interval {self.interval} steps of training: the "
+                        "learner waits for them; raise --eval-interval or lower --eval-episodes",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                self.changed.wait(0.1)
+            self.pending.append(item)
+            self.changed.notify_all()
+        if self.background:
+            self.start()
+        else:
+            self.play_pending(signals)
+
+    def start(self):
+        """The evaluator thread, once (it plays what is pending, in order, until the run stops)."""
+        if self.thread is None:
+            self.thread = threading.Thread(target=self.loop, name="evaluator", daemon=True)
+            self.thread.start()
+
+    def loop(self):
+        try:
+            while not self.stop.is_set():
+                with self.changed:
+                    if not self.pending:
+                        self.changed.wait(0.1)
+                        continue
+                if not self.play(self.pending[0], Stopping(self.stop)):
+                    return
+        except BaseException as e:  # recorded as a thread's error: the run stops and reports it
+            import traceback
+
+            self.errors.append(("the evaluator thread", e, traceback.format_exc()))
+            self.stop.set()
+
+    def play_pending(self, signals=()) -> bool:
+        """Play what is pending, here, in order; False if `signals` stopped one (it stays)."""
+        while self.pending:
+            if not self.play(self.pending[0], signals):
+                return False
+        return True
+
+    def join(self):
+        """Wait for the thread to end (the run has set `stop`); what it had not logged stays
+        pending."""
+        if self.thread is not None:
+            self.thread.join()
+
+    def play(self, item, signals) -> bool:
+        """Evaluate one pending item and log it; False (nothing logged) if `signals` stopped it."""
+        step, update, params, norm = item
+        start = time.time()
+        normalizer = copy.copy(self.normalizer)  # with the statistics of that update, read only
+        normalizer.load(dict(norm))
+        policy, initial_core = self.player
+        scores = evaluate(
+            policy,
+            jax.device_put(params, self.device),
+            initial_core,
+            self.args,
+            normalizer,
+            self.args.eval_episodes,
+            signals=signals,
+        )
+        if signals:
+            return False
+        log_scores(self.logger, step, update, scores, time.time() - start)
+        with self.changed:
+            assert self.pending[0] is item  # played in order, removed here alone
+            self.pending.pop(0)
+            self.changed.notify_all()
+        return True
+
+    def state(self) -> dict:
+        """{"evaluations": the pending ones (steps, updates, parameters and normaliser statistics
+        stacked)} for the checkpoint; {} when none is."""
+        with self.changed:
+            items = list(self.pending)
+        if not items:
+            return {}
+        return {
+            "evaluations": {
+                "steps": np.array([item[0] for item in items], np.int64),
+                "updates": np.array([item[1] for item in items], np.int64),
+                "params": jax.tree.map(lambda *x: np.stack(x), *[item[2] for item in items]),
+                "norm": jax.tree.map(lambda *x: np.stack(x), *[item[3] for item in items]),
+            }
+        }
+
+    def load(self, stored, params, path: str, run_dir):
+        """Take a checkpoint's pending evaluations (`stored`: its raw "evaluations", or None);
+        `params`: the run's parameters, their structure. Those that metrics.jsonl in `run_dir`
+        logs already are dropped. UsageError, one line, for entries that do not fit."""
+        if stored is None:
+            return
+        try:
+            count = len(stored["steps"])
+            assert 0 < count <= 64
+        except Exception:
+            raise UsageError(f"--resume: {path}: its pending evaluations are malformed") from None
+        one = (jax.device_get(params), self.normalizer.state())
+        template = {
+            "steps": np.zeros(count, np.int64),
+            "updates": np.zeros(count, np.int64),
+            "params": jax.tree.map(lambda x: np.stack([x] * count), one[0]),
+            "norm": jax.tree.map(lambda x: np.stack([x] * count), one[1]),
+        }
+        restored = checkpoints.load_checkpoint({"state": stored}, template, path)
+        steps, updates = np.asarray(restored["steps"]), np.asarray(restored["updates"])
+        if steps.dtype.kind not in "iu" or updates.dtype.kind not in "iu" or steps.ndim != 1:
+            raise UsageError(f"--resume: {path}: its pending evaluations' steps are not integers")
+        logged = folders.logged_steps(run_dir, "eval/episodic_return") if run_dir else set()
+        for i, (step, update) in enumerate(zip(steps.tolist(), updates.tolist())):
+            if step not in logged:
+                take = jax.tree.map(lambda x, i=i: np.asarray(x[i]), restored)
+                self.pending.append((step, update, take["params"], take["norm"]))
+
+
+class Stopping:
+    """True once `event` is set: `evaluate`'s `signals` for the evaluator thread."""
+
+    def __init__(self, event):
+        self.event = event
+
+    def __bool__(self):
+        return self.event.is_set()
+
+
+def log_scores(logger, step: int, update: int, scores, seconds: float, final: bool = False):
+    """An evaluation's tags at `step` (its parameters'), and its line on stdout."""
+    mean, std = float(np.mean(scores)), float(np.std(scores))
+    logger.log(
+        step,
+        {
+            "eval/episodic_return": mean,
+            "eval/episodic_return_std": std,
+            "eval/episodes": len(scores),
+            "eval/seconds": seconds,
+            "eval/update": update,
+        },
+    )
+    where = "" if final else f" at step {step} (update {update})"
+    print(f"eval{where}: {len(scores)} episodes, return {mean:.2f} +- {std:.2f}", flush=True)

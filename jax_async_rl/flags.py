@@ -158,8 +158,14 @@ class RunArgs:
     eval_episodes: Annotated[
         Optional[int], NON_NEGATIVE, at_most(100_000), default_is("10; 1000 with --self-play")
     ] = None
-    """episodes played with the final policy at the end of training (0: no evaluation); with
-    --self-play, games against the uniform random player, seats alternating"""
+    """episodes played with the final policy at the end of training (0: no evaluation), and at
+    each --eval-interval; with --self-play, games against the uniform random player, seats
+    alternating"""
+    eval_interval: Annotated[int, NON_NEGATIVE] = 0
+    """also evaluate during training (0: only at the end): the parameters of the update that
+    crosses each multiple of this many env steps play --eval-episodes full games on envs of their
+    own with the evaluation policy, logged as eval/* at that update's step; the asynchronous
+    scripts play them in a thread beside the actor and the learner"""
     capture_video: bool = False
     """record an mp4 of one evaluation episode into {run_dir}/videos/"""
     track: bool = False

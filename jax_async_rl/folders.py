@@ -330,6 +330,23 @@ def write_config(run_dir: str, args, changed: dict, global_step: int, batch: str
     checkpoints.write_atomically(path, json.dumps(config, indent=2).encode())
 
 
+def logged_steps(run_dir: str, tag: str) -> set:
+    """The steps at which metrics.jsonl in `run_dir` holds a record of `tag` (none: no file)."""
+    path = os.path.join(run_dir, METRICS)
+    if not os.path.isfile(path):
+        return set()
+    steps = set()
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+                if record["tag"] == tag:
+                    steps.add(int(record["step"]))
+            except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
+                pass  # a line cut off by a crash (cut_metrics's rule)
+    return steps
+
+
 def cut_metrics(run_dir: str, global_step: int) -> int:
     """On resume: drop the records of metrics.jsonl past `global_step` (episodes sampled, and
     never learned from, before the run stopped; a line cut off by a crash, or any other line that is

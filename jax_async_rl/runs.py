@@ -63,6 +63,7 @@ class Run:
         )  # each game its own step (TensorBoard keeps one a step)
         self.warned = False
         self.pool, self.win_rates = None, selfplay.WinRates()  # --self-play's (see open)
+        self.periodic = None  # --eval-interval's evaluations (see open)
 
     def __enter__(self):
         warnings.filterwarnings("ignore", message=".*precision lowered.*")  # gymnasium's Box casts
@@ -265,6 +266,20 @@ class Run:
         self.logger = Logger(
             self.run_dir, self.args, purge_step=self.global_step + 1 if self.payload else None
         )
+        if self.args.eval_interval and self.run_dir:  # process 0 evaluates
+            self.periodic = evaluation.Periodic(
+                self.args,
+                normalizer,
+                self.logger,
+                self.actor_devices[0],
+                self.stop,
+                background=asynchronous(self.args),
+                errors=self.threads.errors,
+            )
+            if self.payload:  # what the checkpoint had not evaluated yet
+                self.periodic.load(
+                    self.payload["state"].get("evaluations"), state["params"], path, self.run_dir
+                )
         return self.state
 
     def actors(self) -> list:
@@ -292,9 +307,12 @@ class Run:
             max(1, (os.cpu_count() or 1) // actors), self.args.num_envs
         )
 
-    def begin(self, details: str):
+    def begin(self, details: str, player):
         """The header line (`details`: the preset, the splits, ...), the clock and the progress
-        line."""
+        line. `player`: (policy, initial_core), the script's evaluation policy (see
+        evaluation.evaluate), which --eval-interval's evaluations and the final one play; a
+        resumed run first plays the evaluations its checkpoint had not."""
+        self.player = player
         variant = "" if self.args.exp_name == Path(self.script).stem else f" ({self.args.exp_name})"
         name = os.path.basename(self.script) + variant
         resumed = f" resumed at step {self.start_step}:" if self.start_step else ""
@@ -312,6 +330,12 @@ class Run:
             learning_from=self.start_step + getattr(self.args, "learning_starts", 0),
         )
         self.start_time = time.time()
+        if self.periodic is not None:
+            self.periodic.player = player
+            if self.periodic.pending and self.periodic.background:
+                self.periodic.start()
+            elif self.periodic.pending:
+                self.periodic.play_pending(self.signals.received)
 
     @property
     def stop(self) -> threading.Event:
@@ -355,6 +379,14 @@ class Run:
         self.state = dict(state, global_step=self.global_step)
         if self.pool is not None:  # --self-play: a snapshot every --opponent-snapshot-interval
             self.pool.add(update_idx + 1, state["params"])
+        if self.periodic is not None and update_idx + 1 < self.num_updates:  # the last: finish's
+            self.periodic.published(
+                update_idx + 1,
+                self.global_step - self.batch_size,
+                self.global_step,
+                state["params"],
+                self.signals.received,
+            )
         self.signals.started.set()
         scalars = {
             k if "/" in k else f"losses/{k}": v
@@ -423,6 +455,7 @@ class Run:
                 self.script,
                 carry,
                 self.pool,
+                self.periodic,
             )
 
     def wait(self, learner: threading.Thread):
@@ -435,11 +468,14 @@ class Run:
         finally:
             self.threads.join(5 if jax.process_count() == 1 else 60)
 
-    def finish(self, policy, initial_core) -> int:
+    def finish(self) -> int:
         """After training: the errors, the checkpoint (not after a non-finite
-        loss: the last good one stays), the closing lines, the final evaluation with `policy`
-        (see evaluation.evaluate), the exit code."""
+        loss: the last good one stays), the closing lines, the evaluations --eval-interval's thread
+        left, the final evaluation with `begin`'s player (see evaluation.evaluate), the exit
+        code."""
         self.progress.close()
+        if self.periodic is not None:  # its thread has seen `stop`; what it left is pending
+            self.periodic.join()
         self.peer_lost = any(devices.peer_failure(error) for _, error, _ in self.threads.errors)
         if not threads.report_errors(
             self.threads.errors, self.checkpoint_file, self.global_step, self.args.env_id, self.lock
@@ -463,10 +499,13 @@ class Run:
             )
         if not (self.args.eval_episodes and self.run_dir):  # process 0 evaluates
             return 0
+        if self.periodic is not None and not self.periodic.play_pending(received):
+            return self.stopped_in_evaluation(0)
         video_dir = os.path.join(self.run_dir, "videos") if self.args.capture_video else None
         print(f"eval: playing {self.args.eval_episodes} episodes with the final policy", flush=True)
         # evaluated on an actor device
         params = devices.to_actor(self.actor_devices[0], self.state["params"])
+        start, (policy, initial_core) = time.time(), self.player
         scores = evaluation.evaluate(
             policy,
             params,
@@ -478,16 +517,31 @@ class Run:
             signals=received,
         )
         if received:
-            print(
-                f"evaluation stopped by signal {received[0]} after {len(scores)} episodes; "
-                f"checkpoint: "
-                f"{self.checkpoint_file}",
-                file=sys.stderr,
-            )
-            return 128 + received[0]
-        self.logger.log(self.global_step, {"eval/episodic_return": np.mean(scores)})
-        print(f"eval: {len(scores)} episodes, return {np.mean(scores):.2f} +- {np.std(scores):.2f}")
+            return self.stopped_in_evaluation(len(scores))
+        evaluation.log_scores(
+            self.logger, self.global_step, self.updates, scores, time.time() - start, final=True
+        )
         return 0
+
+    def stopped_in_evaluation(self, episodes: int) -> int:
+        received = self.signals.received
+        print(
+            f"evaluation stopped by signal {received[0]} after {episodes} episodes; "
+            f"checkpoint: {self.checkpoint_file}",
+            file=sys.stderr,
+        )
+        return 128 + received[0]
+
+
+def asynchronous(args) -> bool:
+    """Whether the run's actors and learner run apart (an actor lag; not --serial): its
+    evaluations then have a thread of their own. --deterministic plays them between updates,
+    where its scores and their place in the logs are fixed."""
+    return (
+        hasattr(args, "actor_lag")
+        and not getattr(args, "serial", False)
+        and not (args.deterministic)
+    )
 
 
 def stale_warning(scalars: dict, args):
@@ -545,6 +599,11 @@ def checked(args):
     if args.eval_episodes is None:
         self_play = getattr(args, "self_play", False)
         args = dataclasses.replace(args, eval_episodes=1000 if self_play else 10)
+    if args.eval_interval and not args.eval_episodes:
+        raise UsageError(
+            f"--eval-interval {args.eval_interval} evaluates --eval-episodes games, and "
+            "--eval-episodes is 0: pass a number of episodes, or leave --eval-interval out"
+        )
     leaves = jax.tree.leaves(tasks.space_tree(tasks.spaces(args.env_id)[0]))
     if getattr(args, "norm_obs", False) and not any(
         np.issubdtype(s.dtype, np.floating) for s in leaves

@@ -234,10 +234,17 @@ def test_plot_groups_runs_by_their_whole_configuration(tmp_path, capsys):
     assert plot.main(plot.PlotArgs(runs=[str(tmp_path)], out=str(tmp_path / "plots"))) == 0
     rows = summary_rows((tmp_path / "plots" / "summary.md").read_text())
     assert [row[:3] + row[4:5] + row[5:] for row in rows] == [
-        ["Acrobot-v1", "ppo total-timesteps=20000", "1", "1.00 ± 0.00", "1: 1.00"],
-        ["Acrobot-v1", "ppo total-timesteps=40000", "1", "1.00 ± 0.00", "1: 1.00"],
-        ["CartPole-v1", "dqn_envpool no-serial", "2", "444.00 ± 44.00", "1: 488.00, 2: 400.00"],
-        ["CartPole-v1", "dqn_envpool serial", "1", "340.00 ± 0.00", "1: 340.00"],
+        ["Acrobot-v1", "ppo total-timesteps=20000", "1", "1.00 ± 0.00", "-", "1: 1.00"],
+        ["Acrobot-v1", "ppo total-timesteps=40000", "1", "1.00 ± 0.00", "-", "1: 1.00"],
+        [
+            "CartPole-v1",
+            "dqn_envpool no-serial",
+            "2",
+            "444.00 ± 44.00",
+            "-",
+            "1: 488.00, 2: 400.00",
+        ],
+        ["CartPole-v1", "dqn_envpool serial", "1", "340.00 ± 0.00", "-", "1: 340.00"],
     ], rows
     assert capsys.readouterr().err == ""
 
@@ -251,7 +258,7 @@ def test_plot_draws_two_runs_of_one_seed_apart(tmp_path, capsys):
     configured_run(tmp_path / "c", "CartPole-v1", 2, {"exp_name": "appo"}, value=300.0)
     assert plot.main(plot.PlotArgs(runs=[str(tmp_path)], out=str(tmp_path / "plots"))) == 0
     rows = summary_rows((tmp_path / "plots" / "summary.md").read_text())
-    assert [(row[1], row[2], row[5]) for row in rows] == [
+    assert [(row[1], row[2], row[6]) for row in rows] == [
         ("appo", "2", "1: 500.00, 2: 300.00"),
         ("appo repeat 2", "1", "1: 100.00"),
     ], rows

@@ -42,6 +42,7 @@ from jax_async_rl.checkpoints import CONFIG, METRICS, run_identity  # noqa: E402
 from jax_async_rl.flags import UsageError, run_tool  # noqa: E402
 
 RETURN_TAG = "charts/episodic_return"
+EVAL_TAG = "eval/episodic_return"  # --eval-interval's points and the final evaluation
 FIRST_UPDATE_TAG = "charts/SPS"  # logged at every run's first update
 # config.json entries that are no part of a run's configuration: the seed, and where and how it is
 # recorded (a group's runs differ in these); the batch in words follows from the flags.
@@ -53,6 +54,7 @@ NOT_CONFIGURATION = (
     "save_interval",
     "log_frequency",
     "eval_episodes",
+    "eval_interval",
     "capture_video",
     "track",
     "wandb_project",
@@ -81,6 +83,11 @@ class PlotArgs:
     """spread drawn around the mean over seeds: +- one standard deviation, or min to max"""
     last_episodes: int = 20
     """final return of a seed: the mean of its last this many episodic returns"""
+    tag: str = RETURN_TAG
+    """the curve's scalar: charts/episodic_return (training games, each seed smoothed over
+    --window episodes), eval/episodic_return (--eval-interval's evaluations and the final one,
+    each point already a mean of --eval-episodes games: drawn as logged), or any tag the runs log
+    (drawn as logged)"""
     threshold: Optional[float] = None
     """also tabulate the env steps and seconds each seed took to reach this return (its first
     --window-episode mean at or above it), and its best such mean"""
@@ -117,6 +124,8 @@ class Run:
     # the flags that make its configuration (NOT_CONFIGURATION left out), each resume's changes in
     config: dict
     resumed_at: list  # the training seconds at which each resume started
+    curve: tuple = ()  # (steps, seconds, values) of PlotArgs.tag's records, in the order logged
+    last_eval: Optional[float] = None  # the eval/episodic_return of the largest step, if any
 
 
 def find_runs(paths: list[str]) -> list[tuple[str, bool]]:
@@ -145,31 +154,36 @@ def find_runs(paths: list[str]) -> list[tuple[str, bool]]:
     return folders
 
 
-def read_run(folder: str) -> Run:
-    """A run's episodic returns with their steps and times. A last line still being written is
-    skipped."""
+def read_run(folder: str, tag: str = RETURN_TAG) -> Run:
+    """A run's episodic returns with their steps and times (and those of `tag`'s records, the
+    curve). A last line still being written is skipped."""
     with open(os.path.join(folder, METRICS)) as f:
         lines = f.read().split("\n")
     steps, times, returns, updates, records, last_step, not_finite = [], [], [], [], [], 0, 0
+    curve, evals = [], []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            step, wall_time, tag, value = parse_record(line)
+            step, wall_time, name, value = parse_record(line)
         except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as e:
             if number == len(lines):  # no newline yet: a record in the middle of being written
                 break
             reason = str(e) if isinstance(e, NotFinite) else type(e).__name__
             raise BadMetrics(f"{folder}/{METRICS} line {number} is not a metrics record ({reason})")
-        if tag == FIRST_UPDATE_TAG:
+        if name == FIRST_UPDATE_TAG:
             updates.append(wall_time)
         records.append(wall_time)
         last_step = max(last_step, step)
-        if tag == RETURN_TAG and math.isfinite(value):
+        if name == RETURN_TAG and math.isfinite(value):
             steps.append(step)
             times.append(wall_time)
             returns.append(value)
-        not_finite += tag == RETURN_TAG and not math.isfinite(value)
+        not_finite += name == RETURN_TAG and not math.isfinite(value)
+        if name == tag and math.isfinite(value):
+            curve.append((step, wall_time, value))
+        if name == EVAL_TAG and math.isfinite(value):
+            evals.append((step, value))
     if not returns and not_finite:
         raise BadMetrics(
             f"{folder}/{METRICS}: every {RETURN_TAG} ({not_finite}) is NaN or infinite, no return "
@@ -183,8 +197,9 @@ def read_run(folder: str) -> Run:
     identity = run_identity(folder)
     resumes = [float(r["wall_time"]) for r in config.get("resumes", []) if "wall_time" in r]
     seconds, resumed_at = training_seconds(
-        np.array(times), np.array(records), np.array(updates), resumes
+        np.array(times + [t for _, t, _ in curve]), np.array(records), np.array(updates), resumes
     )
+    seconds, curve_seconds = seconds[: len(times)], seconds[len(times) :]
     return Run(
         folder,
         identity["script"],
@@ -196,6 +211,12 @@ def read_run(folder: str) -> Run:
         last_step,
         configuration(config),
         resumed_at,
+        (
+            np.array([s for s, _, _ in curve], np.float64),
+            curve_seconds,
+            np.array([v for *_, v in curve]),
+        ),
+        max(evals)[1] if evals else None,
     )
 
 
@@ -285,7 +306,7 @@ def training_seconds(times: np.ndarray, records: np.ndarray, updates: np.ndarray
     return seconds, resumed_at
 
 
-def read_runs(paths: list[str]) -> list[Run]:
+def read_runs(paths: list[str], tag: str = RETURN_TAG) -> list[Run]:
     """The runs under `paths`. A run found inside a parent folder that has no episode yet (one
     just started, or one that crashed early) or a config.json or metrics.jsonl line plot cannot read
     (BadConfig, BadMetrics) is skipped with a warning, and the others are plotted; one named is an
@@ -293,7 +314,7 @@ def read_runs(paths: list[str]) -> list[Run]:
     runs, unreadable = [], False
     for folder, explicit in find_runs(paths):
         try:
-            runs.append(read_run(folder))
+            runs.append(read_run(folder, tag))
         except (NoEpisodes, BadConfig, BadMetrics) as e:
             if explicit:
                 raise
@@ -307,6 +328,9 @@ def read_runs(paths: list[str]) -> list[Run]:
         raise UsageError(
             f"no run under {', '.join(paths)} has a {RETURN_TAG} yet: no episode has finished"
         )
+    if not any(len(run.curve[0]) for run in runs):
+        hint = " (runs log it with --eval-interval, and at the end)" if tag == EVAL_TAG else ""
+        raise UsageError(f"--tag {tag}: no run under {', '.join(paths)} logs it{hint}")
     return runs
 
 
@@ -369,14 +393,18 @@ def plot_env(env_id: str, groups: dict, args: PlotArgs, out_dir: str) -> str:
     """One PNG, two panels (return vs steps, vs training time), one line per group on this env;
     on the time panel each run's resumes are dotted lines in its group's colour."""
     fig, (ax_steps, ax_time) = plt.subplots(1, 2, figsize=(12, 4.5))
+    window = args.window if args.tag == RETURN_TAG else 1  # other tags: drawn as logged
     for label, runs in sorted(groups.items()):
+        runs = [run for run in runs if len(run.curve[0])]  # those that log --tag
+        if not runs:
+            continue
         label = f"{label} ({len(runs)} seed{'s' if len(runs) > 1 else ''})"
-        for ax, axis in ((ax_steps, "steps"), (ax_time, "seconds")):
+        for ax, axis in ((ax_steps, 0), (ax_time, 1)):
             orders = [
-                np.argsort(getattr(run, axis), kind="stable") for run in runs
+                np.argsort(run.curve[axis], kind="stable") for run in runs
             ]  # resumed runs may step back
             curves = [
-                (getattr(run, axis)[o], smooth(run.returns[o], args.window))
+                (run.curve[axis][o], smooth(run.curve[2][o], window))
                 for run, o in zip(runs, orders)
             ]
             grid, ys = resample(curves, args.points)
@@ -390,8 +418,12 @@ def plot_env(env_id: str, groups: dict, args: PlotArgs, out_dir: str) -> str:
         "training time (s): from each start's first update, so without compiles\n"
         "nor the time between a stop and its resume (dotted: a resume)"
     )
+    ylabel = {
+        RETURN_TAG: f"episodic return (mean of last {args.window} episodes)",
+        EVAL_TAG: "evaluation return (mean of its episodes)",
+    }.get(args.tag, args.tag)
     for ax in (ax_steps, ax_time):
-        ax.set_ylabel(f"episodic return (mean of last {args.window} episodes)")
+        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize="small")
     fig.suptitle(f"{env_id}: mean over seeds (dashed where some seeds have ended), band = {spread}")
@@ -467,7 +499,8 @@ def summary_table(groups: dict, last_episodes: int, threshold=None, window: int 
     )
     lines = [
         f"Final return: each seed's mean episodic return over its last {last_episodes} episodes; "
-        "mean ± std (population) over seeds."
+        "last evaluation: each seed's eval/episodic_return of its largest step (the final "
+        "evaluation's); mean ± std (population) over seeds."
         + (
             f" Steps and seconds to {threshold:g}: the first {window}-episode "
             "mean at or above it, over the seeds that reached it."
@@ -475,8 +508,9 @@ def summary_table(groups: dict, last_episodes: int, threshold=None, window: int 
             else ""
         ),
         "",
-        f"| env_id | configuration | seeds | env steps | final return{extra} | per seed |",
-        "|---|---|---:|---:|---" + "|---:|---|---|---" * bool(extra) + "|---|",
+        f"| env_id | configuration | seeds | env steps | final return | last evaluation{extra} "
+        "| per seed |",
+        "|---|---|---:|---:|---|---" + "|---:|---|---|---" * bool(extra) + "|---|",
     ]
     for (env_id, label), runs in sorted(groups.items()):
         finals = np.array([np.mean(run.returns[-last_episodes:]) for run in runs])
@@ -493,9 +527,13 @@ def summary_table(groups: dict, last_episodes: int, threshold=None, window: int 
                 f"{spread([h[1] for h in hits])}"
                 f" | {best.mean():.2f}"
             )
+        evals = [run.last_eval for run in runs if run.last_eval is not None]
+        last_eval = f"{np.mean(evals):.2f} ± {np.std(evals):.2f}" if evals else "-"
+        if evals and len(evals) < len(runs):
+            last_eval += f" ({len(evals)} seeds)"
         lines.append(
             f"| {env_id} | {label} | {len(runs)} | {steps} | {finals.mean():.2f} ± "
-            f"{finals.std():.2f}{cells} | {per_seed} |"
+            f"{finals.std():.2f} | {last_eval}{cells} | {per_seed} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -562,7 +600,7 @@ def main(args: PlotArgs) -> int:
             "no run folders given; pass run folders or a folder of runs, e.g. `python "
             "utils/plot.py runs/`"
         )
-    runs = read_runs(args.runs)
+    runs = read_runs(args.runs, args.tag)
     out_dir = args.out or os.path.join("runs", f"plots__{int(time.time())}")
     os.makedirs(out_dir, exist_ok=True)
 
