@@ -26,8 +26,8 @@ CHECKPOINT = "checkpoint.msgpack"
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
 JOURNAL = "actions.bin"  # --deterministic's actions (journal.py)
-# This launch's (the machine's devices, the processes, its compile cache, what the user trusts):
-# never restored from the run on --resume. A cache folder named by a file could hold compiled code
+# This launch's (the machine's devices, the processes, its compile cache, what the user trusts,
+# where it pauses): never restored from the run on --resume. A cache folder named by a file could hold compiled code
 # someone else wrote.
 LAUNCH = (
     "distributed",
@@ -38,6 +38,7 @@ LAUNCH = (
     "learner_device_ids",
     "compile_cache",
     "trust_env_module",
+    "pause_at",
 )
 # Where this launch wrote and what it resumed: not stored in a checkpoint, so that identical runs in
 # two folders write identical files (docs/reproducibility.md); --resume and config.json name them.

@@ -170,7 +170,7 @@ class Periodic:
         self.pending = []  # (step, update, host parameters, normaliser state), oldest first
         self.changed = threading.Condition()
         self.thread = None
-        self.warned = False
+        self.warned, self.played = False, 0
 
     def due(self, step_before: int, step: int) -> bool:
         """Whether the update from `step_before` to `step` crosses a multiple of the interval."""
@@ -185,7 +185,7 @@ class Periodic:
         item = (step, update, host, copy.deepcopy(self.normalizer.state()))
         with self.changed:
             while self.background and len(self.pending) >= self.SLOTS and not self.stop.is_set():
-                if not self.warned:
+                if not self.warned and self.played:  # the first one compiles: not said
                     self.warned = True
                     print(
                         f"warning: evaluations ({self.args.eval_episodes} episodes each) take "
@@ -258,6 +258,7 @@ class Periodic:
         with self.changed:
             assert self.pending[0] is item  # played in order, removed here alone
             self.pending.pop(0)
+            self.played += 1
             self.changed.notify_all()
         return True
 

@@ -151,6 +151,10 @@ class RunArgs:
     resume: Optional[str] = None
     """continue this run folder (or checkpoint file) with its own flags; flags given here replace
     them, except --env-id, --norm-obs and --norm-reward, which cannot change mid-run"""
+    pause_at: Annotated[int, NON_NEGATIVE] = 0
+    """stop with a checkpoint at the first update at or past this env step, the schedules still
+    set by --total-timesteps, and exit 0 without the final evaluation (what utils/launch.py --pbt
+    ends each round with; 0: never); --resume goes on from there"""
     save_interval: Annotated[int, NON_NEGATIVE] = 50
     """write a checkpoint every this many updates (0: only at the end)"""
     log_frequency: Annotated[int, POSITIVE] = 10

@@ -309,15 +309,20 @@ def read_config(path: str) -> dict:
 
 def write_config(run_dir: str, args, changed: dict, global_step: int, batch: str):
     """config.json: the run's flags as first resolved, with the update's global `batch` in words,
-    never overwritten; each resume into the run's own folder appends the flags it changed, and
-    the step it resumed from, under "resumes" (read_config's errors if the record is damaged)."""
+    never overwritten; each resume into the run's own folder appends the flags it changed (from
+    what the folder's run trained with, `differences`), and the step it resumed from, under
+    "resumes" (read_config's errors if the record is damaged)."""
     path = os.path.join(run_dir, CONFIG)
     config = dict(dataclasses.asdict(args), global_batch=batch)
-    if args.resume and (
+    continued = args.resume and (
         os.path.exists(path)
         or same_folder(run_dir, own_folder(dataclasses.replace(args, run_dir=None)))
-    ):
+    )
+    if continued:
         config = read_config(path)
+        # what this folder's run trained with before, not the checkpoint's (another run's, copied
+        # in by utils/launch.py --pbt)
+        changed = differences(config, args, changed)
     if args.resume:
         resume = {
             "step": global_step,
@@ -328,6 +333,25 @@ def write_config(run_dir: str, args, changed: dict, global_step: int, batch: str
         }
         config["resumes"] = [*config.get("resumes", []), resume]
     checkpoints.write_atomically(path, json.dumps(config, indent=2).encode())
+
+
+def differences(config: dict, args, changed: dict) -> dict:
+    """The flags that differ from what the run of `config` (config.json's, with its resumes'
+    changes) last trained with: those of `changed` (named on the command line, and unlike the
+    checkpoint's) and those a checkpoint brought from another run (utils/launch.py --pbt copies
+    one into a member's folder). The place and the launch's own are left out."""
+    effective = dict(config)
+    for resume in config.get("resumes", []):
+        effective.update(resume.get("changed", {}))
+    now = dict(dataclasses.asdict(args), **changed)
+    said = json.loads(json.dumps(now, default=str))  # as config.json holds them (a tuple: a list)
+    return {
+        name: now[name]
+        for name, value in said.items()
+        if name in effective
+        and name not in (*checkpoints.PLACE, *checkpoints.LAUNCH)
+        and effective[name] != value
+    }
 
 
 def logged_steps(run_dir: str, tag: str) -> set:

@@ -141,6 +141,11 @@ class Run:
                 "steps trained; pass a larger --total-timesteps to train on"
             )
             return
+        if self.args.pause_at and self.args.pause_at <= self.global_step:
+            raise UsageError(
+                f"--pause-at {self.args.pause_at} is not past the checkpoint's step "
+                f"{self.global_step}: pass a later step, or 0"
+            )
         note = budget_note(
             self.args,
             self.given,
@@ -351,7 +356,12 @@ class Run:
         every process are logged: `episodes`, those the update's rollouts (or chunks) carry."""
         stop, games = devices.agree(self.signals.received, stopped, list(episodes))
         self.log_episodes(self.global_step, games)
-        return stop
+        return stop or self.paused
+
+    @property
+    def paused(self) -> bool:
+        """Whether --pause-at stops the run before its last update."""
+        return 0 < self.args.pause_at <= self.global_step and self.updates < self.num_updates
 
     def log_episodes(self, step: int, episodes):
         """Each game at its own step (TensorBoard keeps one value a step): the k games reported
@@ -492,6 +502,17 @@ class Run:
                 file=sys.stderr,
             )
             return 128 + received[0]
+        if self.paused:  # --pause-at: its evaluations logged, then saved again without them
+            print(
+                f"paused at step {self.global_step} (--pause-at {self.args.pause_at}); "
+                f"checkpoint: {self.checkpoint_file}",
+                flush=True,
+            )
+            if self.periodic is not None and self.periodic.pending:
+                if not self.periodic.play_pending(received):
+                    return self.stopped_in_evaluation(0)
+                self.save()
+            return 0
         if self.progress.returns:
             print(
                 f"final: mean return over the last {len(self.progress.returns)} episodes "

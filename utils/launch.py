@@ -4,6 +4,14 @@ time (rlpyt's local queue), or as a SLURM array script.
     python utils/launch.py appo_envpool.py --grid learning-rate=1e-4,3e-4 num-envs=8,16 \
         --seeds 1 2 3 --parallel 2 --name lr -- --env-id CartPole-v1
 
+With --pbt the grid's runs x seeds are one population (Sample Factory's population-based
+training, docs/launch.md): trained in rounds of --pbt-interval env steps, ranked at each round's
+end, the bottom copying a top member's checkpoint and the flags of --pbt-mutate mutated; each
+round is recorded in DIR/NAME/pbt.jsonl.
+
+    python utils/launch.py appo_envpool.py --name pbt --pbt --pbt-interval 20000 \
+        --grid learning-rate=1e-5,3e-5,3e-2,1e-1 --parallel 2 -- --env-id CartPole-v1
+
 Each run trains in DIR/NAME/<varied flags>__seed<S>/ with `--exp-name NAME__<varied flags>`, so
 `utils/plot.py DIR/NAME` draws one curve per configuration (mean and spread over seeds) and
 tabulates each configuration's final return. DIR/NAME/sweep.json records the grid and each
@@ -19,9 +27,12 @@ relaunch waits for any run still stopping before it resumes it.
 """
 
 import ctypes
+import dataclasses
 import itertools
 import json
+import math
 import os
+import random
 import re
 import shlex
 import signal
@@ -29,19 +40,28 @@ import subprocess
 import sys
 import tempfile
 import time
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
 import tyro
 
-from jax_async_rl import flags, folders
-from jax_async_rl.checkpoints import CHECKPOINT, CONFIG, complete_tmp, load_script
+from jax_async_rl import checkpoints, flags, folders
+from jax_async_rl.checkpoints import (
+    CHECKPOINT,
+    CONFIG,
+    FIXED_ON_RESUME,
+    METRICS,
+    complete_tmp,
+    load_script,
+)
 from jax_async_rl.flags import UsageError, run_tool
 from jax_async_rl.logs import clock_time
 
 SWEEP = "sweep.json"
 LOG = "log.txt"
+PBT = "pbt.jsonl"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -63,7 +83,31 @@ class LaunchArgs:
     """DIR, the folder that holds the sweep's folder"""
     slurm: bool = False
     """write DIR/NAME/sweep.sbatch, a SLURM array script with one task a run, instead of running
-    (each grid value first checked against the script's flags, as its runs would check it)"""
+    (each grid value first checked against the script's flags, as its runs would check it); with
+    --pbt, a job that runs this launcher (the population's rounds) in its allocation"""
+    pbt: bool = False
+    """population-based training: the grid's runs x seeds (2 or more) are one population, stepped
+    in rounds of --pbt-interval env steps; at each round's end the members are ranked (the latest
+    eval/episodic_return with --eval-interval, else the mean of the last 100 training episodes),
+    the bottom --pbt-replace-fraction copies a top member's checkpoint (weights, optimiser,
+    normaliser, schedule position) and flags, and every member outside the top but the first
+    mutates --pbt-mutate (Sample Factory's rules; each round in DIR/NAME/pbt.jsonl)"""
+    pbt_interval: int = 0
+    """with --pbt: env steps of a round (each member pauses at every multiple: --pause-at)"""
+    pbt_mutate: list[str] = field(default_factory=lambda: ["learning-rate"])
+    """with --pbt: the float flags explored, each FLAG or FLAG=LOW:HIGH (the range its mutations
+    stay in; default: the flag's own)"""
+    pbt_replace_fraction: float = 0.3
+    """with --pbt: the fraction of the population (rounded up) that is the top, and the bottom"""
+    pbt_mutation_rate: float = 0.15
+    """with --pbt: the probability that a flag mutates, each flag each round"""
+    pbt_replace_gap: float = 0.1
+    """with --pbt: a bottom member copies a top one only when the top's objective is higher by
+    more than this fraction of it, and by more than --pbt-replace-gap-absolute"""
+    pbt_replace_gap_absolute: float = 1e-6
+    """with --pbt: see --pbt-replace-gap"""
+    pbt_seed: int = 0
+    """with --pbt: seed of the launcher's draws (who copies whom, the mutations)"""
 
 
 def check_names(args: LaunchArgs):
@@ -148,7 +192,7 @@ def flag_tokens(flag: str, value: str) -> list:
 def plan(args: LaunchArgs, common: list) -> list:
     """The sweep's runs: {"name", "config", "flags", "seed", "dir"}, configurations x seeds."""
     axes = parse_grid(args.grid)
-    for flag in ("seed", "run-dir", "exp-name", "resume"):
+    for flag in ("seed", "run-dir", "exp-name", "resume", "pause-at"):
         if any(token.split("=")[0] == f"--{flag}" for token in common) or flag in {
             f for f, _ in axes
         }:
@@ -205,8 +249,10 @@ def command(script: str, run: dict, common: list, exp_name: str, log) -> list:
     attempt that saved none (a run killed before its first checkpoint) is cleared first, its
     log kept: nothing in it can be resumed, and a new run refuses a folder holding it."""
     ckpt = os.path.join(run["dir"], CHECKPOINT)
+    pause = run.get("pause", [])  # --pbt: the round's end
     if os.path.exists(ckpt) or complete_tmp(ckpt):
-        return [sys.executable, script, "--resume", run["dir"], *env_flags(common)]
+        resume = [script, "--resume", run["dir"], *env_flags(common), *run.get("resume_flags", [])]
+        return [sys.executable, *resume, *pause]
     if os.path.exists(os.path.join(run["dir"], CONFIG)) and not folders.held(run["dir"]):
         folders.remove_new(run["dir"], {LOG})
         print(
@@ -214,7 +260,7 @@ def command(script: str, run: dict, common: list, exp_name: str, log) -> list:
             file=log,
             flush=True,
         )
-    return [sys.executable, *new_run(script, run, common, exp_name)]
+    return [sys.executable, *new_run(script, run, common, exp_name), *pause]
 
 
 def save(sweep_dir: Path, record: dict):
@@ -266,6 +312,8 @@ def main(args: LaunchArgs, common: list) -> int:
     runs, sweep_dir = plan(args, common), Path(args.out) / args.name
     if args.slurm:  # run here, each run checks its own flags before anything starts
         check_values(args.script, parse_grid(args.grid))
+    if args.pbt:
+        check_population(args, runs, common)
     sweep_dir.mkdir(parents=True, exist_ok=True)
     lock = folders.claim(str(sweep_dir), "launcher")  # held for this launcher's life
     try:
@@ -277,11 +325,15 @@ def main(args: LaunchArgs, common: list) -> int:
 def launch(args: LaunchArgs, common: list, runs: list, sweep_dir: Path) -> int:
     """The SLURM script, or the sweep run here: its record read, the runs a dead launcher left
     waited for, then the queue."""
+    if args.slurm and args.pbt:
+        (sweep_dir / "pbt.sbatch").write_text(pbt_slurm_script(args, common))
+        print(f"a population of {len(runs)}: submit with `sbatch {sweep_dir / 'pbt.sbatch'}`")
+        return 0
     if args.slurm:
         (sweep_dir / "sweep.sbatch").write_text(slurm_script(args, runs, common))
         print(f"{len(runs)} runs: submit with `sbatch {sweep_dir / 'sweep.sbatch'}`")
         return 0
-    previous = {}
+    previous, before = {}, {}
     if (sweep_dir / SWEEP).exists():
         before = json.loads((sweep_dir / SWEEP).read_text())
         if (
@@ -293,7 +345,14 @@ def launch(args: LaunchArgs, common: list, runs: list, sweep_dir: Path) -> int:
                 f"{shlex.join(before.get('common', []))}: "
                 "a sweep's runs share the script and flags after --; give new ones a new --name"
             )
+        if bool(before.get("pbt")) != args.pbt:
+            raise UsageError(
+                f"{sweep_dir} is {'a population (--pbt)' if before.get('pbt') else 'a sweep'}: "
+                "run it as it was started, or give the new one a new --name"
+            )
         previous = {r["name"]: r for r in before.get("runs", [])}
+    if args.pbt:
+        return run_population(args, runs, previous, before if previous else {}, sweep_dir, common)
     for run in runs:
         run.update(
             state="done" if previous.get(run["name"], {}).get("state") == "done" else "queued",
@@ -467,6 +526,338 @@ def run_eta(log: str):
         return None
     match = re.search(r" ETA (\d+):(\d\d):(\d\d)$", lines[-1].rstrip()) if lines else None
     return int(match[1]) * 3600 + int(match[2]) * 60 + int(match[3]) if match else None
+
+
+# --- population-based training (--pbt) ---
+
+
+def check_population(args: LaunchArgs, runs: list, common: list):
+    """UsageError, one line, for a population the launcher cannot train: fewer than 2 members, no
+    --pbt-interval, a flag --pbt-mutate cannot mutate or a range outside the flag's own,
+    --deterministic (a copied checkpoint does not fit another run's action journal)."""
+    if len(runs) < 2:
+        raise UsageError(
+            f"--pbt: a population of {len(runs)}; name 2 or more members (--grid values x --seeds)"
+        )
+    if args.pbt_interval <= 0:
+        raise UsageError("--pbt needs --pbt-interval, the env steps of a round (a positive number)")
+    if not 0 < args.pbt_replace_fraction <= 0.5 or not 0 <= args.pbt_mutation_rate <= 1:
+        raise UsageError(
+            "--pbt-replace-fraction must be in (0, 0.5] and --pbt-mutation-rate in [0, 1]"
+        )
+    if any(token.split("=")[0] == "--deterministic" for token in common):
+        raise UsageError(
+            "--pbt copies one member's checkpoint into another, whose --deterministic action "
+            "journal it does not fit: leave --deterministic out"
+        )
+    mutations(args.script, args.pbt_mutate)
+
+
+def mutations(script: str, entries: list) -> dict:
+    """{field: (low, high)} of --pbt-mutate's FLAG or FLAG=LOW:HIGH entries (None: the flag's own
+    bound); UsageError for a flag the script lacks, one that is not a float a resume may change,
+    or a range that is not one or leaves the flag's own."""
+    args_class = load_script(script).Args
+    hints = typing.get_type_hints(args_class, include_extras=True)
+    out = {}
+    for entry in entries:
+        flag, _, bounds = entry.partition("=")
+        name = flag.removeprefix("--").replace("-", "_")
+        flags.check_names([f"--{flag.removeprefix('--')}"], args_class)
+        kind = (
+            typing.get_args(hints[name])[0] if hasattr(hints[name], "__metadata__") else hints[name]
+        )
+        if float not in (kind, *typing.get_args(kind)) or name in FIXED_ON_RESUME:
+            raise UsageError(
+                f"--pbt-mutate {flag}: only a number flag (float) that a resume may change can "
+                "mutate"
+            )
+        low = high = None
+        if bounds:
+            try:
+                low, high = (float(x) for x in bounds.split(":"))
+            except ValueError:
+                raise UsageError(
+                    f"--pbt-mutate {entry}: expected FLAG or FLAG=LOW:HIGH (e.g. "
+                    "learning-rate=1e-5:1e-2)"
+                ) from None
+            wrong = [v for v in (low, high) if flags.out_of_range(hints[name], v)]
+            if not low < high or wrong:
+                why = f"{wrong[0]} is outside its range" if wrong else "LOW must be below HIGH"
+                raise UsageError(f"--pbt-mutate {entry}: {why}")
+        out[name] = (low, high, hints[name])
+    return out
+
+
+def perturb(value: float, name: str, default: float, rng, rate: float, bounds) -> float:
+    """Sample Factory's exploration of one flag: with probability `rate`, back to `default` (1
+    in 100, where it is not there yet) or multiplied or divided by a factor from U[1.1, 1.5] (γ and
+    λ: their 1 - x, by U[1.01, 1.2]); kept within `bounds` (low, high, the flag's annotation): a
+    value outside is not taken."""
+    if rng.random() > rate:
+        return value
+    if value != default and rng.random() < 0.01:
+        return default
+    if name in ("gamma", "gae_lambda"):
+        amount = rng.uniform(1.01, 1.2)
+        new = 1.0 - ((1.0 - value) / amount if rng.random() < 0.5 else (1.0 - value) * amount)
+    else:
+        amount = rng.uniform(1.1, 1.5)
+        new = value / amount if rng.random() < 0.5 else value * amount
+    low, high, hint = bounds
+    new = min(max(new, low if low is not None else new), high if high is not None else new)
+    return value if flags.out_of_range(hint, new) else new
+
+
+def decide(order: list, objectives: dict, values: dict, defaults: dict, bounds: dict, args, rng):
+    """One round's exploit and explore (Sample Factory's _update_policy), for the members in
+    `order` (the first never mutates): the top ceil(fraction x N) by objective stay; each of the
+    bottom as many copies a random top member when that one's objective is higher by both gaps (a
+    member with no objective, crashed, always does); every member outside the top then takes its
+    source's flags, mutated. Returns {member: {"rank", "copies" (or None), "new": flags}}."""
+    ranked = sorted(
+        order, key=lambda m: (objectives[m] is not None, objectives[m] or 0.0), reverse=True
+    )
+    count = math.ceil(args.pbt_replace_fraction * len(order))
+    top, bottom = ranked[:count], ranked[-count:]
+    out = {}
+    for member in order:
+        source = member
+        if member in bottom and member not in top:
+            candidate = rng.choice(top)
+            mine, theirs = objectives[member], objectives[candidate]
+            if mine is None or (
+                abs(theirs - mine) > args.pbt_replace_gap_absolute
+                and abs((theirs - mine) / (theirs + 1e-8)) > args.pbt_replace_gap
+            ):
+                source = candidate
+        new = dict(values[source])
+        if member not in top and member != order[0]:
+            new = {
+                name: perturb(v, name, defaults[name], rng, args.pbt_mutation_rate, bounds[name])
+                for name, v in new.items()
+            }
+        out[member] = {
+            "rank": ranked.index(member) + 1,
+            "copies": None if source == member else source,
+            "new": new,
+        }
+    return out
+
+
+def objective(run_dir: str, step: int):
+    """(The member's objective at `step`, what it is): its latest eval/episodic_return up to
+    `step` where it logs any, else the mean of its last 100 charts/episodic_return up to `step`;
+    (None, ...) when it has neither (or no metrics)."""
+    evaluations, returns = [], []
+    try:
+        with open(os.path.join(run_dir, METRICS)) as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                    if int(record["step"]) > step:
+                        continue
+                    if record["tag"] == "eval/episodic_return":
+                        evaluations.append((int(record["step"]), float(record["value"])))
+                    elif record["tag"] == "charts/episodic_return":
+                        returns.append(float(record["value"]))
+                except (ValueError, KeyError, TypeError):
+                    pass
+    except OSError:
+        return None, "none"
+    if evaluations:
+        return max(evaluations)[1], "eval/episodic_return"
+    if returns:
+        return sum(returns[-100:]) / len(returns[-100:]), "charts/episodic_return, last 100"
+    return None, "none"
+
+
+def member_step(run_dir: str):
+    """(The env step of a member's checkpoint, its budget's last step) or None where it has no
+    readable checkpoint or config.json."""
+    try:
+        payload = checkpoints.read_checkpoint(os.path.join(run_dir, CHECKPOINT))
+        config = folders.read_config(os.path.join(run_dir, CONFIG))
+        batch = int(re.search(r"= (\d+) env steps", config["global_batch"])[1])
+        total = int(config["total_timesteps"])
+    except (UsageError, KeyError, TypeError, ValueError, OSError):
+        return None
+    step = int(payload["state"]["global_step"])
+    return step, step + (total - step) // batch * batch
+
+
+def flag_values(run_dir: str, names) -> dict:
+    """The values of `names` a member trains with: its config.json's, each resume's changes
+    applied."""
+    config = folders.read_config(os.path.join(run_dir, CONFIG))
+    values = {name: config.get(name) for name in names}
+    for resume in config.get("resumes", []):
+        for name in names:
+            if name in resume.get("changed", {}):
+                values[name] = resume["changed"][name]
+    return {name: float(v) for name, v in values.items()}
+
+
+def run_population(args, runs, previous, before, sweep_dir, common) -> int:
+    """The population's rounds: each member trains (or resumes) to the round's end (`--pause-at`),
+    `--parallel` at a time; then `decide`, recorded in pbt.jsonl before any checkpoint is copied,
+    so that a launcher stopped between the two applies the same round again. A Ctrl-C stops the
+    members with their checkpoints; the same command continues the round."""
+    bounds = mutations(args.script, args.pbt_mutate)
+    module = load_script(args.script)
+    defaults = dataclasses.asdict(module.resolve_args(flags.parse(module.Args, common)))
+    defaults = {name: float(defaults[name]) for name in bounds}
+    record = {
+        "script": args.script,
+        "grid": args.grid,
+        "seeds": args.seeds,
+        "common": common,
+        "pbt": before.get("pbt", {"round": 0, "values": {}}),
+        "runs": runs,
+    }
+    for run in runs:
+        old = previous.get(run["name"], {})
+        run.update(state=old.get("state", "queued"), exit_code=old.get("exit_code"))
+        run["log"] = str(Path(run["dir"]) / LOG)
+        if run["state"] in ("running", "stopped", "failed"):
+            run["state"] = "queued"
+    rng_for = lambda r: random.Random(f"{args.pbt_seed}:{r}")  # noqa: E731
+    while True:
+        r = record["pbt"]["round"]
+        boundary = (r + 1) * args.pbt_interval
+        for run in runs:
+            run["pause"] = ["--pause-at", str(boundary)]
+            values = record["pbt"]["values"].get(run["name"])
+            run["resume_flags"] = [
+                *(
+                    t
+                    for name, v in (values or {}).items()
+                    for t in (f"--{name.replace('_', '-')}", repr(v))
+                ),
+                "--seed",
+                str(run["seed"]),
+                "--exp-name",
+                f"{args.name}__{run['config']}",
+            ]
+        code = run_queue(args, record, sweep_dir, common)
+        if code > 128:
+            return code
+        steps = {run["name"]: member_step(run["dir"]) for run in runs}
+        for run in runs:
+            at = steps[run["name"]]
+            if run["state"] == "done" and at is not None and at[0] < at[1]:
+                run["state"] = "paused"  # reached the round's end, not the budget's
+            elif run["state"] == "done" and at is None:
+                run["state"] = "failed"
+        if all(run["state"] == "done" for run in runs):
+            save(sweep_dir, record)
+            print(f"population: {len(runs)} members trained to the end in {r + 1} rounds")
+            return 0
+        alive = [run for run in runs if run["state"] != "failed"]
+        if not any(run["state"] == "paused" for run in runs):  # none to copy from, or no round
+            failed = [run["name"] for run in runs if run["state"] == "failed"]
+            print(
+                f"population: {', '.join(failed)} failed and no member is at step {boundary} to "
+                "replace them; see their log.txt",
+                file=sys.stderr,
+            )
+            return 1
+        names = [run["name"] for run in runs]
+        found = {run["name"]: objective(run["dir"], boundary) for run in runs}
+        objectives = {
+            run["name"]: None if run["state"] == "failed" else found[run["name"]][0] for run in runs
+        }
+        if record["pbt"]["values"]:
+            values = record["pbt"]["values"]
+        else:  # the first round's end: what each member trained with (its grid value, else preset)
+            values = {run["name"]: flag_values(run["dir"], bounds) for run in alive}
+            for run in runs:  # a member that crashed in round 0: the first alive's
+                values.setdefault(run["name"], values[alive[0]["name"]])
+        logged = read_rounds(sweep_dir)
+        if logged and logged[-1]["round"] == r:  # decided before a stop: applied again
+            decisions = {m["name"]: m for m in logged[-1]["members"]}
+        else:
+            decisions = decide(names, objectives, values, defaults, bounds, args, rng_for(r))
+            entry = {
+                "round": r,
+                "step": boundary,
+                "objective": next((what for _, what in found.values() if what != "none"), "none"),
+                "members": [
+                    {
+                        "name": name,
+                        "state": next(run["state"] for run in runs if run["name"] == name),
+                        "objective": objectives[name],
+                        "rank": decisions[name]["rank"],
+                        "copies": decisions[name]["copies"],
+                        "old": values[name],
+                        "new": decisions[name]["new"],
+                    }
+                    for name in names
+                ],
+                "time": time.time(),
+            }
+            append_round(sweep_dir, entry)
+            decisions = {m["name"]: m for m in entry["members"]}
+        for name in names:
+            source = decisions[name]["copies"]
+            if source is not None:
+                src = next(run for run in runs if run["name"] == source)
+                dst = next(run for run in runs if run["name"] == name)
+                data = Path(src["dir"], CHECKPOINT).read_bytes()
+                os.makedirs(dst["dir"], exist_ok=True)
+                checkpoints.write_atomically(os.path.join(dst["dir"], CHECKPOINT), data)
+        say = ", ".join(
+            f"{name} copies {decisions[name]['copies']}"
+            for name in names
+            if decisions[name]["copies"]
+        )
+        print(f"population: round {r} ended at step {boundary}; {say or 'no copy'}", flush=True)
+        record["pbt"] = {"round": r + 1, "values": {n: decisions[n]["new"] for n in names}}
+        for run in runs:
+            if run["state"] != "done":
+                run["state"] = "queued"
+        save(sweep_dir, record)
+
+
+def read_rounds(sweep_dir: Path) -> list:
+    """pbt.jsonl's rounds (a last line cut off by a crash left out)."""
+    rounds = []
+    try:
+        with open(sweep_dir / PBT) as f:
+            for line in f:
+                try:
+                    rounds.append(json.loads(line))
+                except ValueError:
+                    pass
+    except FileNotFoundError:
+        pass
+    return rounds
+
+
+def append_round(sweep_dir: Path, entry: dict):
+    """One line of pbt.jsonl, written whole and synced before any checkpoint is copied."""
+    with open(sweep_dir / PBT, "a") as f:
+        f.write(json.dumps(entry) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def pbt_slurm_script(args: LaunchArgs, common: list) -> str:
+    """An sbatch script of one job that runs this launcher (without --slurm) in its allocation:
+    the population's rounds need one process to rank and copy between them."""
+    argv = [a for a in sys.argv[1:] if a != "--slurm"]
+    output = shlex.quote(f"{Path(args.out) / args.name}/pbt_slurm.out")
+    command = " ".join(shlex.quote(t) for t in [sys.executable, sys.argv[0], *argv])
+    return "\n".join(
+        [
+            "#!/bin/bash",
+            f"#SBATCH --job-name={shlex.quote(args.name)}",
+            f"#SBATCH --output={output}",
+            "",
+            command,
+            "",
+        ]
+    )
 
 
 def summary(runs: list, stop: list) -> int:
