@@ -27,7 +27,6 @@ relaunch waits for any run still stopping before it resumes it.
 """
 
 import ctypes
-import dataclasses
 import itertools
 import json
 import math
@@ -569,8 +568,8 @@ def mutations(script: str, entries: list) -> dict:
         )
         if float not in (kind, *typing.get_args(kind)) or name in FIXED_ON_RESUME:
             raise UsageError(
-                f"--pbt-mutate {flag}: only a number flag (float) that a resume may change can "
-                "mutate"
+                f"--pbt-mutate {flag}: cannot mutate; only a number flag (float) that a resume "
+                "may change can"
             )
         low = high = None
         if bounds:
@@ -645,6 +644,31 @@ def decide(order: list, objectives: dict, values: dict, defaults: dict, bounds: 
     return out
 
 
+RESOLVE = """
+import dataclasses, json, sys
+from jax_async_rl import flags
+from jax_async_rl.checkpoints import load_script
+module = load_script(sys.argv[1])
+args = module.resolve_args(flags.parse(module.Args, json.loads(sys.argv[2])))
+print(json.dumps({name: getattr(args, name) for name in json.loads(sys.argv[3])}))
+"""
+
+
+def resolved(script: str, common: list, names: list) -> dict:
+    """{flag: value} of `names` as the script resolves the common flags (its preset filled in):
+    what a mutation may reset a flag to. Asked of a child process, so that this one never starts
+    JAX, whose threads a fork of the runs' processes (with their PR_SET_PDEATHSIG) would copy."""
+    done = subprocess.run(
+        [sys.executable, "-c", RESOLVE, script, json.dumps(common), json.dumps(names)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode:
+        said = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise UsageError(f"--pbt: {os.path.basename(script)} refuses the flags after -- ({said})")
+    return {name: float(value) for name, value in json.loads(done.stdout.splitlines()[-1]).items()}
+
+
 def objective(run_dir: str, step: int):
     """(The member's objective at `step`, what it is): its latest eval/episodic_return up to
     `step` where it logs any, else the mean of its last 100 charts/episodic_return up to `step`;
@@ -704,9 +728,7 @@ def run_population(args, runs, previous, before, sweep_dir, common) -> int:
     so that a launcher stopped between the two applies the same round again. A Ctrl-C stops the
     members with their checkpoints; the same command continues the round."""
     bounds = mutations(args.script, args.pbt_mutate)
-    module = load_script(args.script)
-    defaults = dataclasses.asdict(module.resolve_args(flags.parse(module.Args, common)))
-    defaults = {name: float(defaults[name]) for name in bounds}
+    defaults = resolved(args.script, common, list(bounds))
     record = {
         "script": args.script,
         "grid": args.grid,

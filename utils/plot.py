@@ -13,11 +13,15 @@ and not another, does not shift the curves) to its last record, summed over its 
 the time between a stop and its resume is not counted; each resume is marked. Past the shortest
 seed the line is the mean of the seeds still running. A sweep folder of utils/launch.py gives one
 curve per configuration. One PNG per environment (every group on it, two panels) and summary.md, a
-markdown table of final returns, also printed on stdout.
+markdown table of final returns and last evaluations, also printed on stdout. --tag draws another
+scalar (eval/episodic_return: the evaluation curve). A population folder of utils/launch.py --pbt
+named on the command line also gets NAME_pbt.png: its best and median member, and each member's
+learning rate over steps.
 
 Usage:
     python utils/plot.py runs/                                  # every run folder under runs/
     python utils/plot.py runs/a runs/b runs/c --band minmax --out plots/
+    python utils/plot.py runs/pbt --tag eval/episodic_return    # a population: + pbt_pbt.png
 """
 
 import json
@@ -589,6 +593,73 @@ def describe(flag: str, value) -> str:
     return name if value is True else f"no-{name}" if value is False else f"{name}={value}"
 
 
+def plot_population(folder: str, args: PlotArgs, out_dir: str) -> str:
+    """A population of utils/launch.py --pbt (a folder holding pbt.jsonl): one PNG, the best and
+    the median member's curve (--tag's, each member smoothed as the curves are) against env steps
+    with each round's end dotted, and each member's charts/learning_rate against env steps (the
+    rate it trained with: copied, mutated, annealed)."""
+    members = sorted(
+        os.path.join(folder, name)
+        for name in os.listdir(folder)
+        if os.path.isfile(os.path.join(folder, name, METRICS))
+    )
+    window = args.window if args.tag == RETURN_TAG else 1
+    curves, rates = [], {}
+    for member in members:
+        run = read_run(member, args.tag)
+        if len(run.curve[0]):
+            order = np.argsort(run.curve[0], kind="stable")
+            curves.append((run.curve[0][order], smooth(run.curve[2][order], window)))
+        rates[os.path.basename(member)] = tag_records(member, "charts/learning_rate")
+    with open(os.path.join(folder, "pbt.jsonl")) as f:
+        rounds = [json.loads(line) for line in f if line.strip()]
+    fig, (ax_curve, ax_rate) = plt.subplots(1, 2, figsize=(12, 4.5))
+    if curves:
+        grid, ys = resample(curves, args.points)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            ax_curve.plot(grid, np.nanmax(ys, axis=0), label="best member")
+            ax_curve.plot(grid, np.nanmedian(ys, axis=0), label="median member")
+    for entry in rounds:
+        ax_curve.axvline(entry["step"], color="grey", linestyle=":", linewidth=1)
+    for name, (steps, values) in sorted(rates.items()):
+        ax_rate.plot(steps, values, label=name, drawstyle="steps-post")
+    ax_curve.set_ylabel(
+        {RETURN_TAG: "episodic return", EVAL_TAG: "evaluation return"}.get(args.tag, args.tag)
+    )
+    ax_rate.set_ylabel("learning rate (charts/learning_rate)")
+    ax_rate.set_yscale("log")
+    copies = sum(1 for entry in rounds for m in entry["members"] if m.get("copies"))
+    for ax in (ax_curve, ax_rate):
+        ax.set_xlabel("environment steps")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize="small")
+    fig.suptitle(
+        f"{os.path.basename(os.path.normpath(folder))}: population of {len(members)}, "
+        f"{len(rounds)} rounds (dotted), {copies} copies"
+    )
+    fig.tight_layout()
+    path = os.path.join(out_dir, os.path.basename(os.path.normpath(folder)) + "_pbt.png")
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def tag_records(folder: str, tag: str):
+    """(steps, values) of `tag`'s finite records in a run's metrics.jsonl, in step order."""
+    found = []
+    with open(os.path.join(folder, METRICS)) as f:
+        for line in f:
+            try:
+                step, _, name, value = parse_record(line)
+            except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
+                continue
+            if name == tag and math.isfinite(value):
+                found.append((step, value))
+    found.sort()
+    return np.array([s for s, _ in found]), np.array([v for _, v in found])
+
+
 def main(args: PlotArgs) -> int:
     for name in ["window", "points", "last_episodes"]:
         if getattr(args, name) <= 0:
@@ -610,6 +681,11 @@ def main(args: PlotArgs) -> int:
         by_env[env_id][label] = group
     pngs = [
         plot_env(env_id, labelled, args, out_dir) for env_id, labelled in sorted(by_env.items())
+    ]
+    pngs += [  # utils/launch.py --pbt's populations
+        plot_population(path, args, out_dir)
+        for path in args.runs
+        if os.path.isfile(os.path.join(path, "pbt.jsonl"))
     ]
 
     table = summary_table(groups, args.last_episodes, args.threshold, args.window)
