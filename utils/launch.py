@@ -785,7 +785,11 @@ def run_population(args, runs, previous, before, sweep_dir, common) -> int:
             )
             return 1
         names = [run["name"] for run in runs]
-        found = {run["name"]: objective(run["dir"], boundary) for run in runs}
+        # each member's objective at its own step: the first update's at or past the boundary
+        found = {
+            run["name"]: objective(run["dir"], (steps[run["name"]] or (boundary,))[0])
+            for run in runs
+        }
         objectives = {
             run["name"]: None if run["state"] == "failed" else found[run["name"]][0] for run in runs
         }
