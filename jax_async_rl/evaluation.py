@@ -12,7 +12,7 @@ import warnings
 import jax
 import numpy as np
 
-from jax_async_rl import checkpoints, folders, selfplay
+from jax_async_rl import checkpoints, selfplay
 from jax_async_rl.flags import UsageError
 from jax_async_rl.tasks import EpisodeStats, env_action, env_kind, make_env
 
@@ -157,8 +157,8 @@ class Periodic:
     which only copies the parameters to the host; while SLOTS evaluations wait, the learner waits
     too (said once). Otherwise (sync, --serial, --deterministic) they are played where `published`
     is called, between updates. An evaluation not logged yet is pending: the checkpoint holds the
-    pending ones (`state`), and a resume plays them first (`load`), unless metrics.jsonl has them
-    already: a resume neither repeats nor skips a point."""
+    pending ones (`state`), and a resume plays them first (`restore_pending`; runs.Run.open drops
+    those metrics.jsonl has already): a resume neither repeats nor skips a point."""
 
     SLOTS = 2
 
@@ -278,33 +278,48 @@ class Periodic:
             }
         }
 
-    def load(self, stored, params, path: str, run_dir):
-        """Take a checkpoint's pending evaluations (`stored`: its raw "evaluations", or None);
-        `params`: the run's parameters, their structure. Those that metrics.jsonl in `run_dir`
-        logs already are dropped. UsageError, one line, for entries that do not fit."""
-        if stored is None:
-            return
-        try:
-            count = len(stored["steps"])
-            assert 0 < count <= 64
-        except Exception:
-            raise UsageError(f"--resume: {path}: its pending evaluations are malformed") from None
-        one = (jax.device_get(params), self.normalizer.state())
-        template = {
-            "steps": np.zeros(count, np.int64),
-            "updates": np.zeros(count, np.int64),
-            "params": jax.tree.map(lambda x: np.stack([x] * count), one[0]),
-            "norm": jax.tree.map(lambda x: np.stack([x] * count), one[1]),
-        }
-        restored = checkpoints.load_checkpoint({"state": stored}, template, path)
-        steps, updates = np.asarray(restored["steps"]), np.asarray(restored["updates"])
-        if steps.dtype.kind not in "iu" or updates.dtype.kind not in "iu" or steps.ndim != 1:
-            raise UsageError(f"--resume: {path}: its pending evaluations' steps are not integers")
-        logged = folders.logged_steps(run_dir, "eval/episodic_return") if run_dir else set()
-        for i, (step, update) in enumerate(zip(steps.tolist(), updates.tolist())):
-            if step not in logged:
-                take = jax.tree.map(lambda x, i=i: np.asarray(x[i]), restored)
-                self.pending.append((step, update, take["params"], take["norm"]))
+
+def restore_pending(stored, params, normalizer, global_step: int, path: str) -> list:
+    """A checkpoint's pending evaluations (`stored`: its raw "evaluations", or None) as Periodic's
+    items, in the structure of `params` and of the normaliser's statistics. UsageError, one line,
+    for an entry that is not what a run writes: its steps integers in (0, `global_step`], its
+    updates positive, 64 at most."""
+    if stored is None:
+        return []
+    malformed = UsageError(f"--resume: {path}: its pending evaluations are malformed")
+    try:
+        count = len(stored["steps"])
+        keys = set(stored)
+    except Exception:
+        raise malformed from None
+    if not 0 < count <= 64 or keys != {"steps", "updates", "params", "norm"}:
+        raise malformed
+    template = {
+        "steps": np.zeros(count, np.int64),
+        "updates": np.zeros(count, np.int64),
+        "params": jax.tree.map(lambda x: np.stack([x] * count), jax.device_get(params)),
+        "norm": jax.tree.map(lambda x: np.stack([x] * count), normalizer.state()),
+    }
+    restored = checkpoints.load_checkpoint({"state": stored}, template, path)
+    steps, updates = np.asarray(restored["steps"]), np.asarray(restored["updates"])
+    if (
+        steps.dtype.kind not in "iu"
+        or updates.dtype.kind not in "iu"
+        or steps.shape != (count,)
+        or updates.shape != (count,)
+        or not ((steps > 0) & (steps <= global_step) & (updates > 0)).all()
+    ):
+        raise UsageError(
+            f"--resume: {path}: its pending evaluations' steps are not those of the run's updates"
+        )
+    return [
+        (
+            int(steps[i]),
+            int(updates[i]),
+            *jax.tree.map(lambda x, i=i: np.asarray(x[i]), (restored["params"], restored["norm"])),
+        )
+        for i in range(count)
+    ]
 
 
 class Stopping:

@@ -210,6 +210,7 @@ class Run:
         structure, replicated on the learner devices as every update returns it (no recompile).
         Process 0 makes (or reopens) the run folder, writes config.json and opens the logs, before
         any env starts."""
+        pending = []  # --eval-interval's evaluations the checkpoint had not played
         if self.payload:
             path = checkpoints.checkpoint_path(self.args.resume)
             extra = pool.state() if pool is not None else {}
@@ -217,6 +218,14 @@ class Run:
                 self.payload, dict(state, **normalizer.state(), **extra), path
             )
             normalizer.load(state)
+            # --eval-interval's pending evaluations, checked before the folder is touched
+            pending = evaluation.restore_pending(
+                self.payload["state"].get("evaluations") if self.args.eval_interval else None,
+                state["params"],
+                normalizer,
+                self.global_step,
+                path,
+            )
             if pool is not None:
                 pool.load(state)
                 if not pool.snapshots:  # a checkpoint that kept none: its parameters play
@@ -281,10 +290,9 @@ class Run:
                 background=asynchronous(self.args),
                 errors=self.threads.errors,
             )
-            if self.payload:  # what the checkpoint had not evaluated yet
-                self.periodic.load(
-                    self.payload["state"].get("evaluations"), state["params"], path, self.run_dir
-                )
+            # what the checkpoint had not evaluated yet, unless metrics.jsonl logs it already
+            logged = folders.logged_steps(self.run_dir, "eval/episodic_return")
+            self.periodic.pending = [item for item in pending if item[0] not in logged]
         return self.state
 
     def actors(self) -> list:

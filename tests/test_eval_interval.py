@@ -198,3 +198,56 @@ def test_replay_scripts_evaluate_with_their_evaluation_policy(script, argv, tmp_
         assert abs(np.mean(trained) - 22) < 6 and all(
             abs(v - np.mean(trained)) > 5 for v in evaluated
         )
+
+
+@pytest.mark.parametrize(
+    "evaluations, fragment",
+    [
+        (5, "malformed"),
+        ({"steps": np.array([1.5])}, "malformed"),
+        ("steps", "malformed"),
+        ("past", "not those of the run's updates"),
+        ("negative", "not those of the run's updates"),
+    ],
+)
+def test_a_crafted_pending_evaluation_is_one_line_before_the_folder_changes(
+    evaluations, fragment, tmp_path
+):
+    """A checkpoint whose pending evaluations are not what a run writes (not a record, float
+    steps, a step past the checkpoint's or below 1): --resume says so in one line, exit 2, and
+    leaves config.json and the folder's files as they were."""
+    import flax.serialization
+
+    run_dir = tmp_path / "run"
+    argv = ["--env-id", "CartPole-v1", "--total-timesteps", 2048, "--eval-interval", 512]
+    result = run_script("ppo_sync_baseline.py", argv + ["--run-dir", run_dir], timeout=300)
+    assert result.returncode == 0, describe(result)
+    path = run_dir / "checkpoint.msgpack"
+    payload = flax.serialization.msgpack_restore(path.read_bytes())
+    state = payload["state"]
+    one = {"params": jax_tree_stack(state["params"]), "norm": {}}
+    if evaluations == "past":
+        evaluations = dict(one, steps=np.array([4096]), updates=np.array([8]))
+    elif evaluations == "negative":
+        evaluations = dict(one, steps=np.array([-5]), updates=np.array([1]))
+    elif evaluations == "steps":
+        evaluations = dict(one, steps=np.array([512]))
+    state["evaluations"] = evaluations
+    path.write_bytes(flax.serialization.msgpack_serialize(payload))
+    before = sorted(p.name for p in run_dir.iterdir()), (run_dir / "config.json").read_text()
+    result = run_script(
+        "ppo_sync_baseline.py", ["--resume", run_dir, "--total-timesteps", 4096], timeout=300
+    )
+    assert result.returncode == 2 and fragment in result.stderr, describe(result)
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+    assert (
+        sorted(p.name for p in run_dir.iterdir()),
+        (run_dir / "config.json").read_text(),
+    ) == before
+
+
+def jax_tree_stack(tree):
+    """A params tree (nested dicts of arrays) with a leading axis of 1: one pending evaluation."""
+    if isinstance(tree, dict):
+        return {k: jax_tree_stack(v) for k, v in tree.items()}
+    return np.asarray(tree)[None]

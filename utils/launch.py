@@ -560,8 +560,13 @@ def mutations(script: str, entries: list) -> dict:
     hints = typing.get_type_hints(args_class, include_extras=True)
     out = {}
     for entry in entries:
-        flag, _, bounds = entry.partition("=")
+        flag, equals, bounds = entry.partition("=")
         name = flag.removeprefix("--").replace("-", "_")
+        if not name or (equals and not bounds):
+            raise UsageError(
+                f"--pbt-mutate {entry!r}: expected FLAG or FLAG=LOW:HIGH (e.g. "
+                "learning-rate=1e-5:1e-2)"
+            )
         flags.check_names([f"--{flag.removeprefix('--')}"], args_class)
         kind = (
             typing.get_args(hints[name])[0] if hasattr(hints[name], "__metadata__") else hints[name]
@@ -761,6 +766,10 @@ def run_population(args, runs, previous, before, sweep_dir, common) -> int:
                 "--exp-name",
                 f"{args.name}__{run['config']}",
             ]
+        for run in runs:  # stopped once it had paused (or finished): not started again
+            at = member_step(run["dir"])
+            if run["state"] == "queued" and at is not None and at[0] >= min(boundary, at[1]):
+                run["state"] = "done"
         code = run_queue(args, record, sweep_dir, common)
         if code > 128:
             return code
@@ -776,13 +785,15 @@ def run_population(args, runs, previous, before, sweep_dir, common) -> int:
             print(f"population: {len(runs)} members trained to the end in {r + 1} rounds")
             return 0
         alive = [run for run in runs if run["state"] != "failed"]
-        if not any(run["state"] == "paused" for run in runs):  # none to copy from, or no round
+        if not any(run["state"] == "paused" for run in runs):  # no round after this one
             failed = [run["name"] for run in runs if run["state"] == "failed"]
+            finished = [run["name"] for run in runs if run["state"] == "done"]
             print(
-                f"population: {', '.join(failed)} failed and no member is at step {boundary} to "
-                "replace them; see their log.txt",
+                f"population: {', '.join(failed)} failed in the last round, where no member "
+                f"pauses to replace it; {len(finished)} finished; see the log.txt of each",
                 file=sys.stderr,
             )
+            save(sweep_dir, record)
             return 1
         names = [run["name"] for run in runs]
         # each member's objective at its own step: the first update's at or past the boundary
@@ -832,6 +843,9 @@ def run_population(args, runs, previous, before, sweep_dir, common) -> int:
                 data = Path(src["dir"], CHECKPOINT).read_bytes()
                 os.makedirs(dst["dir"], exist_ok=True)
                 checkpoints.write_atomically(os.path.join(dst["dir"], CHECKPOINT), data)
+                if not os.path.exists(os.path.join(dst["dir"], CONFIG)):  # it failed before one
+                    config = Path(src["dir"], CONFIG).read_bytes()
+                    checkpoints.write_atomically(os.path.join(dst["dir"], CONFIG), config)
         say = ", ".join(
             f"{name} copies {decisions[name]['copies']}"
             for name in names

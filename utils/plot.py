@@ -596,8 +596,8 @@ def describe(flag: str, value) -> str:
 def plot_population(folder: str, args: PlotArgs, out_dir: str) -> str:
     """A population of utils/launch.py --pbt (a folder holding pbt.jsonl): one PNG, the best and
     the median member's curve (--tag's, each member smoothed as the curves are) against env steps
-    with each round's end dotted, and each member's charts/learning_rate against env steps (the
-    rate it trained with: copied, mutated, annealed)."""
+    with each round's end dotted, and each member's --learning-rate against env steps as pbt.jsonl
+    records each round setting it (copied, mutated; where the population mutates it)."""
     members = sorted(
         os.path.join(folder, name)
         for name in os.listdir(folder)
@@ -610,9 +610,18 @@ def plot_population(folder: str, args: PlotArgs, out_dir: str) -> str:
         if len(run.curve[0]):
             order = np.argsort(run.curve[0], kind="stable")
             curves.append((run.curve[0][order], smooth(run.curve[2][order], window)))
-        rates[os.path.basename(member)] = tag_records(member, "charts/learning_rate")
     with open(os.path.join(folder, "pbt.jsonl")) as f:
         rounds = [json.loads(line) for line in f if line.strip()]
+    for name in sorted({m["name"] for entry in rounds for m in entry["members"]}):
+        # the rate the launcher set each round (the flag; --anneal-lr scales it within a round)
+        steps, values = [0], []
+        for entry in rounds:
+            member = next(m for m in entry["members"] if m["name"] == name)
+            values = values or [member["old"].get("learning_rate")]
+            steps.append(entry["step"])
+            values.append(member["new"].get("learning_rate"))
+        if None not in values:
+            rates[name] = (np.array(steps), np.array(values, float))
     fig, (ax_curve, ax_rate) = plt.subplots(1, 2, figsize=(12, 4.5))
     if curves:
         grid, ys = resample(curves, args.points)
@@ -627,7 +636,7 @@ def plot_population(folder: str, args: PlotArgs, out_dir: str) -> str:
     ax_curve.set_ylabel(
         {RETURN_TAG: "episodic return", EVAL_TAG: "evaluation return"}.get(args.tag, args.tag)
     )
-    ax_rate.set_ylabel("learning rate (charts/learning_rate)")
+    ax_rate.set_ylabel("--learning-rate (pbt.jsonl: as each round set it)")
     ax_rate.set_yscale("log")
     copies = sum(1 for entry in rounds for m in entry["members"] if m.get("copies"))
     for ax in (ax_curve, ax_rate):
@@ -643,21 +652,6 @@ def plot_population(folder: str, args: PlotArgs, out_dir: str) -> str:
     fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return path
-
-
-def tag_records(folder: str, tag: str):
-    """(steps, values) of `tag`'s finite records in a run's metrics.jsonl, in step order."""
-    found = []
-    with open(os.path.join(folder, METRICS)) as f:
-        for line in f:
-            try:
-                step, _, name, value = parse_record(line)
-            except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
-                continue
-            if name == tag and math.isfinite(value):
-                found.append((step, value))
-    found.sort()
-    return np.array([s for s, _ in found]), np.array([v for _, v in found])
 
 
 def main(args: PlotArgs) -> int:
