@@ -41,7 +41,7 @@ def evaluate(
     (selfplay.Opponents; None: the uniform random player), and its results printed by seat (and
     appended to the list `seats`: (opponent kind, the learner's place, its reward) a scored game).
     """
-    num_envs = min(num_episodes, 8)
+    num_envs = min(num_episodes, 16)  # 10 games: one each, not two in turn
     quota = np.full(num_envs, -(-num_episodes // num_envs))
     kind = env_kind(args.env_id)
     render = video_dir is not None and kind not in ("mujoco", "dm_control", "pgx")
