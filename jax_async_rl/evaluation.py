@@ -12,7 +12,7 @@ import warnings
 import jax
 import numpy as np
 
-from jax_async_rl import checkpoints, selfplay
+from jax_async_rl import checkpoints, folders, selfplay
 from jax_async_rl.flags import UsageError
 from jax_async_rl.tasks import EpisodeStats, env_action, env_kind, make_env
 
@@ -41,7 +41,7 @@ def evaluate(
     (selfplay.Opponents; None: the uniform random player), and its results printed by seat (and
     appended to the list `seats`: (opponent kind, the learner's place, its reward) a scored game).
     """
-    num_envs = min(num_episodes, 16)  # 10 games: one each, not two in turn
+    num_envs = envs_for(num_episodes)
     quota = np.full(num_envs, -(-num_episodes // num_envs))
     kind = env_kind(args.env_id)
     render = video_dir is not None and kind not in ("mujoco", "dm_control", "pgx")
@@ -129,6 +129,13 @@ def evaluate(
     return scores[:num_episodes]
 
 
+def envs_for(num_episodes: int) -> int:
+    """The evaluation's envs: the most, up to 16, that share the games evenly (10 games: one each,
+    not two in turn; 1,000: 100 each, so that alternating seats stay even), else 8 (or fewer)."""
+    even = max(d for d in range(1, 17) if num_episodes % d == 0)
+    return even if even >= 8 or even == num_episodes else min(num_episodes, 8)
+
+
 def frame_rate(env_id: str, envs) -> float:
     """Frames a second of real play for a video of one env step a frame: Atari's 60 Hz over its
     frame skip; else the Gymnasium env's own `render_fps` (a user's env: its metadata); else 30."""
@@ -157,17 +164,22 @@ class Periodic:
     which only copies the parameters to the host; while SLOTS evaluations wait, the learner waits
     too (said once). Otherwise (sync, --serial, --deterministic) they are played where `published`
     is called, between updates. An evaluation not logged yet is pending: the checkpoint holds the
-    pending ones (`state`), and a resume plays them first (`restore_pending`; runs.Run.open drops
-    those metrics.jsonl has already): a resume neither repeats nor skips a point."""
+    pending ones (`state`), and a resume plays them first (`restore_pending`), unless metrics.jsonl
+    has them already: a resume neither repeats nor skips a point."""
 
     SLOTS = 2
 
-    def __init__(self, args, normalizer, logger, device, stop, background: bool, errors):
+    def __init__(self, args, normalizer, logger, device, threads, pending=()):
+        """`threads`: the run's (its stop and its errors); `pending`: the evaluations a resumed
+        checkpoint held (`restore_pending`), less those metrics.jsonl logs already."""
         self.args, self.interval = args, args.eval_interval
         self.player = None  # (policy, initial_core): `evaluate`'s, given once the script has it
         self.normalizer, self.logger, self.device = normalizer, logger, device
-        self.stop, self.background, self.errors = stop, background, errors
-        self.pending = []  # (step, update, host parameters, normaliser state), oldest first
+        self.stop, self.errors = threads.stop, threads.errors
+        self.background = asynchronous(args)
+        logged = folders.logged_steps(logger.run_dir, "eval/episodic_return")
+        # (step, update, host parameters, normaliser state), oldest first
+        self.pending = [item for item in pending if item[0] not in logged]
         self.changed = threading.Condition()
         self.thread = None
         self.warned, self.played = False, 0
@@ -277,6 +289,14 @@ class Periodic:
                 "norm": jax.tree.map(lambda *x: np.stack(x), *[item[3] for item in items]),
             }
         }
+
+
+def asynchronous(args) -> bool:
+    """Whether the run's actors and learner run apart (an actor lag; not --serial): its
+    evaluations then have a thread of their own. --deterministic plays them between updates,
+    where its scores and their place in the logs are fixed."""
+    serial = getattr(args, "serial", False)
+    return hasattr(args, "actor_lag") and not serial and not args.deterministic
 
 
 def restore_pending(stored, params, normalizer, global_step: int, path: str) -> list:

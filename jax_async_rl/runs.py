@@ -218,13 +218,9 @@ class Run:
                 self.payload, dict(state, **normalizer.state(), **extra), path
             )
             normalizer.load(state)
-            # --eval-interval's pending evaluations, checked before the folder is touched
-            pending = evaluation.restore_pending(
-                self.payload["state"].get("evaluations") if self.args.eval_interval else None,
-                state["params"],
-                normalizer,
-                self.global_step,
-                path,
+            stored = self.payload["state"].get("evaluations") if self.args.eval_interval else None
+            pending = evaluation.restore_pending(  # checked before the folder is touched
+                stored, state["params"], normalizer, self.global_step, path
             )
             if pool is not None:
                 pool.load(state)
@@ -282,17 +278,8 @@ class Run:
         )
         if self.args.eval_interval and self.run_dir:  # process 0 evaluates
             self.periodic = evaluation.Periodic(
-                self.args,
-                normalizer,
-                self.logger,
-                self.actor_devices[0],
-                self.stop,
-                background=asynchronous(self.args),
-                errors=self.threads.errors,
+                self.args, normalizer, self.logger, self.actor_devices[0], self.threads, pending
             )
-            # what the checkpoint had not evaluated yet, unless metrics.jsonl logs it already
-            logged = folders.logged_steps(self.run_dir, "eval/episodic_return")
-            self.periodic.pending = [item for item in pending if item[0] not in logged]
         return self.state
 
     def actors(self) -> list:
@@ -511,11 +498,8 @@ class Run:
             )
             return 128 + received[0]
         if self.paused:  # --pause-at: its evaluations logged, then saved again without them
-            print(
-                f"paused at step {self.global_step} (--pause-at {self.args.pause_at}); "
-                f"checkpoint: {self.checkpoint_file}",
-                flush=True,
-            )
+            where = f"--pause-at {self.args.pause_at}); checkpoint: {self.checkpoint_file}"
+            print(f"paused at step {self.global_step} ({where}", flush=True)
             if self.periodic is not None and self.periodic.pending:
                 if not self.periodic.play_pending(received):
                     return self.stopped_in_evaluation(0)
@@ -553,24 +537,10 @@ class Run:
         return 0
 
     def stopped_in_evaluation(self, episodes: int) -> int:
-        received = self.signals.received
-        print(
-            f"evaluation stopped by signal {received[0]} after {episodes} episodes; "
-            f"checkpoint: {self.checkpoint_file}",
-            file=sys.stderr,
-        )
-        return 128 + received[0]
-
-
-def asynchronous(args) -> bool:
-    """Whether the run's actors and learner run apart (an actor lag; not --serial): its
-    evaluations then have a thread of their own. --deterministic plays them between updates,
-    where its scores and their place in the logs are fixed."""
-    return (
-        hasattr(args, "actor_lag")
-        and not getattr(args, "serial", False)
-        and not (args.deterministic)
-    )
+        signal = self.signals.received[0]
+        where = f"after {episodes} episodes; checkpoint: {self.checkpoint_file}"
+        print(f"evaluation stopped by signal {signal} {where}", file=sys.stderr)
+        return 128 + signal
 
 
 def stale_warning(scalars: dict, args):

@@ -375,7 +375,12 @@ def test_compile_cache_keeps_the_update(tmp_path, monkeypatch):
     # A resume to a larger budget (the README's recipe) finds the same update: the budget is an
     # argument of the jitted update, not a constant in it (it recompiled: 60 s on Pong).
     monkeypatch.setenv("JAX_LOG_COMPILES", "1")
-    result = run_script(HOST, ["--resume", tmp_path / "run", "--total-timesteps", 10 * TINY_BATCH])
+    # (--compile-cache is the launch's, never restored from the run: named again)
+    result = run_script(
+        HOST,
+        ["--resume", tmp_path / "run", "--total-timesteps", 10 * TINY_BATCH]
+        + ["--compile-cache", cache],
+    )
     assert_ok(result)
     assert (
         "cache hit for 'jit_update'" in result.stderr
