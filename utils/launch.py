@@ -748,26 +748,22 @@ def run_population(args, runs, previous, before, sweep_dir, common) -> int:
         run["log"] = str(Path(run["dir"]) / LOG)
         if run["state"] in ("running", "stopped", "failed"):
             run["state"] = "queued"
-    rng_for = lambda r: random.Random(f"{args.pbt_seed}:{r}")  # noqa: E731
+    by_name = {run["name"]: run for run in runs}
     while True:
         r = record["pbt"]["round"]
         boundary = (r + 1) * args.pbt_interval
         for run in runs:
             run["pause"] = ["--pause-at", str(boundary)]
-            values = record["pbt"]["values"].get(run["name"])
+            values = record["pbt"]["values"].get(run["name"], {})
             run["resume_flags"] = [
                 *(
                     t
-                    for name, v in (values or {}).items()
+                    for name, v in values.items()
                     for t in (f"--{name.replace('_', '-')}", repr(v))
                 ),
-                "--seed",
-                str(run["seed"]),
-                "--exp-name",
-                f"{args.name}__{run['config']}",
+                *("--seed", str(run["seed"]), "--exp-name", f"{args.name}__{run['config']}"),
             ]
-        for run in runs:  # stopped once it had paused (or finished): not started again
-            at = member_step(run["dir"])
+            at = member_step(run["dir"])  # stopped once it had paused (or finished): not again
             if run["state"] == "queued" and at is not None and at[0] >= min(boundary, at[1]):
                 run["state"] = "done"
         code = run_queue(args, record, sweep_dir, common)
@@ -776,87 +772,79 @@ def run_population(args, runs, previous, before, sweep_dir, common) -> int:
         steps = {run["name"]: member_step(run["dir"]) for run in runs}
         for run in runs:
             at = steps[run["name"]]
-            if run["state"] == "done" and at is not None and at[0] < at[1]:
-                run["state"] = "paused"  # reached the round's end, not the budget's
-            elif run["state"] == "done" and at is None:
+            if run["state"] == "done" and at is None:
                 run["state"] = "failed"
+            elif run["state"] == "done" and at[0] < at[1]:
+                run["state"] = "paused"  # reached the round's end, not the budget's
         if all(run["state"] == "done" for run in runs):
             save(sweep_dir, record)
             print(f"population: {len(runs)} members trained to the end in {r + 1} rounds")
             return 0
-        alive = [run for run in runs if run["state"] != "failed"]
         if not any(run["state"] == "paused" for run in runs):  # no round after this one
             failed = [run["name"] for run in runs if run["state"] == "failed"]
-            finished = [run["name"] for run in runs if run["state"] == "done"]
+            finished = sum(run["state"] == "done" for run in runs)
             print(
                 f"population: {', '.join(failed)} failed in the last round, where no member "
-                f"pauses to replace it; {len(finished)} finished; see the log.txt of each",
+                f"pauses to replace it; {finished} finished; see the log.txt of each",
                 file=sys.stderr,
             )
             save(sweep_dir, record)
             return 1
-        names = [run["name"] for run in runs]
-        # each member's objective at its own step: the first update's at or past the boundary
-        found = {
-            run["name"]: objective(run["dir"], (steps[run["name"]] or (boundary,))[0])
-            for run in runs
-        }
-        objectives = {
-            run["name"]: None if run["state"] == "failed" else found[run["name"]][0] for run in runs
-        }
-        if record["pbt"]["values"]:
-            values = record["pbt"]["values"]
-        else:  # the first round's end: what each member trained with (its grid value, else preset)
-            values = {run["name"]: flag_values(run["dir"], bounds) for run in alive}
-            for run in runs:  # a member that crashed in round 0: the first alive's
-                values.setdefault(run["name"], values[alive[0]["name"]])
         logged = read_rounds(sweep_dir)
         if logged and logged[-1]["round"] == r:  # decided before a stop: applied again
-            decisions = {m["name"]: m for m in logged[-1]["members"]}
+            members = logged[-1]["members"]
         else:
-            decisions = decide(names, objectives, values, defaults, bounds, args, rng_for(r))
-            entry = {
-                "round": r,
-                "step": boundary,
-                "objective": next((what for _, what in found.values() if what != "none"), "none"),
-                "members": [
-                    {
-                        "name": name,
-                        "state": next(run["state"] for run in runs if run["name"] == name),
-                        "objective": objectives[name],
-                        "rank": decisions[name]["rank"],
-                        "copies": decisions[name]["copies"],
-                        "old": values[name],
-                        "new": decisions[name]["new"],
-                    }
-                    for name in names
-                ],
-                "time": time.time(),
-            }
-            append_round(sweep_dir, entry)
-            decisions = {m["name"]: m for m in entry["members"]}
-        for name in names:
-            source = decisions[name]["copies"]
-            if source is not None:
-                src = next(run for run in runs if run["name"] == source)
-                dst = next(run for run in runs if run["name"] == name)
-                data = Path(src["dir"], CHECKPOINT).read_bytes()
-                os.makedirs(dst["dir"], exist_ok=True)
-                checkpoints.write_atomically(os.path.join(dst["dir"], CHECKPOINT), data)
-                if not os.path.exists(os.path.join(dst["dir"], CONFIG)):  # it failed before one
-                    config = Path(src["dir"], CONFIG).read_bytes()
-                    checkpoints.write_atomically(os.path.join(dst["dir"], CONFIG), config)
-        say = ", ".join(
-            f"{name} copies {decisions[name]['copies']}"
-            for name in names
-            if decisions[name]["copies"]
-        )
+            members = decide_round(args, sweep_dir, runs, steps, boundary, record, bounds, defaults)
+        for member in members:
+            if member["copies"] is not None:
+                copy_member(by_name[member["copies"]]["dir"], by_name[member["name"]]["dir"])
+        say = ", ".join(f"{m['name']} copies {m['copies']}" for m in members if m["copies"])
         print(f"population: round {r} ended at step {boundary}; {say or 'no copy'}", flush=True)
-        record["pbt"] = {"round": r + 1, "values": {n: decisions[n]["new"] for n in names}}
+        record["pbt"] = {"round": r + 1, "values": {m["name"]: m["new"] for m in members}}
         for run in runs:
             if run["state"] != "done":
                 run["state"] = "queued"
         save(sweep_dir, record)
+
+
+def decide_round(args, sweep_dir, runs, steps, boundary, record, bounds, defaults) -> list:
+    """This round's members as pbt.jsonl records them (`decide` on each member's objective at its
+    own step: the first update's at or past the boundary), appended there before any copy."""
+    found = {
+        run["name"]: objective(run["dir"], (steps[run["name"]] or (boundary,))[0]) for run in runs
+    }
+    objectives = {
+        run["name"]: None if run["state"] == "failed" else found[run["name"]][0] for run in runs
+    }
+    values = record["pbt"]["values"]
+    if not values:  # the first round's end: what each member trained with (grid value or preset)
+        alive = [run for run in runs if run["state"] != "failed"]
+        values = {run["name"]: flag_values(run["dir"], bounds) for run in alive}
+        for run in runs:  # a member that crashed in round 0: the first alive's
+            values.setdefault(run["name"], values[alive[0]["name"]])
+    names = [run["name"] for run in runs]
+    r = record["pbt"]["round"]
+    rng = random.Random(f"{args.pbt_seed}:{r}")
+    decisions = decide(names, objectives, values, defaults, bounds, args, rng)
+    members = [
+        dict(name=run["name"], state=run["state"], objective=objectives[run["name"]])
+        | dict(decisions[run["name"]], old=values[run["name"]])
+        for run in runs
+    ]
+    kinds = [what for _, what in found.values() if what != "none"]
+    entry = dict(round=r, step=boundary, objective=(kinds or ["none"])[0], members=members)
+    append_round(sweep_dir, dict(entry, time=time.time()))
+    return members
+
+
+def copy_member(source: str, target: str):
+    """A bottom member takes a top member's checkpoint (and its config.json, where it failed
+    before writing its own), each file replaced whole."""
+    os.makedirs(target, exist_ok=True)
+    for name in (CHECKPOINT, CONFIG):
+        if name == CHECKPOINT or not os.path.exists(os.path.join(target, CONFIG)):
+            data = Path(source, name).read_bytes()
+            checkpoints.write_atomically(os.path.join(target, name), data)
 
 
 def read_rounds(sweep_dir: Path) -> list:
