@@ -346,6 +346,25 @@ def help_flags(text: str) -> dict:
     return options
 
 
+def interrupt_once_training(proc, folders, timeout=240):
+    """Ctrl-C to a launcher `proc` once every run folder of `folders` has logged an update; return
+    its (stdout, stderr) after it exits (killed if it has not within a minute)."""
+    try:
+        wait_until(
+            lambda: all(
+                (f / "metrics.jsonl").exists() and '"losses/' in (f / "metrics.jsonl").read_text()
+                for f in folders
+            ),
+            proc,
+            timeout,
+        )
+        proc.send_signal(signal.SIGINT)
+        return proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def wait_until(predicate, proc, timeout):
     """Poll `predicate` until true; fail if `proc` exits first or `timeout` seconds pass."""
     deadline = time.monotonic() + timeout

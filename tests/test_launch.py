@@ -14,7 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO_ROOT, count_complete_lines, load_script, read_checkpoint, wait_until
+from helpers import (
+    interrupt_once_training,
+    REPO_ROOT,
+    count_complete_lines,
+    load_script,
+    read_checkpoint,
+    wait_until,
+)
 
 LAUNCH = str(REPO_ROOT / "utils" / "launch.py")
 SCRIPT = "ppo_sync_baseline.py"
@@ -160,20 +167,7 @@ def test_ctrl_c_stops_every_run_and_the_same_command_resumes(tmp_path):
         tmp_path, "--seeds", 1, 2, "--parallel", 2, "--name", "stop", budget=budget, wait=False
     )
     folders = [tmp_path / "stop" / f"default__seed{s}" for s in (1, 2)]
-    try:
-        wait_until(
-            lambda: all(
-                (f / "metrics.jsonl").exists() and '"losses/' in (f / "metrics.jsonl").read_text()
-                for f in folders
-            ),
-            proc,
-            240,
-        )
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    out, err = interrupt_once_training(proc, folders)
     assert proc.returncode == 130, out + err
     time.sleep(1)
     assert processes_naming(str(tmp_path / "stop")) == []
