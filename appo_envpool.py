@@ -62,18 +62,8 @@ CLASSIC = dict(
     **NO_NORM,
 )
 PRESETS = {
-    # CleanRL's ppo_atari_envpool.py (Huang et al. 2022).
-    "atari": dict(
-        num_steps=128,
-        learning_rate=2.5e-4,
-        gamma=0.99,
-        gae_lambda=0.95,
-        num_minibatches=4,
-        update_epochs=4,
-        clip_coef=0.1,
-        ent_coef=0.01,
-        **NO_NORM,
-    ),
+    # CleanRL's ppo_atari_envpool.py (Huang et al. 2022): its ppo.py's values at clip 0.1.
+    "atari": dict(CLASSIC, clip_coef=0.1),
     # CleanRL's ppo_continuous_action.py (2048 steps a rollout, minibatches of 64 at 8 envs), with
     # its observation and reward normalisation.
     "mujoco": dict(
