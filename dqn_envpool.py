@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_async_rl import devices, flags, runs, tasks, threads
+from jax_async_rl import convolution, devices, flags, runs, tasks, threads
 from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, PRESET, UNIT, UsageError, at_most
 from jax_async_rl.keys import EnvStreams
 from jax_async_rl.normalize import Normalizer
@@ -432,7 +432,14 @@ def encode(obs, encoders: tuple):
     concatenated. Called inside a module's `nn.compact` method, whose layers it adds."""
 
     def conv(x, size, kernel, stride=1):
-        return nn.relu(nn.Conv(size, (kernel, kernel), (stride, stride), "VALID")(x))
+        layer = nn.Conv(
+            size,
+            (kernel, kernel),
+            (stride, stride),
+            "VALID",
+            conv_general_dilated=convolution.conv_general_dilated,
+        )
+        return nn.relu(layer(x))
 
     features = []
     for x, (kind, arg) in zip(jax.tree.leaves(obs), encoders, strict=True):

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_async_rl import devices, flags, journal, runs, selfplay, tasks, threads
+from jax_async_rl import convolution, devices, flags, journal, runs, selfplay, tasks, threads
 from jax_async_rl.keys import env_keys
 from jax_async_rl.flags import NON_NEGATIVE, POSITIVE, PRESET, UNIT, UsageError, at_most
 from jax_async_rl.normalize import Normalizer
@@ -289,7 +289,12 @@ class ActorCritic(nn.Module):
         def conv(x, size, kernel, stride=1):
             return nn.relu(
                 nn.Conv(
-                    size, (kernel, kernel), (stride, stride), "VALID", kernel_init=orth(np.sqrt(2))
+                    size,
+                    (kernel, kernel),
+                    (stride, stride),
+                    "VALID",
+                    kernel_init=orth(np.sqrt(2)),
+                    conv_general_dilated=convolution.conv_general_dilated,
                 )(x)
             )
 

@@ -135,6 +135,12 @@ class RunArgs:
     """with --distributed: the number of processes (0: detected from the cluster)"""
     process_id: Annotated[int, Bound(lambda v: v >= -1, "must be -1 (detected) or >= 0")] = -1
     """with --distributed: this process's index, 0 to num_processes - 1 (-1: detected)"""
+    conv: Annotated[
+        str, Bound(lambda v: v in ("auto", "matmul", "native"), "must be auto, matmul or native")
+    ] = "auto"
+    """the pixel torsos' convolutions: matmul (XLA's CPU convolution is several times slower
+    than its matmul; docs/benchmark.md), native (lax.conv_general_dilated), or auto: matmul on the
+    CPU, native on a GPU or TPU. Both compute the same function of the same parameters"""
     compile_cache: str = dataclasses.field(
         default_factory=lambda: os.path.join(
             os.environ.get("XDG_CACHE_HOME", "~/.cache"), "jax-async-rl"

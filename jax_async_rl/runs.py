@@ -29,6 +29,7 @@ import numpy as np
 
 from jax_async_rl import (
     checkpoints,
+    convolution,
     devices,
     evaluation,
     folders,
@@ -565,6 +566,7 @@ def prepare(args, resolve, resumed: bool):
         args = resolve(args)
         probe(args.env_id)  # one env made, or envpool's error in one line
         devices.use_compile_cache(args.compile_cache)
+        convolution.use(args.conv)  # the pixel torsos' form, at their trace
         actor_devices, mesh = devices.make_mesh(args)
         if jax.process_index() == 0:  # it alone writes the folder
             folders.check(args, resumed)

@@ -252,3 +252,38 @@ def test_benchmark_measures_the_deterministic_mode_beside_the_free_running_actor
         "queue_get",
         "update",
     }, rows[2]
+
+
+def test_benchmark_times_the_network_in_each_form(tmp_path):
+    """--parts network: the Nature CNN's forward pass and train step with the convolutions native
+    and as matmuls, each row's ratio to native's in the table; torch's row where the Python named
+    imports torch, else a note that it is left out."""
+    out = tmp_path / "bench"
+    cmd = [
+        sys.executable,
+        str(REPO_ROOT / "utils" / "benchmark.py"),
+        "--parts",
+        "network",
+        "--seconds",
+        "0.5",
+        "--num-envs",
+        "8",
+        "--torch-python",
+        sys.executable,
+        "--out",
+        str(out),
+    ]
+    result = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads((out / "results.json").read_text())["measurements"]
+    has_torch = subprocess.run([sys.executable, "-c", "import torch"]).returncode == 0
+    assert [r["conv"] for r in rows] == ["native", "matmul", *(["torch"] * has_torch)]
+    if not has_torch:
+        assert "cannot import torch; left out" in result.stdout
+    for r in rows:
+        assert (r["forward_batch"], r["train_batch"]) == (4, 256)
+        assert r["forward_ms"] > 0 and r["train_ms"] > 0
+    table = (out / "results.md").read_text()
+    ratio = rows[1]["train_ms"] / rows[0]["train_ms"]
+    assert f"| matmul (cpu) | {rows[1]['forward_ms']:.1f} (4) |" in table
+    assert f"| {ratio:.2f}x |" in table

@@ -14,7 +14,12 @@
                (rlpyt's two modes, the same replay ratio), each trained for --replay-budget env
                steps: SPS, steps and seconds to a 20-episode mean of --replay-threshold, the
                replay ratio achieved and the policy lag;
-5. scaling:    (with --parts ... scaling) appo_envpool.py end to end on 1, 2 and 4 learner
+5. network:    (with --parts ... network) the Nature CNN alone (utils/network_speed.py): its
+               forward pass at the actor's batch (--num-envs / 2) and one Adam step at the
+               learner's minibatch of 256, with the convolutions as matmuls (--conv matmul, the
+               CPU's default) and native (--conv native), and in torch where --torch-python can
+               import it;
+6. scaling:    (with --parts ... scaling) appo_envpool.py end to end on 1, 2 and 4 learner
                devices x 1 and 2 actor threads: SPS and the update's time per global batch. On a
                CPU, XLA_FLAGS gives each run 4 host devices, which share the cores: the figures
                show the overhead of sharding, not a speed-up. A machine with 4 GPUs runs the same.
@@ -64,7 +69,8 @@ ROOT = str(Path(__file__).resolve().parent.parent)
 SCRIPTS = ("ppo_sync_baseline.py", "appo_envpool.py", "impala_envpool.py", "appo_envpool_xla.py")
 XLA_SCRIPT = "appo_envpool_xla.py"
 REPLAY_SCRIPTS = ("dqn_envpool.py", "sac_envpool.py", "td3_envpool.py")
-PARTS = ("ceiling", "sampler", "end_to_end", "replay", "scaling")
+PARTS = ("ceiling", "sampler", "end_to_end", "replay", "network", "scaling")
+NETWORK_FORMS = ("native", "matmul", "torch")  # utils/network_speed.py --conv
 
 
 def load_script(name: str):
@@ -104,7 +110,7 @@ class Args:
     scripts: tuple[str, ...] = SCRIPTS
     """training scripts of the end-to-end part (empty: skip it)"""
     parts: tuple[str, ...] = ("ceiling", "sampler", "end_to_end")
-    """which measurements to run, of ceiling, sampler, end_to_end, replay and scaling"""
+    """which measurements to run, of ceiling, sampler, end_to_end, replay, network and scaling"""
     replay_script: str = "dqn_envpool.py"
     """replay: the replay-family script measured: dqn_envpool.py, sac_envpool.py or
     td3_envpool.py"""
@@ -114,6 +120,9 @@ class Args:
     """replay: the 20-episode mean return whose first crossing is timed"""
     replay_flags: str = ""
     """replay: more flags of --replay-script, as on its command line (e.g. '--lstm': R2D2)"""
+    torch_python: str = sys.executable
+    """network: the Python that times torch's side (a venv of its own, say); its row is left out,
+    with a note, where it cannot import torch"""
     scaling_learners: tuple[int, ...] = (1, 2, 4)
     """scaling: learner device counts (--learner-device-ids 0 .. n-1)"""
     scaling_actor_threads: tuple[int, ...] = (1, 2)
@@ -531,6 +540,25 @@ def measure_replay(script, env_id, serial: bool, budget: int, threshold: float, 
     )
 
 
+def measure_network(form: str, forward_batch: int, seconds: float, python: str):
+    """utils/network_speed.py's JSON for one form of the network (NETWORK_FORMS), or None where
+    torch's Python cannot import torch."""
+    if form == "torch":
+        probe = subprocess.run([python, "-c", "import torch"], capture_output=True, text=True)
+        if probe.returncode != 0:
+            return None
+    else:
+        python = sys.executable
+    script = os.path.join(ROOT, "utils", "network_speed.py")
+    command = [python, script, "--conv", form, "--forward-batch", str(forward_batch)]
+    done = subprocess.run(
+        [*command, "--seconds", str(seconds)], capture_output=True, text=True, cwd=ROOT
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def measure_scaling(env_id, num_steps, seconds, out_dir, learners, threads):
     """appo_envpool.py end to end on `learners` learner devices with `threads` actor threads of 8
     envs each (all on device 0); on a CPU, 4 forced host devices. (SPS, busy, updates, update s)."""
@@ -708,6 +736,25 @@ def write_report(out_dir, results, quick):
                 "",
                 f"Async / serial SPS: **{modes[False]['sps'] / modes[True]['sps']:.2f}x**.",
             ]
+    network = {r["conv"]: r for r in rows if r["kind"] == "network"}
+    if network:
+        lines += [
+            "",
+            "## Network (the Nature CNN alone: utils/network_speed.py)",
+            "",
+            "| form | forward ms (batch) | train step ms (batch) | train step of native's | "
+            "train step of torch's |",
+            "|---|---|---|---|---|",
+        ]
+        for form, r in network.items():
+            of = [
+                f"{r['train_ms'] / network[other]['train_ms']:.2f}x" if other in network else ""
+                for other in ("native", "torch")
+            ]
+            lines.append(
+                f"| {form} ({r['backend']}) | {r['forward_ms']:.1f} ({r['forward_batch']}) | "
+                f"{r['train_ms']:.0f} ({r['train_batch']}) | {of[0]} | {of[1]} |"
+            )
     scaling = [r for r in rows if r["kind"] == "scaling"]
     if scaling:
         lines += [
@@ -835,6 +882,7 @@ def main(args: Args) -> int:
         if not det or script != SCRIPTS[0]
     ] * ("end_to_end" in args.parts)
     jobs += [("replay", serial) for serial in (False, True)] * ("replay" in args.parts)
+    jobs += [("network", form) for form in NETWORK_FORMS] * ("network" in args.parts)
     devices = len(jax.devices()) if jax.default_backend() != "cpu" else 4
     jobs += [
         ("scaling", (n, t))
@@ -870,6 +918,28 @@ def main(args: Args) -> int:
                 num_threads=threads,
                 sps=measure_ceiling(args.env_id, args.num_envs, threads, seconds),
             )
+        elif kind == "network":
+            measured = measure_network(
+                param, max(args.num_envs // 2, 1), seconds, args.torch_python
+            )
+            if measured is None:
+                print(f"    torch: {args.torch_python} cannot import torch; left out", flush=True)
+                continue
+            row.update(
+                script=None,
+                num_envs=None,
+                conv=param,
+                forward_batch=measured["forward_batch"],
+                train_batch=measured["train_batch"],
+                forward_ms=measured["forward_ms"],
+                train_ms=measured["train_ms"],
+                backend=measured["backend"],
+            )
+            results["measurements"].append(row)
+            print(f"    forward {row['forward_ms']:.1f} ms, train step {row['train_ms']:.0f} ms")
+            with open(os.path.join(out_dir, "results.json"), "w") as f:
+                json.dump(results, f, indent=2)
+            continue
         elif kind == "replay":
             flags = [
                 *(["--env-module", args.env_module] if args.env_module else []),
