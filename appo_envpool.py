@@ -985,6 +985,7 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
 
     @jax.jit
     def update(state, rollout, key, total_timesteps):
+        key = jax.random.fold_in(key, state["policy_version"])  # the update's own: a resume too
         params, opt_state = state["params"], state["opt_state"]
         # XLA:CPU runs convs in a loop ~10x slower than unrolled (Nature CNN), so on CPU scans over
         # images unroll up to 16 minibatch steps (Atari's 4 x 4; CarRacing's 10 x 32: 9 GiB, 5+
@@ -1065,14 +1066,12 @@ def learner_loop(run, update, shared, queues, key):
             break
         games = [game for rollout in rollouts for game in rollout.games]
         start = time.perf_counter()
-        # The update's own key: a resume draws the same.
-        subkey = jax.random.fold_in(key, int(state["policy_version"]))
         batch = devices.joined([rollout.arrays() for rollout in rollouts])
         # --lstm: the states after the rollouts, for a checkpoint (journal.Keeper).
         memories = [rollout.next_state for rollout in rollouts]
         run.journaled(batch["actions"], memories, shared.published)
         batch = devices.to_learner(run.mesh, batch)
-        state, diagnostics = update(state, batch, subkey, run.args.total_timesteps)
+        state, diagnostics = update(state, batch, key, run.args.total_timesteps)
         diagnostics = jax.device_get(diagnostics)
         timing["update"] += time.perf_counter() - start
         pipeline = {

@@ -761,14 +761,12 @@ def learner_loop(run, update, shared, queues, key):
             break
         games = [game for rollout in rollouts for game in rollout.games]
         start = time.perf_counter()
-        # The update's own key: a resume draws the same.
-        subkey = jax.random.fold_in(key, int(state["policy_version"]))
         batch = devices.joined([rollout.arrays() for rollout in rollouts])
         # --lstm: the states after the rollouts, for a checkpoint (journal.Keeper).
         memories = [rollout.next_state for rollout in rollouts]
         run.journaled(batch["actions"], memories, shared.published)
         batch = devices.to_learner(run.mesh, batch)
-        state, diagnostics = update(state, batch, subkey, run.args.total_timesteps)
+        state, diagnostics = update(state, batch, key, run.args.total_timesteps)
         diagnostics = jax.device_get(diagnostics)
         timing["update"] += time.perf_counter() - start
         pipeline = {

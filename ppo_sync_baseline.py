@@ -842,6 +842,7 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
 
     @jax.jit
     def update(state, rollout, key, total_timesteps):
+        key = jax.random.fold_in(key, state["policy_version"])  # the update's own: a resume too
         params, opt_state = state["params"], state["opt_state"]
         # XLA:CPU runs convs in a loop ~10x slower than unrolled (Nature CNN), so on CPU scans over
         # images unroll up to 16 minibatch steps (Atari's 4 x 4; CarRacing's 10 x 32: 9 GiB, 5+
@@ -950,10 +951,8 @@ def train_loop(run, envs, action_space, policy_step, update, normalizer, key, de
         run.sampled[0] += args.num_envs * args.num_steps
         start = time.perf_counter()
         run.journaled(rollout["actions"], [core], {})
-        # The update's own: a resume draws the same
-        subkey = jax.random.fold_in(run.update_key, int(state["policy_version"]))
         state, diagnostics = update(
-            state, devices.to_learner(run.mesh, rollout), subkey, args.total_timesteps
+            state, devices.to_learner(run.mesh, rollout), run.update_key, args.total_timesteps
         )
         diagnostics = jax.device_get(diagnostics)
         timing["update"] += time.perf_counter() - start
