@@ -1033,11 +1033,14 @@ def make_update(network, optimizer, args: Args, support, mesh=None):
             state["params"],
             state["target_params"],
         )
-        # XLA:CPU runs convs in a loop ~10x slower than unrolled (Nature CNN): unroll up to 16 steps
-        # there.
+        # XLA:CPU runs its native convs in a loop ~10x slower than unrolled (Nature CNN): with
+        # --conv native on a CPU, unroll up to 16 steps; as matmuls they run faster in the loop.
         images = any(kind in ("nature", "grid") for kind, _ in network.encoders)
         unroll = (
-            jax.default_backend() == "cpu" and images and jax.tree.leaves(batches)[0].shape[0] <= 16
+            jax.default_backend() == "cpu"
+            and not convolution.matmul_form()
+            and images
+            and jax.tree.leaves(batches)[0].shape[0] <= 16
         )
         (params, opt_state, target), (losses, errors) = jax.lax.scan(
             functools.partial(step, lr_fraction(args, env_step)),
