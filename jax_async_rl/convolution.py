@@ -4,7 +4,7 @@
 (NHWC inputs, HWIO kernels, any stride, VALID, SAME or explicit padding), from the same kernel: a
 space-to-depth of the input by the stride, then one matmul of the concatenated shifted slices.
 XLA's CPU convolution, and above all its kernel gradient, is several times slower than its matmul
-(docs/benchmark.md); on GPU and TPU the native convolution runs.
+(docs/results.md, "The Nature CNN on the CPU"); on GPU and TPU the native convolution runs.
 
 flax's `nn.Conv` takes it as its `conv_general_dilated` argument, so a torso changes by one
 argument and its parameters keep their shapes: a checkpoint trained with either form plays with

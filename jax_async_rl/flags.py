@@ -139,7 +139,7 @@ class RunArgs:
         str, Bound(lambda v: v in ("auto", "matmul", "native"), "must be auto, matmul or native")
     ] = "auto"
     """the pixel torsos' convolutions: matmul (XLA's CPU convolution is several times slower
-    than its matmul; docs/benchmark.md), native (lax.conv_general_dilated), or auto: matmul on the
+    than its matmul; docs/results.md), native (lax.conv_general_dilated), or auto: matmul on the
     CPU, native on a GPU or TPU. Both compute the same function of the same parameters"""
     compile_cache: str = dataclasses.field(
         default_factory=lambda: os.path.join(
