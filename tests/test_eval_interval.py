@@ -8,6 +8,7 @@ in the asynchronous evaluator (held in the checkpoint); the evaluation policy is
 """
 
 import collections
+import shutil
 
 import numpy as np
 import pytest
@@ -200,6 +201,16 @@ def test_replay_scripts_evaluate_with_their_evaluation_policy(script, argv, tmp_
         )
 
 
+@pytest.fixture(scope="module")
+def evaluated_run(tmp_path_factory):
+    """A finished sync CartPole run with --eval-interval (its checkpoint to craft): its folder."""
+    run_dir = tmp_path_factory.mktemp("evaluated") / "run"
+    argv = ["--env-id", "CartPole-v1", "--total-timesteps", 2048, "--eval-interval", 512]
+    result = run_script("ppo_sync_baseline.py", argv + ["--run-dir", run_dir], timeout=300)
+    assert result.returncode == 0, describe(result)
+    return run_dir
+
+
 @pytest.mark.parametrize(
     "evaluations, fragment",
     [
@@ -211,7 +222,7 @@ def test_replay_scripts_evaluate_with_their_evaluation_policy(script, argv, tmp_
     ],
 )
 def test_a_crafted_pending_evaluation_is_one_line_before_the_folder_changes(
-    evaluations, fragment, tmp_path
+    evaluations, fragment, evaluated_run, tmp_path
 ):
     """A checkpoint whose pending evaluations are not what a run writes (not a record, float
     steps, a step past the checkpoint's or below 1): --resume says so in one line, exit 2, and
@@ -219,9 +230,7 @@ def test_a_crafted_pending_evaluation_is_one_line_before_the_folder_changes(
     import flax.serialization
 
     run_dir = tmp_path / "run"
-    argv = ["--env-id", "CartPole-v1", "--total-timesteps", 2048, "--eval-interval", 512]
-    result = run_script("ppo_sync_baseline.py", argv + ["--run-dir", run_dir], timeout=300)
-    assert result.returncode == 0, describe(result)
+    shutil.copytree(evaluated_run, run_dir)
     path = run_dir / "checkpoint.msgpack"
     payload = flax.serialization.msgpack_restore(path.read_bytes())
     state = payload["state"]

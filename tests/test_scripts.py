@@ -631,7 +631,9 @@ def test_progress_lines_while_the_update_compiles(tmp_path):
     script_name = "appo_envpool.py"
     logs, run_dir = tmp_path / "logs", tmp_path / "run"
     proc = start_script(
-        script_name, ["--env-id", "Pong-v5", "--run-dir", run_dir, "--compile-cache", ""], logs
+        script_name,
+        ["--env-id", "Pong-v5", "--run-dir", run_dir, "--compile-cache", "", "--conv", "native"],
+        logs,
     )
     progress = re.compile(
         r"^step +(\d+) sampled +0 learned of 10000000 .*ETA n/a \(compiling the first update\)$"
