@@ -1033,15 +1033,8 @@ def make_update(network, optimizer, args: Args, support, mesh=None):
             state["params"],
             state["target_params"],
         )
-        # XLA:CPU runs its native convs in a loop ~10x slower than unrolled (Nature CNN): with
-        # --conv native on a CPU, unroll up to 16 steps; as matmuls they run faster in the loop.
-        images = any(kind in ("nature", "grid") for kind, _ in network.encoders)
-        unroll = (
-            jax.default_backend() == "cpu"
-            and not convolution.matmul_form()
-            and images
-            and jax.tree.leaves(batches)[0].shape[0] <= 16
-        )
+        steps = jax.tree.leaves(batches)[0].shape[0]
+        unroll = convolution.unrolled_scans(network.encoders, steps)  # native convs on a CPU
         (params, opt_state, target), (losses, errors) = jax.lax.scan(
             functools.partial(step, lr_fraction(args, env_step)),
             (state["params"], state["opt_state"], target),

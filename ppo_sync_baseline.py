@@ -844,16 +844,8 @@ def make_update(network, optimizer, args: Args, continuous: bool, mesh=None):
     def update(state, rollout, key, total_timesteps):
         key = jax.random.fold_in(key, state["policy_version"])  # the update's own: a resume too
         params, opt_state = state["params"], state["opt_state"]
-        # XLA:CPU runs its native convs in a loop ~10x slower than unrolled (Nature CNN), so with
-        # --conv native on a CPU scans over images unroll up to 16 minibatch steps (Atari's 4 x 4;
-        # CarRacing's 10 x 32: 9 GiB, 5+ min); as matmuls they run faster in the loop.
-        images = any(kind in ("nature", "grid") for kind, _ in network.encoders)
-        unroll = (
-            jax.default_backend() == "cpu"
-            and not convolution.matmul_form()
-            and images
-            and args.update_epochs * args.num_minibatches <= 16
-        )
+        steps = args.update_epochs * args.num_minibatches
+        unroll = convolution.unrolled_scans(network.encoders, steps)  # native convs on a CPU
         clip_coef = clip_coef_at(args, state["global_step"], total_timesteps)
         advantages, returns, valid, diagnostics = targets(network, state, rollout, args, continuous)
         data = {

@@ -36,6 +36,16 @@ def matmul_form() -> bool:
     return _choice == "matmul"
 
 
+def unrolled_scans(encoders, steps: int) -> bool:
+    """Whether a scan of `steps` gradient steps of a network with these encoders
+    (tasks.encoders) unrolls. XLA:CPU runs its native convolutions in a loop ~10x slower than
+    unrolled (Nature CNN), so with the native form on a CPU up to 16 steps unroll (Atari's 4 x 4;
+    CarRacing's 10 x 32 took 9 GiB and 5+ min to compile); as matmuls they run faster in the
+    loop, and compile in a fraction of the time (docs/results.md)."""
+    images = any(kind in ("nature", "grid") for kind, _ in encoders)
+    return images and steps <= 16 and jax.default_backend() == "cpu" and not matmul_form()
+
+
 def conv_general_dilated(
     lhs,
     rhs,

@@ -13,23 +13,19 @@ from helpers import REPO_ROOT, SCRIPTS
 FIELDS = ["kind", "script", "env_id", "num_envs", "num_splits", "num_threads", "sps", "fps"]
 
 
+def run_benchmark(out, *argv):
+    """utils/benchmark.py with `argv` and --out `out`, from the repository root; it must exit 0."""
+    cmd = [sys.executable, str(REPO_ROOT / "utils" / "benchmark.py"), *map(str, argv)]
+    result = subprocess.run(
+        [*cmd, "--out", str(out)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
 def test_benchmark_quick_writes_valid_results(tmp_path):
     out = tmp_path / "bench"
-    cmd = [
-        sys.executable,
-        str(REPO_ROOT / "utils" / "benchmark.py"),
-        "--quick",
-        "--env-id",
-        "CartPole-v1",
-        "--seconds",
-        "1",
-        "--e2e-seconds",
-        "3",
-        "--out",
-        str(out),
-    ]
-    result = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_benchmark(out, "--quick", "--env-id", "CartPole-v1", "--seconds", "1", "--e2e-seconds", "3")
     results = json.loads((out / "results.json").read_text())
     machine = results["machine"]
     assert machine["cpu_count"] >= 1 and machine["jax_backend"] == "cpu" and machine["jax_devices"]
@@ -205,9 +201,8 @@ def test_benchmark_measures_the_deterministic_mode_beside_the_free_running_actor
     """--deterministic: each asynchronous script runs twice end to end, free-running and with
     --deterministic (its run's config says so), and the table gives the ratio of the two."""
     out = tmp_path / "bench"
-    cmd = [
-        sys.executable,
-        str(REPO_ROOT / "utils" / "benchmark.py"),
+    run_benchmark(
+        out,
         "--quick",
         "--env-id",
         "CartPole-v1",
@@ -219,11 +214,7 @@ def test_benchmark_measures_the_deterministic_mode_beside_the_free_running_actor
         "--deterministic",
         "--e2e-seconds",
         "3",
-        "--out",
-        str(out),
-    ]
-    result = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    )
     rows = json.loads((out / "results.json").read_text())["measurements"]
     assert [(r["script"], r["deterministic"]) for r in rows] == [
         ("ppo_sync_baseline.py", False),
@@ -259,9 +250,8 @@ def test_benchmark_times_the_network_in_each_form(tmp_path):
     and as matmuls, each row's ratio to native's in the table; torch's row where the Python named
     imports torch, else a note that it is left out."""
     out = tmp_path / "bench"
-    cmd = [
-        sys.executable,
-        str(REPO_ROOT / "utils" / "benchmark.py"),
+    result = run_benchmark(
+        out,
         "--parts",
         "network",
         "--seconds",
@@ -270,11 +260,7 @@ def test_benchmark_times_the_network_in_each_form(tmp_path):
         "8",
         "--torch-python",
         sys.executable,
-        "--out",
-        str(out),
-    ]
-    result = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    )
     rows = json.loads((out / "results.json").read_text())["measurements"]
     has_torch = subprocess.run([sys.executable, "-c", "import torch"]).returncode == 0
     assert [r["conv"] for r in rows] == ["native", "matmul", *(["torch"] * has_torch)]

@@ -4,7 +4,6 @@ paddings; `--conv` picks the form; a CPU-trained Pong checkpoint plays the same 
 either."""
 
 import dataclasses
-import importlib.util
 
 import flax.linen as nn
 import jax
@@ -13,7 +12,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from helpers import REPO_ROOT, assert_ok, assert_usage_error, cli, run_script
+from helpers import REPO_ROOT, assert_ok, assert_usage_error, cli, load_script, run_script
 from jax_async_rl import convolution, tasks
 from jax_async_rl.flags import RunArgs, UsageError, check_bounds
 
@@ -122,13 +121,6 @@ def test_the_conv_flag_is_checked():
         check_bounds(dataclasses.replace(RunArgs(), conv="fast"))
 
 
-def load_evaluate():
-    spec = importlib.util.spec_from_file_location("evaluate", REPO_ROOT / "utils" / "evaluate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_a_cpu_trained_pong_checkpoint_plays_the_same_greedy_actions(tmp_path, form):
     """Two updates of the sync baseline on Pong (--conv matmul, the CPU's own); the checkpoint's
     network on 64 recorded frames: the same logits to float32 rounding, the same greedy actions
@@ -147,7 +139,7 @@ def test_a_cpu_trained_pong_checkpoint_plays_the_same_greedy_actions(tmp_path, f
         compile_cache="",
     )
     assert_ok(run_script("ppo_sync_baseline.py", cli("ppo_sync_baseline.py", "Pong-v5", **flags)))
-    evaluate = load_evaluate()
+    evaluate = load_script("utils/evaluate.py")
     payload = evaluate.checkpoints.read_checkpoint(str(run_dir / "checkpoint.msgpack"))
     module = evaluate.load_training_script(REPO_ROOT / "ppo_sync_baseline.py")
     args = evaluate.rebuild_args(module, payload["config"], str(run_dir))

@@ -51,7 +51,6 @@ def jax_times(conv: str, forward_batch: int, train_batch: int, seconds: float) -
     import numpy as np
     import optax
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from jax_async_rl import checkpoints, convolution
 
     convolution.use(conv)
