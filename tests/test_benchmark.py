@@ -197,25 +197,50 @@ def test_replay_part_times_both_modes_and_reports_the_ratio(bench_module, tmp_pa
     assert f"Async / serial SPS: **{rows[0]['sps'] / rows[1]['sps']:.2f}x**." in table
 
 
-def test_benchmark_measures_the_deterministic_mode_beside_the_free_running_actor(tmp_path):
-    """--deterministic: each asynchronous script runs twice end to end, free-running and with
-    --deterministic (its run's config says so), and the table gives the ratio of the two."""
-    out = tmp_path / "bench"
-    run_benchmark(
+@pytest.fixture(scope="module")
+def end_to_end_and_network(tmp_path_factory):
+    """One benchmark of two parts, read by the two tests below (each once started its own: ~5 s of
+    start-up): end_to_end of the sync baseline and APPO with --deterministic, and the network
+    part (--seconds and --num-envs act on the network part only here). Its output folder and the
+    finished process."""
+    out = tmp_path_factory.mktemp("end_to_end_and_network") / "bench"
+    result = run_benchmark(
         out,
         "--quick",
         "--env-id",
         "CartPole-v1",
         "--parts",
         "end_to_end",
+        "network",
         "--scripts",
         "ppo_sync_baseline.py",
         "appo_envpool.py",
         "--deterministic",
         "--e2e-seconds",
         "3",
+        "--seconds",
+        "0.5",
+        "--num-envs",
+        "8",
+        "--torch-python",
+        sys.executable,
     )
+    return out, result
+
+
+def measurements(out, kind):
+    """The rows of `kind` in a benchmark's results.json, in order."""
     rows = json.loads((out / "results.json").read_text())["measurements"]
+    return [r for r in rows if r["kind"] == kind]
+
+
+def test_benchmark_measures_the_deterministic_mode_beside_the_free_running_actor(
+    end_to_end_and_network,
+):
+    """--deterministic: each asynchronous script runs twice end to end, free-running and with
+    --deterministic (its run's config says so), and the table gives the ratio of the two."""
+    out, _ = end_to_end_and_network
+    rows = measurements(out, "end_to_end")
     assert [(r["script"], r["deterministic"]) for r in rows] == [
         ("ppo_sync_baseline.py", False),
         ("appo_envpool.py", False),
@@ -245,23 +270,12 @@ def test_benchmark_measures_the_deterministic_mode_beside_the_free_running_actor
     }, rows[2]
 
 
-def test_benchmark_times_the_network_in_each_form(tmp_path):
+def test_benchmark_times_the_network_in_each_form(end_to_end_and_network):
     """--parts network: the Nature CNN's forward pass and train step with the convolutions native
     and as matmuls, each row's ratio to native's in the table; torch's row where the Python named
     imports torch, else a note that it is left out."""
-    out = tmp_path / "bench"
-    result = run_benchmark(
-        out,
-        "--parts",
-        "network",
-        "--seconds",
-        "0.5",
-        "--num-envs",
-        "8",
-        "--torch-python",
-        sys.executable,
-    )
-    rows = json.loads((out / "results.json").read_text())["measurements"]
+    out, result = end_to_end_and_network
+    rows = measurements(out, "network")
     has_torch = subprocess.run([sys.executable, "-c", "import torch"]).returncode == 0
     assert [r["conv"] for r in rows] == ["native", "matmul", *(["torch"] * has_torch)]
     if not has_torch:

@@ -22,10 +22,22 @@ from helpers import (
     tag_values,
 )
 
-from jax_async_rl import devices
+from jax_async_rl import devices, flags
 
 SCRIPT = "dqn_envpool.py"
 dqn = load_script(SCRIPT)
+
+
+def evaluate_here(argv, capsys):
+    """`python utils/evaluate.py argv...` in this process (its command line, flags.run_tool; no
+    subprocess's ~3 s of imports): (exit code, stdout, stderr)."""
+    evaluate = load_script("utils/evaluate.py")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        flags.run_tool(evaluate.main, evaluate.EvalArgs, [str(token) for token in argv])
+    out, err = capsys.readouterr()
+    return exited.value.code, out, err
+
 
 # 2 rounds of 4 envs x 16 steps after a first round without updates; 4 gradient steps of 32 a round.
 TINY = dict(
@@ -392,13 +404,9 @@ def test_it_learns_the_optimal_values_of_a_chain(tmp_path, capsys):
     np.testing.assert_allclose(q, np.stack([left, right], 1), atol=0.03)
     # utils/evaluate.py plays the checkpoint with the script's evaluation policy: straight right, 1
     # a game.
-    result = run_script(
-        "utils/evaluate.py", [run, "--episodes", 4, "--trust-env-module"], timeout=300
-    )
-    assert result.returncode == 0, result.stderr
-    assert (
-        "4 episodes with the run's own evaluation policy, ε-greedy at ε 0.001" in result.stdout
-    ), result.stdout
+    code, out, err = evaluate_here([run, "--episodes", 4, "--trust-env-module"], capsys)
+    assert code == 0, err
+    assert "4 episodes with the run's own evaluation policy, ε-greedy at ε 0.001" in out, out
     assert json.loads((run / "eval.json").read_text())["scores"] == [1.0] * 4
 
 
@@ -910,8 +918,8 @@ def test_r2d2_resumes_and_its_checkpoint_plays_with_its_state(tmp_path, capsys):
     assert code == 0, err
     assert tag_steps(read_metrics(run), "losses/loss") == [128, 192, 320]
     assert int(read_checkpoint(run)["state"]["global_step"]) == 320
-    result = run_script("utils/evaluate.py", [run, "--episodes", 3], timeout=300)
-    assert result.returncode == 0, result.stderr
+    code, _, err = evaluate_here([run, "--episodes", 3], capsys)
+    assert code == 0, err
     assert json.loads((run / "eval.json").read_text())["episodes"] == 3
 
 

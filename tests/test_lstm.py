@@ -12,15 +12,14 @@ import pytest
 
 from helpers import (
     PYTHON_ACTOR_SCRIPTS,
-    assert_ok,
     cli,
     load_script,
     read_metrics,
     run_main,
-    run_script,
     tag_values,
 )
 from jax_async_rl import evaluation, tasks, threads
+from jax_async_rl.flags import run_tool
 from jax_async_rl.normalize import Normalizer
 from test_pipeline import EPISODE_LENGTHS, NUM_STEPS, SPLIT_SIZE, TRUNCATING, ScriptedEnvPool, drain
 
@@ -257,8 +256,11 @@ def test_lstm_run_saves_resumes_and_evaluates(script, tmp_path):
     assert run_main(script, ["--resume", run_dir, "--total-timesteps", 2 * budget]) == 0
     steps = [r["step"] for r in read_metrics(run_dir) if r["tag"] == "losses/loss"]
     assert max(steps) == 2 * budget, steps
-    result = run_script("utils/evaluate.py", [run_dir, "--episodes", 3])
-    assert_ok(result)
+    # utils/evaluate.py's command line in this process (run_tool; no subprocess's imports)
+    evaluate = load_script("utils/evaluate.py")
+    with pytest.raises(SystemExit) as exited:
+        run_tool(evaluate.main, evaluate.EvalArgs, [str(run_dir), "--episodes", "3"])
+    assert exited.value.code == 0
     scores = json.loads((run_dir / "eval.json").read_text())
     assert scores["episodes"] == 3 and all(r > 0 for r in scores["scores"]), scores
 

@@ -109,24 +109,44 @@ RTOL, ATOL = 1e-5, 1e-6
 @pytest.mark.timeout(300)
 # The XLA script's update is APPO's text
 @pytest.mark.parametrize("script", ["ppo_sync_baseline.py", "appo_envpool.py", "impala_envpool.py"])
-def test_update_matches_one_device(script, tmp_path, devices):
+def test_update_matches_one_device_and_is_split_over_the_learner_devices(script, tmp_path, devices):
     """One update (tests/scale_worker.py) from the same state on the same global batch of 8 envs:
     on 1, 2 and 4 learner devices of one process, and (the sync baseline) on 2 processes x 2
     devices, each process passing its 4 envs, the parameters agree with the 1-device update to
     RTOL, ATOL. APPO's 2 processes are tested whole: with --deterministic its run of 2 processes is
     bit for bit the run of 1 process of 2 devices (tests/test_determinism.py). IMPALA's 2-process
-    update is not run: its sharding is the library's (devices.py), tested by those two."""
+    update is not run: its sharding is the library's (devices.py), tested by those two.
+
+    Data parallel, not just the same numbers (the same worker process, --split): compiled for 2
+    learner devices, the first hidden layer's matmuls take 48 of the batch's 96 rows on each
+    device (with --lstm, 52 of the 104 with the bootstrap step; none takes all), and the gradient
+    is all-reduced. Both networks."""
     worker = str(REPO_ROOT / "tests" / "scale_worker.py")
     devices(4)
     one = tmp_path / "one.npz"
     result = subprocess.run(
-        [sys.executable, worker, script, one, "0", "0,1", "0,1,2,3"],
+        [sys.executable, worker, script, one, "0", "0,1", "0,1,2,3", "--split"],
         cwd=REPO_ROOT / "tests",
         capture_output=True,
         text=True,
         timeout=240,
     )
     assert result.returncode == 0, describe(result)
+    for lstm in (False, True):
+        line = next(
+            line
+            for line in result.stdout.splitlines()
+            if line.startswith("LSTM " if lstm else "FF ")
+        )
+        rows, reduces = (
+            json.loads(line.split(" ROWS ")[1].split(" ALL-REDUCES ")[0]),
+            int(line.split()[-1]),
+        )
+        assert (52 if lstm and "impala" in script else 48) in rows and not {96, 104} & set(rows), (
+            lstm,
+            rows,
+        )
+        assert reduces > 0, line
     params = dict(np.load(one))
     if script == "ppo_sync_baseline.py":
         devices(2)
@@ -149,63 +169,6 @@ def test_update_matches_one_device(script, tmp_path, devices):
         np.testing.assert_allclose(
             values, params["0"], rtol=RTOL, atol=ATOL, err_msg=f"learner devices {ids}"
         )
-
-
-SPLIT_PROGRAM = r"""
-import dataclasses, re, sys
-import jax
-sys.path.insert(0, {tests_dir!r})
-import scale_worker
-from helpers import load_script
-from jax_async_rl import devices
-scale_worker.T = 12  # 96 rows: 48 a device
-module = load_script({script!r})
-for lstm in (False, True):
-    flags = dict(env_id="CartPole-v1", num_envs=8, num_steps=12, total_timesteps=9600, learner_device_ids=[0, 1],
-                 lstm=lstm)
-    if "num_splits" in {{f.name for f in dataclasses.fields(module.Args)}}:
-        flags["num_splits"] = 1
-    args = module.resolve_args(module.Args(**flags))
-    _, mesh = devices.make_mesh(args)
-    network, optimizer, continuous, _, state = module.build(args, jax.random.PRNGKey(0))
-    state = dict(devices.replicated(mesh, state), global_step=0)
-    update = module.make_update(network, optimizer, args, continuous, mesh)
-    batch = scale_worker.global_batch("sync" in {script!r})
-    if lstm:
-        batch.update(state=module.zero_core(args.lstm_size, 8)[0], first=batch["valid"] * 0)
-    rollout = devices.to_learner(mesh, batch)
-    text = update.lower(state, rollout, jax.random.PRNGKey(1), args.total_timesteps).compile().as_text()
-    rows = sorted({{int(n) for n in re.findall(r"= f32\[(\d+),64\]\{{[^}}]*\}} dot\(", text)}})
-    print("LSTM" if lstm else "FF", "ROWS", rows, "ALL-REDUCES", text.count("all-reduce("))
-"""
-
-
-@pytest.mark.timeout(300)
-# The XLA script's update is APPO's text
-@pytest.mark.parametrize("script", ["ppo_sync_baseline.py", "appo_envpool.py", "impala_envpool.py"])
-def test_the_update_is_split_over_the_learner_devices(script, devices):
-    """Data parallel, not just the same numbers: compiled for 2 learner devices, the first hidden
-    layer's matmuls take 48 of the batch's 96 rows on each device (with --lstm, 52 of the 104 with
-    the bootstrap step; none takes all), and the gradient is all-reduced. Both networks in one process."""
-    devices(2)
-    program = SPLIT_PROGRAM.format(tests_dir=str(REPO_ROOT / "tests"), script=script)
-    result = run_script("-c", [program], timeout=240)
-    assert result.returncode == 0, describe(result)
-    for lstm in (False, True):
-        line = next(
-            line
-            for line in result.stdout.splitlines()
-            if line.startswith("LSTM " if lstm else "FF ")
-        )
-        rows, reduces = (
-            json.loads(line.split(" ROWS ")[1].split(" ALL-REDUCES ")[0]),
-            int(line.split()[-1]),
-        )
-        assert (52 if lstm and "impala" in script else 48) in rows and not {96, 104} & set(rows), (
-            lstm,
-            rows,
-        )
-        assert reduces > 0, line
 
 
 @pytest.mark.timeout(300)

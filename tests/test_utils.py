@@ -1,10 +1,13 @@
 """utils/plot.py and utils/evaluate.py run as a user runs them, on what short real runs wrote.
 
-Subprocesses run one at a time, from the repository root; nothing is written under runs/.
+Subprocesses run one at a time, from the repository root; nothing is written under runs/. Where a
+test needs no process of its own, the tool's file runs in this process as its command line runs it
+(run_tool_here: its `__main__` block, exit code, stdout and stderr), without ~3 s of imports.
 """
 
 import json
 import os
+import runpy
 import shutil
 import subprocess
 import sys
@@ -33,6 +36,24 @@ from helpers import (
 PLOT = "utils/plot.py"
 EVALUATE = "utils/evaluate.py"
 RETURN_TAG = "charts/episodic_return"
+
+
+def run_tool_here(tool, argv, monkeypatch, capsys):
+    """`python tool argv...` from the repository root, in this process: the tool's file run as
+    `__main__` (runpy), so its command line, flags.run_tool's --help and error lines, and its exit
+    code are those of a subprocess. Returns a CompletedProcess (as run_script)."""
+    path = str(REPO_ROOT / tool)
+    argv = [str(token) for token in argv]
+    capsys.readouterr()  # what came before is not the tool's
+    with monkeypatch.context() as patch:
+        patch.chdir(REPO_ROOT)
+        patch.syspath_prepend(str(REPO_ROOT / "utils"))  # a script's own folder comes first
+        patch.setattr(sys, "argv", [path, *argv])
+        with pytest.raises(SystemExit) as exited:
+            runpy.run_path(path, run_name="__main__")
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess([tool, *argv], exited.value.code, out, err)
+
 
 # ---------------------------------------------------------------------------------------------
 # plot.py
@@ -495,11 +516,11 @@ TOOLS = ["utils/plot.py", "utils/evaluate.py", "utils/launch.py", "utils/benchma
 
 
 @pytest.mark.parametrize("tool", TOOLS)
-def test_a_tools_help_is_in_the_scripts_style(tool):
+def test_a_tools_help_is_in_the_scripts_style(tool, monkeypatch, capsys):
     """--help of a tool reads as a script's (flags.help_text: usage, description, its arguments,
     its flags each with a plain metavar, text and default, within 100 columns), not tyro's box;
-    a misspelt flag is one line naming the nearest."""
-    result = run_script(tool, ["--help"], timeout=100)
+    a misspelt flag is one line naming the nearest. (In this process: run_tool_here.)"""
+    result = run_tool_here(tool, ["--help"], monkeypatch, capsys)
     assert_ok(result)
     text = result.stdout
     assert text.startswith(f"usage: {tool.split('/')[1]} ") and "\nflags:\n" in text, text
@@ -509,7 +530,7 @@ def test_a_tools_help_is_in_the_scripts_style(tool):
         and max(len(line) for line in text.splitlines()) <= 100
     )
     assert text.endswith("  -h, --help\n      show this help and exit\n")
-    result = run_script(tool, ["--outt", "x"], timeout=100)
+    result = run_tool_here(tool, ["--outt", "x"], monkeypatch, capsys)
     assert_usage_error(result, "unknown flag --outt; did you mean --out?")
 
 
@@ -528,7 +549,7 @@ def test_the_tools_know_every_tested_script():
 # most.
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("script", ["ppo_sync_baseline.py", "appo_envpool_xla.py"], indirect=True)
-def test_evaluate_scores_checkpoint(script, cartpole_run, tmp_path):
+def test_evaluate_scores_checkpoint(script, cartpole_run, tmp_path, monkeypatch, capsys):
     run = tmp_path / "run"
     shutil.copytree(cartpole_run, run)
     before = file_contents(run)
@@ -548,9 +569,12 @@ def test_evaluate_scores_checkpoint(script, cartpole_run, tmp_path):
         and "evaluation samples" in result.stdout
     )
 
-    # The checkpoint file itself, sampled actions, --out.
+    # The checkpoint file itself, sampled actions, --out (in this process: the subprocess above
+    # is the user's command line).
     out = tmp_path / "sampled" / "result.json"
-    result = run_script(EVALUATE, [run / CHECKPOINT, "--episodes", 4, "--out", out], timeout=300)
+    result = run_tool_here(
+        EVALUATE, [run / CHECKPOINT, "--episodes", 4, "--out", out], monkeypatch, capsys
+    )
     assert_ok(result)
     assert (
         "4 episodes with the run's own evaluation policy, actions sampled from it; the run's own "
@@ -620,9 +644,9 @@ BAD_CHECKPOINTS = {
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", list(BAD_CHECKPOINTS))
-def test_evaluate_rejects_bad_checkpoint(case, tmp_path):
+def test_evaluate_rejects_bad_checkpoint(case, tmp_path, monkeypatch, capsys):
     make_path, fragments = BAD_CHECKPOINTS[case]
-    result = run_script(EVALUATE, [make_path(tmp_path)], timeout=100)
+    result = run_tool_here(EVALUATE, [make_path(tmp_path)], monkeypatch, capsys)
     assert_usage_error(result, *fragments)
 
 
@@ -676,12 +700,14 @@ def test_evaluating_a_crafted_folder_runs_no_code(tmp_path):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("script", ["appo_envpool.py"], indirect=True)
-def test_evaluate_rejects_config_the_script_lacks(script, cartpole_run, tmp_path):
+def test_evaluate_rejects_config_the_script_lacks(
+    script, cartpole_run, tmp_path, monkeypatch, capsys
+):
     """A checkpoint whose config has a field the script's Args does not: another version wrote
     it."""
     payload = read_checkpoint(cartpole_run)
     payload["config"] = json.dumps(dict(json.loads(payload["config"]), no_such_flag=3))
-    result = run_script(EVALUATE, [write_msgpack(tmp_path, payload)], timeout=240)
+    result = run_tool_here(EVALUATE, [write_msgpack(tmp_path, payload)], monkeypatch, capsys)
     assert_usage_error(result, "no_such_flag", script)
 
 
@@ -752,7 +778,9 @@ def test_a_copied_and_edited_script_runs_anywhere_and_is_scored(tmp_path):
 @pytest.mark.parametrize(
     "script", ["ppo_sync_baseline.py", "appo_envpool.py", "impala_envpool.py"], indirect=True
 )
-def test_evaluate_scores_a_checkpoint_of_an_older_version(script, cartpole_run, tmp_path):
+def test_evaluate_scores_a_checkpoint_of_an_older_version(
+    script, cartpole_run, tmp_path, monkeypatch, capsys
+):
     """Only the parameters (and the normaliser) are needed to play: an optimiser state of another
     structure, and a config from before the normalisation flags existed, still evaluate."""
     payload = read_checkpoint(cartpole_run)
@@ -762,6 +790,8 @@ def test_evaluate_scores_a_checkpoint_of_an_older_version(script, cartpole_run, 
     # They had --xla-actor before appo_envpool_xla.py
     config["xla_actor"] = script in ("appo_envpool.py", "impala_envpool.py")
     payload["config"] = json.dumps(config)
-    result = run_script(EVALUATE, [write_msgpack(tmp_path, payload), "--episodes", 2], timeout=240)
+    result = run_tool_here(
+        EVALUATE, [write_msgpack(tmp_path, payload), "--episodes", 2], monkeypatch, capsys
+    )
     assert_ok(result)
     assert json.loads((tmp_path / "run" / "eval.json").read_text())["episodes"] == 2
