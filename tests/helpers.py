@@ -39,7 +39,8 @@ TINY_BATCH = TINY_FLAGS["num_envs"] * TINY_FLAGS["num_steps"]
 #   diverge:      flags with which the first update after a resume gets a non-finite loss or
 #                 non-finite parameters, so that no checkpoint is written after it
 #   bad_inputs:   {case: (flags, fragments the error line must name)}, for flags of this script only
-#   variants:     {name: flags} of extra smoke runs on CartPole-v1 (execution modes that must work)
+#   variants:     {name: flags} of extra smoke runs on CartPole-v1 (execution modes that must work;
+#                 --lstm's is tests/test_lstm.py's saves-resumes-and-evaluates run, of every script)
 #   extra_tags:   tags logged after an update besides UPDATE_TAGS
 #   learning_timesteps: CartPole-v1 budget at default flags within which 20 consecutive episodes
 #                 average >= 475 and the last 20 still average >= 200 (measured, with margin; see
@@ -137,7 +138,7 @@ SCRIPT_TABLE = {
         # minibatch's loss is non-finite.
         diverge=dict(learning_rate=1e30, max_grad_norm=1e30, update_epochs=2),
         bad_inputs=PPO_BAD_INPUTS,
-        variants={"lstm": dict(lstm=True)},
+        variants={},
         extra_tags=[],
         # ~30k-60k steps needed (measured: 50k fails on some seeds, 100k scored 500 on the last
         # 20 episodes on seeds 1-5).
@@ -152,7 +153,6 @@ SCRIPT_TABLE = {
         variants={
             "num-splits-1": dict(num_splits=1),
             "no-vtrace": dict(vtrace=False),
-            "lstm": dict(lstm=True),
             "lstm-num-splits-1": dict(lstm=True, num_splits=1),
         },
         extra_tags=ASYNC_TAGS,
@@ -168,7 +168,7 @@ SCRIPT_TABLE = {
         # first update's parameters overflow float32.
         diverge=dict(learning_rate=1e38, max_grad_norm=1e30),
         bad_inputs=dict(ASYNC_BAD_INPUTS),
-        variants={"num-splits-1": dict(num_splits=1), "lstm": dict(lstm=True)},
+        variants={"num-splits-1": dict(num_splits=1)},
         extra_tags=ASYNC_TAGS,
         # The budget. Measured with the classic preset (5-step unrolls, RMSProp 7e-4):
         # seeds 1 and 2 passed at 1M twice each (500 from 200k-300k steps on); at 500k, 3 runs
@@ -183,7 +183,7 @@ SCRIPT_TABLE = {
         tiny=dict(PPO_TINY, **ASYNC_TINY),
         diverge=dict(learning_rate=1e30, max_grad_norm=1e30, update_epochs=2),
         bad_inputs=dict(PPO_BAD_INPUTS, **ASYNC_BAD_INPUTS),
-        variants={"num-splits-1": dict(num_splits=1), "lstm": dict(lstm=True)},
+        variants={"num-splits-1": dict(num_splits=1)},
         extra_tags=ASYNC_TAGS,
         # APPO's budget and criteria (measured with --xla-actor before it became this script).
         learning_timesteps=150_000,

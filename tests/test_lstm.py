@@ -12,6 +12,7 @@ import pytest
 
 from helpers import (
     PYTHON_ACTOR_SCRIPTS,
+    check_run_files,
     cli,
     load_script,
     read_metrics,
@@ -232,7 +233,7 @@ def test_recurrent_minibatches_are_whole_env_sequences_with_their_states():
 
 @pytest.mark.timeout(600)
 def test_lstm_run_saves_resumes_and_evaluates(script, tmp_path):
-    """A tiny --lstm run with a video; --resume continues it with the LSTM (the flag read from the
+    """A tiny --lstm run with a video logs every update tag; --resume continues it with the LSTM (the flag read from the
     checkpoint); utils/evaluate.py scores the checkpoint with no --lstm flag of its own."""
     run_dir = tmp_path / "run"
     assert (
@@ -253,6 +254,7 @@ def test_lstm_run_saves_resumes_and_evaluates(script, tmp_path):
     config = json.loads((run_dir / "config.json").read_text())
     assert config["lstm"] is True and config["lstm_size"] == 16
     budget = int(config["total_timesteps"])
+    check_run_files(script, run_dir, "CartPole-v1", budget)  # every update tag, as a smoke run's
     assert run_main(script, ["--resume", run_dir, "--total-timesteps", 2 * budget]) == 0
     steps = [r["step"] for r in read_metrics(run_dir) if r["tag"] == "losses/loss"]
     assert max(steps) == 2 * budget, steps
