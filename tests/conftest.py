@@ -17,11 +17,16 @@ from helpers import SCRIPTS, assert_ok, cli, run_main, run_script  # noqa: E402
 LIBRARY_HOST = "ppo_sync_baseline.py"
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """The learning runs (minutes each, `slow`) first, as one group: with pytest-xdist's two
     workers (pyproject's addopts: -n 2 --dist loadgroup) one worker runs them one after the other
     while the other runs the rest. Two learning runs at once would contend for the 2 cores (a
-    learning run of 2 processes took 5x as long beside another)."""
+    learning run of 2 processes took 5x as long beside another).
+
+    tryfirst: pytest-xdist reads the group marker in its own hook of this name, which names each
+    grouped test `<id>@learning`; after it, the marker is added too late and the learning runs
+    were spread over both workers (tests/test_suite_setup.py)."""
     for item in items:
         if item.get_closest_marker("slow") is not None:
             item.add_marker(pytest.mark.xdist_group("learning"))
