@@ -256,6 +256,19 @@ def run_main(script, argv_or_args, capsys=None):
     return code, out, err
 
 
+def evaluate_here(argv, capsys):
+    """`python utils/evaluate.py argv...` in this process (its command line, flags.run_tool; no
+    subprocess's ~3 s of imports): (exit code, stdout, stderr)."""
+    import pytest
+
+    evaluate = load_script("utils/evaluate.py")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        flags.run_tool(evaluate.main, evaluate.EvalArgs, [str(token) for token in argv])
+    out, err = capsys.readouterr()
+    return exited.value.code, out, err
+
+
 def run_script(script, argv, timeout=600):
     """Run `python script argv...` from the repository root; return the CompletedProcess."""
     return subprocess.run(

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import (
+    evaluate_here,
     count_complete_lines,
     load_script,
     read_checkpoint,
@@ -22,21 +23,10 @@ from helpers import (
     tag_values,
 )
 
-from jax_async_rl import devices, flags
+from jax_async_rl import devices
 
 SCRIPT = "dqn_envpool.py"
 dqn = load_script(SCRIPT)
-
-
-def evaluate_here(argv, capsys):
-    """`python utils/evaluate.py argv...` in this process (its command line, flags.run_tool; no
-    subprocess's ~3 s of imports): (exit code, stdout, stderr)."""
-    evaluate = load_script("utils/evaluate.py")
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exited:
-        flags.run_tool(evaluate.main, evaluate.EvalArgs, [str(token) for token in argv])
-    out, err = capsys.readouterr()
-    return exited.value.code, out, err
 
 
 # 2 rounds of 4 envs x 16 steps after a first round without updates; 4 gradient steps of 32 a round.

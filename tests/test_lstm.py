@@ -14,13 +14,13 @@ from helpers import (
     PYTHON_ACTOR_SCRIPTS,
     check_run_files,
     cli,
+    evaluate_here,
     load_script,
     read_metrics,
     run_main,
     tag_values,
 )
 from jax_async_rl import evaluation, tasks, threads
-from jax_async_rl.flags import run_tool
 from jax_async_rl.normalize import Normalizer
 from test_pipeline import EPISODE_LENGTHS, NUM_STEPS, SPLIT_SIZE, TRUNCATING, ScriptedEnvPool, drain
 
@@ -232,7 +232,7 @@ def test_recurrent_minibatches_are_whole_env_sequences_with_their_states():
 
 
 @pytest.mark.timeout(600)
-def test_lstm_run_saves_resumes_and_evaluates(script, tmp_path):
+def test_lstm_run_saves_resumes_and_evaluates(script, tmp_path, capsys):
     """A tiny --lstm run with a video logs every update tag; --resume continues it with the LSTM (the flag read from the
     checkpoint); utils/evaluate.py scores the checkpoint with no --lstm flag of its own."""
     run_dir = tmp_path / "run"
@@ -258,11 +258,8 @@ def test_lstm_run_saves_resumes_and_evaluates(script, tmp_path):
     assert run_main(script, ["--resume", run_dir, "--total-timesteps", 2 * budget]) == 0
     steps = [r["step"] for r in read_metrics(run_dir) if r["tag"] == "losses/loss"]
     assert max(steps) == 2 * budget, steps
-    # utils/evaluate.py's command line in this process (run_tool; no subprocess's imports)
-    evaluate = load_script("utils/evaluate.py")
-    with pytest.raises(SystemExit) as exited:
-        run_tool(evaluate.main, evaluate.EvalArgs, [str(run_dir), "--episodes", "3"])
-    assert exited.value.code == 0
+    code, _, err = evaluate_here([run_dir, "--episodes", 3], capsys)  # its command line, in-process
+    assert code == 0, err
     scores = json.loads((run_dir / "eval.json").read_text())
     assert scores["episodes"] == 3 and all(r > 0 for r in scores["scores"]), scores
 
