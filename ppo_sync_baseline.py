@@ -78,6 +78,11 @@ PRESETS = {
     # the policies then lost more games to random and to their earlier selves
     # (docs/algorithms/ppo.md#self-play).
     "pgx": dict(CLASSIC, learning_rate=1e-3, ent_coef=0.1),
+    # TicTacToe: pgx's, with snapshots 5x further apart (a pool reaching 400 updates back). At 10,
+    # self-play settled on some seeds where the first mover always wins, and the policy then lost
+    # up to 5% of its games to random moving second (0-0.2% at 50:
+    # docs/algorithms/ppo.md#self-play).
+    "TicTacToe": dict(CLASSIC, learning_rate=1e-3, ent_coef=0.1, opponent_snapshot_interval=50),
     "classic": CLASSIC,
     # rl-baselines3-zoo's tuned PPO (hyperparams/ppo.yml): CartPole solves within 100k steps.
     "CartPole": dict(
@@ -254,6 +259,9 @@ class Args(flags.RunArgs):
     MuJoCo)"""
     norm_reward: Annotated[Optional[bool], PRESET] = None
     """True: divide rewards by the running std of the discounted return, clipped to [-10, 10]"""
+    opponent_snapshot_interval: Annotated[Optional[int], PRESET, POSITIVE] = None
+    """--self-play: updates between two snapshots of the parameters into the opponent pool (10
+    where the preset does not name it)"""
 
     # Not in the presets: each flag below takes the default it states.
     num_envs: Annotated[int, POSITIVE, at_most(65_536)] = 8
@@ -286,8 +294,6 @@ class Args(flags.RunArgs):
     """--self-play: the fractions of games whose opponents are the latest parameters, a past
     snapshot and a uniform random legal player (they sum to 1; the default was measured against
     others on ConnectFour-v1 and TicTacToe-v1: docs/algorithms/ppo.md#self-play)"""
-    opponent_snapshot_interval: Annotated[int, POSITIVE] = 10
-    """--self-play: updates between two snapshots of the parameters into the opponent pool"""
     opponent_pool_size: Annotated[int, POSITIVE, at_most(1024)] = 8
     """--self-play: the newest snapshots that a past opponent is drawn from"""
     # The variants these flags make: the default --exp-name (the run's folder, its header line)
@@ -301,6 +307,8 @@ def resolve_args(args: Args) -> Args:
     fill = tasks.preset_values(args, PRESETS)
     if args.anneal_clip is None:  # the presets that do not name it: off
         fill.setdefault("anneal_clip", False)
+    if args.opponent_snapshot_interval is None:  # the presets that do not name it: 10
+        fill.setdefault("opponent_snapshot_interval", 10)
     # whole env sequences: a preset's count that divides num_envs
     if args.lstm and "num_minibatches" in fill:
         fill["num_minibatches"] = int(np.gcd(fill["num_minibatches"], devices.global_envs(args)))

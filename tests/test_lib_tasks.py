@@ -81,6 +81,7 @@ PRESETS = {
     "dm_control": {},
     "minigrid": {},
     "pgx": {},
+    "TicTacToe": {},
 }
 
 
@@ -98,6 +99,7 @@ PRESETS = {
         ("Highway-v0", "highway", "classic"),
         ("Taxi-v3", "classic", "classic"),
         ("ConnectFour-v1", "pgx", "pgx"),  # pgx's games of several players (--self-play)
+        ("TicTacToe-v1", "pgx", "TicTacToe"),  # and the one with a preset of its own
         ("Play2048-v1", "classic", "classic"),  # and its one-player game
     ],
 )

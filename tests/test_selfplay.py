@@ -196,6 +196,27 @@ def test_bad_self_play_flags_are_one_line(flags, fragment, capsys):
     assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_tic_tac_toe_takes_its_own_snapshot_interval_and_a_flag_wins(script):
+    """The TicTacToe preset snapshots every 50 updates, the other games every 10 (the pgx
+    preset names none); an explicit flag wins over both."""
+    module = load_script(script)
+
+    def interval(env_id, *argv):
+        args = module.Args(env_id=env_id, self_play=True)
+        for value in argv:
+            args.opponent_snapshot_interval = value
+        return module.resolve_args(args).opponent_snapshot_interval
+
+    assert (interval("TicTacToe-v1"), interval("ConnectFour-v1"), interval("KuhnPoker-v1")) == (
+        50,
+        10,
+        10,
+    )
+    assert (interval("TicTacToe-v1", 7), interval("ConnectFour-v1", 7)) == (7, 7)
+    assert module.resolve_args(module.Args(env_id="CartPole-v1")).opponent_snapshot_interval == 10
+
+
 @pytest.mark.parametrize(
     "env_id, self_play, fragment",
     [
