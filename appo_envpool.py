@@ -82,7 +82,7 @@ PRESETS = {
     # its entropy bonus. A smaller bonus let self-play settle where the first mover always wins:
     # the policies then lost more games to random and to their earlier selves
     # (docs/algorithms/ppo.md#self-play).
-    "pgx": dict(CLASSIC, learning_rate=1e-3, ent_coef=0.1),
+    "pgx": dict(CLASSIC, learning_rate=1e-3, ent_coef=0.1, opponent_snapshot_interval=10),
     # TicTacToe: pgx's, with snapshots 5x further apart (a pool reaching 400 updates back). At 10,
     # self-play settled on some seeds where the first mover always wins, and the policy then lost
     # up to 5% of its games to random moving second (0-0.2% at 50:
@@ -266,8 +266,8 @@ class Args(flags.RunArgs):
     norm_reward: Annotated[Optional[bool], PRESET] = None
     """True: divide rewards by the running std of the discounted return, clipped to [-10, 10]"""
     opponent_snapshot_interval: Annotated[Optional[int], PRESET, POSITIVE] = None
-    """--self-play: updates between two snapshots of the parameters into the opponent pool (10
-    where the preset does not name it)"""
+    """--self-play: updates between two snapshots of the parameters into the opponent pool (the pgx
+    preset's: 10; TicTacToe's: 50)"""
 
     # Not in the presets: each flag below takes the default it states.
     num_envs: Annotated[int, POSITIVE, at_most(65_536)] = 8
@@ -336,8 +336,6 @@ def resolve_args(args: Args) -> Args:
     fill = tasks.preset_values(args, PRESETS)
     if args.anneal_clip is None:  # the presets that do not name it: off
         fill.setdefault("anneal_clip", False)
-    if args.opponent_snapshot_interval is None:  # the presets that do not name it: 10
-        fill.setdefault("opponent_snapshot_interval", 10)
     # whole env sequences: a preset's count that divides num_envs
     if args.lstm and "num_minibatches" in fill:
         fill["num_minibatches"] = int(np.gcd(fill["num_minibatches"], devices.global_envs(args)))

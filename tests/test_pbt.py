@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 from helpers import interrupt_once_training, REPO_ROOT, load_script, read_checkpoint
 
@@ -34,8 +33,8 @@ def pbt_args(**kw):
     return SimpleNamespace(**dict(values, **kw))
 
 
-def launch(tmp_path, *argv, budget=6144, wait=True, common=COMMON):
-    cmd = [sys.executable, LAUNCH, SCRIPT, "--out", str(tmp_path), "--pbt", *map(str, argv)]
+def launch(tmp_path, *argv, budget=6144, wait=True, common=COMMON, script=SCRIPT):
+    cmd = [sys.executable, LAUNCH, script, "--out", str(tmp_path), "--pbt", *map(str, argv)]
     cmd += ["--", *map(str, common), "--total-timesteps", str(budget)]
     if not wait:
         return subprocess.Popen(
@@ -295,10 +294,15 @@ def test_the_slurm_job_runs_the_population(tmp_path):
 
 @pytest.mark.slow
 def test_a_population_rescues_a_bad_learning_rate_grid(tmp_path):
-    """APPO on CartPole from learning rates 1e-5, 3e-5, 3e-2, 1e-1 (the preset's is 1e-3): alone,
-    only the 3e-2 run reaches 475 (docs/results.md: the others end at 9-180 after 200k steps, seeds
-    1-3). As a population ranked by evaluation every round of 20k steps, the bottom members copy a
-    better one's checkpoint: the median member does far better than the grid's alone."""
+    """APPO on CartPole from learning rates 1e-5, 3e-5, 3e-2, 1e-1 (the preset's is 1e-3), 100k
+    steps a member, evaluated every 10k: alone, only the 3e-2 run ends at 475 or more (seed 1 at
+    --actor-lag 0, last evaluations 36, 114, 500, 360; at the default lag, docs/results.md's plain
+    sweeps, 1 of 4 on seeds 1-3). As a population ranked by evaluation every round of 20k steps,
+    the bottom members copy a better one's checkpoint, and every member ended at 500.
+
+    --actor-lag 0, the synchronous limit: the update that acts is fixed, so the population takes
+    the same course however loaded the machine is (at the default lag, the suite's load once
+    turned this run into docs/results.md's seed-3 failure: no copy of the 3e-2 member)."""
     result = launch(
         tmp_path,
         "--name",
@@ -311,23 +315,21 @@ def test_a_population_rescues_a_bad_learning_rate_grid(tmp_path):
         2,
         "--pbt-seed",
         1,
-        budget=120000,
-        common=["--env-id", "CartPole-v1", "--eval-interval", 10000],
+        budget=100000,
+        common=["--env-id", "CartPole-v1", "--eval-interval", 10000, "--actor-lag", 0],
     )
     assert result.returncode == 0, result.stdout + result.stderr
     logged = rounds(tmp_path / "r")
     assert sum(1 for r in logged for m in r["members"] if m["copies"]) >= 2
     assert all(r["objective"] == "eval/episodic_return" for r in logged)
-    best = {}
+    last = {}
     for member in (tmp_path / "r").glob("*__seed1"):
         records = (member / "metrics.jsonl").read_text().splitlines()
         values = [json.loads(line) for line in records]
-        best[member.name.split("__")[0]] = max(
-            r["value"] for r in values if r["tag"] == "eval/episodic_return"
-        )
-    # Alone, the median member's best evaluation up to 120k steps was 110-171 (seeds 1-3 of
-    # docs/results.md's plain sweeps); as a population, 269-500 in every run measured.
-    assert np.median(list(best.values())) >= 220, best
+        evaluations = [r for r in values if r["tag"] == "eval/episodic_return"]
+        assert evaluations[-1]["step"] >= 90000, evaluations[-1]
+        last[member.name.split("__")[0]] = evaluations[-1]["value"]
+    assert sum(value >= 475 for value in last.values()) >= 3, last
 
 
 def test_the_objective_is_the_members_own_last_evaluation(tmp_path):

@@ -199,7 +199,7 @@ def test_bad_self_play_flags_are_one_line(flags, fragment, capsys):
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_tic_tac_toe_takes_its_own_snapshot_interval_and_a_flag_wins(script):
     """The TicTacToe preset snapshots every 50 updates, the other games every 10 (the pgx
-    preset names none); an explicit flag wins over both."""
+    preset); an explicit flag wins over both. A task that does not self-play has none."""
     module = load_script(script)
 
     def interval(env_id, *argv):
@@ -214,7 +214,7 @@ def test_tic_tac_toe_takes_its_own_snapshot_interval_and_a_flag_wins(script):
         10,
     )
     assert (interval("TicTacToe-v1", 7), interval("ConnectFour-v1", 7)) == (7, 7)
-    assert module.resolve_args(module.Args(env_id="CartPole-v1")).opponent_snapshot_interval == 10
+    assert module.resolve_args(module.Args(env_id="CartPole-v1")).opponent_snapshot_interval is None
 
 
 @pytest.mark.parametrize(
