@@ -10,7 +10,13 @@ import envpool
 import jax
 import numpy as np
 import pytest
-from helpers import load_script, read_checkpoint, run_main, run_script, sigterm_when
+from helpers import (
+    evaluate_here,
+    load_script,
+    read_checkpoint,
+    run_main,
+    sigterm_when,
+)
 
 from jax_async_rl import selfplay, tasks
 from jax_async_rl.flags import UsageError
@@ -395,21 +401,22 @@ def test_sync_self_play_learns_tic_tac_toe_against_random(tmp_path, capsys):
     assert first[0] >= 85 and second[2] <= 25, line
 
 
-def test_evaluate_plays_a_run_against_random_a_snapshot_and_another_run(tmp_path):
-    """utils/evaluate.py --opponent: the results by seat in the line and in eval.json; a snapshot
-    the pool does not keep is one line, naming those it keeps."""
+def test_evaluate_plays_a_run_against_random_a_snapshot_and_another_run(tmp_path, capsys):
+    """utils/evaluate.py --opponent (in-process, as its command line runs it): the results by
+    seat in the line and in eval.json; a snapshot the pool does not keep is one line, naming
+    those it keeps."""
     run, other = tmp_path / "run", tmp_path / "other"
     for folder, seed in ((run, 1), (other, 2)):
         argv = selfplay_flags(folder, 2048, "--eval-episodes", "0", "--seed", str(seed))
         assert run_main("ppo_sync_baseline.py", argv) == 0
     for opponent in ("random", f"{run}@4", "RUN@2", str(other)):
-        result = run_script("utils/evaluate.py", [run, "--opponent", opponent, "--games", 20])
-        assert result.returncode == 0, result.stderr
-        line = next(x for x in result.stdout.splitlines() if x.startswith("eval: against"))
+        code, out, err = evaluate_here([run, "--opponent", opponent, "--games", 20], capsys)
+        assert code == 0, err
+        line = next(x for x in out.splitlines() if x.startswith("eval: against"))
         results = seat_results(line)
         assert sum(map(sum, results.values())) == 20 and "illegal moves: 0" in line, line
         stored = json.loads((run / "eval.json").read_text())
         assert stored["opponent"] == opponent and len(stored["seats"]) == 20
         assert {s["place"] for s in stored["seats"]} == {0, 1}
-    result = run_script("utils/evaluate.py", [run, "--opponent", "RUN@10", "--games", 4])
-    assert result.returncode == 2 and "its pool keeps versions 2, 4" in result.stderr
+    code, _, err = evaluate_here([run, "--opponent", "RUN@10", "--games", 4], capsys)
+    assert code == 2 and "its pool keeps versions 2, 4" in err
