@@ -385,10 +385,10 @@ def seat_results(line: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_sync_self_play_learns_tic_tac_toe_against_random(tmp_path, capsys):
-    """300k steps of the pgx preset (seed 1; the sync baseline is deterministic): against the
+    """300k steps of TicTacToe's preset (seed 1; the sync baseline is deterministic): against the
     uniform random player, 200 games sampled from the final policy, it wins 85% moving first and
     loses at most 25% moving second. Random against random wins 58% moving first and loses 58%
-    moving second; this run won 97% first and lost 11% second (0-5% greedy after 2M steps:
+    moving second; this run won 90% first and lost 13% second (0-0.2% greedy after 2M steps:
     docs/algorithms/ppo.md#self-play)."""
     argv = ["--env-id", "TicTacToe-v1", "--self-play", "--total-timesteps", "300000"]
     argv += ["--seed", "1", "--eval-episodes", "200", "--run-dir", str(tmp_path / "run")]
