@@ -84,9 +84,9 @@ PRESETS = {
     # (docs/algorithms/ppo.md#self-play).
     "pgx": dict(CLASSIC, learning_rate=1e-3, ent_coef=0.1, opponent_snapshot_interval=10),
     # TicTacToe: pgx's, with snapshots 5x further apart (a pool reaching 400 updates back). At 10,
-    # self-play settled on some seeds where the first mover always wins, and the policy then lost
-    # up to 5% of its games to random moving second (0-0.2% at 50:
-    # docs/algorithms/ppo.md#self-play).
+    # the sync baseline's self-play settled on 2 of 3 seeds where the first mover always wins, and
+    # the policy then lost 4-5% of its games to random moving second; at 50, 0-0.2% (APPO at 50:
+    # 1.0-5.6%, seeds 1-3; docs/algorithms/ppo.md#self-play).
     "TicTacToe": dict(CLASSIC, learning_rate=1e-3, ent_coef=0.1, opponent_snapshot_interval=50),
     "classic": CLASSIC,
     # rl-baselines3-zoo's tuned PPO (hyperparams/ppo.yml): CartPole solves within 100k steps.
