@@ -65,6 +65,11 @@ CLASSIC = dict(
     ent_coef=0.01,
     **NO_NORM,
 )
+# envpool's pgx board games and poker (--self-play): classic's at 4x its learning rate and 10x
+# its entropy bonus. A smaller bonus let self-play settle where the first mover always wins:
+# the policies then lost more games to random and to their earlier selves
+# (docs/algorithms/ppo.md#self-play).
+PGX = dict(CLASSIC, learning_rate=1e-3, ent_coef=0.1, opponent_snapshot_interval=10)
 PRESETS = {
     # CleanRL's ppo_atari_envpool.py (Huang et al. 2022): its ppo.py's values at clip 0.1.
     "atari": dict(CLASSIC, clip_coef=0.1),
@@ -82,16 +87,12 @@ PRESETS = {
         norm_obs=True,
         norm_reward=True,
     ),
-    # envpool's pgx board games and poker (--self-play): classic's at 4x its learning rate and 10x
-    # its entropy bonus. A smaller bonus let self-play settle where the first mover always wins:
-    # the policies then lost more games to random and to their earlier selves
-    # (docs/algorithms/ppo.md#self-play).
-    "pgx": dict(CLASSIC, learning_rate=1e-3, ent_coef=0.1, opponent_snapshot_interval=10),
+    "pgx": PGX,
     # TicTacToe: pgx's, with snapshots 5x further apart (a pool reaching 400 updates back). At 10,
     # the sync baseline's self-play settled on 2 of 3 seeds where the first mover always wins, and
     # the policy then lost 4-5% of its games to random moving second; at 50, 0-0.2% (APPO at 50:
     # 1.0-5.6%, seeds 1-3; docs/algorithms/ppo.md#self-play).
-    "TicTacToe": dict(CLASSIC, learning_rate=1e-3, ent_coef=0.1, opponent_snapshot_interval=50),
+    "TicTacToe": dict(PGX, opponent_snapshot_interval=50),
     "classic": CLASSIC,
     # rl-baselines3-zoo's tuned PPO (hyperparams/ppo.yml): CartPole solves within 100k steps.
     "CartPole": dict(

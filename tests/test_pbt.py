@@ -33,8 +33,8 @@ def pbt_args(**kw):
     return SimpleNamespace(**dict(values, **kw))
 
 
-def launch(tmp_path, *argv, budget=6144, wait=True, common=COMMON, script=SCRIPT):
-    cmd = [sys.executable, LAUNCH, script, "--out", str(tmp_path), "--pbt", *map(str, argv)]
+def launch(tmp_path, *argv, budget=6144, wait=True, common=COMMON):
+    cmd = [sys.executable, LAUNCH, SCRIPT, "--out", str(tmp_path), "--pbt", *map(str, argv)]
     cmd += ["--", *map(str, common), "--total-timesteps", str(budget)]
     if not wait:
         return subprocess.Popen(
