@@ -70,9 +70,16 @@ def host_run_copy(host_run, tmp_path):
 @pytest.fixture(scope="session", autouse=True)
 def own_compile_cache(tmp_path_factory):
     """The scripts keep compiled functions under $XDG_CACHE_HOME (--compile-cache): give the suite
-    its own, so that it neither fills the user's cache nor starts warm from an earlier suite."""
+    its own, so that it neither fills the user's cache nor starts warm from an earlier suite. The
+    two pytest-xdist workers share it (their temporary folders' parent is this suite's), as two
+    runs of a user's sweep share the default one: a function either compiled, the other loads."""
     previous = os.environ.get("XDG_CACHE_HOME")
-    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg_cache"))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        folder = tmp_path_factory.getbasetemp().parent / "xdg_cache"
+        folder.mkdir(exist_ok=True)
+    else:
+        folder = tmp_path_factory.mktemp("xdg_cache")
+    os.environ["XDG_CACHE_HOME"] = str(folder)
     yield
     if previous is None:
         del os.environ["XDG_CACHE_HOME"]
