@@ -4,6 +4,7 @@ loss, Ctrl-C while it imports, and learning CartPole-v1 and HalfCheetah-v4. The 
 behind them is tested once, in tests/test_lib_*.py."""
 
 import ast
+import dataclasses
 import json
 import re
 import shutil
@@ -73,6 +74,14 @@ LIBRARY_MODULE_BUDGET = 650
 # cleanba_ppo.py: 41-45 characters a code line): a line holds one step of the algorithm.
 MEAN_CODE_LINE = 52
 WIDTH = 100  # the formatter's (pyproject.toml); comments and docstrings fold there too
+
+
+def preset_table_flags(module) -> set:
+    """The flags `module`'s PRESETS fills, less those it refers to the other scripts
+    (flags.ELSEWHERE: the XLA script shares APPO's table, self-play's flags included)."""
+    own = {field.name for field in dataclasses.fields(module.Args)}
+    keys = {k for values in module.PRESETS.values() for k in values}
+    return keys - (set(ELSEWHERE) - own)
 
 
 def added_lines(old, new) -> int:
@@ -262,7 +271,6 @@ def test_the_presets_table_is_within_a_screen_of_the_flags_it_fills():
     """In each script, every flag that a PRESETS entry fills is marked PRESET (--help's "(default:
     preset)"), defaults to None and lies within SCREEN lines of the PRESETS table; every flag
     marked PRESET does too (a table of none: the replay scripts' `PRESETS = {}`)."""
-    import dataclasses
     import typing
 
     from jax_async_rl.flags import PRESET
@@ -280,8 +288,7 @@ def test_the_presets_table_is_within_a_screen_of_the_flags_it_fills():
         lines = {n.target.id: n.lineno for n in args.body if isinstance(n, ast.AnnAssign)}
         hints = typing.get_type_hints(module.Args, include_extras=True)
         marked = {k for k, hint in hints.items() if PRESET in getattr(hint, "__metadata__", ())}
-        keys = {k for values in module.PRESETS.values() for k in values}
-        keys -= set(ELSEWHERE) - set(hints)  # self-play's, in APPO's table the XLA one shares
+        keys = preset_table_flags(module)
         assert keys <= marked, f"{name}: PRESETS fills {keys - marked}, not marked PRESET"
         defaults = {f.name: f.default for f in dataclasses.fields(module.Args)}
         assert all(defaults[k] is None for k in marked), name
@@ -540,9 +547,7 @@ def test_presets_per_task_and_help(script):
     for name, values in module.PRESETS.items():
         assert f"{name}: " + ", ".join(f"{k}={v}" for k, v in values.items()) in presets, name
     options = help_flags(result.stdout)  # flag -> its help text
-    preset_flags = {k for values in module.PRESETS.values() for k in values}
-    # a flag of the table that this script refers to the others (the XLA script: self-play's)
-    preset_flags -= {k for k in ELSEWHERE if not hasattr(module.Args(), k)}
+    preset_flags = preset_table_flags(module)
     assert preset_flags <= set(options), preset_flags - set(options)
     for flag in preset_flags:
         assert (

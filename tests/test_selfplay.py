@@ -209,11 +209,8 @@ def test_tic_tac_toe_takes_its_own_preset_and_a_flag_wins(script):
     self-play has no snapshot interval."""
     module = load_script(script)
 
-    def resolved(env_id, **flags):
-        return module.resolve_args(module.Args(env_id=env_id, self_play=True, **flags))
-
     def preset(env_id, **flags):
-        args = resolved(env_id, **flags)
+        args = module.resolve_args(module.Args(env_id=env_id, self_play=True, **flags))
         return args.opponent_snapshot_interval, args.ent_coef
 
     assert preset("TicTacToe-v1") == (50, 0.3)
